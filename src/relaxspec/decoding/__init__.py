@@ -1,0 +1,25 @@
+"""Decoding: plain AR sampling, tree verification and the speculative engine."""
+
+from relaxspec.decoding.options import MethodOptions
+from relaxspec.decoding.result import DecodeResult
+
+__all__ = ["DecodeResult", "MethodOptions", "decode"]
+
+
+def decode(model, cond, sampling, options: MethodOptions | None = None, *, generator=None, drafter=None,
+           vq=None, cond_mask=None, progress: bool = False) -> DecodeResult:
+    """Generate ``[B, N]`` image tokens for ``cond`` with the method ``options`` names.
+
+    ``model``: the target :class:`~relaxspec.models.gpt.Transformer`; ``drafter``: an EAGLE
+    drafter (methods sd / lantern / cool); ``vq``: the tokenizer whose codebook defines LANTERN's
+    latent neighbours.
+    """
+    options = options or MethodOptions()
+    if options.method == "ar":
+        from relaxspec.decoding.ar import generate_ar
+
+        return generate_ar(model, cond, sampling, generator=generator, cond_mask=cond_mask, progress=progress)
+    from relaxspec.decoding.engine import generate_speculative
+
+    return generate_speculative(model, cond, sampling, options, generator=generator, drafter=drafter, vq=vq,
+                                cond_mask=cond_mask, progress=progress)

@@ -1,0 +1,295 @@
+"""Loading and saving weights, safely.
+
+Official LlamaGen files (REFERENCE §2.3) are pickles: they are only ever read with
+``torch.load(..., weights_only=True)``, which refuses anything but tensors and plain containers;
+a file that would need more is refused with a message that says so, never loaded unsafely.
+Our own format is ``model.safetensors`` + ``config.json`` in one folder.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pickle
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from relaxspec.errors import RelaxspecError
+from relaxspec.models.gpt import GPT_SIZES, GPTConfig, Transformer, gpt_config
+from relaxspec.models.vq import VQ_CONFIGS, VQConfig, VQModel
+
+#: Keys some official files carry that are derived buffers, not weights.
+IGNORED_KEY = re.compile(r"(^|\.)(freqs_cis|kv_cache\..*|k_cache|v_cache)$")
+CONTAINER_KEYS = ("model", "module", "state_dict")
+FORMAT_VERSION = 1
+PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class LoadedState:
+    """A state dict and how it was stored (``layout``: "model", "module", "state_dict", "raw",
+    "safetensors" or "relaxspec")."""
+
+    state_dict: dict[str, torch.Tensor]
+    layout: str
+    config: dict | None = None  # our own format carries its config
+    kind: str | None = None
+
+
+def _torch_load(path: Path) -> object:
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except pickle.UnpicklingError as err:
+        raise RelaxspecError(
+            f"{path}: refusing to load: this file needs arbitrary code to be run to unpickle it "
+            f"(weights_only=True rejected it: {str(err).splitlines()[0]}). Save only the weights "
+            f"(torch.save(model.state_dict(), ...)) or convert the file to safetensors."
+        ) from None
+    except RuntimeError as err:
+        if "mmap" in str(err) or "zip" in str(err).lower():
+            try:  # legacy (non-zip) torch.save files cannot be memory-mapped
+                return torch.load(path, map_location="cpu", weights_only=True)
+            except pickle.UnpicklingError as err2:
+                raise RelaxspecError(f"{path}: refusing to load: unsafe pickle ({str(err2).splitlines()[0]})") from None
+            except Exception as err2:  # noqa: BLE001 - any failure here means "not a checkpoint"
+                raise RelaxspecError(f"{path}: not a readable PyTorch checkpoint ({type(err2).__name__}: {err2})") from None
+        raise RelaxspecError(f"{path}: not a readable PyTorch checkpoint ({err})") from None
+    except Exception as err:  # noqa: BLE001
+        raise RelaxspecError(f"{path}: not a readable PyTorch checkpoint ({type(err).__name__}: {err})") from None
+
+
+def _is_state_dict(obj: object) -> bool:
+    return isinstance(obj, dict) and len(obj) > 0 and all(
+        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in obj.items()
+    )
+
+
+def read_state(path: str | Path) -> LoadedState:
+    """Read weights from an official ``.pt``/``.pth``, a ``.safetensors`` file, or one of our
+    folders, without building a model."""
+    path = Path(path)
+    if not path.exists():
+        raise RelaxspecError(f"{path}: no such file or folder")
+    if path.is_dir():
+        config_file, weights = path / "config.json", path / "model.safetensors"
+        if not config_file.is_file() or not weights.is_file():
+            raise RelaxspecError(f"{path}: a relaxspec model folder needs config.json and model.safetensors")
+        try:
+            meta = json.loads(config_file.read_text())
+        except (OSError, json.JSONDecodeError) as err:
+            raise RelaxspecError(f"{config_file}: unreadable config ({err})") from None
+        if not isinstance(meta, dict) or "kind" not in meta or "config" not in meta:
+            raise RelaxspecError(f"{config_file}: not a relaxspec config (needs 'kind' and 'config')")
+        state = _load_safetensors(weights)
+        return LoadedState(state, "relaxspec", meta["config"], meta["kind"])
+    if not path.is_file():
+        raise RelaxspecError(f"{path}: not a regular file")
+    try:
+        with open(path, "rb") as handle:
+            head = handle.read(8)
+    except OSError as err:
+        raise RelaxspecError(f"{path}: cannot read ({err.strerror})") from None
+    if path.suffix == ".safetensors":
+        return LoadedState(_load_safetensors(path), "safetensors")
+    if not head:
+        raise RelaxspecError(f"{path}: the file is empty")
+    obj = _torch_load(path)
+    if isinstance(obj, dict):
+        for key in CONTAINER_KEYS:
+            if key in obj and _is_state_dict(obj[key]):
+                return LoadedState(dict(obj[key]), key)
+        if _is_state_dict(obj):
+            return LoadedState(dict(obj), "raw")
+    raise RelaxspecError(
+        f"{path}: no state dict found (expected a dict of tensors, or one under one of the keys {CONTAINER_KEYS})"
+    )
+
+
+def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(str(path))
+    except Exception as err:  # noqa: BLE001
+        raise RelaxspecError(f"{path}: not a readable safetensors file ({err})") from None
+
+
+def strip_ignored(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Drop derived buffers (``freqs_cis``, ``kv_cache``) some official files carry."""
+    return {k: v for k, v in state_dict.items() if not IGNORED_KEY.search(k)}
+
+
+def load_strict(module: torch.nn.Module, state_dict: dict[str, torch.Tensor], source: str) -> None:
+    """``load_state_dict(strict=True)`` with one error that lists every missing key, unexpected
+    key and shape mismatch."""
+    expected = module.state_dict()
+    missing = sorted(set(expected) - set(state_dict))
+    unexpected = sorted(set(state_dict) - set(expected))
+    shapes = sorted(
+        f"{k}: file {tuple(state_dict[k].shape)} vs model {tuple(expected[k].shape)}"
+        for k in set(expected) & set(state_dict)
+        if tuple(state_dict[k].shape) != tuple(expected[k].shape)
+    )
+    problems = []
+    for label, items in (("missing keys", missing), ("unexpected keys", unexpected), ("shape mismatches", shapes)):
+        if items:
+            shown = ", ".join(items[:8]) + (f", ... ({len(items)} in all)" if len(items) > 8 else "")
+            problems.append(f"{label}: {shown}")
+    if problems:
+        raise RelaxspecError(f"{source}: weights do not fit the model; " + "; ".join(problems))
+    module.load_state_dict({k: v.to(expected[k].dtype) for k, v in state_dict.items()}, strict=True)
+
+
+# ------------------------------------------------------------------------------------------
+# GPT
+# ------------------------------------------------------------------------------------------
+
+
+def infer_gpt_fields(state_dict: dict[str, torch.Tensor]) -> dict:
+    """What the weights alone say about a LlamaGen GPT (everything but the head count)."""
+    try:
+        vocab, dim = state_dict["tok_embeddings.weight"].shape
+        n_layer = 1 + max(int(m.group(1)) for k in state_dict if (m := re.match(r"layers\.(\d+)\.", k)))
+        ffn = state_dict["layers.0.feed_forward.w1.weight"].shape[0]
+        qkv = state_dict["layers.0.attention.wqkv.weight"].shape[0]
+    except (KeyError, ValueError):
+        raise RelaxspecError("the weights are not a LlamaGen GPT (no tok_embeddings / layers.N keys)") from None
+    fields = dict(dim=int(dim), n_layer=n_layer, vocab_size=int(vocab), ffn_dim=int(ffn), qkv_dim=int(qkv))
+    if "cls_embedding.embedding_table.weight" in state_dict:
+        fields.update(model_type="c2i", num_classes=int(state_dict["cls_embedding.embedding_table.weight"].shape[0]) - 1,
+                      cls_token_num=1)
+    elif "cls_embedding.uncond_embedding" in state_dict:
+        tokens, caption_dim = state_dict["cls_embedding.uncond_embedding"].shape
+        fields.update(model_type="t2i", cls_token_num=int(tokens), caption_dim=int(caption_dim))
+    else:
+        raise RelaxspecError("the weights have no cls_embedding: neither c2i nor t2i LlamaGen")
+    return fields
+
+
+def gpt_name_for(fields: dict) -> str | None:
+    """The named size whose width and depth match the weights, if any."""
+    for name, size in GPT_SIZES.items():
+        if size["dim"] == fields["dim"] and size["n_layer"] == fields["n_layer"]:
+            return name
+    return None
+
+
+def load_gpt(path: str | Path, model_name: str | None = None, *, image_size: int | None = None,
+             downsample: int = 16, precision: str = "fp32", device: str | torch.device = "cpu") -> Transformer:
+    """Build and load a LlamaGen transformer.
+
+    Our folders carry their config. Official files do not, and the head count cannot be inferred
+    from the weights, so ``model_name`` (e.g. "GPT-B") is required for them; ``image_size`` fixes
+    the token grid (default 256 px).
+    """
+    if precision not in PRECISIONS:
+        raise RelaxspecError(f"unknown precision {precision!r}; choose one of {', '.join(PRECISIONS)}")
+    loaded = read_state(path)
+    if loaded.layout == "relaxspec":
+        if loaded.kind != "gpt":
+            raise RelaxspecError(f"{path}: this is a {loaded.kind!r} model, not a GPT")
+        config = GPTConfig.from_dict(loaded.config)
+        if image_size is not None and image_size // downsample != config.grid_size:
+            raise RelaxspecError(
+                f"image size {image_size} gives a {image_size // downsample}x{image_size // downsample} token grid "
+                f"but the model was trained on {config.grid_size}x{config.grid_size}"
+            )
+    else:
+        if model_name is None:
+            raise RelaxspecError(f"{path}: an official checkpoint needs --gpt-model (one of {', '.join(GPT_SIZES)})")
+        fields = infer_gpt_fields(loaded.state_dict)
+        size = image_size or 256
+        config = gpt_config(model_name, image_size=size, downsample=downsample, model_type=fields["model_type"],
+                            vocab_size=fields["vocab_size"], cls_token_num=fields["cls_token_num"],
+                            **({"num_classes": fields["num_classes"]} if "num_classes" in fields else {"caption_dim": fields["caption_dim"]}))
+        if (config.dim, config.n_layer) != (fields["dim"], fields["n_layer"]):
+            guess = gpt_name_for(fields)
+            raise RelaxspecError(
+                f"{path}: the weights are dim {fields['dim']} x {fields['n_layer']} layers, not {model_name}"
+                + (f" (they look like {guess})" if guess else "")
+            )
+        freqs = loaded.state_dict.get("freqs_cis")
+        if freqs is not None and freqs.shape[0] != config.cls_token_num + config.block_size:
+            grid = int(round((freqs.shape[0] - config.cls_token_num) ** 0.5))
+            raise RelaxspecError(
+                f"image size {size} gives a {config.grid_size}x{config.grid_size} token grid but the checkpoint "
+                f"was made for {grid}x{grid} ({grid * downsample} px)"
+            )
+    model = Transformer(config)
+    load_strict(model, strip_ignored(loaded.state_dict), str(path))
+    return model.to(device=device, dtype=PRECISIONS[precision]).eval()
+
+
+# ------------------------------------------------------------------------------------------
+# VQ
+# ------------------------------------------------------------------------------------------
+
+
+def load_vq(path: str | Path, model_name: str | None = "VQ-16", *, device: str | torch.device = "cpu",
+            codebook_size: int | None = None) -> VQModel:
+    """Build and load a LlamaGen VQ tokenizer (official ``{"model": sd}`` files or our folders)."""
+    loaded = read_state(path)
+    if loaded.layout == "relaxspec":
+        if loaded.kind != "vq":
+            raise RelaxspecError(f"{path}: this is a {loaded.kind!r} model, not a VQ tokenizer")
+        config = VQConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in loaded.config.items()})
+    else:
+        if model_name not in VQ_CONFIGS:
+            raise RelaxspecError(f"unknown VQ model {model_name!r}; choose one of {', '.join(VQ_CONFIGS)}")
+        config = VQ_CONFIGS[model_name]
+        table = loaded.state_dict.get("quantize.embedding.weight")
+        if table is None:
+            raise RelaxspecError(f"{path}: not a LlamaGen VQ checkpoint (no quantize.embedding.weight)")
+        config = dataclasses.replace(config, codebook_size=int(table.shape[0]), codebook_embed_dim=int(table.shape[1]))
+    model = VQModel(config)
+    load_strict(model, strip_ignored(loaded.state_dict), str(path))
+    return model.to(device).eval()
+
+
+# ------------------------------------------------------------------------------------------
+# Our format
+# ------------------------------------------------------------------------------------------
+
+
+def save_model(model: torch.nn.Module, folder: str | Path, *, kind: str | None = None,
+               dtype: torch.dtype | None = None, extra: dict | None = None) -> Path:
+    """Write ``model.safetensors`` + ``config.json`` (kind "gpt", "vq" or "drafter")."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    if kind is None:
+        kind = "gpt" if isinstance(model, Transformer) else "vq" if isinstance(model, VQModel) else None
+    if kind is None:
+        raise ValueError("save_model needs kind= for this module")
+    state = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).contiguous()
+             for k, v in model.state_dict().items()}
+    config = model.config.to_dict() if hasattr(model.config, "to_dict") else dataclasses.asdict(model.config)
+    save_file(state, str(folder / "model.safetensors"))
+    meta = {"format_version": FORMAT_VERSION, "kind": kind, "config": config, **(extra or {})}
+    (folder / "config.json").write_text(json.dumps(meta, indent=2) + "\n")
+    return folder
+
+
+def describe(path: str | Path, model_name: str | None = None) -> dict:
+    """What ``relaxspec info`` prints: layout, inferred config, parameter count."""
+    loaded = read_state(path)
+    state = strip_ignored(loaded.state_dict)
+    params = sum(v.numel() for k, v in state.items() if k not in ("quantize.codebook_used",) and v.is_floating_point())
+    info: dict = {"path": str(path), "layout": loaded.layout, "tensors": len(state), "parameters": params}
+    dtypes = sorted({str(v.dtype).replace("torch.", "") for v in state.values()})
+    info["dtypes"] = dtypes
+    if loaded.layout == "relaxspec":
+        info["kind"], info["config"] = loaded.kind, loaded.config
+    elif "tok_embeddings.weight" in state:
+        fields = infer_gpt_fields(state)
+        info["kind"] = "gpt"
+        info["config"] = fields
+        info["looks_like"] = gpt_name_for(fields)
+    elif "quantize.embedding.weight" in state:
+        info["kind"] = "vq"
+        table = state["quantize.embedding.weight"]
+        info["config"] = {"codebook_size": int(table.shape[0]), "codebook_embed_dim": int(table.shape[1])}
+    else:
+        info["kind"] = "unknown"
+    return info

@@ -1,0 +1,92 @@
+"""The typed, validated settings of a decoding method (what ``relaxspec generate`` exposes)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from relaxspec.errors import RelaxspecError
+
+METHODS = ("ar", "sd", "lantern", "cool", "sjd", "scd")
+#: Shorthands: LANTERN++ = LANTERN's multiplicative rule on a static tree (arXiv 2502.06352);
+#: EAGLE-2 = exact speculative decoding on a dynamic tree (arXiv 2406.16858).
+ALIASES = {"lantern++": dict(method="lantern", draft="static"), "eagle2": dict(method="sd", draft="dynamic")}
+DRAFTS = ("chain", "static", "dynamic")
+DRAFTER_METHODS = ("sd", "lantern", "cool")
+
+
+@dataclass
+class MethodOptions:
+    """Everything a decoding method can be told.
+
+    method: ar | sd | lantern | cool | sjd | scd.
+    draft: chain | static | dynamic | a path to a JSON static tree (list of rank paths).
+    depth: chain length and dynamic-tree depth; tree: name of a shipped static tree.
+    siblings: "sampled" (drawn from q without replacement) or "topk" (deterministic).
+    dynamic_top_k / total_tokens: EAGLE-2 dynamic tree shape.
+    k / delta / lam / residual / geometry: LANTERN (additive budget ``delta`` or multiplicative
+    ``lam``, never both). cool_delta / nu / normalisation: COOL-SD's schedule.
+    window: SJD / SCD Jacobi window length.
+    """
+
+    method: str = "ar"
+    draft: str = "chain"
+    depth: int = 4
+    tree: str = "lantern57"
+    siblings: str = "sampled"
+    dynamic_top_k: int = 10
+    total_tokens: int = 59
+    k: int = 1000
+    delta: float | None = None
+    lam: float | None = None
+    residual: str = "relaxed"
+    geometry: str = "raw"
+    cool_delta: float = 1.1
+    nu: float = 0.7
+    normalisation: str = "mean"
+    window: int = 16
+
+    def __post_init__(self) -> None:
+        if self.method in ALIASES:
+            for key, value in ALIASES[self.method].items():
+                setattr(self, key, value)
+        self.validate()
+
+    def validate(self) -> None:
+        if self.method not in METHODS:
+            raise RelaxspecError(f"unknown method {self.method!r}; choose one of {', '.join(METHODS + tuple(ALIASES))}")
+        if self.siblings not in ("sampled", "topk"):
+            raise RelaxspecError(f"siblings must be 'sampled' or 'topk', got {self.siblings!r}")
+        for name in ("depth", "dynamic_top_k", "total_tokens", "window"):
+            if int(getattr(self, name)) < 1:
+                raise RelaxspecError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.k < 0:
+            raise RelaxspecError(f"k (neighbours) must be >= 0, got {self.k}")
+        if self.method == "lantern":
+            if self.delta is not None and self.lam is not None:
+                raise RelaxspecError("give LANTERN either --delta (additive budget) or --lam (multiplicative, LANTERN++), not both")
+            if self.delta is None and self.lam is None:
+                # LANTERN++ defaults to its multiplicative rule, plain LANTERN to the additive one.
+                if self.draft == "static":
+                    self.lam = 5.0
+                    self.k = min(self.k, 10) if self.k == 1000 else self.k
+                else:
+                    self.delta = 0.1
+            if self.delta is not None and not 0 <= self.delta <= 1:
+                raise RelaxspecError(f"--delta is an additive TV budget in [0, 1], got {self.delta}")
+            if self.lam is not None and self.lam < 1:
+                raise RelaxspecError(f"--lam is a multiplicative bound >= 1, got {self.lam}")
+        if self.residual not in ("relaxed", "plain"):
+            raise RelaxspecError(f"residual must be 'relaxed' or 'plain', got {self.residual!r}")
+        if self.geometry not in ("raw", "normalised"):
+            raise RelaxspecError(f"geometry must be 'raw' or 'normalised', got {self.geometry!r}")
+        if self.cool_delta <= 0:
+            raise RelaxspecError(f"COOL-SD delta must be > 0, got {self.cool_delta}")
+        if self.normalisation not in ("mean", "none"):
+            raise RelaxspecError(f"normalisation must be 'mean' or 'none', got {self.normalisation!r}")
+
+    @property
+    def needs_drafter(self) -> bool:
+        return self.method in DRAFTER_METHODS
+
+    def to_dict(self) -> dict:
+        return asdict(self)

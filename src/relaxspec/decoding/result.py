@@ -1,0 +1,36 @@
+"""What every decoding method returns."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class DecodeResult:
+    """Tokens and the measurements that come with them, per image.
+
+    ``tokens [B, N]`` int64; ``target_forwards [B]`` target forwards each image needed (the
+    condition prefill included, so plain AR gives ``N``); ``drafter_forwards [B]``;
+    ``step_tv [B, N]`` the certified one-step TV distance recorded for each committed token
+    (0 for lossless steps); ``accept_lengths`` per image, tokens committed by each target forward.
+    """
+
+    tokens: torch.Tensor
+    target_forwards: torch.Tensor
+    drafter_forwards: torch.Tensor
+    step_tv: torch.Tensor
+    accept_lengths: list[list[int]] = field(default_factory=list)
+    seconds: float = 0.0
+    drafter_seconds: float = 0.0
+
+    @property
+    def mean_accepted_length(self) -> torch.Tensor:
+        """MAL per image: tokens committed per target forward, bonus included (AR = 1.0)."""
+        return self.tokens.shape[1] / self.target_forwards.float()
+
+    @property
+    def tv_bound(self) -> torch.Tensor:
+        """Per image: the sum of one-step TV records (its expectation bounds the image-level TV)."""
+        return self.step_tv.sum(dim=1)

@@ -1,0 +1,97 @@
+"""The target model as the decoding loop sees it: a guided next-token distribution.
+
+:class:`GuidedTarget` owns the ``[cond; uncond]`` classifier-free-guidance batch, the static KV
+cache and the condition's key mask, and turns raw logits into processed probabilities with
+:func:`relaxspec.sampling.process_logits`. Every decoding method (AR, speculative, Jacobi) drives
+the target through it, so CFG and logits processing exist once.
+
+Slots and positions: the condition occupies slots/positions ``0 .. C-1`` (``C`` =
+``cls_token_num``) and committed image token ``k`` always sits at slot = position ``C + k``;
+speculative steps put drafts in scratch slots beyond the committed prefix and compact them back.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from relaxspec.models.gpt import Transformer
+from relaxspec.sampling import SamplingConfig, process_logits
+
+
+class GuidedTarget:
+    """Drive ``model`` for ``B`` images (``2B`` rows with CFG).
+
+    ``cond``: class ids ``[B]`` or caption features ``[B, C, caption_dim]``; ``cond_mask [B, C]``
+    (t2i only) marks real caption tokens — padded ones are hidden from every query, as upstream.
+    ``scratch`` extra cache slots are reserved past the image for speculative drafts.
+    """
+
+    def __init__(self, model: Transformer, cond: torch.Tensor, sampling: SamplingConfig, *,
+                 cond_mask: torch.Tensor | None = None, scratch: int = 0):
+        self.model, self.sampling = model, sampling
+        config = model.config
+        self.batch = cond.shape[0]
+        self.streams = 2 if sampling.use_cfg else 1
+        self.cls = config.cls_token_num
+        self.num_tokens = config.block_size
+        self.device = model.output.weight.device
+        cond = cond.to(self.device)
+        self.cond = torch.cat([cond, model.null_condition(cond)]) if self.streams == 2 else cond
+        self.max_seq = self.cls + self.num_tokens + scratch
+        model.setup_caches(self.batch * self.streams, self.max_seq)
+        self.key_valid = None
+        if cond_mask is not None:
+            key_valid = torch.ones(self.batch, self.max_seq, dtype=torch.bool, device=self.device)
+            key_valid[:, : self.cls] = cond_mask.to(self.device).bool()
+            # Upstream masks the padded caption positions in both CFG streams.
+            self.key_valid = key_valid.repeat(self.streams, 1)
+        self.forwards = 0
+
+    def _rows(self, x: torch.Tensor) -> torch.Tensor:
+        """Repeat a per-image tensor ``[B, ...]`` for every CFG stream."""
+        return x if self.streams == 1 else torch.cat([x, x])
+
+    def _mask(self, slots: torch.Tensor, mask: torch.Tensor | None, kv_len: int) -> torch.Tensor | None:
+        if self.key_valid is None:
+            return mask
+        if mask is None:
+            keys = torch.arange(kv_len, device=self.device)
+            mask = keys[None, None, :] <= slots[:, :, None]
+        # A padded caption position still attends to itself (upstream's eye fix), else its row
+        # would be all -inf.
+        own = torch.arange(kv_len, device=self.device)[None, None, :] == slots[:, :, None]
+        return (mask & self.key_valid[:, None, :kv_len]) | own
+
+    def prefill(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Encode the condition. Returns probabilities for image token 0 ``[B, V]`` and the
+        hidden state at the last condition position ``[S*B, 1, dim]`` (all streams)."""
+        slots = torch.arange(self.cls, device=self.device).expand(self.batch * self.streams, -1)
+        logits, hidden = self.model(cond=self.cond, positions=slots, cache_slots=slots,
+                                    attn_mask=self._mask(slots, None, self.cls), kv_len=self.cls,
+                                    return_hidden=True)
+        self.forwards += 1
+        return process_logits(logits[:, -1], self.sampling), hidden[:, -1:]
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                mask: torch.Tensor | None = None, kv_len: int | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One target forward over ``tokens [B, T]`` at RoPE ``positions [B, T]`` written to cache
+        ``slots [B, T]``; ``mask [B, T, kv_len]`` (True = may attend), default causal by slot.
+        Returns probabilities ``[B, T, V]`` (what each input predicts next) and hidden states
+        ``[S*B, T, dim]``."""
+        if kv_len is None:
+            kv_len = int(slots.max()) + 1
+        rows_slots = self._rows(slots)
+        rows_mask = None if mask is None else self._rows(mask)
+        logits, hidden = self.model(self._rows(tokens), self._rows(positions), cache_slots=rows_slots,
+                                    attn_mask=self._mask(rows_slots, rows_mask, kv_len), kv_len=kv_len,
+                                    return_hidden=True)
+        self.forwards += 1
+        return process_logits(logits, self.sampling), hidden
+
+    def move_cache(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Compact accepted tree nodes: copy slots ``src [B, n]`` onto ``dst [B, n]``."""
+        self.model.move_cache(self._rows(src), self._rows(dst))
+
+    def close(self) -> None:
+        self.model.clear_caches()

@@ -1,0 +1,102 @@
+"""The one logits-processing path every decoding method shares (REFERENCE §2.2).
+
+Order, as upstream LlamaGen: classifier-free guidance on raw logits
+(``uncond + (cond - uncond) * cfg_scale``), temperature, top-k, then top-p, softmax. Every
+exactness or TV statement in relaxspec is about the distributions this module returns, for the
+target and the drafter alike.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+from relaxspec.errors import RelaxspecError
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """How next-token distributions are formed.
+
+    ``temperature == 0`` means greedy: tokens are the argmax; the distributions stay those of
+    temperature 1 so relaxed rules can still measure how much mass they move.
+    ``cfg_scale == 1`` drops the unconditional stream entirely. (Upstream LlamaGen also ignores
+    guidance for ``cfg_scale < 1``; we apply the formula, which interpolates towards the
+    unconditional model.)
+    """
+
+    cfg_scale: float = 4.0
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not self.cfg_scale >= 0:
+            raise RelaxspecError(f"cfg scale must be >= 0, got {self.cfg_scale}")
+        if not self.temperature >= 0:
+            raise RelaxspecError(f"temperature must be >= 0, got {self.temperature}")
+        if int(self.top_k) != self.top_k or self.top_k < 0:
+            raise RelaxspecError(f"top-k must be a whole number >= 0 (0 = off), got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise RelaxspecError(f"top-p must lie in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def use_cfg(self) -> bool:
+        return self.cfg_scale != 1.0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def guide(logits: torch.Tensor, cfg_scale: float) -> torch.Tensor:
+    """``logits [2B, ..., V]`` stacked ``[cond; uncond]`` -> guided ``[B, ..., V]``."""
+    cond, uncond = logits.chunk(2, dim=0)
+    return uncond + (cond - uncond) * cfg_scale
+
+
+def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """Upstream ``top_k_top_p_filtering``: top-k first (ties with the k-th value survive), then
+    top-p on what is left, always keeping the most likely token. Returns a new tensor."""
+    logits = logits.clone()
+    if top_k > 0:
+        k = min(top_k, logits.shape[-1])
+        kth = torch.topk(logits, k, dim=-1).values[..., -1:]
+        logits.masked_fill_(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
+        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        remove = cumulative > top_p
+        # Shift right so the token that crosses the threshold is kept.
+        remove[..., 1:] = remove[..., :-1].clone()
+        remove[..., 0] = False
+        logits.masked_fill_(remove.scatter(-1, order, remove), float("-inf"))
+    return logits
+
+
+def process_logits(logits: torch.Tensor, config: SamplingConfig) -> torch.Tensor:
+    """Raw model logits -> next-token probabilities.
+
+    ``logits``: ``[2B, ..., V]`` (``[cond; uncond]``) when ``config.use_cfg``, else ``[B, ..., V]``.
+    Returns fp32 probabilities ``[B, ..., V]``.
+    """
+    logits = logits.float()
+    if config.use_cfg:
+        logits = guide(logits, config.cfg_scale)
+    if config.temperature > 0:
+        logits = logits / max(config.temperature, 1e-5)
+    if config.top_k > 0 or config.top_p < 1.0:
+        logits = filter_logits(logits, config.top_k, config.top_p)
+    return logits.softmax(dim=-1)
+
+
+def sample_from(probs: torch.Tensor, generator: torch.Generator | None = None, greedy: bool = False) -> torch.Tensor:
+    """Draw one token per row of ``probs [..., V]`` -> int64 ``[...]`` (argmax when greedy)."""
+    if greedy:
+        return probs.argmax(dim=-1)
+    flat = probs.reshape(-1, probs.shape[-1])
+    return torch.multinomial(flat, 1, generator=generator).view(probs.shape[:-1])
