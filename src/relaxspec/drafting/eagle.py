@@ -1,0 +1,119 @@
+"""EAGLE drafter for LlamaGen transformers (arXiv 2401.15077, 2406.16858; REFERENCE §1.6).
+
+The drafter autoregresses on *features*: pair ``j`` is (the target's final hidden state that
+predicted image token ``j``, the embedding of token ``j``) and the drafter's output there is its
+guess of the feature that predicts token ``j + 1``; the target's frozen output head turns that
+guess into draft logits. The token embedding and the head are the target's, shared and never
+trained or stored; only ``fc`` (2d -> d) and one transformer block are the drafter's own.
+
+Pair ``j`` uses the RoPE position of image token ``j`` (table row ``cls_token_num + j``) and sits
+in cache slot ``j``: the drafter sees no condition positions, only what the target's features
+carry about the condition. With CFG the drafter runs on both streams (features from each
+stream), exactly like the target.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn as nn
+
+from relaxspec.errors import RelaxspecError
+from relaxspec.models.gpt import GPTConfig, KVCache, Transformer, TransformerBlock, rope_table_2d
+
+
+@dataclass
+class DrafterConfig:
+    """The drafter's own hyper-parameters; width, heads, grid and vocabulary are the target's."""
+
+    target: dict  # the target's GPTConfig as a dict
+    n_layer: int = 1
+
+    def __post_init__(self) -> None:
+        if self.n_layer < 1:
+            raise RelaxspecError(f"drafter n_layer must be >= 1, got {self.n_layer}")
+
+    @property
+    def target_config(self) -> GPTConfig:
+        return GPTConfig.from_dict(self.target)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class EagleDrafter(nn.Module):
+    """``fc`` + ``n_layer`` LlamaGen blocks over (feature, token) pairs.
+
+    Call :meth:`attach` with the target before use: it borrows the target's embedding and head.
+    """
+
+    def __init__(self, config: DrafterConfig):
+        super().__init__()
+        self.config = config
+        tcfg = config.target_config
+        self.fc = nn.Linear(2 * tcfg.dim, tcfg.dim, bias=True)
+        self.layers = nn.ModuleList(TransformerBlock(tcfg) for _ in range(config.n_layer))
+        self.register_buffer("rope", rope_table_2d(tcfg.grid_size, tcfg.head_dim, tcfg.rope_base, 0), persistent=False)
+        self._target: tuple[Transformer] | None = None  # a tuple so the target is not a submodule
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, std=0.02)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+
+    @classmethod
+    def for_target(cls, target: Transformer, n_layer: int = 1) -> "EagleDrafter":
+        drafter = cls(DrafterConfig(target=target.config.to_dict(), n_layer=n_layer))
+        return drafter.to(target.output.weight.dtype).attach(target)
+
+    def attach(self, target: Transformer) -> "EagleDrafter":
+        tcfg, mine = target.config, self.config.target_config
+        if (tcfg.dim, tcfg.vocab_size, tcfg.block_size, tcfg.n_head) != (mine.dim, mine.vocab_size, mine.block_size, mine.n_head):
+            raise RelaxspecError(
+                "the drafter was trained for a different target (dim/vocab/grid/heads "
+                f"{(mine.dim, mine.vocab_size, mine.block_size, mine.n_head)} vs {(tcfg.dim, tcfg.vocab_size, tcfg.block_size, tcfg.n_head)})"
+            )
+        self._target = (target,)
+        return self
+
+    @property
+    def target(self) -> Transformer:
+        if self._target is None:
+            raise RuntimeError("call drafter.attach(target) first")
+        return self._target[0]
+
+    def setup_caches(self, rows: int, max_seq: int) -> None:
+        dtype, device = self.fc.weight.dtype, self.fc.weight.device
+        for layer in self.layers:
+            att = layer.attention
+            att.kv_cache = KVCache(rows, max_seq, att.n_kv_head, att.head_dim, dtype, device)
+
+    def clear_caches(self) -> None:
+        for layer in self.layers:
+            layer.attention.kv_cache = None
+
+    def forward(self, features: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, *,
+                cache_slots: torch.Tensor | None = None, attn_mask: torch.Tensor | None = None,
+                kv_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``features [R, T, dim]`` (target hidden states that predicted ``tokens``), ``tokens
+        [R, T]``, ``positions [R, T]`` image-token indices. Returns the predicted next features
+        ``[R, T, dim]`` and their draft logits ``[R, T, vocab]`` (fp32, unprocessed)."""
+        target = self.target
+        emb = target.tok_embeddings(tokens).to(self.fc.weight.dtype)
+        h = self.fc(torch.cat([emb, features.to(self.fc.weight.dtype)], dim=-1))
+        rope = self.rope[positions]
+        if cache_slots is not None and self.layers[0].attention.kv_cache is not None:
+            if kv_len is None:
+                kv_len = int(cache_slots.max()) + 1
+            if attn_mask is None:
+                keys = torch.arange(kv_len, device=h.device)
+                attn_mask = keys[None, None, :] <= cache_slots[:, :, None]
+        else:
+            cache_slots = None
+        for layer in self.layers:
+            h = layer(h, rope, cache_slots, attn_mask, kv_len)
+        return h, target.output(h.to(target.output.weight.dtype)).float()
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
