@@ -1,0 +1,73 @@
+"""Sibling drafts for one tree node: sampled without replacement, or deterministic top-k.
+
+Sampled siblings (EAGLE-1 / SpecTr-style multi-candidate verification, REFERENCE §1.1): sibling
+``j`` is drawn from ``q`` with siblings ``0..j-1`` removed and renormalised, and *that*
+distribution is its proposal in the acceptance test -- this is what keeps recursive rejection
+sampling exact. Deterministic siblings (EAGLE-2 dynamic tree, arXiv 2406.16858) are point
+masses: their proposals are one-hot rows.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from relaxspec.acceptance.base import one_hot
+from relaxspec.errors import RelaxspecError
+
+
+def _check(q: Tensor, n: int) -> None:
+    if q.dim() != 2:
+        raise ValueError(f"q must be [batch, vocab], got {tuple(q.shape)}")
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise RelaxspecError(f"The number of siblings must be a non-negative integer, got {n!r}.")
+
+
+def sample_siblings(
+    q: Tensor, n: int, generator: torch.Generator | None = None
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Draw ``n`` distinct siblings from ``q [B, V]`` without replacement.
+
+    Returns ``tokens [B, n]`` int64, ``proposals [B, n, V]`` (``proposals[:, j]`` = ``q`` with
+    siblings ``0..j-1`` removed, renormalised: the law sibling ``j`` was drawn from) and
+    ``valid [B, n]`` bool. Where ``q`` has fewer than ``n`` nonzero entries the extra siblings are
+    invalid: their token is 0 and their proposal the one-hot row of token 0 (placeholders that
+    keep every row a distribution; callers must skip them).
+    """
+    _check(q, n)
+    batch, vocab = q.shape
+    remaining = q.clone()
+    tokens = torch.zeros(batch, n, dtype=torch.long, device=q.device)
+    proposals = torch.zeros(batch, n, vocab, dtype=q.dtype, device=q.device)
+    valid = torch.zeros(batch, n, dtype=torch.bool, device=q.device)
+    placeholder = one_hot(torch.zeros(batch, dtype=torch.long, device=q.device), vocab, q.dtype)
+    for j in range(n):
+        mass = remaining.sum(dim=1, keepdim=True)
+        ok = mass.squeeze(1) > 0
+        law = torch.where(ok.unsqueeze(1), remaining / torch.where(mass > 0, mass, torch.ones_like(mass)), placeholder)
+        draw = torch.multinomial(law, 1, generator=generator).squeeze(1)
+        draw = torch.where(ok, draw, torch.zeros_like(draw))
+        tokens[:, j] = draw
+        proposals[:, j] = law
+        valid[:, j] = ok
+        remaining.scatter_(1, draw.unsqueeze(1), 0.0)
+    return tokens, proposals, valid
+
+
+def topk_siblings(q: Tensor, n: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The ``n`` most probable tokens of ``q [B, V]`` as deterministic siblings.
+
+    Returns ``tokens [B, n]`` (descending ``q``), one-hot ``proposals [B, n, V]`` and
+    ``valid [B, n]`` (False for tokens with ``q = 0`` and for ``j >= V``).
+    """
+    _check(q, n)
+    batch, vocab = q.shape
+    top = min(n, vocab)
+    values, tokens = q.topk(top, dim=1)
+    valid = values > 0
+    if top < n:  # more siblings asked for than the vocabulary has: pad with invalid ones
+        pad = n - top
+        tokens = torch.cat([tokens, torch.zeros(batch, pad, dtype=torch.long, device=q.device)], dim=1)
+        valid = torch.cat([valid, torch.zeros(batch, pad, dtype=torch.bool, device=q.device)], dim=1)
+    proposals = one_hot(tokens.reshape(-1), vocab, q.dtype).reshape(batch, n, vocab)
+    return tokens, proposals, valid
