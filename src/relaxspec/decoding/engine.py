@@ -17,7 +17,7 @@ import time
 import torch
 from tqdm.auto import tqdm
 
-from relaxspec.acceptance import AcceptanceRule, CoolRule, ExactRule, LanternRule, cached_neighbour_table
+from relaxspec.acceptance import AcceptanceRule, CoolRule, ExactRule, LanternRule, cached_neighbour_table, cool_weights
 from relaxspec.decoding.options import MethodOptions
 from relaxspec.decoding.result import DecodeResult
 from relaxspec.decoding.target import GuidedTarget
@@ -58,6 +58,9 @@ def build_rule(options: MethodOptions, vq=None, horizon: int = 5) -> AcceptanceR
         codebook = vq.raw_codebook if options.geometry == "raw" else vq.codebook
         k = min(options.k, codebook.shape[0] - 1)
         table = cached_neighbour_table(codebook.detach().float().cpu(), k, options.geometry, neighbour_cache_dir())
+        if options.anneal:
+            schedule = [min(1.0, w) for w in cool_weights(options.delta, options.nu, options.normalisation, horizon)]
+            return LanternRule(table, k, delta_schedule=schedule, residual=options.residual)
         return LanternRule(table, k, delta=options.delta, lam=options.lam, residual=options.residual)
     if options.method == "cool":
         return CoolRule(delta=options.cool_delta, nu=options.nu, normalisation=options.normalisation, horizon=horizon)
@@ -84,6 +87,8 @@ def generate_speculative(model, cond, sampling: SamplingConfig, options: MethodO
     drafter_forwards = torch.zeros(batch, dtype=torch.long)
     accept_lengths: list[list[int]] = [[1] for _ in range(batch)]
     drafter_seconds = 0.0
+    rank_tests = torch.zeros(source.max_depth, 1, dtype=torch.long)
+    rank_accepts = torch.zeros_like(rank_tests)
     rows = torch.arange(batch, device=device)
     bar = tqdm(total=batch * n_tok, desc=options.method, disable=not progress, leave=False)
     try:
@@ -119,6 +124,7 @@ def generate_speculative(model, cond, sampling: SamplingConfig, options: MethodO
             result = verify_tree(rule, probs, tree.tokens, tree.parents, tree.proposals, tree.depth, valid,
                                  greedy=greedy, generator=generator, record_tv=record_tv and not rule.lossless)
             count = torch.where(active, result.num_accepted + 1, torch.zeros_like(n))
+            rank_tests, rank_accepts = _accumulate(rank_tests, rank_accepts, result.rank_tests, result.rank_accepts)
             # Commit: tokens n .. n + count - 1 of each row.
             span = result.committed.shape[1]
             offsets = torch.arange(span, device=device)
@@ -151,4 +157,18 @@ def generate_speculative(model, cond, sampling: SamplingConfig, options: MethodO
         source.close()
     return DecodeResult(tokens=tokens[:, :n_tok].cpu(), target_forwards=forwards, drafter_forwards=drafter_forwards,
                         step_tv=step_tv[:, :n_tok].cpu(), accept_lengths=accept_lengths,
-                        seconds=time.perf_counter() - start, drafter_seconds=drafter_seconds)
+                        seconds=time.perf_counter() - start, drafter_seconds=drafter_seconds,
+                        rank_tests=rank_tests, rank_accepts=rank_accepts)
+
+
+def _accumulate(total_tests, total_accepts, tests, accepts):
+    """Add one step's ``[depth, rank]`` counts into running totals, growing them as needed."""
+    tests, accepts = tests.cpu(), accepts.cpu()
+    rows = max(total_tests.shape[0], tests.shape[0])
+    cols = max(total_tests.shape[1], tests.shape[1])
+    grown_t = torch.zeros(rows, cols, dtype=torch.long)
+    grown_a = torch.zeros_like(grown_t)
+    for dst, parts in ((grown_t, (total_tests, tests)), (grown_a, (total_accepts, accepts))):
+        for part in parts:
+            dst[: part.shape[0], : part.shape[1]] += part
+    return grown_t, grown_a

@@ -26,6 +26,9 @@ class MethodOptions:
     k / delta / lam / residual / geometry: LANTERN (additive budget ``delta`` or multiplicative
     ``lam``, never both). cool_delta / nu / normalisation: COOL-SD's schedule.
     window: SJD / SCD Jacobi window length.
+    anneal: LANTERN with COOL-SD's annealing — the additive budget at draft depth i is
+    ``delta * exp(-nu * i - mu)`` (same ``nu`` / normalisation as COOL-SD), so early positions
+    relax more than late ones at the same mean budget.
     """
 
     method: str = "ar"
@@ -44,6 +47,7 @@ class MethodOptions:
     nu: float = 0.7
     normalisation: str = "mean"
     window: int = 16
+    anneal: bool = False
 
     def __post_init__(self) -> None:
         if self.method in ALIASES:
@@ -75,6 +79,8 @@ class MethodOptions:
                 raise RelaxspecError(f"--delta is an additive TV budget in [0, 1], got {self.delta}")
             if self.lam is not None and self.lam < 1:
                 raise RelaxspecError(f"--lam is a multiplicative bound >= 1, got {self.lam}")
+        if self.anneal and (self.method != "lantern" or self.delta is None):
+            raise RelaxspecError("--anneal applies to LANTERN's additive budget: use it with --method lantern --delta D")
         if self.residual not in ("relaxed", "plain"):
             raise RelaxspecError(f"residual must be 'relaxed' or 'plain', got {self.residual!r}")
         if self.geometry not in ("raw", "normalised"):

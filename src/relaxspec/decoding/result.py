@@ -24,6 +24,15 @@ class DecodeResult:
     accept_lengths: list[list[int]] = field(default_factory=list)
     seconds: float = 0.0
     drafter_seconds: float = 0.0
+    rank_tests: torch.Tensor | None = None  # [depth, rank] sibling tests, summed over the batch
+    rank_accepts: torch.Tensor | None = None  # [depth, rank] of those, accepted
+
+    def acceptance_rates(self) -> torch.Tensor | None:
+        """Measured P(accept | depth, rank, elder siblings rejected) ``[depth, rank]`` (0 where
+        never tested): the input of :func:`relaxspec.drafting.trees.build_tree`."""
+        if self.rank_tests is None:
+            return None
+        return self.rank_accepts.double() / self.rank_tests.clamp(min=1).double()
 
     @property
     def mean_accepted_length(self) -> torch.Tensor:

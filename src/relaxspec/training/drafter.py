@@ -1,0 +1,777 @@
+"""Train the EAGLE drafter on a frozen target's features (REFERENCE §1.6; arXiv 2401.15077).
+
+One readable loop, nanoGPT style: a validated :class:`DrafterTrainConfig` whose defaults are
+LANTERN's recipe (AdamW lr 1e-4, betas (0.9, 0.95), no weight decay, ~20 epochs; loss =
+SmoothL1 on features + 0.1 x cross-entropy to the target's distribution; EAGLE's uniform feature
+noise U(-0.1, 0.1)), and every field overridable from ``relaxspec train-drafter``.
+
+The pairing, where an off-by-one would hide: the target's teacher-forced pass gives hidden row
+``F_j`` and logits row ``z_j``, both *predicting* image token ``t_j``. Drafter input ``j`` is the
+pair ``(F_j, t_j)``; its output at ``j`` must match ``F_{j+1}`` (SmoothL1) and its head the
+target's ``softmax(z_{j+1})`` (soft cross-entropy), for ``j = 0 .. N-2``. That is exactly what
+the drafter is asked while decoding: given the feature that predicted the last committed token
+and that token, guess the next feature. :func:`drafter_inputs` and :func:`drafter_targets` are
+that pairing as pure functions.
+
+With CFG the drafter runs on both streams, so each sequence is also used under the null
+condition (``null_fraction`` of every batch; 1.0 = every sequence contributes both streams).
+
+Randomness is a pure function of ``(seed, step)``: the data order of epoch ``e`` comes from
+``(seed, e)`` and the feature noise of step ``s`` from ``(seed, s)``. Resuming from
+``out/train_state.pt`` (weights, optimizer, step, config; plain tensors and dicts, so it loads
+with ``weights_only=True``) therefore continues bit for bit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from relaxspec.checkpoints import PRECISIONS, load_gpt, load_strict, load_vq, read_state, save_model
+from relaxspec.drafting.eagle import DrafterConfig, EagleDrafter
+from relaxspec.errors import RelaxspecError
+from relaxspec.models.gpt import Transformer
+from relaxspec.models.vq import VQModel
+from relaxspec.sampling import SamplingConfig
+
+TRAIN_STATE = "train_state.pt"
+STATE_VERSION = 1
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
+#: Fields a resumed run may change: how long it runs, where, and how chatty it is. Everything
+#: else is the recipe and must stay what it was, or the continuation would not be exact.
+RUN_FIELDS = ("out", "epochs", "steps", "device", "bf16", "progress", "checkpoint_interval",
+              "eval_interval", "eval_sequences", "gpt_ckpt", "vq_ckpt")
+
+
+# ------------------------------------------------------------------------------------------
+# Config
+# ------------------------------------------------------------------------------------------
+
+
+@dataclass
+class DrafterTrainConfig:
+    """Everything ``relaxspec train-drafter`` can set. Defaults: LANTERN's recipe (REFERENCE §1.6)."""
+
+    out: str = "out/drafter"
+    # target (official files need gpt_model; our folders carry their config)
+    gpt_ckpt: str | None = None
+    gpt_model: str | None = None
+    image_size: int | None = None
+    downsample: int = 16
+    precision: str = "fp32"  # the target's weights; the drafter trains in fp32
+    # data: token files, the target's own samples, and/or an image folder through a VQ model
+    data: list[str] = field(default_factory=list)
+    label: int | None = None  # class of sources that carry no labels
+    self_samples: int = 0
+    classes: list[int] | None = None  # classes of the self-samples (default: uniform over all)
+    cfg_scale: float = 4.0
+    temperature: float = 1.0
+    top_k: int = 0
+    images: str | None = None
+    vq_ckpt: str | None = None
+    vq_model: str = "VQ-16"
+    val_fraction: float = 0.02  # held out to measure draft accuracy
+    # drafter
+    n_layer: int = 1
+    # optimisation
+    epochs: float = 20.0
+    steps: int | None = None  # overrides epochs
+    batch_size: int = 16  # sequences per step (each gives up to two rows: cond and null stream)
+    lr: float = 1e-4
+    betas: tuple[float, float] = (0.9, 0.95)
+    weight_decay: float = 0.0
+    warmup_steps: int = 100  # linear warm-up, then constant (so a run can be extended exactly)
+    grad_clip: float = 0.5  # EAGLE's; 0 = off
+    noise: float = 0.1  # input features get U(-noise, noise) (EAGLE)
+    feature_weight: float = 1.0
+    ce_weight: float = 0.1
+    null_fraction: float = 1.0  # share of each batch also trained under the null condition
+    seed: int = 0
+    bf16: bool = False  # bf16 autocast (CPU or CUDA)
+    device: str = "auto"
+    checkpoint_interval: int = 1000
+    eval_interval: int = 500
+    eval_sequences: int = 256
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        self.data = [str(p) for p in (self.data or [])]
+        self.betas = tuple(float(b) for b in self.betas)
+        if self.classes is not None:
+            self.classes = [int(c) for c in self.classes]
+        self.validate()
+
+    def validate(self) -> None:
+        def need(ok: bool, message: str) -> None:
+            if not ok:
+                raise RelaxspecError(message)
+
+        need(bool(self.out), "out must name a folder")
+        need(self.precision in PRECISIONS, f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+        need(self.self_samples >= 0, f"self_samples must be >= 0, got {self.self_samples}")
+        need(self.label is None or self.label >= 0, f"label must be a class id >= 0, got {self.label}")
+        need(self.classes is None or (len(self.classes) > 0 and min(self.classes) >= 0),
+             f"classes must be a non-empty list of class ids >= 0, got {self.classes}")
+        need(0 <= self.val_fraction < 1, f"val_fraction must lie in [0, 1), got {self.val_fraction}")
+        need(self.n_layer >= 1, f"n_layer must be >= 1, got {self.n_layer}")
+        need(self.epochs > 0, f"epochs must be > 0, got {self.epochs}")
+        need(self.steps is None or self.steps >= 0, f"steps must be >= 0, got {self.steps}")
+        need(self.batch_size >= 1, f"batch_size must be >= 1, got {self.batch_size}")
+        need(self.lr > 0, f"lr must be > 0, got {self.lr}")
+        need(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), f"betas must be two numbers in [0, 1), got {self.betas}")
+        need(self.weight_decay >= 0, f"weight_decay must be >= 0, got {self.weight_decay}")
+        need(self.warmup_steps >= 0, f"warmup_steps must be >= 0, got {self.warmup_steps}")
+        need(self.grad_clip >= 0, f"grad_clip must be >= 0 (0 = off), got {self.grad_clip}")
+        need(self.noise >= 0, f"noise must be >= 0, got {self.noise}")
+        need(self.feature_weight >= 0 and self.ce_weight >= 0 and self.feature_weight + self.ce_weight > 0,
+             f"loss weights must be >= 0 and not both 0, got {self.feature_weight}, {self.ce_weight}")
+        need(0 <= self.null_fraction <= 1, f"null_fraction must lie in [0, 1], got {self.null_fraction}")
+        need(self.checkpoint_interval >= 1, f"checkpoint_interval must be >= 1, got {self.checkpoint_interval}")
+        need(self.eval_interval >= 1, f"eval_interval must be >= 1, got {self.eval_interval}")
+        need(self.eval_sequences >= 1, f"eval_sequences must be >= 1, got {self.eval_sequences}")
+        need(self.images is None or self.vq_ckpt is not None, "--images needs --vq-ckpt to encode them")
+        SamplingConfig(cfg_scale=self.cfg_scale, temperature=self.temperature, top_k=self.top_k)  # validates
+
+    @property
+    def sampling(self) -> SamplingConfig:
+        """How self-samples are drawn."""
+        return SamplingConfig(cfg_scale=self.cfg_scale, temperature=self.temperature, top_k=self.top_k)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "DrafterTrainConfig":
+        unknown = sorted(set(data) - set(cls.__dataclass_fields__))
+        if unknown:
+            raise RelaxspecError(f"unknown drafter training fields: {', '.join(unknown)}")
+        return cls(**data)
+
+
+# ------------------------------------------------------------------------------------------
+# Data
+# ------------------------------------------------------------------------------------------
+
+
+@dataclass
+class DrafterDataset:
+    """Image-token sequences ``tokens [n, N]`` (int64) and their class ids ``labels [n]``."""
+
+    tokens: torch.Tensor
+    labels: torch.Tensor
+
+    def __post_init__(self) -> None:
+        self.tokens = torch.as_tensor(self.tokens)
+        self.labels = torch.as_tensor(self.labels).reshape(-1)
+        if self.tokens.dtype.is_floating_point or self.tokens.dtype == torch.bool or self.tokens.ndim != 2:
+            raise RelaxspecError(f"tokens must be an integer array [n, N], got {self.tokens.dtype} {tuple(self.tokens.shape)}")
+        if self.labels.dtype.is_floating_point or self.labels.dtype == torch.bool:
+            raise RelaxspecError(f"labels must be integer class ids, got {self.labels.dtype}")
+        if self.labels.shape[0] != self.tokens.shape[0]:
+            raise RelaxspecError(f"{self.tokens.shape[0]} token sequences but {self.labels.shape[0]} labels")
+        self.tokens, self.labels = self.tokens.long().cpu(), self.labels.long().cpu()
+
+    def __len__(self) -> int:
+        return self.tokens.shape[0]
+
+    def subset(self, index: torch.Tensor) -> "DrafterDataset":
+        return DrafterDataset(self.tokens[index], self.labels[index])
+
+    @classmethod
+    def concat(cls, parts: list["DrafterDataset"]) -> "DrafterDataset":
+        lengths = {p.tokens.shape[1] for p in parts}
+        if len(lengths) > 1:
+            raise RelaxspecError(f"data sources have different sequence lengths {sorted(lengths)}")
+        return cls(torch.cat([p.tokens for p in parts]), torch.cat([p.labels for p in parts]))
+
+    def check_for(self, target: Transformer) -> None:
+        """Raise unless every sequence is a full image of ``target``'s grid, vocabulary and classes."""
+        config = target.config
+        if len(self) == 0:
+            raise RelaxspecError("no training sequences: give --data, --self-samples or --images")
+        if self.tokens.shape[1] != config.block_size:
+            raise RelaxspecError(
+                f"sequences have {self.tokens.shape[1]} tokens but the target's grid is "
+                f"{config.grid_size}x{config.grid_size} = {config.block_size} (wrong --image-size or tokenizer?)"
+            )
+        if int(self.tokens.min()) < 0 or int(self.tokens.max()) >= config.vocab_size:
+            raise RelaxspecError(f"token ids lie in [{int(self.tokens.min())}, {int(self.tokens.max())}], "
+                                 f"outside the target's vocabulary [0, {config.vocab_size})")
+        if int(self.labels.min()) < 0 or int(self.labels.max()) >= config.num_classes:
+            raise RelaxspecError(f"class ids lie in [{int(self.labels.min())}, {int(self.labels.max())}], "
+                                 f"outside the target's classes [0, {config.num_classes})")
+
+    def split(self, fraction: float, seed: int) -> tuple["DrafterDataset", "DrafterDataset"]:
+        """A seeded (train, held-out) split; at least one sequence is held out when ``fraction > 0``
+        and there are two or more."""
+        held = min(len(self) - 1, max(1, round(fraction * len(self)))) if fraction > 0 and len(self) > 1 else 0
+        order = torch.randperm(len(self), generator=torch.Generator().manual_seed(seed))
+        return self.subset(order[held:]), self.subset(order[:held])
+
+
+def load_token_file(path: str | Path, label: int | None = None) -> DrafterDataset:
+    """Read token sequences: an ``.npz`` with ``tokens [n, N]`` and ``labels [n]``, or a ``.npy``
+    ``[n, N]`` whose labels come from a ``labels.npy`` beside it, or the ``stats.json`` that
+    ``relaxspec generate`` writes beside its ``tokens.npy`` (only the images it records as done are
+    used), else from ``label``."""
+    path = Path(path)
+    if not path.is_file():
+        raise RelaxspecError(f"{path}: no such token file")
+    labels, rows = None, None
+    try:
+        if path.suffix == ".npz":
+            with np.load(path, allow_pickle=False) as archive:
+                if "tokens" not in archive:
+                    raise RelaxspecError(f"{path}: an .npz needs a 'tokens' array (has {', '.join(archive.files)})")
+                tokens = archive["tokens"]
+                for key in ("labels", "classes"):
+                    if key in archive:
+                        labels = archive[key]
+                        break
+        elif path.suffix == ".npy":
+            tokens = np.load(path, allow_pickle=False)
+            if (path.parent / "labels.npy").is_file():
+                labels = np.load(path.parent / "labels.npy", allow_pickle=False)
+            elif (path.parent / "stats.json").is_file():
+                rows, labels = _generate_labels(path.parent / "stats.json")
+        else:
+            raise RelaxspecError(f"{path}: token data must be an .npy or .npz file")
+    except RelaxspecError:
+        raise
+    except (OSError, ValueError) as err:
+        raise RelaxspecError(f"{path}: not a readable numpy file ({err})") from None
+    if tokens.ndim != 2:
+        raise RelaxspecError(f"{path}: tokens must have shape [n, N], got {tokens.shape}")
+    if rows is not None:
+        if rows and max(rows) >= len(tokens):
+            raise RelaxspecError(f"{path}: stats.json records image {max(rows)} but the file has {len(tokens)} rows")
+        tokens = tokens[rows]
+    if labels is None:
+        if label is None:
+            raise RelaxspecError(f"{path}: no labels found (no 'labels' in the file, no labels.npy or stats.json "
+                                 f"with classes beside it); pass --label CLASS")
+        labels = np.full(len(tokens), label)
+    try:
+        return DrafterDataset(torch.from_numpy(np.ascontiguousarray(tokens)), torch.from_numpy(np.asarray(labels)))
+    except RelaxspecError as err:
+        raise RelaxspecError(f"{path}: {err}") from None
+
+
+def _generate_labels(stats: Path) -> tuple[list[int] | None, list[int] | None]:
+    """Rows and classes from ``relaxspec generate``'s stats.json (``images: [{index, class}]``);
+    ``(None, None)`` when it records no classes (e.g. a t2i run)."""
+    try:
+        meta = json.loads(stats.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise RelaxspecError(f"{stats}: unreadable ({err})") from None
+    images = meta.get("images") if isinstance(meta, dict) else None
+    if not isinstance(images, list) or not all(isinstance(r, dict) and "class" in r and "index" in r for r in images):
+        return None, None
+    records = sorted(images, key=lambda r: r["index"])
+    return [int(r["index"]) for r in records], [int(r["class"]) for r in records]
+
+
+@torch.no_grad()
+def sample_from_target(target: Transformer, count: int, *, classes: list[int] | None = None,
+                       sampling: SamplingConfig | None = None, seed: int = 0, batch_size: int = 16,
+                       progress: bool = False) -> DrafterDataset:
+    """``count`` images sampled from the target itself with :func:`generate_ar` (classes cycled
+    from ``classes``, or drawn uniformly)."""
+    from relaxspec.decoding.ar import generate_ar
+
+    sampling = sampling or SamplingConfig()
+    if classes and max(classes) >= target.config.num_classes:
+        raise RelaxspecError(f"self-sample classes must lie in [0, {target.config.num_classes}), got {max(classes)}")
+    if classes:
+        labels = torch.tensor(classes)[torch.arange(count) % len(classes)]
+    else:
+        labels = torch.randint(target.config.num_classes, (count,), generator=torch.Generator().manual_seed(seed))
+    device = target.output.weight.device
+    generator = torch.Generator(device=device).manual_seed(seed)
+    chunks = []
+    for start in tqdm(range(0, count, batch_size), desc="self-samples", disable=not progress, leave=False):
+        cond = labels[start : start + batch_size].to(device)
+        chunks.append(generate_ar(target, cond, sampling, generator=generator).tokens)
+    return DrafterDataset(torch.cat(chunks) if chunks else torch.empty(0, target.config.block_size, dtype=torch.long), labels)
+
+
+def center_crop(image, size: int) -> np.ndarray:
+    """Upstream's (ADM) ``center_crop_arr``: box-halve while large, bicubic-resize the short side
+    to ``size``, crop the centre. -> ``uint8 [size, size, 3]``."""
+    from PIL import Image
+
+    while min(*image.size) >= 2 * size:
+        image = image.resize(tuple(x // 2 for x in image.size), resample=Image.BOX)
+    scale = size / min(*image.size)
+    image = image.resize(tuple(round(x * scale) for x in image.size), resample=Image.BICUBIC)
+    arr = np.asarray(image.convert("RGB"))
+    top, left = (arr.shape[0] - size) // 2, (arr.shape[1] - size) // 2
+    return arr[top : top + size, left : left + size]
+
+
+def list_images(folder: str | Path, label: int | None = None) -> tuple[list[Path], list[int]]:
+    """Image files under ``folder`` and their classes: ``label`` for all, else one class per
+    sub-folder (its name if numeric, else its index in sorted order, as torchvision's ImageFolder,
+    which gives ImageNet's class ids for ``n01440764``-style names)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise RelaxspecError(f"{folder}: no such image folder")
+
+    def images_in(d: Path) -> list[Path]:
+        return sorted(p for p in d.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)
+
+    if label is not None:
+        files = images_in(folder)
+        labels = [label] * len(files)
+    else:
+        subdirs = sorted(d for d in folder.iterdir() if d.is_dir())
+        if not subdirs:
+            raise RelaxspecError(f"{folder}: no class sub-folders; pass --label CLASS for a flat folder")
+        numeric = all(d.name.isdigit() for d in subdirs)
+        files, labels = [], []
+        for index, d in enumerate(subdirs):
+            found = images_in(d)
+            files += found
+            labels += [int(d.name) if numeric else index] * len(found)
+    if not files:
+        raise RelaxspecError(f"{folder}: no images ({', '.join(IMAGE_SUFFIXES)})")
+    return files, labels
+
+
+@torch.no_grad()
+def encode_images(folder: str | Path, vq: VQModel, image_size: int, *, label: int | None = None,
+                  batch_size: int = 16, progress: bool = False) -> DrafterDataset:
+    """Encode every image under ``folder`` (center-cropped to ``image_size``) with ``vq``."""
+    from PIL import Image, UnidentifiedImageError
+
+    files, labels = list_images(folder, label)
+    device = next(vq.parameters()).device
+    chunks = []
+    for start in tqdm(range(0, len(files), batch_size), desc="encode", disable=not progress, leave=False):
+        pixels = []
+        for path in files[start : start + batch_size]:
+            try:
+                with Image.open(path) as image:
+                    pixels.append(center_crop(image.convert("RGB"), image_size))
+            except (OSError, UnidentifiedImageError) as err:
+                raise RelaxspecError(f"{path}: not a readable image ({err})") from None
+        batch = torch.from_numpy(np.stack(pixels)).permute(0, 3, 1, 2).float().div(127.5).sub(1.0)
+        chunks.append(vq.encode(batch.to(device)).cpu())
+    return DrafterDataset(torch.cat(chunks), torch.tensor(labels))
+
+
+def build_dataset(config: DrafterTrainConfig, target: Transformer) -> DrafterDataset:
+    """All the sources ``config`` names, concatenated (token files, then self-samples, then images)."""
+    parts = [load_token_file(path, config.label) for path in config.data]
+    if config.self_samples:
+        parts.append(sample_from_target(target, config.self_samples, classes=config.classes, sampling=config.sampling,
+                                        seed=config.seed, batch_size=config.batch_size, progress=config.progress))
+    if config.images is not None:
+        vq = load_vq(config.vq_ckpt, config.vq_model, device=target.output.weight.device)
+        size = target.config.grid_size * vq.config.downsample_factor
+        parts.append(encode_images(config.images, vq, size, label=config.label, batch_size=config.batch_size,
+                                   progress=config.progress))
+    if not parts:
+        raise RelaxspecError("no training data: give --data FILE, --self-samples COUNT or --images DIR")
+    return DrafterDataset.concat(parts)
+
+
+# ------------------------------------------------------------------------------------------
+# Target features, the pairing, the loss
+# ------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def target_features(target: Transformer, tokens: torch.Tensor, labels: torch.Tensor,
+                    null_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The frozen target's teacher-forced pass over ``tokens [B, N]``, under each sequence's class
+    and, for the first ``null_rows`` sequences, also under the null condition.
+
+    Returns hidden states ``[R, N, dim]`` and logits ``[R, N, vocab]`` (``R = B + null_rows``; row
+    ``k`` predicts token ``k``): class rows first, then null rows.
+    """
+    cond = torch.cat([labels, target.null_condition(labels[:null_rows])])
+    logits, hidden = target.forward_train(cond, torch.cat([tokens, tokens[:null_rows]]), return_hidden=True)
+    return hidden, logits
+
+
+def drafter_inputs(features: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Pair ``j`` = (feature that predicted ``t_j``, ``t_j``) for ``j = 0 .. N-2``.
+
+    ``features [R, N, dim]``, ``tokens [R, N]`` -> ``features [R, N-1, dim]``, ``tokens [R, N-1]``,
+    RoPE ``positions [R, N-1]`` (image-token index ``j``)."""
+    rows, n = tokens.shape
+    positions = torch.arange(n - 1, device=tokens.device).expand(rows, n - 1)
+    return features[:, :-1], tokens[:, :-1], positions
+
+
+def drafter_targets(features: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """What pair ``j`` must predict: the feature that predicts ``t_{j+1}`` and the target's
+    distribution of ``t_{j+1}``.
+
+    ``features [R, N, dim]``, ``logits [R, N, vocab]`` -> ``next_features [R, N-1, dim]``,
+    ``next_probs [R, N-1, vocab]`` (fp32, unprocessed: temperature 1, no guidance)."""
+    return features[:, 1:], logits[:, 1:].float().softmax(dim=-1)
+
+
+def drafter_loss(pred_features: torch.Tensor, pred_logits: torch.Tensor, next_features: torch.Tensor,
+                 next_probs: torch.Tensor, *, feature_weight: float = 1.0, ce_weight: float = 0.1) -> dict[str, torch.Tensor]:
+    """EAGLE's loss: ``feature_weight * SmoothL1(features) + ce_weight * CE(next_probs, drafter)``.
+
+    All inputs ``[R, T, ...]``. The cross-entropy is against the target's soft distribution (so its
+    floor is the target's entropy, not 0). ``accuracy``: the drafter's argmax equals the target's."""
+    feature_loss = F.smooth_l1_loss(pred_features.float(), next_features.float())
+    ce = -(next_probs * pred_logits.float().log_softmax(dim=-1)).sum(dim=-1).mean()
+    accuracy = (pred_logits.argmax(dim=-1) == next_probs.argmax(dim=-1)).float().mean()
+    return {"loss": feature_weight * feature_loss + ce_weight * ce, "feature_loss": feature_loss, "ce": ce,
+            "accuracy": accuracy}
+
+
+def batch_loss(drafter: EagleDrafter, tokens: torch.Tensor, labels: torch.Tensor, config: DrafterTrainConfig, *,
+               noise_generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
+    """Target features for one batch, the drafter on the (noised) pairs, the loss."""
+    target = drafter.target
+    device = target.output.weight.device
+    tokens, labels = tokens.to(device), labels.to(device)
+    null_rows = round(config.null_fraction * tokens.shape[0])
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=config.bf16):
+        features, logits = target_features(target, tokens, labels, null_rows)
+        in_features, in_tokens, positions = drafter_inputs(features, torch.cat([tokens, tokens[:null_rows]]))
+        next_features, next_probs = drafter_targets(features, logits)
+        in_features = in_features.float()
+        if noise_generator is not None and config.noise > 0:
+            uniform = torch.rand(in_features.shape, generator=noise_generator, device=device)
+            in_features = in_features + (2 * uniform - 1) * config.noise
+        pred_features, pred_logits = drafter(in_features, in_tokens, positions)
+    return drafter_loss(pred_features, pred_logits, next_features, next_probs,
+                        feature_weight=config.feature_weight, ce_weight=config.ce_weight)
+
+
+@torch.no_grad()
+def evaluate_drafter(drafter: EagleDrafter, dataset: DrafterDataset, config: DrafterTrainConfig | None = None,
+                     *, max_sequences: int | None = None) -> dict[str, float]:
+    """Loss, feature loss, CE and draft accuracy (top-1 agreement with the target) without noise,
+    averaged over the rows of ``dataset`` (both streams per ``config.null_fraction``)."""
+    config = config or DrafterTrainConfig()
+    count = len(dataset) if max_sequences is None else min(len(dataset), max_sequences)
+    totals: dict[str, float] = {}
+    was_training = drafter.training
+    drafter.eval()
+    for start in range(0, count, config.batch_size):
+        stop = min(start + config.batch_size, count)
+        losses = batch_loss(drafter, dataset.tokens[start:stop], dataset.labels[start:stop], config)
+        for name, value in losses.items():
+            totals[name] = totals.get(name, 0.0) + float(value) * (stop - start)
+    drafter.train(was_training)
+    return {name: value / max(count, 1) for name, value in totals.items()}
+
+
+# ------------------------------------------------------------------------------------------
+# Checkpoints
+# ------------------------------------------------------------------------------------------
+
+
+def load_drafter(path: str | Path, target: Transformer) -> EagleDrafter:
+    """Read a drafter folder written by :func:`train_drafter` (``kind == "drafter"``) and attach it
+    to ``target`` (its dtype and device)."""
+    loaded = read_state(path)
+    if loaded.layout != "relaxspec":
+        raise RelaxspecError(f"{path}: a drafter is a relaxspec folder (model.safetensors + config.json), "
+                             f"not a {loaded.layout} file")
+    if loaded.kind != "drafter":
+        raise RelaxspecError(f"{path}: this is a {loaded.kind!r} model, not a drafter")
+    config = loaded.config if isinstance(loaded.config, dict) else {}
+    unknown = sorted(set(config) - {f.name for f in dataclasses.fields(DrafterConfig)})
+    if unknown or not isinstance(config.get("target"), dict):
+        raise RelaxspecError(f"{path}: not a drafter config (needs 'target' and 'n_layer'"
+                             + (f"; unknown fields {', '.join(unknown)})" if unknown else ")"))
+    try:
+        drafter = EagleDrafter(DrafterConfig(**config))
+    except TypeError as err:
+        raise RelaxspecError(f"{path}: bad drafter config ({err})") from None
+    load_strict(drafter, loaded.state_dict, str(path))
+    weight = target.output.weight
+    return drafter.to(device=weight.device, dtype=weight.dtype).eval().attach(target)
+
+
+def _save_checkpoint(out: Path, drafter: EagleDrafter, optimizer: torch.optim.Optimizer, step: int,
+                     config: DrafterTrainConfig, history: list[dict]) -> None:
+    """``model.safetensors`` + ``config.json`` (what decoding loads) and ``train_state.pt`` (what
+    ``--resume`` loads: weights too, so it alone is a consistent snapshot), each replaced atomically."""
+    staging = out / ".checkpoint.tmp"
+    shutil.rmtree(staging, ignore_errors=True)
+    save_model(drafter, staging, kind="drafter", extra={"training": {"step": step, "recipe": "relaxspec train-drafter"}})
+    for name in ("model.safetensors", "config.json"):
+        os.replace(staging / name, out / name)
+    shutil.rmtree(staging, ignore_errors=True)
+    state = {
+        "format_version": STATE_VERSION,
+        "step": step,
+        "model": {k: v.detach().cpu().clone() for k, v in drafter.state_dict().items()},
+        "optimizer": optimizer.state_dict(),
+        "rng": torch.get_rng_state(),
+        "config": config.to_dict(),
+        "history": history,
+    }
+    tmp = out / (TRAIN_STATE + ".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, out / TRAIN_STATE)
+
+
+def read_train_state(out: str | Path) -> dict:
+    """``out/train_state.pt``, loaded with ``weights_only=True``."""
+    path = Path(out) / TRAIN_STATE
+    if not path.is_file():
+        raise RelaxspecError(f"{path}: no training state to resume from")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # noqa: BLE001 - any failure means "not our training state"
+        raise RelaxspecError(f"{path}: not a readable training state ({type(err).__name__}: {err})") from None
+    if not isinstance(state, dict) or state.get("format_version") != STATE_VERSION:
+        raise RelaxspecError(f"{path}: not a relaxspec drafter training state (version {STATE_VERSION})")
+    return state
+
+
+def _check_resumable(saved: dict, config: DrafterTrainConfig) -> None:
+    current = config.to_dict()
+    changed = [f"{k} (saved {saved.get(k)!r}, now {current[k]!r})" for k in current
+               if k not in RUN_FIELDS and _plain(saved.get(k)) != _plain(current[k])]
+    if changed:
+        raise RelaxspecError("cannot resume with a different recipe: " + "; ".join(changed)
+                             + ". Only the run length and output settings may change.")
+
+
+def _plain(value):
+    return list(value) if isinstance(value, tuple) else value
+
+
+# ------------------------------------------------------------------------------------------
+# The loop
+# ------------------------------------------------------------------------------------------
+
+
+@dataclass
+class DrafterTrainResult:
+    drafter: EagleDrafter
+    step: int
+    history: list[dict]  # evaluations: {"step", "loss", "feature_loss", "ce", "accuracy"}
+    seconds: float  # training steps only (no evaluation, checkpoints or data preparation)
+    sequences_per_second: float
+
+
+def _device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        return torch.device(name)
+    except RuntimeError:
+        raise RelaxspecError(f"unknown device {name!r}") from None
+
+
+def _mix(seed: int, index: int) -> int:
+    return (seed * 1_000_003 + index) % (2**63)
+
+
+def train_drafter(config: DrafterTrainConfig, *, target: Transformer | None = None,
+                  dataset: DrafterDataset | None = None, resume: bool = False) -> DrafterTrainResult:
+    """Train (or, with ``resume``, continue training) an EAGLE drafter for ``target``.
+
+    ``target`` and ``dataset`` default to what ``config`` names (``gpt_ckpt``; ``data`` /
+    ``self_samples`` / ``images``). The target is frozen in place (``eval()``, no gradients).
+    Writes ``config.out``; returns the trained drafter and its evaluation history.
+    """
+    out = Path(config.out)
+    saved = read_train_state(out) if resume else None
+    if saved is not None:
+        _check_resumable(saved["config"], config)
+    elif (out / TRAIN_STATE).exists():
+        raise RelaxspecError(f"{out} already holds a training run; pass --resume to continue it or choose another --out")
+    device = _device(config.device)
+    if target is None:
+        if config.gpt_ckpt is None:
+            raise RelaxspecError("no target: give --gpt-ckpt (and --gpt-model for an official file)")
+        target = load_gpt(config.gpt_ckpt, config.gpt_model, image_size=config.image_size,
+                          downsample=config.downsample, precision=config.precision, device=device)
+    device = target.output.weight.device
+    if target.config.model_type != "c2i":
+        raise RelaxspecError("train-drafter trains on class-conditional (c2i) targets; this target is t2i")
+    target.eval().requires_grad_(False)
+    if dataset is None:
+        dataset = build_dataset(config, target)
+    dataset.check_for(target)
+    train_set, val_set = dataset.split(config.val_fraction, config.seed)
+    eval_set, eval_name = (val_set, "val") if len(val_set) else (train_set, "train")
+
+    torch.manual_seed(config.seed)
+    drafter = EagleDrafter(DrafterConfig(target=target.config.to_dict(), n_layer=config.n_layer)).to(device).attach(target)
+    drafter.train()
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=config.lr, betas=config.betas, weight_decay=config.weight_decay)
+    step, history = 0, []
+    if saved is not None:
+        load_strict(drafter, saved["model"], str(out / TRAIN_STATE))
+        optimizer.load_state_dict(saved["optimizer"])
+        torch.set_rng_state(saved["rng"])
+        step, history = int(saved["step"]), list(saved["history"])
+    out.mkdir(parents=True, exist_ok=True)
+
+    steps_per_epoch = math.ceil(len(train_set) / config.batch_size)
+    total = config.steps if config.steps is not None else math.ceil(config.epochs * steps_per_epoch)
+
+    def evaluate(at: int) -> None:
+        metrics = evaluate_drafter(drafter, eval_set, config, max_sequences=config.eval_sequences)
+        record = {"step": at, "split": eval_name, **metrics}
+        history.append(record)
+        with open(out / "metrics.jsonl", "a") as log:
+            log.write(json.dumps(record) + "\n")
+        tqdm.write(f"step {at}: {eval_name} loss {metrics['loss']:.4f} feature {metrics['feature_loss']:.4f} "
+                   f"ce {metrics['ce']:.4f} draft accuracy {metrics['accuracy']:.3f}")
+
+    first = step
+    if first == 0 and total > 0:
+        evaluate(0)
+    seconds, sequences = 0.0, 0
+    bar = tqdm(range(first, total), initial=first, total=max(total, first), desc="train-drafter",
+               disable=not config.progress)
+    order, order_epoch = None, -1
+    for step in bar:
+        # data: epoch e visits a permutation drawn from (seed, e); a short last batch is kept
+        epoch, slot = divmod(step, steps_per_epoch)
+        if epoch != order_epoch:
+            order = torch.randperm(len(train_set), generator=torch.Generator().manual_seed(_mix(config.seed, epoch)))
+            order_epoch = epoch
+        index = order[slot * config.batch_size : (slot + 1) * config.batch_size]
+        lr = config.lr * min(1.0, (step + 1) / config.warmup_steps) if config.warmup_steps else config.lr
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+
+        start = time.perf_counter()
+        noise = torch.Generator(device=device).manual_seed(_mix(config.seed, step))
+        losses = batch_loss(drafter, train_set.tokens[index], train_set.labels[index], config, noise_generator=noise)
+        optimizer.zero_grad(set_to_none=True)
+        losses["loss"].backward()
+        if config.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(drafter.parameters(), config.grad_clip)
+        optimizer.step()
+        shown = {name: float(value.detach()) for name, value in losses.items()}  # also waits for the device
+        seconds += time.perf_counter() - start
+        sequences += len(index)
+
+        bar.set_postfix(loss=f"{shown['loss']:.4f}", ce=f"{shown['ce']:.3f}", acc=f"{shown['accuracy']:.3f}",
+                        refresh=False)
+        done = step + 1
+        if done % config.eval_interval == 0 or done == total:
+            evaluate(done)
+        if done % config.checkpoint_interval == 0 or done == total:
+            _save_checkpoint(out, drafter, optimizer, done, config, history)
+    bar.close()
+    step = max(first, total)
+    if first >= total:  # nothing left to train (e.g. resumed at the end): still leave a checkpoint
+        _save_checkpoint(out, drafter, optimizer, step, config, history)
+    return DrafterTrainResult(drafter.eval(), step, history, seconds, sequences / seconds if seconds else 0.0)
+
+
+# ------------------------------------------------------------------------------------------
+# Command line
+# ------------------------------------------------------------------------------------------
+
+
+def _classes(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.replace(",", " ").split()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"class ids must be integers, got {text!r}") from None
+
+
+def add_train_drafter_parser(subparsers) -> argparse.ArgumentParser:
+    """``relaxspec train-drafter``: every option overrides one :class:`DrafterTrainConfig` field;
+    options not given keep the default (or, with ``--resume``, the saved value)."""
+    defaults = DrafterTrainConfig()
+    parser = subparsers.add_parser(
+        "train-drafter", help="train an EAGLE drafter on a target's features",
+        description="Train the EAGLE drafter (REFERENCE §1.6) on a frozen LlamaGen target's features. "
+                    "Writes OUT/model.safetensors + config.json and OUT/train_state.pt.",
+        argument_default=argparse.SUPPRESS)
+
+    def option(flag: str, help: str, **kwargs) -> None:
+        name = kwargs.get("dest", flag.lstrip("-").replace("-", "_"))
+        default = getattr(defaults, name, None)
+        shown = default is not None and default is not False and default != []
+        parser.add_argument(flag, help=f"{help} (default: {default})" if shown else help, **kwargs)
+
+    target = parser.add_argument_group("target")
+    option("--gpt-ckpt", "target checkpoint: an official .pt or a relaxspec folder", metavar="PATH")
+    option("--gpt-model", "target size for an official checkpoint (GPT-B, GPT-L, GPT-XL, ...)")
+    option("--image-size", "image resolution of an official checkpoint", type=int)
+    option("--downsample", "tokenizer downsampling factor", type=int)
+    option("--precision", "target weights precision", choices=list(PRECISIONS))
+    data = parser.add_argument_group("data")
+    option("--data", "token sequences: .npz (tokens, labels) or .npy [n, N] with labels.npy / stats.json beside "
+           "it; repeatable", action="append", metavar="FILE")
+    option("--label", "class id for sources without labels", type=int)
+    option("--self-samples", "also train on COUNT samples drawn from the target", type=int, metavar="COUNT")
+    option("--classes", "classes of the self-samples, e.g. '1 2 3' or '1,2,3' (default: uniform)", type=_classes,
+           nargs="+", metavar="CLASS")
+    option("--cfg-scale", "CFG scale of the self-samples", type=float)
+    option("--temperature", "temperature of the self-samples", type=float)
+    option("--top-k", "top-k of the self-samples (0 = off)", type=int)
+    option("--images", "folder of images (class sub-folders or --label) to encode with the VQ model", metavar="DIR")
+    option("--vq-ckpt", "VQ tokenizer checkpoint for --images", metavar="PATH")
+    option("--vq-model", "VQ model name for an official VQ checkpoint")
+    option("--val-fraction", "share of sequences held out to measure draft accuracy", type=float)
+    train = parser.add_argument_group("training")
+    option("--out", "output folder", metavar="DIR")
+    option("--n-layer", "drafter transformer blocks", type=int)
+    option("--epochs", "passes over the data", type=float)
+    option("--steps", "optimizer steps (overrides --epochs)", type=int)
+    option("--batch-size", "sequences per step", type=int)
+    option("--lr", "AdamW learning rate", type=float)
+    option("--weight-decay", "AdamW weight decay", type=float)
+    option("--warmup-steps", "linear learning-rate warm-up", type=int)
+    option("--grad-clip", "gradient-norm clip (0 = off)", type=float)
+    option("--noise", "uniform feature noise amplitude a: U(-a, a)", type=float)
+    option("--ce-weight", "weight of the cross-entropy term", type=float)
+    option("--null-fraction", "share of each batch also trained under the null condition", type=float)
+    option("--seed", "seed (data order, noise, init, self-samples)", type=int)
+    option("--bf16", "bf16 autocast", action="store_true")
+    option("--device", "cpu, cuda, cuda:1, or auto")
+    option("--checkpoint-interval", "steps between checkpoints", type=int)
+    option("--eval-interval", "steps between evaluations", type=int)
+    parser.add_argument("--resume", action="store_true", default=False, help="continue the run saved in --out")
+    parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    parser.set_defaults(func=run_train_drafter)
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> tuple[DrafterTrainConfig, bool]:
+    """The config the command line asks for: given options over the defaults or, with
+    ``--resume``, over the saved run's config."""
+    given = {k: v for k, v in vars(args).items() if k in DrafterTrainConfig.__dataclass_fields__}
+    if "classes" in given:  # each --classes word may itself be a comma list
+        given["classes"] = [c for word in given["classes"] for c in word]
+    resume = bool(getattr(args, "resume", False))
+    base = {}
+    if resume:
+        base = dict(read_train_state(given.get("out", DrafterTrainConfig.out))["config"])
+    return DrafterTrainConfig.from_dict({**base, **given}), resume
+
+
+def run_train_drafter(args: argparse.Namespace) -> int:
+    """Entry point of ``relaxspec train-drafter``; raises :class:`RelaxspecError` on bad input."""
+    config, resume = config_from_args(args)
+    result = train_drafter(config, resume=resume)
+    last = result.history[-1] if result.history else {}
+    print(json.dumps({"out": config.out, "step": result.step, "sequences_per_second": round(result.sequences_per_second, 2),
+                      **{k: round(v, 5) for k, v in last.items() if isinstance(v, float)}}))
+    return 0

@@ -1,0 +1,271 @@
+"""Drafter training: the pairing, that the loss falls, exact resume, the saved format, bad input."""
+
+import argparse
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from relaxspec.checkpoints import save_model
+from relaxspec.drafting.eagle import EagleDrafter
+from relaxspec.errors import RelaxspecError
+from relaxspec.models.gpt import GPTConfig, Transformer
+from relaxspec.models.vq import VQConfig, VQModel
+from relaxspec.sampling import SamplingConfig
+from relaxspec.training.drafter import (
+    TRAIN_STATE,
+    DrafterDataset,
+    DrafterTrainConfig,
+    add_train_drafter_parser,
+    drafter_inputs,
+    drafter_loss,
+    drafter_targets,
+    encode_images,
+    evaluate_drafter,
+    load_drafter,
+    load_token_file,
+    run_train_drafter,
+    sample_from_target,
+    target_features,
+    train_drafter,
+)
+
+TINY = GPTConfig(dim=64, n_layer=2, n_head=4, vocab_size=64, num_classes=10, block_size=16)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    # Tiny models on a shared machine: thread start-up costs more than it saves.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def make_target(config: GPTConfig = TINY, seed: int = 0) -> Transformer:
+    torch.manual_seed(seed)
+    target = Transformer(config)
+    with torch.no_grad():
+        target.output.weight.mul_(20)  # peaked distributions, so the CE has something to learn
+    return target.eval()
+
+
+@pytest.fixture(scope="module")
+def target() -> Transformer:
+    return make_target()
+
+
+@pytest.fixture(scope="module")
+def dataset(target: Transformer) -> DrafterDataset:
+    return sample_from_target(target, 16, sampling=SamplingConfig(cfg_scale=1.0), seed=0)
+
+
+def quick(out, **overrides) -> DrafterTrainConfig:
+    fields = dict(out=str(out), steps=10, batch_size=4, lr=3e-3, warmup_steps=2, val_fraction=0.0,
+                  progress=False, eval_interval=1000, checkpoint_interval=1000)
+    return DrafterTrainConfig(**{**fields, **overrides})
+
+
+# ---------------------------------------------------------------------------------- pairing
+
+
+@torch.no_grad()
+def test_pairing_matches_incremental_decoding(target: Transformer, dataset: DrafterDataset) -> None:
+    """An oracle that runs the target token by token with its KV cache — as decoding does — and
+    outputs the hidden state after consuming ``t_j`` gets zero feature loss: pair ``j`` must
+    predict exactly that."""
+    tokens, labels = dataset.tokens[:3], dataset.labels[:3]
+    batch, n = tokens.shape
+    for cond in (labels, target.null_condition(labels)):
+        cls = target.config.cls_token_num
+        target.setup_caches(batch, cls + n)
+        try:
+            slots = torch.arange(cls).expand(batch, -1)
+            logits, hidden = target(cond=cond, positions=slots, cache_slots=slots, return_hidden=True)
+            before, before_logits = [hidden[:, -1]], [logits[:, -1]]  # what predicted t_j
+            for j in range(n - 1):
+                where = torch.full((batch, 1), cls + j)
+                logits, hidden = target(tokens[:, j : j + 1], where, cache_slots=where, return_hidden=True)
+                before.append(hidden[:, 0])
+                before_logits.append(logits[:, 0])
+        finally:
+            target.clear_caches()
+        incremental = torch.stack(before, dim=1)  # [B, N, dim]: row j predicts t_j
+        incremental_logits = torch.stack(before_logits, dim=1)
+
+        null_rows = 0 if cond is labels else batch
+        features, logits = target_features(target, tokens, labels, null_rows)
+        features, logits = features[-batch:], logits[-batch:]
+        in_features, in_tokens, positions = drafter_inputs(features, tokens)
+        next_features, next_probs = drafter_targets(features, logits)
+        assert in_features.shape == next_features.shape == (batch, n - 1, TINY.dim)
+        assert next_probs.shape == (batch, n - 1, TINY.vocab_size)
+        torch.testing.assert_close(in_features, incremental[:, :-1], atol=1e-5, rtol=1e-5)
+        assert torch.equal(in_tokens, tokens[:, :-1])
+        assert torch.equal(positions, torch.arange(n - 1).expand(batch, -1))
+
+        oracle_features = incremental[:, 1:]  # the state after consuming t_j
+        oracle_logits = incremental_logits[:, 1:]
+        losses = drafter_loss(oracle_features, oracle_logits, next_features, next_probs)
+        assert float(losses["feature_loss"]) < 1e-9
+        entropy = -(next_probs * next_probs.clamp_min(1e-30).log()).sum(-1).mean()
+        torch.testing.assert_close(losses["ce"], entropy, atol=1e-4, rtol=1e-4)
+        assert float(losses["accuracy"]) == 1.0
+        # The test can tell: an oracle one position off is far from zero.
+        shifted = drafter_loss(incremental[:, :-1], incremental_logits[:, :-1], next_features, next_probs)
+        assert float(shifted["feature_loss"]) > 1e-3
+
+
+def test_target_features_stack_class_then_null_rows(target: Transformer, dataset: DrafterDataset) -> None:
+    tokens, labels = dataset.tokens[:4], dataset.labels[:4]
+    features, logits = target_features(target, tokens, labels, null_rows=2)
+    assert features.shape == (6, 16, TINY.dim) and logits.shape == (6, 16, TINY.vocab_size)
+    with torch.no_grad():
+        null_logits = target.forward_train(target.null_condition(labels[:2]), tokens[:2])
+    torch.testing.assert_close(logits[4:], null_logits)
+
+
+# ---------------------------------------------------------------------------------- training
+
+
+def test_loss_falls_and_draft_accuracy_rises(tmp_path, target: Transformer, dataset: DrafterDataset) -> None:
+    config = quick(tmp_path / "run", steps=120, eval_interval=60)
+    result = train_drafter(config, target=target, dataset=dataset)
+    first, last = result.history[0], result.history[-1]
+    assert first["step"] == 0 and last["step"] == 120
+    assert last["ce"] < 0.7 * first["ce"]
+    assert last["feature_loss"] < 0.5 * first["feature_loss"]
+    chance = 1 / TINY.vocab_size
+    assert first["accuracy"] < 5 * chance < 0.3 < last["accuracy"]
+    again = evaluate_drafter(result.drafter, dataset, config)
+    assert again["accuracy"] == pytest.approx(last["accuracy"])
+    assert result.sequences_per_second > 0
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [0, 60, 120]
+
+
+def test_resume_continues_exactly(tmp_path, target: Transformer, dataset: DrafterDataset) -> None:
+    # 4 steps per epoch: the split run crosses an epoch boundary after resuming.
+    straight = train_drafter(quick(tmp_path / "a", steps=10), target=target, dataset=dataset)
+    train_drafter(quick(tmp_path / "b", steps=6), target=target, dataset=dataset)
+    state = torch.load(tmp_path / "b" / TRAIN_STATE, weights_only=True)
+    assert state["step"] == 6
+    resumed = train_drafter(quick(tmp_path / "b", steps=10), target=target, dataset=dataset, resume=True)
+    assert resumed.step == 10
+    a, b = straight.drafter.state_dict(), resumed.drafter.state_dict()
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+def test_save_load_round_trip(tmp_path, target: Transformer, dataset: DrafterDataset) -> None:
+    result = train_drafter(quick(tmp_path / "run", steps=3), target=target, dataset=dataset)
+    loaded = load_drafter(tmp_path / "run", target)
+    meta = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert meta["kind"] == "drafter" and meta["training"]["step"] == 3
+    features, logits = target_features(target, dataset.tokens[:2], dataset.labels[:2], null_rows=2)
+    inputs = drafter_inputs(features, torch.cat([dataset.tokens[:2]] * 2))
+    with torch.no_grad():
+        want = result.drafter(*inputs)
+        got = loaded(*inputs)
+    assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
+
+
+def test_cli_trains_and_resumes(tmp_path, target: Transformer, dataset: DrafterDataset) -> None:
+    save_model(target, tmp_path / "target")
+    np.savez(tmp_path / "data.npz", tokens=dataset.tokens.numpy(), labels=dataset.labels.numpy())
+    parser = argparse.ArgumentParser()
+    add_train_drafter_parser(parser.add_subparsers(dest="command"))
+    common = ["train-drafter", "--gpt-ckpt", str(tmp_path / "target"), "--out", str(tmp_path / "run"), "--no-progress"]
+    args = parser.parse_args(common + ["--data", str(tmp_path / "data.npz"), "--steps", "3", "--batch-size", "4",
+                                       "--lr", "1e-3", "--self-samples", "4", "--classes", "1,2", "3"])
+    assert args.func(args) == 0
+    assert torch.load(tmp_path / "run" / TRAIN_STATE, weights_only=True)["step"] == 3
+    # Resuming needs only the run length: the recipe comes from the saved state ...
+    args = parser.parse_args(common + ["--resume", "--steps", "5"])
+    assert run_train_drafter(args) == 0
+    state = torch.load(tmp_path / "run" / TRAIN_STATE, weights_only=True)
+    assert state["step"] == 5 and state["config"]["lr"] == 1e-3 and state["config"]["classes"] == [1, 2, 3]
+    # ... and may not change it.
+    args = parser.parse_args(common + ["--resume", "--steps", "7", "--lr", "5e-4"])
+    with pytest.raises(RelaxspecError, match="different recipe: lr"):
+        run_train_drafter(args)
+
+
+# ---------------------------------------------------------------------------------- data
+
+
+def test_token_files_and_their_labels(tmp_path) -> None:
+    tokens = np.arange(32).reshape(2, 16) % 64
+    (tmp_path / "a").mkdir()
+    np.save(tmp_path / "a" / "tokens.npy", tokens)
+    # as `relaxspec generate` writes it; only the images it records (as done) are used
+    (tmp_path / "a" / "stats.json").write_text(json.dumps({"images": [{"index": 1, "class": 4, "file": "0001.png"}]}))
+    data = load_token_file(tmp_path / "a" / "tokens.npy")
+    assert data.labels.tolist() == [4] and data.tokens.tolist() == tokens[1:].tolist()
+    (tmp_path / "b").mkdir()
+    np.save(tmp_path / "b" / "tokens.npy", tokens)
+    with pytest.raises(RelaxspecError, match="--label"):
+        load_token_file(tmp_path / "b" / "tokens.npy")
+    assert load_token_file(tmp_path / "b" / "tokens.npy", label=7).labels.tolist() == [7, 7]
+    np.save(tmp_path / "b" / "labels.npy", np.array([1, 2]))
+    assert load_token_file(tmp_path / "b" / "tokens.npy").labels.tolist() == [1, 2]
+    np.savez(tmp_path / "c.npz", tokens=tokens, labels=np.array([5, 6]))
+    data = load_token_file(tmp_path / "c.npz")
+    assert data.tokens.dtype == torch.long and data.labels.tolist() == [5, 6]
+
+
+def test_image_folder_is_encoded_with_class_folders(tmp_path) -> None:
+    from PIL import Image
+
+    torch.manual_seed(0)
+    vq = VQModel(VQConfig(codebook_size=64, codebook_embed_dim=8, z_channels=16, ch=32, ch_mult=(1, 2),
+                          num_res_blocks=1, norm_groups=8)).eval()
+    rng = np.random.default_rng(0)
+    for name, count in (("3", 2), ("5", 1)):
+        (tmp_path / name).mkdir()
+        for i in range(count):
+            Image.fromarray(rng.integers(0, 256, (12, 10, 3), dtype=np.uint8)).save(tmp_path / name / f"{i}.png")
+    data = encode_images(tmp_path, vq, image_size=8)  # 8 px / downsample 2 = 4x4 = TINY's grid
+    assert data.tokens.shape == (3, 16) and data.labels.tolist() == [3, 3, 5]
+    data.check_for(make_target())
+
+
+# ---------------------------------------------------------------------------------- bad input
+
+
+def test_bad_inputs_raise_clear_errors(tmp_path, target: Transformer, dataset: DrafterDataset) -> None:
+    with pytest.raises(RelaxspecError, match="no training data"):
+        train_drafter(quick(tmp_path / "x"), target=target)
+    with pytest.raises(RelaxspecError, match="no such token file"):
+        train_drafter(quick(tmp_path / "x", data=[str(tmp_path / "missing.npy")]), target=target)
+    with pytest.raises(RelaxspecError, match="grid"):
+        train_drafter(quick(tmp_path / "x"), target=target, dataset=DrafterDataset(dataset.tokens[:, :9], dataset.labels))
+    with pytest.raises(RelaxspecError, match="classes"):
+        train_drafter(quick(tmp_path / "x"), target=target, dataset=DrafterDataset(dataset.tokens, dataset.labels + 10))
+    with pytest.raises(RelaxspecError, match="no training state"):
+        train_drafter(quick(tmp_path / "x"), target=target, dataset=dataset, resume=True)
+    for bad in (dict(lr=0), dict(noise=-1), dict(null_fraction=1.5), dict(batch_size=0), dict(images="imgs")):
+        with pytest.raises(RelaxspecError):
+            quick(tmp_path / "x", **bad)
+
+    train_drafter(quick(tmp_path / "run", steps=1), target=target, dataset=dataset)
+    with pytest.raises(RelaxspecError, match="already holds a training run"):
+        train_drafter(quick(tmp_path / "run", steps=1), target=target, dataset=dataset)
+    with pytest.raises(RelaxspecError, match="different recipe: lr"):
+        train_drafter(quick(tmp_path / "run", steps=2, lr=1e-2), target=target, dataset=dataset, resume=True)
+
+    other = make_target(GPTConfig(dim=32, n_layer=1, n_head=2, vocab_size=64, num_classes=10, block_size=16))
+    with pytest.raises(RelaxspecError, match="different target"):
+        load_drafter(tmp_path / "run", other)
+    save_model(target, tmp_path / "gpt")
+    with pytest.raises(RelaxspecError, match="not a drafter"):
+        load_drafter(tmp_path / "gpt", target)
+    with pytest.raises(RelaxspecError, match="no such file"):
+        load_drafter(tmp_path / "nowhere", target)
+    t2i = Transformer(GPTConfig(dim=64, n_layer=1, n_head=4, vocab_size=64, model_type="t2i", cls_token_num=2,
+                                caption_dim=8, block_size=16))
+    with pytest.raises(RelaxspecError, match="c2i"):
+        train_drafter(quick(tmp_path / "y"), target=t2i, dataset=dataset)
+    assert isinstance(load_drafter(tmp_path / "run", target), EagleDrafter)
