@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import pickle
 import re
 from dataclasses import dataclass
@@ -40,21 +41,35 @@ class LoadedState:
     kind: str | None = None
 
 
+def _unpickling_error(path: Path, err: Exception, zip_file: bool) -> RelaxspecError:
+    """Say why ``weights_only=True`` rejected a file: it holds objects that only code execution
+    could build (refused), or its bytes are no PyTorch checkpoint at all. A zip-format
+    ``torch.save`` file whose pickle is rejected is always the first case."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(err))
+    found = re.search(r"GLOBAL (\S+)", text)
+    detail = re.search(r"WeightsUnpickler error:\s*(.+?)\s*(?:\n\n|$)", text, re.S)
+    reason = " ".join((detail.group(1) if detail else text.splitlines()[0]).split())
+    if found or zip_file:
+        what = f"the file holds {found.group(1)}, which" if found else f"its pickle ({reason}) is something that"
+        return RelaxspecError(
+            f"{path}: refusing to load: {what} only an unsafe unpickling (one that can run arbitrary code) "
+            f"could build. Save only the weights (torch.save(model.state_dict(), ...)) or convert the file "
+            f"to safetensors."
+        )
+    return RelaxspecError(f"{path}: not a PyTorch checkpoint that can be loaded safely ({reason})")
+
+
 def _torch_load(path: Path) -> object:
     try:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except pickle.UnpicklingError as err:
-        raise RelaxspecError(
-            f"{path}: refusing to load: this file needs arbitrary code to be run to unpickle it "
-            f"(weights_only=True rejected it: {str(err).splitlines()[0]}). Save only the weights "
-            f"(torch.save(model.state_dict(), ...)) or convert the file to safetensors."
-        ) from None
+        raise _unpickling_error(path, err, zip_file=True) from None
     except RuntimeError as err:
         if "mmap" in str(err) or "zip" in str(err).lower():
             try:  # legacy (non-zip) torch.save files cannot be memory-mapped
                 return torch.load(path, map_location="cpu", weights_only=True)
             except pickle.UnpicklingError as err2:
-                raise RelaxspecError(f"{path}: refusing to load: unsafe pickle ({str(err2).splitlines()[0]})") from None
+                raise _unpickling_error(path, err2, zip_file=False) from None
             except Exception as err2:  # noqa: BLE001 - any failure here means "not a checkpoint"
                 raise RelaxspecError(f"{path}: not a readable PyTorch checkpoint ({type(err2).__name__}: {err2})") from None
         raise RelaxspecError(f"{path}: not a readable PyTorch checkpoint ({err})") from None
@@ -143,6 +158,79 @@ def load_strict(module: torch.nn.Module, state_dict: dict[str, torch.Tensor], so
 
 
 # ------------------------------------------------------------------------------------------
+# Model specs: a named size or a JSON file of config fields
+# ------------------------------------------------------------------------------------------
+
+
+def _read_json_config(path: Path, what: str) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise RelaxspecError(f"{path}: not valid JSON ({err})") from None
+    if isinstance(data, dict) and isinstance(data.get("config"), dict):  # a relaxspec config.json
+        data = data["config"]
+    if not isinstance(data, dict):
+        raise RelaxspecError(f"{path}: expected a JSON object of {what} fields")
+    known = {f.name for f in dataclasses.fields(GPTConfig if what == "GPTConfig" else VQConfig)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise RelaxspecError(f"{path}: unknown {what} fields: {', '.join(unknown)}")
+    return data
+
+
+def _is_config_file(spec: str) -> bool:
+    return spec.endswith(".json") or Path(spec).is_file()
+
+
+def resolve_gpt_model(spec: str | None, ckpt: str, image_size: int, downsample: int) -> tuple[str | None, GPTConfig | None]:
+    """A GPT model spec: a named size (returned as the name) or a JSON file of GPTConfig fields
+    (returned as a config: fields it leaves out are read from the weights, the grid from
+    ``image_size``)."""
+    if spec is None or spec in GPT_SIZES:
+        return spec, None
+    if not _is_config_file(spec):
+        raise RelaxspecError(f"unknown GPT model {spec!r}; choose one of {', '.join(GPT_SIZES)} "
+                             "or give a JSON file of GPTConfig fields")
+    fields = _read_json_config(Path(spec), "GPTConfig")
+    grid = image_size // downsample
+    if "block_size" in fields and fields["block_size"] != grid * grid:
+        side = math.isqrt(max(int(fields["block_size"]), 0))
+        raise RelaxspecError(f"image size {image_size} gives a {grid}x{grid} token grid but {spec} describes a "
+                             f"{side}x{side} grid ({side * downsample} px)")
+    derived = ("model_type", "vocab_size", "num_classes", "caption_dim", "cls_token_num")
+    if any(key not in fields for key in derived):
+        state = read_state(ckpt)
+        if state.layout != "relaxspec":
+            inferred = infer_gpt_fields(state.state_dict)
+            for key in derived:
+                if key in inferred:
+                    fields.setdefault(key, inferred[key])
+    fields.setdefault("block_size", grid * grid)
+    try:
+        return None, GPTConfig(**fields)
+    except RelaxspecError:
+        raise
+    except (TypeError, ValueError) as err:
+        raise RelaxspecError(f"{spec}: bad GPT config ({err})") from None
+
+
+def resolve_vq_model(spec: str) -> tuple[str | None, VQConfig | None]:
+    """A VQ model spec: a named tokenizer or a JSON file of VQConfig fields."""
+    if spec in VQ_CONFIGS:
+        return spec, None
+    if not _is_config_file(spec):
+        raise RelaxspecError(f"unknown VQ model {spec!r}; choose one of {', '.join(VQ_CONFIGS)} "
+                             "or give a JSON file of VQConfig fields")
+    try:
+        return None, VQConfig(**_read_json_config(Path(spec), "VQConfig"))
+    except RelaxspecError:
+        raise
+    except (TypeError, ValueError) as err:
+        raise RelaxspecError(f"{spec}: bad VQ config ({err})") from None
+
+
+
+# ------------------------------------------------------------------------------------------
 # GPT
 # ------------------------------------------------------------------------------------------
 
@@ -177,45 +265,52 @@ def gpt_name_for(fields: dict) -> str | None:
 
 
 def load_gpt(path: str | Path, model_name: str | None = None, *, image_size: int | None = None,
-             downsample: int = 16, precision: str = "fp32", device: str | torch.device = "cpu") -> Transformer:
+             downsample: int = 16, precision: str = "fp32", device: str | torch.device = "cpu",
+             config: GPTConfig | None = None) -> Transformer:
     """Build and load a LlamaGen transformer.
 
     Our folders carry their config. Official files do not, and the head count cannot be inferred
     from the weights, so ``model_name`` (e.g. "GPT-B") is required for them; ``image_size`` fixes
-    the token grid (default 256 px).
+    the token grid (default 256 px). An official-layout file of a size that has no name (a small
+    test model) is loaded with an explicit ``config`` instead; the weights must still fit it exactly.
     """
     if precision not in PRECISIONS:
         raise RelaxspecError(f"unknown precision {precision!r}; choose one of {', '.join(PRECISIONS)}")
+    if config is None and model_name is not None and model_name not in GPT_SIZES:
+        model_name, config = resolve_gpt_model(model_name, str(path), image_size or 256, downsample)
     loaded = read_state(path)
     if loaded.layout == "relaxspec":
         if loaded.kind != "gpt":
             raise RelaxspecError(f"{path}: this is a {loaded.kind!r} model, not a GPT")
         config = GPTConfig.from_dict(loaded.config)
+        if image_size is not None and image_size % downsample:
+            raise RelaxspecError(f"image size {image_size} is not a multiple of the tokenizer's downsampling {downsample}")
         if image_size is not None and image_size // downsample != config.grid_size:
             raise RelaxspecError(
                 f"image size {image_size} gives a {image_size // downsample}x{image_size // downsample} token grid "
                 f"but the model was trained on {config.grid_size}x{config.grid_size}"
             )
     else:
-        if model_name is None:
-            raise RelaxspecError(f"{path}: an official checkpoint needs --gpt-model (one of {', '.join(GPT_SIZES)})")
-        fields = infer_gpt_fields(loaded.state_dict)
-        size = image_size or 256
-        config = gpt_config(model_name, image_size=size, downsample=downsample, model_type=fields["model_type"],
-                            vocab_size=fields["vocab_size"], cls_token_num=fields["cls_token_num"],
-                            **({"num_classes": fields["num_classes"]} if "num_classes" in fields else {"caption_dim": fields["caption_dim"]}))
-        if (config.dim, config.n_layer) != (fields["dim"], fields["n_layer"]):
-            guess = gpt_name_for(fields)
-            raise RelaxspecError(
-                f"{path}: the weights are dim {fields['dim']} x {fields['n_layer']} layers, not {model_name}"
-                + (f" (they look like {guess})" if guess else "")
-            )
+        fields = infer_gpt_fields(loaded.state_dict)  # also refuses weights that are no LlamaGen GPT
+        if config is None:
+            if model_name is None:
+                raise RelaxspecError(f"{path}: an official checkpoint needs --gpt-model (one of {', '.join(GPT_SIZES)})")
+            config = gpt_config(model_name, image_size=image_size or 256, downsample=downsample,
+                                model_type=fields["model_type"], vocab_size=fields["vocab_size"],
+                                cls_token_num=fields["cls_token_num"],
+                                **({"num_classes": fields["num_classes"]} if "num_classes" in fields else {"caption_dim": fields["caption_dim"]}))
+            if (config.dim, config.n_layer) != (fields["dim"], fields["n_layer"]):
+                guess = gpt_name_for(fields)
+                raise RelaxspecError(
+                    f"{path}: the weights are dim {fields['dim']} x {fields['n_layer']} layers, not {model_name}"
+                    + (f" (they look like {guess})" if guess else "")
+                )
         freqs = loaded.state_dict.get("freqs_cis")
         if freqs is not None and freqs.shape[0] != config.cls_token_num + config.block_size:
-            grid = int(round((freqs.shape[0] - config.cls_token_num) ** 0.5))
+            grid = int(round(max(freqs.shape[0] - config.cls_token_num, 0) ** 0.5))
             raise RelaxspecError(
-                f"image size {size} gives a {config.grid_size}x{config.grid_size} token grid but the checkpoint "
-                f"was made for {grid}x{grid} ({grid * downsample} px)"
+                f"image size {config.grid_size * downsample} gives a {config.grid_size}x{config.grid_size} token grid "
+                f"but the checkpoint was made for {grid}x{grid} ({grid * downsample} px)"
             )
     model = Transformer(config)
     load_strict(model, strip_ignored(loaded.state_dict), str(path))
@@ -228,13 +323,24 @@ def load_gpt(path: str | Path, model_name: str | None = None, *, image_size: int
 
 
 def load_vq(path: str | Path, model_name: str | None = "VQ-16", *, device: str | torch.device = "cpu",
-            codebook_size: int | None = None) -> VQModel:
-    """Build and load a LlamaGen VQ tokenizer (official ``{"model": sd}`` files or our folders)."""
+            codebook_size: int | None = None, config: VQConfig | None = None) -> VQModel:
+    """Build and load a LlamaGen VQ tokenizer (official ``{"model": sd}`` files or our folders).
+
+    ``config`` replaces the named config for an official-layout file of an unnamed size (the
+    GroupNorm group count, like the GPT head count, is not in the weights)."""
+    if config is None and model_name is not None and model_name not in VQ_CONFIGS:
+        model_name, config = resolve_vq_model(model_name)
     loaded = read_state(path)
     if loaded.layout == "relaxspec":
         if loaded.kind != "vq":
             raise RelaxspecError(f"{path}: this is a {loaded.kind!r} model, not a VQ tokenizer")
+        unknown = sorted(set(loaded.config) - set(VQConfig.__dataclass_fields__))
+        if unknown:
+            raise RelaxspecError(f"{path}: unknown VQ config fields: {', '.join(unknown)}")
         config = VQConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in loaded.config.items()})
+    elif config is not None:
+        if "quantize.embedding.weight" not in loaded.state_dict:
+            raise RelaxspecError(f"{path}: not a LlamaGen VQ checkpoint (no quantize.embedding.weight)")
     else:
         if model_name not in VQ_CONFIGS:
             raise RelaxspecError(f"unknown VQ model {model_name!r}; choose one of {', '.join(VQ_CONFIGS)}")

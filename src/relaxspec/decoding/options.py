@@ -32,13 +32,13 @@ class MethodOptions:
     """
 
     method: str = "ar"
-    draft: str = "chain"
-    depth: int = 4
+    draft: str | None = None  # None: the method's default (chain; static for lantern++, dynamic for eagle2)
+    depth: int | None = None  # None: 4 for a chain, 5 levels for EAGLE-2's dynamic tree (LANTERN's setting)
     tree: str = "lantern57"
     siblings: str = "sampled"
     dynamic_top_k: int = 10
     total_tokens: int = 59
-    k: int = 1000
+    k: int | None = None  # None: 1000 (LANTERN's default), 10 for LANTERN++'s multiplicative rule
     delta: float | None = None
     lam: float | None = None
     residual: str = "relaxed"
@@ -51,8 +51,18 @@ class MethodOptions:
 
     def __post_init__(self) -> None:
         if self.method in ALIASES:
-            for key, value in ALIASES[self.method].items():
-                setattr(self, key, value)
+            alias, implied = self.method, ALIASES[self.method]
+            if self.draft is not None and self.draft != implied["draft"]:
+                raise RelaxspecError(f"--method {alias} means --draft {implied['draft']}; for another structure use "
+                                     f"--method {implied['method']} --draft {self.draft}")
+            self.method, self.draft = implied["method"], implied["draft"]
+            if alias == "lantern++" and self.delta is not None:
+                raise RelaxspecError("--method lantern++ is the multiplicative rule (--lam); for an additive budget "
+                                     "use --method lantern --draft static --delta D")
+        if self.draft is None:
+            self.draft = "chain"
+        if self.depth is None:
+            self.depth = 5 if self.draft == "dynamic" else 4
         self.validate()
 
     def validate(self) -> None:
@@ -63,18 +73,20 @@ class MethodOptions:
         for name in ("depth", "dynamic_top_k", "total_tokens", "window"):
             if int(getattr(self, name)) < 1:
                 raise RelaxspecError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.k < 0:
+        if self.k is not None and self.k < 0:
             raise RelaxspecError(f"k (neighbours) must be >= 0, got {self.k}")
         if self.method == "lantern":
             if self.delta is not None and self.lam is not None:
                 raise RelaxspecError("give LANTERN either --delta (additive budget) or --lam (multiplicative, LANTERN++), not both")
             if self.delta is None and self.lam is None:
-                # LANTERN++ defaults to its multiplicative rule, plain LANTERN to the additive one.
+                # Defaults of the official code: LANTERN++'s run script uses (k, lam) = (10, 5) on a
+                # static tree; LANTERN's CLI default is (k, delta) = (1000, 0.1).
                 if self.draft == "static":
                     self.lam = 5.0
-                    self.k = min(self.k, 10) if self.k == 1000 else self.k
                 else:
                     self.delta = 0.1
+        if self.k is None:
+            self.k = 10 if self.method == "lantern" and self.lam is not None else 1000
             if self.delta is not None and not 0 <= self.delta <= 1:
                 raise RelaxspecError(f"--delta is an additive TV budget in [0, 1], got {self.delta}")
             if self.lam is not None and self.lam < 1:

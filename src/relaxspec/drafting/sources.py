@@ -52,7 +52,8 @@ def ancestor_matrix(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
     step = torch.zeros(batch, nodes, nodes, device=parents.device)
     rows = torch.arange(nodes, device=parents.device)
     has_parent = parents >= 0
-    step[:, rows, parents.clamp(min=0)] = has_parent.float() if batch == 1 else 0.0
+    if batch == 1:  # (batch > 1 below; a [:, rows, parents[B, T]] index here would touch B*B*T entries)
+        step[:, rows, parents.clamp(min=0)] = has_parent.float()
     if batch > 1:
         b_idx = torch.arange(batch, device=parents.device)[:, None].expand(batch, nodes)
         step[b_idx, rows.expand(batch, nodes), parents.clamp(min=0)] = has_parent.float()
@@ -380,7 +381,7 @@ class JacobiSource:
         fresh = self._draw(new_laws, generator)
         if self.coupled and not self.greedy:
             # The old draft at the same image position sits at window index a + 1 + j.
-            old_idx = src  # window index (1-based chain node) of the old draft at that position
+            old_idx = src + 1  # window index (1-based chain node) of the old draft at that position
             old_have = old_idx <= L
             old_tok = self.drafts.gather(1, (old_idx - 1).clamp(max=L - 1))
             old_law = self.laws.gather(1, (old_idx - 1).clamp(max=L - 1)[:, :, None].expand(-1, -1, self.vocab))

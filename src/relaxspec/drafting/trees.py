@@ -14,6 +14,7 @@ never exceeds its parent's).
 from __future__ import annotations
 
 import heapq
+import re
 import json
 from dataclasses import dataclass
 from functools import cached_property
@@ -106,8 +107,17 @@ EAGLE25 = [[0], [1], [2], [3], [0, 0], [0, 1], [0, 2], [1, 0], [1, 1], [2, 0], [
            [0, 0, 0, 0], [0, 0, 0, 1], [0, 0, 0, 2], [0, 0, 0, 0, 0], [0, 0, 0, 0, 1]]
 
 
+def probe_tree(depth: int, ranks: int) -> TreeSpec:
+    """A tree for *measuring* rates: a rank-0 spine of ``depth`` levels with ``ranks`` siblings
+    at every level, so each (depth, rank) is tested whenever the spine reaches it."""
+    if depth < 1 or ranks < 1:
+        raise RelaxspecError("a probe tree needs depth >= 1 and ranks >= 1")
+    return TreeSpec.from_paths([[0] * d + [r] for d in range(depth) for r in range(ranks)])
+
+
 def shipped_trees() -> dict[str, list[str]]:
-    return {"eagle25": "EAGLE-1 default, 25 nodes", **{
+    return {"eagle25": "EAGLE-1 default, 25 nodes", "chainN": "a chain of N drafts",
+            "probeDxR": "measuring tree: D levels x R siblings", **{
         f.name[: -len(".json")]: "shipped" for f in resources.files("relaxspec").joinpath("trees").iterdir()
         if f.name.endswith(".json")
     }}
@@ -119,6 +129,9 @@ def load_tree(name_or_path: str) -> TreeSpec:
         return TreeSpec.from_paths(EAGLE25)
     if name_or_path.startswith("chain") and name_or_path[5:].isdigit():
         return TreeSpec.chain(int(name_or_path[5:]))
+    probe = re.fullmatch(r"probe(\d+)x(\d+)", name_or_path)
+    if probe:
+        return probe_tree(int(probe.group(1)), int(probe.group(2)))
     shipped = resources.files("relaxspec").joinpath("trees", f"{name_or_path}.json")
     path = Path(name_or_path)
     if shipped.is_file():

@@ -1,0 +1,99 @@
+"""Shared fixtures: tiny LlamaGen-shaped models (CPU, milliseconds per forward) and tiny
+official-layout checkpoint files written by ``relaxspec make-test-checkpoints``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from relaxspec.models.gpt import GPTConfig, Transformer
+from relaxspec.models.vq import VQConfig, VQModel
+
+# The test models are tiny: a forward is dominated by thread hand-offs, and with more than one
+# intra-op thread on a busy 2-core machine one millisecond becomes a hundred. One thread is as
+# fast as any for these sizes and keeps the suite's runtime predictable.
+torch.set_num_threads(1)
+
+#: 64-d, 2 layers, 4 heads (head dim 16), 64 codes, 10 classes, 4x4 token grid.
+TINY_GPT = dict(dim=64, n_layer=2, n_head=4, vocab_size=64, num_classes=10, block_size=16)
+#: t2i variant: 6 caption tokens of 32 features.
+TINY_T2I = dict(TINY_GPT, model_type="t2i", cls_token_num=6, caption_dim=32)
+#: ch_mult (1, 2, 2): downsampling 4, so a 16 px image is the GPT's 4x4 grid; 64 codes.
+TINY_VQ = dict(codebook_size=64, codebook_embed_dim=8, z_channels=16, ch=32, ch_mult=(1, 2, 2), num_res_blocks=1,
+               norm_groups=8)
+
+
+def scramble_(model: Transformer, seed: int = 0) -> Transformer:
+    """Give a GPT weights with O(1) activations and well-separated logits.
+
+    Upstream's std-0.02 initialisation makes next-token distributions nearly uniform, where an
+    argmax can hinge on rounding; fan-in-scaled weights make every comparison in the tests robust.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=gen)
+            if param.dim() == 1:  # RMSNorm gains
+                param.copy_(1 + 0.1 * noise)
+            elif "embedding" in name:  # token / class tables
+                param.copy_(noise)
+            else:  # Linear [out, in]
+                param.copy_(noise / param.shape[1] ** 0.5)
+        for name, buffer in model.named_buffers():
+            if name.endswith("uncond_embedding"):
+                buffer.copy_(torch.randn(buffer.shape, generator=gen))
+    return model
+
+
+@pytest.fixture
+def make_gpt():
+    """Factory: ``make_gpt(**overrides)`` -> an eval-mode tiny GPT with scrambled weights."""
+
+    def build(seed: int = 0, **overrides) -> Transformer:
+        fields = dict(TINY_GPT)
+        if overrides.get("model_type") == "t2i":
+            fields = dict(TINY_T2I)
+        fields.update(overrides)
+        torch.manual_seed(seed)
+        return scramble_(Transformer(GPTConfig(**fields)), seed).eval()
+
+    return build
+
+
+@pytest.fixture
+def tiny_gpt(make_gpt) -> Transformer:
+    return make_gpt()
+
+
+@pytest.fixture
+def tiny_t2i(make_gpt) -> Transformer:
+    return make_gpt(model_type="t2i")
+
+
+@pytest.fixture
+def tiny_vq() -> VQModel:
+    torch.manual_seed(0)
+    return VQModel(VQConfig(**TINY_VQ)).eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpts(tmp_path_factory) -> dict:
+    """Official-layout random-weight files from ``relaxspec make-test-checkpoints --preset tiny``:
+    ``{"c2i": {...}, "t2i": {...}}`` each with gpt / gpt_json / vq / vq_json paths (as str) and
+    the CLI arguments that load them (``args``)."""
+    from relaxspec.cli import main
+
+    files = {}
+    for model_type in ("c2i", "t2i"):
+        folder = tmp_path_factory.mktemp(f"ckpt-{model_type}")
+        assert main(["make-test-checkpoints", "--preset", "tiny", "--model-type", model_type, "--out", str(folder)]) == 0
+        entry = {name: str(folder / name) for name in ("gpt.pt", "gpt.json", "vq.pt", "vq.json")}
+        entry = {"gpt": entry["gpt.pt"], "gpt_json": entry["gpt.json"], "vq": entry["vq.pt"], "vq_json": entry["vq.json"],
+                 "folder": folder, "config": json.loads(Path(entry["gpt.json"]).read_text())}
+        entry["args"] = ["--gpt-ckpt", entry["gpt"], "--gpt-model", entry["gpt_json"], "--vq-ckpt", entry["vq"],
+                         "--vq-model", entry["vq_json"], "--image-size", "16"]
+        files[model_type] = entry
+    return files

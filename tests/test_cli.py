@@ -1,0 +1,330 @@
+"""``relaxspec`` command line: generate end to end on tiny official-layout files, resumption,
+``info``, and every user error as one line on stderr with exit code 2."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+import relaxspec.cli as cli
+from relaxspec.checkpoints import load_gpt, load_vq, read_state
+from relaxspec.cli import batch_seed, main
+from relaxspec.decoding import decode
+from relaxspec.models.gpt import GPTConfig, Transformer, rope_table_2d
+from relaxspec.models.vq import VQConfig, VQModel, to_uint8
+from relaxspec.sampling import SamplingConfig
+
+from conftest import TINY_VQ
+
+
+def run(argv, capsys):
+    code = main([str(a) for a in argv])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def generate_args(ckpts, out, *extra):
+    return ["generate", *ckpts["args"], "--out", out, "--no-progress", *extra]
+
+
+def load_pair(ckpts):
+    model = load_gpt(ckpts["gpt"], config=GPTConfig(**ckpts["config"]))
+    vq = load_vq(ckpts["vq"], config=VQConfig(**json.loads(Path(ckpts["vq_json"]).read_text())))
+    return model, vq
+
+
+# ----------------------------------------------------------------------------------- happy path
+
+
+def test_make_test_checkpoints_writes_official_layout(tiny_ckpts):
+    for model_type, ckpts in tiny_ckpts.items():
+        state = read_state(ckpts["gpt"])
+        assert state.layout == "model"
+        config = GPTConfig(**ckpts["config"])
+        assert config.model_type == model_type and config.block_size == 16
+        assert set(state.state_dict) == set(Transformer(config).state_dict())
+        vq_state = read_state(ckpts["vq"])
+        assert vq_state.layout == "model" and "quantize.codebook_used" in vq_state.state_dict
+
+
+def test_generate_end_to_end(tiny_ckpts, tmp_path, capsys):
+    out = tmp_path / "out"
+    code, stdout, err = run(generate_args(
+        tiny_ckpts["c2i"], out, "--classes", "1,2,3", "--batch-size", "2", "--cfg-scale", "4.0", "--temperature", "1.0",
+        "--top-k", "20", "--top-p", "0.9", "--seed", "0", "--method", "ar"), capsys)
+    assert code == 0, err
+    assert "3 images" in stdout
+    assert sorted(p.name for p in out.iterdir()) == ["0000.png", "0001.png", "0002.png", "grid.png", "stats.json", "tokens.npy"]
+    tokens = np.load(out / "tokens.npy")
+    assert tokens.dtype == np.int64 and tokens.shape == (3, 16)
+    assert tokens.min() >= 0 and tokens.max() < 64
+    # Each PNG is the VQ decoding of its tokens, saved with upstream's rounding.
+    _, vq = load_pair(tiny_ckpts["c2i"])
+    with torch.no_grad():
+        expected = to_uint8(vq.decode(torch.from_numpy(tokens))).numpy()
+    for i in range(3):
+        image = Image.open(out / f"{i:04d}.png")
+        assert image.size == (16, 16) and image.mode == "RGB"
+        assert np.array_equal(np.asarray(image), expected[i])
+    assert Image.open(out / "grid.png").size == (2 * 18 + 2, 2 * 18 + 2)
+
+    stats = json.loads((out / "stats.json").read_text())
+    assert stats["complete"] is True and len(stats["settings_hash"]) == 16
+    settings = stats["settings"]
+    assert settings["sampling"] == {"cfg_scale": 4.0, "temperature": 1.0, "top_k": 20, "top_p": 0.9}
+    assert settings["method"]["method"] == "ar"
+    assert settings["classes"] == [1, 2, 3] and settings["seed"] == 0 and settings["batch_size"] == 2
+    for key in ("gpt_ckpt", "gpt_model", "vq_ckpt", "vq_model", "image_size", "precision", "device", "gpt_config"):
+        assert key in settings
+    assert [r["class"] for r in stats["images"]] == [1, 2, 3]
+    for record in stats["images"]:
+        assert record["target_forwards"] == 16 and record["mean_accepted_length"] == 1.0 and record["tv_bound"] == 0.0
+        assert record["seconds"] > 0
+    totals = stats["totals"]
+    assert totals["images"] == 3 and totals["target_forwards_per_image"] == 16 and totals["mean_accepted_length"] == 1.0
+    assert totals["seconds_per_image"] > 0
+
+
+def test_cli_tokens_equal_api_tokens(tiny_ckpts, tmp_path, capsys):
+    ckpts = tiny_ckpts["c2i"]
+    model, _ = load_pair(ckpts)
+    classes = torch.tensor([4, 0, 9])
+    greedy = SamplingConfig(cfg_scale=4.0, temperature=0.0, top_k=2000)
+    code, _, err = run(generate_args(ckpts, tmp_path / "greedy", "--classes", "4,0,9", "--temperature", "0",
+                                     "--batch-size", "3"), capsys)
+    assert code == 0, err
+    cli_tokens = torch.from_numpy(np.load(tmp_path / "greedy" / "tokens.npy"))
+    assert torch.equal(cli_tokens, decode(model, classes, greedy).tokens)
+    # Sampled: batch b draws from a generator seeded batch_seed(seed, b), as stats.json says.
+    code, _, err = run(generate_args(ckpts, tmp_path / "sampled", "--classes", "4,0,9", "--seed", "5",
+                                     "--batch-size", "2"), capsys)
+    assert code == 0, err
+    sampling = SamplingConfig(cfg_scale=4.0, temperature=1.0, top_k=2000)
+    api = torch.cat([decode(model, classes[s : s + 2], sampling, generator=torch.Generator().manual_seed(batch_seed(5, b))).tokens
+                     for b, s in enumerate((0, 2))])
+    assert torch.equal(torch.from_numpy(np.load(tmp_path / "sampled" / "tokens.npy")), api)
+
+
+def test_generate_t2i(tiny_ckpts, tmp_path, capsys):
+    features = np.random.default_rng(0).standard_normal((2, 6, 32)).astype(np.float32)
+    mask = np.ones((2, 6), dtype=bool)
+    mask[0, :2] = False
+    np.savez(tmp_path / "captions.npz", features=features, mask=mask)
+    code, _, err = run(generate_args(tiny_ckpts["t2i"], tmp_path / "out", "--caption-features",
+                                     tmp_path / "captions.npz", "--cfg-scale", "7.5", "--temperature", "0"), capsys)
+    assert code == 0, err
+    assert np.load(tmp_path / "out" / "tokens.npy").shape == (2, 16)
+    stats = json.loads((tmp_path / "out" / "stats.json").read_text())
+    assert stats["settings"]["caption_mask"] is True and [r["caption"] for r in stats["images"]] == [0, 1]
+    model, _ = load_pair(tiny_ckpts["t2i"])
+    expected = decode(model, torch.from_numpy(features)[:1], SamplingConfig(cfg_scale=7.5, temperature=0, top_k=2000),
+                      cond_mask=torch.from_numpy(mask)[:1]).tokens
+    assert np.array_equal(np.load(tmp_path / "out" / "tokens.npy")[:1], expected.numpy())
+
+
+def test_sjd_method_runs_through_the_cli(tiny_ckpts, tmp_path, capsys):
+    pytest.importorskip("relaxspec.decoding.engine")
+    code, _, err = run(generate_args(tiny_ckpts["c2i"], tmp_path / "out", "--classes", "1", "--method", "sjd",
+                                     "--window", "4", "--temperature", "0"), capsys)
+    assert code == 0, err
+    model, _ = load_pair(tiny_ckpts["c2i"])
+    ar = decode(model, torch.tensor([1]), SamplingConfig(cfg_scale=4.0, temperature=0.0, top_k=2000)).tokens
+    assert np.array_equal(np.load(tmp_path / "out" / "tokens.npy"), ar.numpy())  # lossless greedy
+
+
+def test_info(tiny_ckpts, capsys):
+    code, out, err = run(["info", tiny_ckpts["c2i"]["gpt"]], capsys)
+    assert code == 0, err
+    assert "official LlamaGen file" in out and "kind:       gpt (c2i)" in out and "parameters:" in out
+    code, out, _ = run(["info", tiny_ckpts["c2i"]["vq"], "--json"], capsys)
+    info = json.loads(out)
+    assert info["kind"] == "vq" and info["layout"] == "model" and info["parameters"] > 0
+
+
+# ------------------------------------------------------------------------------------ resuming
+
+
+def test_resume_after_interruption_and_deletion(tiny_ckpts, tmp_path, capsys, monkeypatch):
+    ckpts = tiny_ckpts["c2i"]
+    extra = ("--classes", "1,2,3,4", "--seed", "3")
+    assert run(generate_args(ckpts, tmp_path / "full", *extra), capsys)[0] == 0
+    reference = np.load(tmp_path / "full" / "tokens.npy")
+
+    out = tmp_path / "resumed"
+    calls = {"n": 0}
+    real_decode = cli.decode
+
+    def interrupted(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt
+        return real_decode(*args, **kwargs)
+
+    monkeypatch.setattr(cli, "decode", interrupted)
+    code, _, err = run(generate_args(ckpts, out, *extra), capsys)
+    assert code == 130 and "interrupted" in err
+    monkeypatch.setattr(cli, "decode", real_decode)
+    assert sorted(p.name for p in out.glob("*.png")) == ["0000.png", "0001.png"]
+    partial = json.loads((out / "stats.json").read_text())
+    assert partial["complete"] is False and [r["index"] for r in partial["images"]] == [0, 1]
+    assert not list(out.glob(".*"))  # no temp files left behind
+    first_png = (out / "0000.png").stat().st_mtime_ns
+
+    code, stdout, err = run(generate_args(ckpts, out, *extra), capsys)
+    assert code == 0, err
+    assert "2 generated now, 2 kept" in stdout
+    assert np.array_equal(np.load(out / "tokens.npy"), reference)
+    assert (out / "0000.png").stat().st_mtime_ns == first_png
+
+    (out / "0002.png").unlink()
+    code, stdout, _ = run(generate_args(ckpts, out, *extra), capsys)
+    assert code == 0 and "1 generated now, 3 kept" in stdout
+    assert np.array_equal(np.load(out / "tokens.npy"), reference)
+    stats = json.loads((out / "stats.json").read_text())
+    assert stats["complete"] and stats["totals"]["generated_this_run"] == 1 and len(stats["images"]) == 4
+
+    # Other settings in the same folder: refused unless --overwrite.
+    code, _, err = run(generate_args(ckpts, out, *extra, "--cfg-scale", "2"), capsys)
+    assert code == 2 and "different settings" in err and "sampling" in err
+    code, stdout, _ = run(generate_args(ckpts, out, "--classes", "1,2", "--cfg-scale", "2", "--overwrite"), capsys)
+    assert code == 0 and "2 generated now" in stdout
+    assert sorted(p.name for p in out.glob("*.png")) == ["0000.png", "0001.png", "grid.png"]
+
+
+# --------------------------------------------------------------------------------- user errors
+
+
+@pytest.fixture(scope="module")
+def bad_files(tmp_path_factory, tiny_ckpts):
+    folder = tmp_path_factory.mktemp("bad")
+    state = read_state(tiny_ckpts["c2i"]["gpt"]).state_dict
+    files = {"folder": folder}
+    files["text"] = folder / "notes.pt"
+    files["text"].write_text("hello\n")
+    files["unsafe"] = folder / "train_state.pt"
+    torch.save({"model": dict(state), "args": argparse.Namespace(lr=1)}, files["unsafe"])
+    files["freqs"] = folder / "freqs.pt"
+    torch.save({"model": {**state, "freqs_cis": rope_table_2d(8, 16, cls_token_num=1)}}, files["freqs"])
+    files["a_file"] = folder / "a_file"
+    files["a_file"].write_text("")
+    files["empty_dir"] = folder / "empty_dir"
+    files["empty_dir"].mkdir()
+    small_vq = VQConfig(**dict(TINY_VQ, codebook_size=32))
+    files["vq32"] = folder / "vq32.pt"
+    torch.save({"model": VQModel(small_vq).state_dict()}, files["vq32"])
+    files["vq32_json"] = folder / "vq32.json"
+    files["vq32_json"].write_text(json.dumps(dataclasses.asdict(small_vq)))
+    files["bad_json"] = folder / "bad.json"
+    files["bad_json"].write_text("{not json")
+    files["objects"] = folder / "objects.npy"
+    np.save(files["objects"], np.array([{"a": 1}], dtype=object), allow_pickle=True)
+    files["wrong_shape"] = folder / "wrong_shape.npy"
+    np.save(files["wrong_shape"], np.zeros((2, 5, 32), dtype=np.float32))
+    return files
+
+
+def option(argv, flag, value):
+    """Replace (or, with value None, drop) ``flag`` and its value in ``argv``."""
+    argv = list(argv)
+    if flag in argv:
+        i = argv.index(flag)
+        del argv[i : i + 2]
+    return argv + ([flag, value] if value is not None else [])
+
+
+ERRORS = {
+    "missing gpt file": (lambda a, f: option(a, "--gpt-ckpt", f["folder"] / "missing.pt"), "no such file"),
+    "missing vq file": (lambda a, f: option(a, "--vq-ckpt", f["folder"] / "missing.pt"), "no such file"),
+    "folder without weights": (lambda a, f: option(a, "--gpt-ckpt", f["empty_dir"]), "config.json"),
+    "not a checkpoint": (lambda a, f: option(a, "--gpt-ckpt", f["text"]), "not a readable"),
+    "vq file as gpt": (lambda a, f: option(a, "--gpt-ckpt", a[a.index("--vq-ckpt") + 1]), "not a LlamaGen GPT"),
+    "gpt file as vq": (lambda a, f: option(a, "--vq-ckpt", a[a.index("--gpt-ckpt") + 1]), "not a LlamaGen VQ"),
+    "unsafe pickle": (lambda a, f: option(a, "--gpt-ckpt", f["unsafe"]), "refusing"),
+    "class id out of range": (lambda a, f: option(a, "--classes", "3,10"), "class id 10 is out of range"),
+    "negative class id": (lambda a, f: option(a, "--classes", "-1"), "out of range"),
+    "class ids not numbers": (lambda a, f: option(a, "--classes", "cat,dog"), "class ids"),
+    "image size not a multiple": (lambda a, f: option(a, "--image-size", "18"), "not a multiple"),
+    "image size off the grid": (lambda a, f: option(a, "--image-size", "32"), "token grid"),
+    "image size vs freqs_cis": (lambda a, f: option(a, "--gpt-ckpt", f["freqs"]), "made for 8x8"),
+    "negative cfg": (lambda a, f: a + ["--cfg-scale", "-1"], "cfg scale"),
+    "top-p zero": (lambda a, f: a + ["--top-p", "0"], "top-p"),
+    "top-p above one": (lambda a, f: a + ["--top-p", "1.5"], "top-p"),
+    "unknown gpt model": (lambda a, f: option(a, "--gpt-model", "GPT-Q"), "unknown GPT model"),
+    "unknown vq model": (lambda a, f: option(a, "--vq-model", "VQ-3"), "unknown VQ model"),
+    "bad json config": (lambda a, f: option(a, "--gpt-model", f["bad_json"]), "not valid JSON"),
+    "no gpt model for an official file": (lambda a, f: option(a, "--gpt-model", None), "needs --gpt-model"),
+    "wrong named size": (lambda a, f: option(a, "--gpt-model", "GPT-B"), "not GPT-B"),
+    "vocabulary mismatch": (lambda a, f: option(option(a, "--vq-ckpt", f["vq32"]), "--vq-model", f["vq32_json"]), "vocabulary"),
+    "unknown method": (lambda a, f: a + ["--method", "magic"], "invalid choice"),
+    "drafter missing": (lambda a, f: a + ["--method", "lantern"], "--drafter-ckpt"),
+    "bad precision": (lambda a, f: a + ["--precision", "fp8"], "invalid choice"),
+    "not a number": (lambda a, f: a + ["--top-k", "many"], "invalid int"),
+    "unknown option": (lambda a, f: a + ["--bogus"], "unrecognized arguments"),
+    "missing --out": (lambda a, f: option(a, "--out", None), "required: --out"),
+    "out is a file": (lambda a, f: option(a, "--out", f["a_file"]), "not a folder"),
+    "captions for c2i": (lambda a, f: a + ["--caption-features", f["wrong_shape"]], "class-conditional"),
+    "zero batch size": (lambda a, f: a + ["--batch-size", "0"], "--batch-size"),
+    "unknown device": (lambda a, f: a + ["--device", "abacus"], "device"),
+}
+T2I_ERRORS = {
+    "t2i without captions": (lambda a, f: a, "--caption-features"),
+    "t2i with classes": (lambda a, f: a + ["--classes", "1"], "text-to-image"),
+    "caption shape": (lambda a, f: a + ["--caption-features", f["wrong_shape"]], "shape"),
+    "caption pickle": (lambda a, f: a + ["--caption-features", f["objects"]], "refusing"),
+    "caption not an array": (lambda a, f: a + ["--caption-features", f["text"]], "not a .npy"),
+    "caption missing": (lambda a, f: a + ["--caption-features", f["folder"] / "nope.npy"], "no such file"),
+}
+
+
+def assert_one_line_error(code, stdout, err, expected):
+    assert code == 2, (stdout, err)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("relaxspec: error: ") and "Traceback" not in err
+    assert expected in lines[0], lines[0]
+
+
+@pytest.mark.parametrize("case", list(ERRORS))
+def test_c2i_user_errors(case, tiny_ckpts, bad_files, tmp_path, capsys):
+    base = generate_args(tiny_ckpts["c2i"], tmp_path / "out", "--classes", "1,2")
+    edit, expected = ERRORS[case]
+    assert_one_line_error(*run(edit([str(a) for a in base], bad_files), capsys), expected)
+
+
+@pytest.mark.parametrize("case", list(T2I_ERRORS))
+def test_t2i_user_errors(case, tiny_ckpts, bad_files, tmp_path, capsys):
+    base = generate_args(tiny_ckpts["t2i"], tmp_path / "out")
+    edit, expected = T2I_ERRORS[case]
+    assert_one_line_error(*run(edit([str(a) for a in base], bad_files), capsys), expected)
+
+
+def test_other_commands_errors_and_help(tiny_ckpts, bad_files, tmp_path, capsys):
+    assert_one_line_error(*run(["info", bad_files["unsafe"]], capsys), "refusing")
+    assert_one_line_error(*run(["info", tmp_path / "nothing.pt"], capsys), "no such file")
+    assert_one_line_error(*run([], capsys), "required")
+    assert_one_line_error(*run(["paint"], capsys), "invalid choice")
+    assert_one_line_error(*run(["make-test-checkpoints", "--out", bad_files["a_file"]], capsys), "not a folder")
+    code, stdout, _ = run(["generate", "--help"], capsys)
+    assert code == 0 and "--drafter-ckpt" in stdout and "--caption-features" in stdout
+
+
+@pytest.mark.parametrize("argv,expected", [
+    (["generate", "--gpt-ckpt", "g.pt", "--vq-ckpt", "v.pt", "--out", "o", "--bogus"], "unrecognized arguments"),
+    (["info", "/nonexistent/ckpt.pt"], "no such file"),
+])
+def test_console_errors_in_a_real_process(argv, expected, bad_files):
+    """The same, through a fresh interpreter: exit status 2, one stderr line, no traceback."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "relaxspec.cli", *argv], capture_output=True, text=True, env=env,
+                          timeout=120)
+    assert_one_line_error(proc.returncode, proc.stdout, proc.stderr, expected)
