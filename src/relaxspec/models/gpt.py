@@ -16,7 +16,7 @@ Two departures from upstream's *interface* (not its arithmetic):
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn as nn
