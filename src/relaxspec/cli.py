@@ -207,7 +207,8 @@ def main(argv: list[str] | None = None) -> int:
             # torch warns about the pickle protocol of non-torch pickles before refusing them; the
             # refusal itself is the message.
             warnings.filterwarnings("ignore", message="Detected pickle protocol")
-            return args.handler(args)
+            handler = getattr(args, "handler", None) or args.func
+            return handler(args)
     except SystemExit as done:  # --help / --version
         return done.code if isinstance(done.code, int) else 0
     except (UsageError, RelaxspecError) as err:
