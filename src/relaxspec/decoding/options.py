@@ -85,12 +85,12 @@ class MethodOptions:
                     self.lam = 5.0
                 else:
                     self.delta = 0.1
-        if self.k is None:
-            self.k = 10 if self.method == "lantern" and self.lam is not None else 1000
             if self.delta is not None and not 0 <= self.delta <= 1:
                 raise RelaxspecError(f"--delta is an additive TV budget in [0, 1], got {self.delta}")
             if self.lam is not None and self.lam < 1:
                 raise RelaxspecError(f"--lam is a multiplicative bound >= 1, got {self.lam}")
+        if self.k is None:
+            self.k = 10 if self.method == "lantern" and self.lam is not None else 1000
         if self.anneal and (self.method != "lantern" or self.delta is None):
             raise RelaxspecError("--anneal applies to LANTERN's additive budget: use it with --method lantern --delta D")
         if self.residual not in ("relaxed", "plain"):
