@@ -102,7 +102,7 @@ class EagleSource:
     # -- plumbing shared by the structures ----------------------------------------------
     def start(self, batch: int, streams: int, num_tokens: int, device) -> None:
         self.batch, self.streams = batch, streams
-        self.drafter.setup_caches(batch * streams, num_tokens + self.max_nodes + 1)
+        self.drafter.setup_caches(batch * streams, num_tokens + self.structure.drafter_slots + 1)
         self.forwards = 0
 
     def close(self) -> None:
@@ -153,6 +153,7 @@ class StaticTree:
     def __init__(self, spec: TreeSpec, siblings: str = "sampled"):
         self.spec, self.siblings = spec, siblings
         self.max_nodes, self.depth = spec.num_nodes, spec.depth
+        self.drafter_slots = spec.num_nodes
         self._ancestors = ancestor_matrix(spec.parents[None], spec.depth)[0]
         # Per level: the parents that have children, and each child's (parent slot, rank).
         self._levels = []
@@ -214,6 +215,8 @@ class DynamicTree:
     def __init__(self, top_k: int = 10, depth: int = 5, total_tokens: int = 59):
         self.top_k, self.depth, self.total = top_k, depth, total_tokens
         self.max_nodes = total_tokens
+        # The drafter writes every expanded beam (top_k per level below the root) to its own slot.
+        self.drafter_slots = max(total_tokens, (depth - 1) * top_k + 1)
 
     def draft(self, source: EagleSource, roots, root_index, generator, greedy: bool) -> DraftTree:
         batch, device = roots.shape[0], roots.device

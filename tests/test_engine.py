@@ -1,0 +1,652 @@
+"""The speculative engine, end to end, against the plain autoregressive law.
+
+The batch dimension is the sample dimension. On a tiny random LlamaGen-style target
+(vocabulary ``V = 4``, a 2x2 grid, so ``V**4 = 256`` whole images) the exact law of every image
+is enumerated with teacher forcing (:meth:`Transformer.forward_train` + the same
+:func:`relaxspec.sampling.process_logits` the engine uses), and ``N = 100000`` images drawn by
+each speculative method are compared with it by a chi-square test at ``alpha = 1e-3``.
+
+Power. Cells whose expected count is below 5 are pooled. For any alternative law at total
+variation ``eps`` from the truth, Cauchy-Schwarz gives the non-centrality
+``lambda = N * sum (p' - p)^2 / p >= N * (sum |p' - p|)^2 = 4 N eps^2`` (pooling only cells with
+``p < 5e-5`` changes ``eps`` negligibly), i.e. ``lambda >= 160`` for ``eps = 0.02``;
+:func:`chi_square_pvalue` asserts that the test rejects such an alternative with probability
+> 0.9 for the number of cells it actually used, and :func:`test_whole_image_chi_square_has_power`
+shows it rejecting a method that is *not* lossless (LANTERN with a large budget).
+
+A 4-token image lets the first step test drafts down to depth 2 only (deeper nodes exist but
+are invalid); depth is exercised by the greedy tests: token-for-token equality with
+:func:`generate_ar` on a 4x4 grid with a "good" drafter (a target that is nearly a Markov chain
+over tokens and a drafter that computes that chain), so rows of a batch accept different lengths.
+
+Also here: the law of token 1 under relaxed rules (LANTERN, COOL-SD) against
+``rule.one_step_law`` and the engine's TV record; KV compaction with an oracle draft source whose
+accepted paths run through sibling ranks 1 and 2 (non-contiguous node indices), checked against
+a fresh forward's K/V after every step; the drafter's cached root law against a cache-free
+drafter forward; option validation; batched sampling smoke tests.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+
+from relaxspec.acceptance import CoolRule, ExactRule, LanternRule, neighbour_table
+from relaxspec.decoding import DecodeResult, MethodOptions, decode
+from relaxspec.decoding.ar import generate_ar
+from relaxspec.decoding.engine import build_rule, generate_speculative
+from relaxspec.drafting.eagle import EagleDrafter
+from relaxspec.drafting.sources import DraftTree, DynamicTree, EagleSource, StaticTree, ancestor_matrix
+from relaxspec.drafting.trees import EAGLE25, TreeSpec, load_tree
+from relaxspec.errors import RelaxspecError
+from relaxspec.models.gpt import GPTConfig, Transformer
+from relaxspec.sampling import SamplingConfig, process_logits
+
+ALPHA = 1e-3
+N_SAMPLES = 100_000
+CHUNK = 25_000  # images per engine call
+CLASS = 1
+
+
+@pytest.fixture(autouse=True, scope="module")
+def single_thread():
+    """Batched ops on tens of thousands of rows are much faster on one thread than on two that
+    contend with other processes on the shared test machine; restore the setting afterwards."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+# --------------------------------------------------------------------------- models
+def scaled_(module: torch.nn.Module, factor: float) -> None:
+    """Multiply every parameter by ``factor`` (random init is std 0.02: distributions would be
+    nearly uniform and every test weak)."""
+    with torch.no_grad():
+        for param in module.parameters():
+            param.mul_(factor)
+
+
+def tiny_target(seed: int = 1, scale: float = 4.0) -> Transformer:
+    """V = 4 codes, a 2x2 grid (4 image tokens), 3 classes; one layer keeps 100000-image runs
+    cheap (this seed's laws depend on the whole prefix: TV 0.1-0.25 between prefixes that end
+    in the same token)."""
+    torch.manual_seed(seed)
+    config = GPTConfig(dim=8, n_layer=1, n_head=2, vocab_size=4, num_classes=3, block_size=4, multiple_of=8)
+    model = Transformer(config).eval()
+    scaled_(model, scale)
+    return model
+
+
+def tiny_drafter(model: Transformer, seed: int = 1, scale: float = 4.0) -> EagleDrafter:
+    """An untrained EAGLE drafter with scaled weights: its q is far from uniform and far from p."""
+    torch.manual_seed(seed)
+    drafter = EagleDrafter.for_target(model).eval()
+    scaled_(drafter, scale)
+    return drafter
+
+
+def markov_pair(seed: int = 0, vocab: int = 32, block_size: int = 16, mix: float = 0.1,
+                classes: int = 5) -> tuple[Transformer, EagleDrafter]:
+    """A target that is nearly a Markov chain over tokens, and a drafter that computes the chain.
+
+    Target: unit-RMS token embeddings ``e(x)``; attention and MLP outputs scaled by ``mix``, so
+    the final state is ``e(x) + O(mix)`` and ``p(. | prefix) ~ softmax(W e(x_last))``. The
+    condition (and the rest of the prefix) only enter through the ``O(mix)`` attention term.
+    Drafter: ``fc`` copies the token embedding (plus a small share of the target feature), the
+    drafter block is near identity, and the head is the target's, so ``q ~ softmax(W e(x))``:
+    close to ``p`` but not equal, and rows of a batch accept different lengths.
+    """
+    torch.manual_seed(seed)
+    dim = 32
+    config = GPTConfig(dim=dim, n_layer=2, n_head=2, vocab_size=vocab, num_classes=classes,
+                       block_size=block_size, multiple_of=32)
+    model = Transformer(config).eval()
+    scaled_(model, 8.0)
+    with torch.no_grad():
+        emb = model.tok_embeddings.weight
+        emb.div_(emb.pow(2).mean(dim=1, keepdim=True).sqrt())
+        for layer in model.layers:
+            layer.attention.wo.weight.mul_(mix)
+            layer.feed_forward.w2.weight.mul_(mix)
+            layer.attention_norm.weight.fill_(1.0)
+            layer.ffn_norm.weight.fill_(1.0)
+        model.norm.weight.fill_(1.0)
+        model.output.weight.copy_(torch.randn(vocab, dim) * (3.0 / dim**0.5))
+    drafter = EagleDrafter.for_target(model).eval()
+    with torch.no_grad():
+        drafter.fc.weight.zero_()
+        drafter.fc.weight[:, :dim] = torch.eye(dim)
+        drafter.fc.weight[:, dim:] = torch.randn(dim, dim) * (0.1 / dim**0.5)
+    return model, drafter
+
+
+# --------------------------------------------------------------------------- exact laws
+def guided_probs(model: Transformer, cls: int, tokens: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
+    """Teacher-forced processed distributions ``[S, N, V]`` (row k = law of token k)."""
+    cond = torch.full((tokens.shape[0],), cls, dtype=torch.long)
+    with torch.no_grad():
+        logits = model.forward_train(cond, tokens)
+        if sampling.use_cfg:
+            logits = torch.cat([logits, model.forward_train(model.null_condition(cond), tokens)])
+    return process_logits(logits, sampling).double()
+
+
+def exact_image_law(model: Transformer, cls: int, sampling: SamplingConfig) -> torch.Tensor:
+    """Law of all ``V**N`` images ``[V**N]`` (float64); image index = tokens read base V, first
+    token most significant (the order of ``torch.cartesian_prod``)."""
+    vocab, n_tok = model.config.vocab_size, model.config.block_size
+    images = torch.cartesian_prod(*[torch.arange(vocab)] * n_tok)
+    probs = guided_probs(model, cls, images, sampling)
+    law = probs.gather(2, images[:, :, None]).squeeze(2).prod(dim=1)
+    assert abs(float(law.sum()) - 1.0) < 1e-6
+    return law
+
+
+def image_index(tokens: torch.Tensor, vocab: int) -> torch.Tensor:
+    weights = vocab ** torch.arange(tokens.shape[1] - 1, -1, -1)
+    return (tokens.long() * weights).sum(dim=1)
+
+
+def chi_square_pvalue(counts: np.ndarray, law: np.ndarray, min_expected: float = 5.0,
+                      eps: float = 0.02) -> float:
+    """Chi-square goodness of fit of ``counts`` to ``law`` with cells of expected count < 5
+    pooled. Impossible cells (law 0) must be empty. Also asserts the test's power against any
+    alternative at TV ``eps``: non-centrality ``>= 4 n eps^2`` (see the module docstring)."""
+    counts = np.asarray(counts, dtype=np.float64)
+    law = np.asarray(law, dtype=np.float64)
+    n = counts.sum()
+    impossible = law <= 0
+    assert counts[impossible].sum() == 0, f"{int(counts[impossible].sum())} samples in cells of probability 0"
+    expected = law * n
+    order = np.argsort(expected)
+    small = expected < min_expected
+    obs, exp = list(counts[~small]), list(expected[~small])
+    pooled_obs, pooled_exp = counts[small].sum(), expected[small].sum()
+    if small.any():
+        if pooled_exp < min_expected:  # fold the smallest big cell into the pool too
+            big = next(i for i in order if not small[i])
+            k = list(np.nonzero(~small)[0]).index(big)
+            pooled_obs += obs.pop(k)
+            pooled_exp += exp.pop(k)
+        obs.append(pooled_obs)
+        exp.append(pooled_exp)
+    obs, exp = np.array(obs), np.array(exp)
+    exp = exp * (obs.sum() / exp.sum())
+    df = len(obs) - 1
+    critical = stats.chi2.ppf(1 - ALPHA, df)
+    power = stats.ncx2.sf(critical, df, 4 * n * eps**2)
+    assert power > 0.9, f"chi-square test too weak: power {power:.3f} at TV {eps} with {df} dof"
+    return float(stats.chisquare(obs, exp).pvalue)
+
+
+def sample_images(run, n: int = N_SAMPLES, chunk: int = CHUNK, seed: int = 0) -> tuple[torch.Tensor, list[DecodeResult]]:
+    """``run(batch, generator) -> DecodeResult`` called ``n / chunk`` times -> tokens ``[n, N]``."""
+    results = []
+    for i in range(n // chunk):
+        generator = torch.Generator().manual_seed(10_000 * seed + i)
+        results.append(run(chunk, generator))
+    return torch.cat([r.tokens for r in results]), results
+
+
+# --------------------------------------------------------------------------- fixtures
+@pytest.fixture(scope="module")
+def tiny():
+    model = tiny_target()
+    return model, tiny_drafter(model)
+
+
+def fake_vq(vocab: int, seed: int = 3) -> SimpleNamespace:
+    """What the engine reads from a tokenizer for LANTERN: its (raw / normalised) codebook."""
+    codebook = torch.randn(vocab, 8, generator=torch.Generator().manual_seed(seed))
+    return SimpleNamespace(raw_codebook=codebook, codebook=torch.nn.functional.normalize(codebook, dim=1))
+
+
+# --------------------------------------------------------------------------- 1. exactness
+SMALL_TREE = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
+EAGLE25_DEPTH2 = [list(p) for p in EAGLE25 if len(p) <= 2]
+
+EXACT_CASES = {
+    # name: (options, cfg scale, top-k, rule override). CFG doubles the cost of every forward, so
+    # the trees run without it here; tree forwards with CFG are checked by test_greedy_matches_ar.
+    # In a 4-token image the first step can test drafts up to depth 2 (the last token is the
+    # bonus at best), the next ones depth 1: deeper nodes exist but are never valid.
+    "sd-chain3-cfg2": (dict(method="sd", draft="chain", depth=3), 2.0, 0, None),
+    # The part of EAGLE-1's tree a 4-token image can test (4 + 8 nodes); top-k 3 leaves the
+    # root's 4th sampled sibling without support: an invalid placeholder node.
+    "sd-eagle25depth2-sampled-cfg1-topk3": (dict(method="sd", draft="static", tree=EAGLE25_DEPTH2, siblings="sampled"), 1.0, 3, None),
+    "sd-smalltree-topk-cfg1-topk3": (dict(method="sd", draft="static", tree=SMALL_TREE, siblings="topk"), 1.0, 3, None),
+    "eagle2-dynamic-cfg1": (dict(method="eagle2", dynamic_top_k=3, total_tokens=8, depth=3), 1.0, 0, None),
+    "sjd-cfg1-topk3": (dict(method="sjd", window=3), 1.0, 3, None),
+    # SCD's coupled redraw must reuse the old draft of the *same* image position (an untested
+    # one); coupling with the rejected draft one position earlier gave p = 4e-62 here.
+    "scd-cfg2": (dict(method="scd", window=3), 2.0, 0, None),
+    # COOL-SD with every weight <= 1 and the optimal residual G* is lossless (the w < 1 branch).
+    "cool-w-at-most-1-chain3-cfg1-topk3": (dict(method="sd", draft="chain", depth=3), 1.0, 3, CoolRule(weights=(1.0, 0.6, 0.3))),
+}
+
+
+def run_case(model, drafter, options: dict, sampling: SamplingConfig, rule=None, tmp_path=None):
+    options = dict(options)
+    tree = options.get("tree")
+    if isinstance(tree, list):  # a JSON static tree given as a file (the CLI's --draft path)
+        path = tmp_path / "tree.json"
+        path.write_text(json.dumps(tree))
+        options["draft"] = str(path)
+        options.pop("tree")
+    opts = MethodOptions(**options)
+
+    def cond_of(batch: int) -> torch.Tensor:
+        return torch.full((batch,), CLASS, dtype=torch.long)
+
+    if rule is None:
+        return lambda batch, gen: decode(model, cond_of(batch), sampling, opts, generator=gen, drafter=drafter)
+    return lambda batch, gen: generate_speculative(model, cond_of(batch), sampling, opts, generator=gen,
+                                                   drafter=drafter, rule=rule)
+
+
+@pytest.mark.parametrize("name", list(EXACT_CASES))
+def test_whole_image_law_is_exact(tiny, name, tmp_path):
+    model, drafter = tiny
+    options, cfg, top_k, rule = EXACT_CASES[name]
+    sampling = SamplingConfig(cfg_scale=cfg, temperature=1.0, top_k=top_k)
+    law = exact_image_law(model, CLASS, sampling)
+    tokens, results = sample_images(run_case(model, drafter, options, sampling, rule, tmp_path))
+    counts = torch.bincount(image_index(tokens, 4), minlength=law.numel()).numpy()
+    pvalue = chi_square_pvalue(counts, law.numpy())
+    assert pvalue > ALPHA, f"{name}: speculative images do not follow the AR law (p = {pvalue:.2e})"
+    for r in results:
+        # Lossless methods certify zero TV; the engine still did speculative work.
+        assert float(r.step_tv.abs().max()) == 0.0 and float(r.tv_bound.abs().max()) == 0.0
+        assert int(r.target_forwards.max()) <= 4
+    mal = torch.cat([r.mean_accepted_length for r in results]).mean()
+    assert mal > 1.05, f"{name}: MAL {mal:.3f}, the drafts are never accepted (a weak test)"
+
+
+def test_whole_image_chi_square_has_power(tiny, monkeypatch, tmp_path):
+    """The same machinery rejects LANTERN with a large additive budget (not lossless)."""
+    model, drafter = tiny
+    monkeypatch.setenv("RELAXSPEC_CACHE", str(tmp_path))
+    sampling = SamplingConfig(cfg_scale=1.0)
+    options = MethodOptions(method="lantern", draft="chain", depth=3, k=3, delta=0.3)
+    law = exact_image_law(model, CLASS, sampling)
+    vq = fake_vq(4)
+    tokens, results = sample_images(
+        lambda batch, gen: decode(model, torch.full((batch,), CLASS), sampling, options, generator=gen,
+                                  drafter=drafter, vq=vq))
+    counts = torch.bincount(image_index(tokens, 4), minlength=law.numel()).numpy()
+    assert chi_square_pvalue(counts, law.numpy()) < 1e-12
+    tv_bound = torch.cat([r.tv_bound for r in results]).mean()
+    assert tv_bound > 0.01
+
+
+# --------------------------------------------------------------------------- 4. relaxed laws
+def first_step_laws(model: Transformer, drafter: EagleDrafter, cls: int, sampling: SamplingConfig):
+    """For every value ``v`` of image token 0: ``p0 [V]`` (law of token 0), ``p1 [V, V]`` (target law
+    of token 1 given token 0 = v) and ``q1 [V, V]`` (the drafter's processed law at that root),
+    computed without the engine's caches: teacher forcing for the target, and one cache-free
+    drafter call on (target feature that predicted token 0, token 0) at image position 0."""
+    vocab = model.config.vocab_size
+    roots = torch.arange(vocab)
+    images = torch.stack([roots, *[torch.zeros_like(roots)] * (model.config.block_size - 1)], dim=1)
+    probs = guided_probs(model, cls, images, sampling)  # [V, N, V]
+    cond = torch.full((vocab,), cls, dtype=torch.long)
+    if sampling.use_cfg:
+        cond = torch.cat([cond, model.null_condition(cond)])
+    streams = cond.shape[0] // vocab
+    with torch.no_grad():
+        _, hidden = model(cond=cond, return_hidden=True)
+        feature = hidden[:, -1:]  # [S*V, 1, dim]: the state that predicted token 0
+        tokens = roots.repeat(streams)[:, None]
+        _, logits = drafter(feature, tokens, torch.zeros_like(tokens))
+    q1 = process_logits(logits[:, 0], sampling).double()
+    return probs[0, 0], probs[:, 1], q1
+
+
+RELAXED_CASES = {
+    # name: (options, cfg, expected rule built independently of the engine's build_rule)
+    "lantern-delta0.3-relaxed-cfg2": (dict(method="lantern", draft="chain", depth=1, k=3, delta=0.3, residual="relaxed"), 2.0,
+                                      lambda table: LanternRule(table, 3, delta=0.3, residual="relaxed")),
+    "lantern-delta0.3-plain-cfg1": (dict(method="lantern", draft="chain", depth=1, k=3, delta=0.3, residual="plain"), 1.0,
+                                    lambda table: LanternRule(table, 3, delta=0.3, residual="plain")),
+    # The schedule's horizon is the chain depth: token 1 is tested at depth 1 with
+    # w_1 = 2 e^-0.7 / mean(e^-0.7, e^-1.4, e^-2.1) = 3.44.
+    "cool-delta2-chain3-cfg2": (dict(method="cool", draft="chain", depth=3, cool_delta=2.0), 2.0,
+                                lambda table: CoolRule(delta=2.0, horizon=3)),
+    "lantern-delta0-cfg1": (dict(method="lantern", draft="chain", depth=1, k=3, delta=0.0), 1.0,
+                            lambda table: LanternRule(table, 3, delta=0.0)),
+}
+
+
+@pytest.mark.parametrize("name", list(RELAXED_CASES))
+def test_relaxed_first_token_law_matches_one_step_law(tiny, name, monkeypatch, tmp_path):
+    """Token 1 is always decided by one test at depth 1 of the first step, so its law given
+    token 0 must be ``rule.one_step_law(p1, q1, 1)``; the engine's TV record for it must be
+    ``rule.step_tv`` (0 for exact rules) and ``tv_bound`` the sum of the records."""
+    model, drafter = tiny
+    monkeypatch.setenv("RELAXSPEC_CACHE", str(tmp_path))  # LANTERN's neighbour-table cache
+    options, cfg, make_rule = RELAXED_CASES[name]
+    sampling = SamplingConfig(cfg_scale=cfg)
+    vq = fake_vq(4)
+    rule = make_rule(neighbour_table(vq.raw_codebook, 3))
+    p0, p1, q1 = first_step_laws(model, drafter, CLASS, sampling)
+    depth1 = torch.ones(4, dtype=torch.long)
+    law1 = rule.one_step_law(p1, q1, depth1).double()
+    expected = (p0[:, None] * law1).flatten().numpy()
+    exact = (p0[:, None] * p1).flatten().numpy()
+    tv1 = rule.step_tv(p1.float(), q1.float(), p1.argmax(1), depth1).double()
+
+    opts = MethodOptions(**options)
+    tokens, results = sample_images(
+        lambda batch, gen: decode(model, torch.full((batch,), CLASS), sampling, opts, generator=gen,
+                                  drafter=drafter, vq=vq))
+    counts = torch.bincount(tokens[:, 0] * 4 + tokens[:, 1], minlength=16).numpy()
+    pvalue = chi_square_pvalue(counts, expected)
+    assert pvalue > ALPHA, f"{name}: token 1 does not follow rule.one_step_law (p = {pvalue:.2e})"
+
+    step_tv = torch.cat([r.step_tv for r in results]).double()
+    tv_bound = torch.cat([r.tv_bound for r in results]).double()
+    assert torch.allclose(tv_bound, step_tv.sum(dim=1), atol=1e-6)
+    assert float(step_tv[:, 0].abs().max()) == 0.0  # token 0 comes from the prefill, untested
+    assert torch.allclose(step_tv[:, 1], tv1[tokens[:, 0]], atol=1e-5), "TV record of token 1 != rule.step_tv"
+    if rule.lossless:
+        assert float(step_tv.abs().max()) == 0.0
+        assert np.allclose(expected, exact, atol=1e-6)
+    else:
+        assert float(tv1.min()) > 1e-3 and float(tv_bound.mean()) > 1e-3
+        # The relaxed law is far enough from the exact one for this test to tell them apart.
+        assert chi_square_pvalue(counts, exact) < 1e-6
+
+
+# --------------------------------------------------------------------------- 2. greedy == AR
+@pytest.fixture(scope="module")
+def markov():
+    return markov_pair()
+
+
+@pytest.fixture(scope="module")
+def greedy_ar(markov):
+    """Plain greedy AR tokens for 5 images (one per class), per CFG scale."""
+    model, _ = markov
+    cond = torch.arange(5)
+    return {cfg: generate_ar(model, cond, SamplingConfig(cfg_scale=cfg, temperature=0.0)).tokens for cfg in (1.0, 4.0)}
+
+
+GREEDY_CASES = {
+    "sd-chain4": dict(method="sd", draft="chain", depth=4),
+    "sd-eagle25-sampled": dict(method="sd", draft="static", tree="eagle25", siblings="sampled"),
+    "sd-eagle25-topk": dict(method="sd", draft="static", tree="eagle25", siblings="topk"),
+    "sd-lantern57-sampled": dict(method="sd", draft="static", tree="lantern57", siblings="sampled"),
+    "sd-lantern57-topk": dict(method="sd", draft="static", tree="lantern57", siblings="topk"),
+    "eagle2-dynamic": dict(method="eagle2"),  # EAGLE-2 defaults: top-k 10, 59 tokens, depth 4
+    # More expansion beams ((depth - 1) * top_k = 50) than kept nodes: the drafter needs a slot
+    # per beam (this crashed with "size of tensor a (27) must match ... (52)" before the fix).
+    "eagle2-deep-small-budget": dict(method="eagle2", dynamic_top_k=10, total_tokens=10, depth=6),
+    "sjd": dict(method="sjd", window=6),
+    "scd": dict(method="scd", window=6),
+    # A zero budget is the exact rule: greedy LANTERN must then be greedy AR too.
+    "lantern-delta0-chain4": dict(method="lantern", draft="chain", depth=4, k=8, delta=0.0),
+}
+
+
+@pytest.mark.parametrize("cfg", [1.0, 4.0])
+@pytest.mark.parametrize("name", list(GREEDY_CASES))
+def test_greedy_matches_ar(markov, greedy_ar, name, cfg, monkeypatch, tmp_path):
+    model, drafter = markov
+    monkeypatch.setenv("RELAXSPEC_CACHE", str(tmp_path))
+    options = MethodOptions(**GREEDY_CASES[name])
+    result = decode(model, torch.arange(5), SamplingConfig(cfg_scale=cfg, temperature=0.0), options,
+                    drafter=drafter, vq=fake_vq(model.config.vocab_size))
+    expected = greedy_ar[cfg]
+    assert torch.equal(result.tokens, expected), (
+        f"{name} cfg {cfg}: first mismatch per row "
+        f"{[(int(torch.nonzero(r != e)[0]) if bool((r != e).any()) else None) for r, e in zip(result.tokens, expected)]}")
+    lengths = result.accept_lengths
+    assert [sum(a) for a in lengths] == [16] * 5
+    assert [len(a) for a in lengths] == result.target_forwards.tolist()
+    assert float(result.step_tv.abs().max()) == 0.0
+    if options.method != "sjd" and options.method != "scd":
+        # The steps really speculate, and rows of the batch accept different lengths.
+        assert max(max(a) for a in lengths) >= 3
+        assert len({tuple(a) for a in lengths}) > 1
+        assert float(result.mean_accepted_length.mean()) > 1.5
+
+
+# --------------------------------------------------------------------------- 3. KV compaction
+def random_target(seed: int = 4, vocab: int = 16, block_size: int = 16) -> Transformer:
+    torch.manual_seed(seed)
+    config = GPTConfig(dim=32, n_layer=2, n_head=2, vocab_size=vocab, num_classes=5, block_size=block_size,
+                       multiple_of=32)
+    model = Transformer(config).eval()
+    scaled_(model, 4.0)
+    return model
+
+
+def reference_cache(model: Transformer, cond: torch.Tensor, tokens: torch.Tensor, streams: int) -> list[tuple]:
+    """K/V ``[S*B, H, C + N, D]`` per layer of a fresh causal forward over the whole image."""
+    ref = copy.deepcopy(model)
+    cls = model.config.cls_token_num
+    if streams == 2:
+        cond = torch.cat([cond, model.null_condition(cond)])
+        tokens = torch.cat([tokens, tokens])
+    ref.setup_caches(cond.shape[0], cls + tokens.shape[1])
+    with torch.no_grad():
+        ref(cond=cond, cache_slots=torch.arange(cls))
+        where = cls + torch.arange(tokens.shape[1])
+        ref(tokens, where, cache_slots=where)
+    return [(layer.attention.kv_cache.k_cache.clone(), layer.attention.kv_cache.v_cache.clone()) for layer in ref.layers]
+
+
+class OracleTreeSource:
+    """A static-tree draft source that knows the target's greedy continuation ``truth [B, N]``.
+
+    Each step it places the true tokens along one of ``rank_paths`` (rotating), which go through
+    sibling ranks 1 and 2: the elder siblings hold wrong tokens (tested and rejected first), so
+    accepted paths are long and their node indices non-contiguous; every other node is random.
+    ``update`` checks that the target's KV cache after compaction equals a fresh forward's.
+    """
+
+    def __init__(self, spec: TreeSpec, truth: torch.Tensor, rank_paths, model: Transformer, reference, streams: int):
+        self.spec, self.truth, self.model, self.reference, self.streams = spec, truth, model, reference, streams
+        self.max_nodes, self.max_depth, self.forwards = spec.num_nodes, spec.depth, 0
+        index = {p: i + 1 for i, p in enumerate(spec.paths)}
+        self.node_paths = [[index[tuple(rp[:d])] for d in range(1, len(rp) + 1)] for rp in rank_paths]
+        self.children = {i: [j for j in range(spec.num_nodes) if int(spec.parents[j]) == i] for i in range(spec.num_nodes)}
+        self.steps, self.log, self.kv_checks = 0, [], 0
+
+    def start(self, batch, vocab, device, generator, greedy) -> None:
+        assert greedy
+        self.vocab, self.gen = vocab, torch.Generator().manual_seed(7)
+
+    def propose(self, roots, root_index, generator, greedy) -> DraftTree:
+        batch, nodes, n_tok = roots.shape[0], self.spec.num_nodes, self.truth.shape[1]
+        rows = torch.arange(batch)
+        tokens = torch.randint(0, self.vocab, (batch, nodes), generator=self.gen)
+        tokens[:, 0] = roots
+        self.path = self.node_paths[self.steps % len(self.node_paths)]
+        self.steps += 1
+        parent = 0
+        for depth, node in enumerate(self.path, start=1):
+            truth = self.truth[rows, (root_index + depth).clamp(max=n_tok - 1)]
+            for sibling in self.children[parent]:  # no other sibling may carry the true token
+                shift = torch.randint(1, self.vocab, (batch,), generator=self.gen)
+                tokens[:, sibling] = torch.where(tokens[:, sibling] == truth, (truth + shift) % self.vocab, tokens[:, sibling])
+            tokens[:, node] = truth
+            parent = node
+        parents = self.spec.parents.expand(batch, -1)
+        ancestors = ancestor_matrix(self.spec.parents[None], self.spec.depth).expand(batch, -1, -1)
+        proposals = torch.nn.functional.one_hot(tokens, self.vocab).float()
+        return DraftTree(tokens, parents, self.spec.depths.expand(batch, -1), proposals,
+                         torch.ones(batch, nodes, dtype=torch.bool), ancestors)
+
+    def update(self, committed, path, count, root_index, target_probs, target_hidden) -> None:
+        batch, cls = self.truth.shape[0], self.model.config.cls_token_num
+        self.log.append((path.clone(), count.clone(), root_index.clone(), list(self.path)))
+        committed_now = root_index + 1 + count  # tokens committed after this step
+        for layer, (k_ref, v_ref) in zip(self.model.layers, self.reference):
+            cache = layer.attention.kv_cache
+            for b in range(batch):
+                # Slots of the condition and of tokens 0 .. n - 2 (the bonus is not cached yet).
+                length = cls + int(committed_now[b]) - 1
+                for s in range(self.streams):
+                    row = b + s * batch
+                    for live, ref in ((cache.k_cache, k_ref), (cache.v_cache, v_ref)):
+                        assert torch.allclose(live[row, :, :length], ref[row, :, :length], rtol=1e-5, atol=1e-5), (
+                            f"KV cache of row {b} differs from a fresh forward after committing {int(committed_now[b])} tokens")
+        self.kv_checks += 1
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("cfg", [1.0, 4.0])
+def test_kv_compaction_of_non_contiguous_accepted_paths(cfg):
+    model = random_target()
+    cond = torch.arange(5)
+    sampling = SamplingConfig(cfg_scale=cfg, temperature=0.0)
+    truth = generate_ar(model, cond, sampling).tokens
+    spec = load_tree("eagle25")
+    rank_paths = [(1, 0, 0), (0, 1, 1), (0, 0, 0, 2), (0, 0, 0, 0, 1), (2, 1), (0, 2, 1)]
+    streams = 2 if sampling.use_cfg else 1
+    source = OracleTreeSource(spec, truth, rank_paths, model, reference_cache(model, cond, truth, streams), streams)
+    result = generate_speculative(model, cond, sampling, MethodOptions(method="sd"), source=source)
+    assert torch.equal(result.tokens, truth)
+    assert float(result.mean_accepted_length.min()) > 2.0
+    # The accepted paths were the oracle's (rank 1 and 2 siblings, non-contiguous node indices)
+    # whenever the image had room for the whole path.
+    full_paths = 0
+    for path, count, root_index, oracle in source.log:
+        for b in range(5):
+            # Drafts may reach depth 16 - n - 1 (n = root_index + 1 tokens committed before).
+            if len(oracle) <= 14 - int(root_index[b]):
+                assert path[b, 1 : len(oracle) + 1].tolist() == oracle
+                assert int(count[b]) == len(oracle) + 1
+                full_paths += 1
+    assert full_paths >= 10 and source.kv_checks == len(source.log)
+
+
+# --------------------------------------------------------------------------- 5. options
+def test_method_options_validation_and_aliases():
+    with pytest.raises(RelaxspecError):
+        MethodOptions(method="lantern", delta=0.1, lam=2.0)
+    for bad in (dict(method="medusa"), dict(method="sd", siblings="random"), dict(method="sd", depth=0),
+                dict(method="lantern", delta=1.5), dict(method="lantern", lam=0.5), dict(method="sjd", window=0),
+                dict(method="lantern", residual="zeroed"), dict(method="cool", cool_delta=0.0)):
+        with pytest.raises(RelaxspecError):
+            MethodOptions(**bad)
+    plus = MethodOptions(method="lantern++")
+    assert (plus.method, plus.draft, plus.delta) == ("lantern", "static", None)
+    assert plus.lam is not None and plus.lam > 1 and plus.tree == "lantern57"
+    assert MethodOptions(method="lantern").delta is not None  # plain LANTERN: the additive budget
+    eagle2 = MethodOptions(method="eagle2")
+    assert (eagle2.method, eagle2.draft) == ("sd", "dynamic")
+
+    model = random_target(vocab=16)
+    vq = fake_vq(16)
+    rule = build_rule(MethodOptions(method="lantern++", k=4, lam=3.0), vq)
+    assert isinstance(rule, LanternRule) and rule.lam == 3.0 and rule.delta is None and rule.k == 4
+    assert isinstance(build_rule(MethodOptions(method="sd")), ExactRule)
+    with pytest.raises(RelaxspecError):  # LANTERN's neighbours come from the tokenizer
+        decode(model, torch.arange(2), SamplingConfig(), MethodOptions(method="lantern"),
+               drafter=EagleDrafter.for_target(model))
+    with pytest.raises(RelaxspecError):  # drafter methods need a drafter
+        decode(model, torch.arange(2), SamplingConfig(), MethodOptions(method="sd"))
+
+
+# --------------------------------------------------------------------------- 6. batched sampling
+SAMPLING_CASES = {
+    "sd-chain4": dict(method="sd", draft="chain", depth=4),
+    "sd-lantern57-sampled": dict(method="sd", draft="static", siblings="sampled"),
+    "eagle2": dict(method="eagle2", dynamic_top_k=5, total_tokens=20),
+    "lantern-delta0.2-chain4": dict(method="lantern", draft="chain", depth=4, k=8, delta=0.2),
+    "lantern++": dict(method="lantern++", k=8),
+    "cool-delta2-eagle25": dict(method="cool", draft="static", tree="eagle25", cool_delta=2.0),
+    "sjd": dict(method="sjd", window=6),
+    "scd": dict(method="scd", window=6),
+}
+
+
+@pytest.mark.parametrize("name", list(SAMPLING_CASES))
+def test_sampling_batch_rows_accept_different_lengths(markov, name, monkeypatch, tmp_path):
+    model, drafter = markov
+    monkeypatch.setenv("RELAXSPEC_CACHE", str(tmp_path))
+    options = MethodOptions(**SAMPLING_CASES[name])
+    batch, n_tok, vocab = 8, 16, model.config.vocab_size
+    result = decode(model, torch.arange(batch) % 5, SamplingConfig(cfg_scale=4.0, top_k=20), options,
+                    generator=torch.Generator().manual_seed(0), drafter=drafter, vq=fake_vq(vocab))
+    assert result.tokens.shape == (batch, n_tok) and result.tokens.dtype == torch.long
+    assert int(result.tokens.min()) >= 0 and int(result.tokens.max()) < vocab
+    lengths = result.accept_lengths
+    assert [sum(a) for a in lengths] == [n_tok] * batch
+    assert [len(a) for a in lengths] == result.target_forwards.tolist()
+    assert len({tuple(a) for a in lengths}) > 1, "every row accepted the same lengths"
+    if options.needs_drafter:
+        assert bool((result.target_forwards < n_tok - 2).all()), result.target_forwards
+        assert bool((result.drafter_forwards > 0).all())
+    else:  # a Jacobi window starts from uniform guesses: fewer savings, but some
+        assert float(result.target_forwards.float().mean()) < n_tok
+    relaxed = options.method in ("lantern", "cool")
+    assert (float(result.tv_bound.min()) > 0) == relaxed
+    assert torch.allclose(result.tv_bound, result.step_tv.sum(dim=1))
+
+
+# --------------------------------------------------------------------------- drafter cache
+class CheckedEagleSource(EagleSource):
+    """An :class:`EagleSource` that, before every proposal, checks its cached root law ``q``
+    against a cache-free drafter forward over all committed (feature, token) pairs, the features
+    coming from a fresh teacher-forced target forward. Catch-up must overwrite the draft slots of
+    rejected nodes, or ``q`` silently drifts (exactness survives that, speed does not)."""
+
+    def __init__(self, drafter, structure, sampling, model, cond):
+        super().__init__(drafter, structure, sampling)
+        self.model, self.cond, self.checked = model, cond, 0
+
+    def start(self, batch, streams, num_tokens, device) -> None:
+        super().start(batch, streams, num_tokens, device)
+        self.seq = torch.zeros(batch, num_tokens + self.max_nodes + 1, dtype=torch.long)
+
+    def catch_up(self, features, tokens, first, count) -> None:
+        for b in range(tokens.shape[0]):
+            c = int(count[b])
+            self.seq[b, int(first[b]) : int(first[b]) + c] = tokens[b, :c]
+        super().catch_up(features, tokens, first, count)
+
+    def propose(self, roots, root_index, generator, greedy):
+        n_tok = self.model.config.block_size
+        seq = self.seq[:, :n_tok]
+        with torch.no_grad():
+            _, hidden = self.model.forward_train(self.cond, seq, return_hidden=True)
+            feats = [hidden]
+            if self.streams == 2:
+                feats.append(self.model.forward_train(self.model.null_condition(self.cond), seq, return_hidden=True)[1])
+            feats = torch.cat(feats)
+            positions = torch.arange(n_tok).expand(feats.shape[0], -1)
+            _, logits = self.drafter(feats, seq.repeat(self.streams, 1), positions)  # no cache: causal
+        fresh = process_logits(logits, self.sampling)  # [B, N, V]
+        for b in range(roots.shape[0]):
+            r = int(root_index[b])
+            if r < n_tok - 1:
+                assert int(seq[b, r]) == int(roots[b])
+                assert torch.allclose(self.root_q[b], fresh[b, r], atol=1e-5), f"row {b}: cached drafter q at root {r} is stale"
+                self.checked += 1
+        return super().propose(roots, root_index, generator, greedy)
+
+
+@pytest.mark.parametrize("structure, cfg, temperature", [
+    ("chain4", 4.0, 1.0), ("eagle25", 1.0, 0.0), ("lantern57", 4.0, 1.0), ("dynamic", 4.0, 0.0)])
+def test_drafter_cache_matches_fresh_forward(markov, structure, cfg, temperature):
+    model, drafter = markov
+    cond = torch.arange(5)
+    sampling = SamplingConfig(cfg_scale=cfg, temperature=temperature)
+    shape = (DynamicTree(top_k=6, depth=4, total_tokens=24) if structure == "dynamic"
+             else StaticTree(load_tree(structure), "sampled"))
+    source = CheckedEagleSource(drafter, shape, sampling, model, cond)
+    result = generate_speculative(model, cond, sampling, MethodOptions(method="sd"), source=source,
+                                  generator=torch.Generator().manual_seed(0))
+    assert source.checked >= 10 and float(result.mean_accepted_length.mean()) > 1.5
