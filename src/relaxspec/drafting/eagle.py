@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 
 from relaxspec.errors import RelaxspecError
-from relaxspec.models.gpt import GPTConfig, KVCache, Transformer, TransformerBlock, rope_table_2d
+from relaxspec.models.gpt import GPTConfig, KVCache, Transformer, TransformerBlock, rope_table_2d, run_blocks
 
 
 @dataclass
@@ -102,17 +102,7 @@ class EagleDrafter(nn.Module):
         target = self.target
         emb = target.tok_embeddings(tokens).to(self.fc.weight.dtype)
         h = self.fc(torch.cat([emb, features.to(self.fc.weight.dtype)], dim=-1))
-        rope = self.rope[positions]
-        if cache_slots is not None and self.layers[0].attention.kv_cache is not None:
-            if kv_len is None:
-                kv_len = int(cache_slots.max()) + 1
-            if attn_mask is None:
-                keys = torch.arange(kv_len, device=h.device)
-                attn_mask = keys[None, None, :] <= cache_slots[:, :, None]
-        else:
-            cache_slots = None
-        for layer in self.layers:
-            h = layer(h, rope, cache_slots, attn_mask, kv_len)
+        h = run_blocks(self.layers, h, self.rope[positions], cache_slots, attn_mask, kv_len)
         return h, target.output(h.to(target.output.weight.dtype)).float()
 
     def num_parameters(self) -> int:

@@ -252,6 +252,24 @@ class TransformerBlock(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))
 
 
+def run_blocks(layers: nn.ModuleList, h: torch.Tensor, rope: torch.Tensor, cache_slots: torch.Tensor | None,
+               attn_mask: torch.Tensor | None, kv_len: int | None) -> torch.Tensor:
+    """Run transformer blocks over ``h [B, T, dim]``. With caches and ``cache_slots [B, T]`` the
+    inputs are written to those slots and attend to the first ``kv_len`` slots, by default
+    causally by slot; without, attention is plain causal over the ``T`` inputs."""
+    if cache_slots is not None and layers[0].attention.kv_cache is not None:
+        if kv_len is None:
+            kv_len = int(cache_slots.max()) + 1
+        if attn_mask is None:
+            keys = torch.arange(kv_len, device=h.device)
+            attn_mask = keys[None, None, :] <= cache_slots[:, :, None]
+    else:
+        cache_slots = None
+    for layer in layers:
+        h = layer(h, rope, cache_slots, attn_mask, kv_len)
+    return h
+
+
 class LabelEmbedder(nn.Module):
     """c2i condition: one token per class; id ``num_classes`` is the learned null class."""
 
@@ -389,20 +407,9 @@ class Transformer(nn.Module):
             positions = positions.expand(b, -1)
         if int(positions.max()) >= self.rope.shape[0] or int(positions.min()) < 0:
             raise ValueError(f"positions must lie in [0, {self.rope.shape[0]}) for this model's token grid")
-        rope = self.rope[positions]
-        use_cache = cache_slots is not None and self.layers[0].attention.kv_cache is not None
-        if use_cache:
-            if cache_slots.dim() == 1:
-                cache_slots = cache_slots.expand(b, -1)
-            if kv_len is None:
-                kv_len = int(cache_slots.max()) + 1
-            if attn_mask is None:
-                keys = torch.arange(kv_len, device=h.device)
-                attn_mask = keys[None, None, :] <= cache_slots[:, :, None]
-        else:
-            cache_slots = None
-        for layer in self.layers:
-            h = layer(h, rope, cache_slots, attn_mask, kv_len)
+        if cache_slots is not None and cache_slots.dim() == 1:
+            cache_slots = cache_slots.expand(b, -1)
+        h = run_blocks(self.layers, h, self.rope[positions], cache_slots, attn_mask, kv_len)
         h = self.norm(h)
         logits = self.output(h).float()
         return (logits, h) if return_hidden else logits
