@@ -88,7 +88,7 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="relaxspec", description="Exact and relaxed speculative decoding for LlamaGen.")
     parser.add_argument("--version", action="version", version=f"relaxspec {__version__}")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="{generate,info,train-drafter,build-tree,make-test-checkpoints}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{generate,info,train-drafter,build-tree,bench,eval,train-classifier,make-test-checkpoints}")
 
     gen = commands.add_parser("generate", help="generate images", description=(
         "Generate images with a LlamaGen checkpoint. Writes NNNN.png per image, grid.png, tokens.npy "
@@ -160,9 +160,15 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("ckpt", metavar="CKPT")
     info.add_argument("--json", action="store_true", help="print JSON")
 
+    from relaxspec.bench.cli import add_bench_parser
+    from relaxspec.bench.eval import add_eval_parser
+    from relaxspec.evaluation.classifier import add_train_classifier_parser
     from relaxspec.training.drafter import add_train_drafter_parser
 
     add_train_drafter_parser(commands)
+    add_bench_parser(commands)
+    add_eval_parser(commands)
+    add_train_classifier_parser(commands)
     tree = commands.add_parser("build-tree", help="choose a static draft tree from measured acceptance rates",
                                description=(
         "Pick the static tree with the largest expected accepted length for a node budget from the per-depth, "

@@ -1,0 +1,222 @@
+"""``relaxspec bench``: every decoding method on the same images, then the tables and plots.
+
+Wire it into the main parser with ``add_bench_parser(subparsers)``; the handler is
+:func:`run_bench_cli` (returns the exit code; user errors raise :class:`RelaxspecError`, which
+``relaxspec.cli.main`` prints on one line).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from relaxspec.bench.config import BASELINE, METHOD_SPECS, SPEC_ALIASES, expand_methods, parse_methods
+from relaxspec.errors import RelaxspecError
+
+
+def default_models() -> dict:
+    """The checkpoints ``relaxspec bench`` uses when none are given: the embedded model, once it
+    ships (return ``{"gpt_ckpt", "gpt_model", "vq_ckpt", "vq_model", "drafter_ckpt",
+    "image_size"}`` then)."""
+    raise RelaxspecError("no embedded model yet: pass --gpt-ckpt, --vq-ckpt (with --gpt-model / --vq-model for "
+                         "official files), --image-size and, for drafter methods, --drafter-ckpt")
+
+
+def add_bench_parser(subparsers) -> argparse.ArgumentParser:
+    bench = subparsers.add_parser("bench", help="benchmark decoding methods (speed, certificate, quality)", description=(
+        "Run the chosen decoding methods on the same classes and seeds in one process, alternating methods image by "
+        "image, and report per method MAL, target forwards, drafter share, latency (median, IQR), pairwise speed-up "
+        "vs AR, the certified TV bound and, with --classifier and --real-data, class accuracy, the FID-like "
+        "distance and precision/recall with bootstrap intervals. Writes records.jsonl (resumable: run the same "
+        "command again to continue), summary.json/.csv/.md, plot_data.json and, with matplotlib, pareto.png, "
+        "mal_hist.png and accept_heatmap.png into --out."))
+    bench.set_defaults(handler=run_bench_cli)
+    models = bench.add_argument_group("models (required until the embedded model ships)")
+    models.add_argument("--gpt-ckpt", metavar="PATH", help="target GPT weights (official .pt, .safetensors or a relaxspec folder)")
+    models.add_argument("--gpt-model", metavar="NAME|JSON", help="named size or JSON config (official files)")
+    models.add_argument("--vq-ckpt", metavar="PATH", help="VQ tokenizer weights")
+    models.add_argument("--vq-model", metavar="NAME|JSON", help="named tokenizer or JSON config (default VQ-16)")
+    models.add_argument("--drafter-ckpt", metavar="PATH", help="EAGLE drafter folder (methods that draft with it)")
+    models.add_argument("--image-size", type=int, help="pixels per side (default 256)")
+    models.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32", help="GPT weights dtype (default fp32)")
+    models.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:1, ...")
+
+    images = bench.add_argument_group("images")
+    images.add_argument("--classes", metavar="IDS", help="comma-separated class ids (default: all of the model's classes)")
+    count = images.add_mutually_exclusive_group()
+    count.add_argument("--images-per-class", type=int, metavar="N", help="images per class (default 1)")
+    count.add_argument("--num-images", type=int, metavar="N", help="images in all, cycling through --classes")
+    images.add_argument("--seed", type=int, default=0,
+                        help="image i (batch i with --batch-size) is seeded seed * 1000003 + i, as relaxspec generate")
+
+    methods = bench.add_argument_group("methods")
+    methods.add_argument("--methods", metavar="LIST", help=(
+        f"comma-separated named methods (default: all: {','.join(METHOD_SPECS)}; {BASELINE} is always added "
+        "as the speed-up baseline); --list-methods describes them"))
+    methods.add_argument("--sweep", action="append", default=[], metavar="NAME:FIELD=V1,V2,...", help=(
+        "run NAME once per value instead of once with its default, e.g. lantern:delta=0.05,0.1,0.2,0.4, "
+        "lantern++:lam=2,5,10, cool:cool_delta=1.1,2,4 (repeatable; sweeps of one name multiply)"))
+    methods.add_argument("--list-methods", action="store_true", help="describe the named methods and exit")
+
+    sampling = bench.add_argument_group("sampling (upstream order: CFG, temperature, top-k, top-p)")
+    sampling.add_argument("--cfg-scale", type=float, default=4.0, help="classifier-free guidance (default 4.0; 1 = off)")
+    sampling.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default 1.0)")
+    sampling.add_argument("--top-k", type=int, default=2000, help="0 = off (default 2000)")
+    sampling.add_argument("--top-p", type=float, default=1.0, help="in (0, 1] (default 1.0 = off)")
+
+    timing = bench.add_argument_group("timing")
+    timing.add_argument("--threads", type=int, default=1, help="torch CPU threads, pinned for the run (default 1)")
+    timing.add_argument("--warmup", type=int, default=1, help="unrecorded decodes per method first (default 1)")
+    timing.add_argument("--batch-size", type=int, default=1,
+                        help="images per decode (default 1: latency; 8: throughput mode)")
+
+    quality = bench.add_argument_group("quality (optional)")
+    quality.add_argument("--classifier", metavar="DIR", help="classifier folder (relaxspec train-classifier): "
+                                                            "its features give the FID-like distance and precision/recall")
+    quality.add_argument("--real-data", metavar="NPZ", help="held-out real images: .npz with images (uint8 [n, H, W, 3]) "
+                                                           "and labels")
+    quality.add_argument("--n-boot", type=int, default=200, help="bootstrap resamplings per interval (default 200)")
+
+    output = bench.add_argument_group("output")
+    output.add_argument("--out", metavar="DIR", help="output folder (required unless --list-methods)")
+    output.add_argument("--overwrite", action="store_true", help="replace a benchmark with other settings in --out")
+    output.add_argument("--report-only", action="store_true",
+                        help="decode nothing: rebuild the summaries and plots of --out (e.g. to add quality)")
+    output.add_argument("--no-plots", action="store_true", help="write plot_data.json but no PNG plots")
+    output.add_argument("--no-progress", action="store_true", help="no progress bars")
+    return bench
+
+
+def list_methods() -> str:
+    lines = [f"{name:10s} {description}" for name, (_, description) in METHOD_SPECS.items()]
+    lines.append("aliases: " + ", ".join(f"{a} = {n}" for a, n in SPEC_ALIASES.items()))
+    return "\n".join(lines)
+
+
+def _positive(args: argparse.Namespace, *names: str) -> None:
+    for name in names:
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise RelaxspecError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+
+
+def resolve_models(args: argparse.Namespace) -> None:
+    """Fill unset model arguments from :func:`default_models` (which raises until a model ships)."""
+    if args.gpt_ckpt is None or args.vq_ckpt is None:
+        defaults = default_models()
+        for key, value in defaults.items():
+            if getattr(args, key, None) is None:
+                setattr(args, key, value)
+    if args.image_size is None:
+        args.image_size = 256
+    if args.vq_model is None:
+        args.vq_model = "VQ-16"
+
+
+def image_classes(args: argparse.Namespace, num_classes: int) -> list[int]:
+    """Image ``i``'s class: the class list cycled (so an interrupted run covers every class)."""
+    from relaxspec.cli import parse_classes
+
+    classes = parse_classes(args.classes) if args.classes is not None else list(range(num_classes))
+    bad = [c for c in classes if not 0 <= c < num_classes]
+    if bad:
+        raise RelaxspecError(f"class id {bad[0]} is out of range: this model has classes 0..{num_classes - 1}")
+    total = args.num_images if args.num_images is not None else (args.images_per_class or 1) * len(classes)
+    return [classes[i % len(classes)] for i in range(total)]
+
+
+def run_bench_cli(args: argparse.Namespace) -> int:
+    import torch
+
+    from relaxspec.bench.report import write_report
+    from relaxspec.bench.run import run_bench
+
+    if args.list_methods:
+        print(list_methods())
+        return 0
+    if not args.out:
+        raise RelaxspecError("--out DIR is required")
+    _positive(args, "images_per_class", "num_images", "threads", "batch_size", "image_size", "n_boot")
+    if args.warmup < 0 or args.seed < 0:
+        raise RelaxspecError("--warmup and --seed must be >= 0")
+    if (args.classifier is None) != (args.real_data is None):
+        raise RelaxspecError("quality needs both --classifier and --real-data")
+    progress = not args.no_progress
+    classifier = None
+    if args.classifier is not None:
+        if not Path(args.real_data).is_file():
+            raise RelaxspecError(f"--real-data {args.real_data}: no such file")
+        try:
+            from relaxspec.evaluation.classifier import load_classifier
+        except ImportError as err:
+            raise RelaxspecError(f"--classifier needs relaxspec.evaluation, which is not importable ({err})") from None
+        classifier = load_classifier(args.classifier)
+
+    if args.report_only:
+        vq = None
+        if classifier is not None:
+            resolve_models(args)
+            from relaxspec.checkpoints import load_vq
+            from relaxspec.cli import resolve_device
+
+            vq = load_vq(args.vq_ckpt, args.vq_model, device=resolve_device(args.device))
+        return _report(write_report, args.out, vq, classifier, args, progress)
+
+    from relaxspec.checkpoints import load_gpt, load_vq
+    from relaxspec.cli import _spec_id, file_identity, load_drafter, resolve_device
+    from relaxspec.sampling import SamplingConfig
+
+    specs = expand_methods(parse_methods(args.methods), args.sweep)
+    sampling = SamplingConfig(cfg_scale=args.cfg_scale, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    drafting = [s.label for s in specs if s.needs_drafter]
+    resolve_models(args)
+    if drafting and args.drafter_ckpt is None:
+        raise RelaxspecError(f"{', '.join(drafting)} draft with an EAGLE drafter: give --drafter-ckpt (train one with "
+                             "relaxspec train-drafter), or choose drafter-free --methods such as ar,sjd,scd")
+    device = resolve_device(args.device)
+    torch.set_num_threads(args.threads)
+    vq = load_vq(args.vq_ckpt, args.vq_model, device=device)
+    downsample = vq.config.downsample_factor
+    if args.image_size % downsample:
+        raise RelaxspecError(f"--image-size {args.image_size} is not a multiple of the tokenizer's downsampling {downsample}")
+    target = load_gpt(args.gpt_ckpt, args.gpt_model, image_size=args.image_size, downsample=downsample,
+                      precision=args.precision, device=device)
+    if target.config.vocab_size != vq.config.codebook_size:
+        raise RelaxspecError(f"the GPT's vocabulary ({target.config.vocab_size}) does not match the VQ codebook "
+                             f"({vq.config.codebook_size}): they are not a pair")
+    if target.config.model_type != "c2i":
+        raise RelaxspecError("relaxspec bench takes class-conditional (c2i) models for now")
+    drafter = load_drafter(args.drafter_ckpt, target) if drafting else None
+    classes = image_classes(args, target.config.num_classes)
+    identity = {
+        "gpt_ckpt": str(Path(args.gpt_ckpt).resolve()), "gpt_model": _spec_id(args.gpt_model),
+        "vq_ckpt": str(Path(args.vq_ckpt).resolve()), "vq_model": _spec_id(args.vq_model),
+        "drafter_ckpt": None if not drafting else str(Path(args.drafter_ckpt).resolve()),
+        "image_size": args.image_size, "precision": args.precision, "device": str(device),
+        "torch": torch.__version__,
+        "files": {key: file_identity(path) for key, path in (("gpt_ckpt", args.gpt_ckpt), ("vq_ckpt", args.vq_ckpt),
+                                                            ("drafter_ckpt", args.drafter_ckpt if drafting else None)) if path},
+    }
+    decodes = -(-len(classes) // args.batch_size) * len(specs)
+    print(f"bench: {len(classes)} images x {len(specs)} methods ({', '.join(s.label for s in specs)}) = {decodes} "
+          f"decodes at batch size {args.batch_size}, {args.threads} thread(s) -> {args.out}", file=sys.stderr)
+    run_bench(target, vq, drafter, classes, specs, sampling, args.out, seed=args.seed, threads=args.threads,
+              warmup=args.warmup, batch_size=args.batch_size, progress=progress, identity=identity,
+              overwrite=args.overwrite)
+    return _report(write_report, args.out, vq, classifier, args, progress)
+
+
+def _report(write_report, out: str, vq, classifier, args: argparse.Namespace, progress: bool) -> int:
+    from relaxspec.bench.report import SUMMARY_MD, markdown_table
+
+    result = write_report(out, vq=vq, classifier=classifier, real_data=args.real_data, n_boot=args.n_boot,
+                          plots=not args.no_plots, progress=progress)
+    print(markdown_table(result["rows"]), end="")
+    for note in result["notes"]:
+        print(f"note: {note}")
+    print(f"wrote {', '.join(p.name for p in result['files'])} in {out} (table: {Path(out) / SUMMARY_MD})")
+    return 0
+
+
+__all__ = ["add_bench_parser", "default_models", "run_bench_cli"]

@@ -1,0 +1,279 @@
+"""``relaxspec eval``: generate N images per class (or caption) with ``relaxspec generate``, sharded
+over processes, then score them.
+
+Usage::
+
+    relaxspec eval --images-per-class 50 --fid-ref REAL_DIR -- \\
+        --gpt-ckpt c2i_B_256.pt --gpt-model GPT-B --vq-ckpt vq_ds16_c2i.pt --classes 0,1,2 \\
+        --method lantern++ --drafter-ckpt drafter --out eval-lpp
+
+Everything after ``--`` is ``relaxspec generate``'s own options (its parser checks them); eval
+repeats every class (or caption of ``--caption-features``) ``--images-per-class`` times, in order.
+
+Sharding (``torchrun --nproc_per_node G relaxspec eval ...``): rank ``r`` of ``W`` (the ``RANK`` /
+``WORLD_SIZE`` variables torchrun sets; 0 / 1 without it) takes the contiguous slice
+``[r * n / W, (r + 1) * n / W)`` of the image list and writes it to ``OUT/shard-RR-of-WW/`` with
+``relaxspec generate``'s resumable writer (``--device cuda`` becomes ``cuda:LOCAL_RANK``). Rank
+``r`` seeds with ``seed * W + r``, so a run is reproducible for a given ``W`` (with ``W = 1`` the
+shard is exactly ``relaxspec generate``'s output). Restarting the same command resumes every
+shard. The process that completes the last shard computes the scores (no process group is
+needed); ``--scores-only`` recomputes them from the shards on disk.
+
+Scores, each optional:
+
+* ``--fid-ref DIR``: FID with clean-fid (``pip install clean-fid``: it needs torchvision, so it
+  is never a relaxspec requirement) against the images in ``DIR``. clean-fid's Inception weights
+  (``inception-2015-12-05.pt``) must be in its cache (``/tmp``) or downloadable.
+* ``--classifier DIR --real-data NPZ``: the offline numbers of ``relaxspec bench`` — class
+  accuracy, FID-like distance (our classifier's features, not comparable to FID), precision /
+  recall — against held-out real images.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from relaxspec.errors import RelaxspecError
+
+SCORES_FILE = "eval.json"
+SHARD = re.compile(r"shard-(\d+)-of-(\d+)$")
+INCEPTION_FILE = "inception-2015-12-05.pt"
+
+
+def add_eval_parser(subparsers) -> argparse.ArgumentParser:
+    ev = subparsers.add_parser("eval", help="generate N images per class, sharded, then FID / offline scores",
+                               description=(
+        "Generate --images-per-class images for every class (or caption) with relaxspec generate, sharded over "
+        "torchrun processes (RANK / WORLD_SIZE) into OUT/shard-RR-of-WW/, resumable; then score them. Put "
+        "relaxspec generate's options after '--' (they must include --out)."),
+        usage="relaxspec eval [eval options] -- GENERATE_OPTIONS --out DIR")
+    ev.set_defaults(handler=run_eval)
+    ev.add_argument("--images-per-class", type=int, default=1, metavar="N",
+                    help="images per class id / caption (default 1)")
+    ev.add_argument("--fid-ref", metavar="DIR", help="reference images for FID with clean-fid (optional extra)")
+    ev.add_argument("--fid-mode", default="clean", choices=("clean", "legacy_pytorch", "legacy_tensorflow"),
+                    help="clean-fid's resizing mode (default clean)")
+    ev.add_argument("--classifier", metavar="DIR", help="offline scores with this relaxspec classifier ...")
+    ev.add_argument("--real-data", metavar="NPZ", help="... against these held-out real images (images, labels)")
+    ev.add_argument("--scores-only", action="store_true", help="generate nothing; score the shards in --out")
+    ev.add_argument("generate_args", nargs=argparse.REMAINDER, help="-- then relaxspec generate's options")
+    return ev
+
+
+def distributed() -> tuple[int, int, int]:
+    """``(rank, world_size, local_rank)`` from torchrun's environment (``0, 1, 0`` without it)."""
+    try:
+        rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+        local = int(os.environ.get("LOCAL_RANK", str(rank)))
+    except ValueError:
+        raise RelaxspecError("RANK / WORLD_SIZE / LOCAL_RANK must be integers") from None
+    if world < 1 or not 0 <= rank < world:
+        raise RelaxspecError(f"bad sharding: RANK {rank} of WORLD_SIZE {world}")
+    return rank, world, local
+
+
+def shard_range(total: int, rank: int, world: int) -> range:
+    return range(total * rank // world, total * (rank + 1) // world)
+
+
+def shard_dir(out: Path, rank: int, world: int) -> Path:
+    return out / f"shard-{rank:02d}-of-{world:02d}"
+
+
+def parse_generate_args(argv: list[str]) -> argparse.Namespace:
+    """``relaxspec generate``'s options, checked by its own parser."""
+    from relaxspec.cli import build_parser
+
+    argv = argv[1:] if argv and argv[0] == "--" else argv
+    if not argv:
+        raise RelaxspecError("give relaxspec generate's options after '--' (at least the models and --out DIR)")
+    return build_parser().parse_args(["generate", *argv])
+
+
+def _write_captions(path: Path, features: np.ndarray, mask: np.ndarray | None) -> None:
+    """Write a shard's caption file only if it differs: generate's settings hash includes the file's
+    mtime, so rewriting an identical file would make a resumed shard look like a new run."""
+    from relaxspec.cli import write_atomic
+
+    if path.is_file():
+        with np.load(path, allow_pickle=False) as old:
+            same = np.array_equal(old["features"], features) and (
+                ("mask" in old.files) == (mask is not None) and (mask is None or np.array_equal(old["mask"], mask)))
+        if same:
+            return
+    arrays = {"features": features, **({"mask": mask} if mask is not None else {})}
+    write_atomic(path, lambda temp: np.savez(temp, **arrays))
+
+
+def generate_shard(args: argparse.Namespace, gen: argparse.Namespace, rank: int, world: int, local: int) -> Path:
+    """Generate this rank's slice into its shard folder with ``relaxspec generate`` (resumable)."""
+    from relaxspec.cli import DEFAULT_CLASSES, cmd_generate, load_caption_features, parse_classes
+
+    out = Path(gen.out)
+    folder = shard_dir(out, rank, world)
+    folder.mkdir(parents=True, exist_ok=True)
+    repeat = args.images_per_class
+    if gen.caption_features:
+        features, mask = load_caption_features(gen.caption_features, gen.caption_mask)
+        items = np.repeat(np.arange(features.shape[0]), repeat)
+        mine = items[list(shard_range(len(items), rank, world))]
+        captions = folder / "captions.npz"
+        _write_captions(captions, features.numpy()[mine], None if mask is None else mask.numpy()[mine])
+        gen.caption_features, gen.caption_mask = str(captions), None
+        count = len(mine)
+    else:
+        classes = [c for c in parse_classes(gen.classes if gen.classes is not None else DEFAULT_CLASSES)
+                   for _ in range(repeat)]
+        mine = [classes[i] for i in shard_range(len(classes), rank, world)]
+        gen.classes = ",".join(map(str, mine))
+        count = len(mine)
+    if count == 0:
+        print(f"rank {rank}/{world}: no images in this shard", file=sys.stderr)
+        return folder
+    gen.out = str(folder)
+    gen.seed = gen.seed * world + rank
+    if world > 1 and gen.device == "cuda":
+        gen.device = f"cuda:{local}"
+    cmd_generate(gen)
+    return folder
+
+
+def shard_folders(out: Path) -> list[Path]:
+    """The shard folders of one sharding (refuses a folder that mixes world sizes)."""
+    folders = sorted(p for p in out.glob("shard-*-of-*") if p.is_dir() and SHARD.search(p.name))
+    worlds = {int(SHARD.search(p.name).group(2)) for p in folders}
+    if len(worlds) > 1:
+        raise RelaxspecError(f"{out} holds shards of different world sizes ({sorted(worlds)}); use one folder per sharding")
+    return folders
+
+
+def shards_complete(out: Path) -> bool:
+    folders = shard_folders(out)
+    if not folders:
+        return False
+    world = int(SHARD.search(folders[0].name).group(2))
+    if len(folders) < world:
+        return False
+    for folder in folders:
+        try:
+            if not json.loads((folder / "stats.json").read_text()).get("complete"):
+                return False
+        except (OSError, json.JSONDecodeError):
+            return False
+    return True
+
+
+def generated_images(out: Path) -> tuple[list[Path], list[int | None]]:
+    """Every generated PNG of every shard, in order, with its class (``None`` for captions)."""
+    files, labels = [], []
+    for folder in shard_folders(out):
+        try:
+            stats = json.loads((folder / "stats.json").read_text())
+        except (OSError, json.JSONDecodeError):
+            raise RelaxspecError(f"{folder}: no readable stats.json (generation did not start there)") from None
+        for record in stats.get("images", []):
+            path = folder / str(record.get("file"))
+            if path.is_file():
+                files.append(path)
+                labels.append(record.get("class"))
+    return files, labels
+
+
+def clean_fid(files: list[Path], reference: str, mode: str = "clean", device: str = "cpu", progress: bool = True) -> float:
+    """FID (clean-fid's Inception features) between ``files`` and the images in ``reference``."""
+    try:
+        from cleanfid import fid as cfid
+        from cleanfid.features import build_feature_extractor
+    except ImportError:
+        raise RelaxspecError("--fid-ref needs clean-fid (pip install clean-fid; it pulls in torchvision). "
+                             "Without it, use --classifier/--real-data for the offline scores") from None
+    import torch
+
+    if not Path(reference).is_dir():
+        raise RelaxspecError(f"--fid-ref {reference}: no such folder")
+    try:
+        model = build_feature_extractor(mode, torch.device(device), use_dataparallel=False)
+    except OSError as err:  # urllib's URLError is an OSError
+        raise RelaxspecError(f"clean-fid could not load its Inception weights ({err}); put {INCEPTION_FILE} in "
+                             f"/tmp (clean-fid's cache) on an offline machine") from None
+    kwargs = dict(num_workers=0, batch_size=32, device=torch.device(device), mode=mode, verbose=progress)
+    generated = cfid.get_files_features([str(f) for f in files], model, description="FID generated: ", **kwargs)
+    real = cfid.get_folder_features(str(reference), model, description="FID reference: ", **kwargs)
+    return float(cfid.fid_from_feats(generated, real))
+
+
+def score(args: argparse.Namespace, out: Path, device: str = "cpu", progress: bool = True) -> dict:
+    """The requested scores of everything generated in ``out``, written to ``OUT/eval.json``."""
+    from relaxspec.cli import write_json
+
+    files, labels = generated_images(out)
+    if not files:
+        raise RelaxspecError(f"{out}: no generated images to score")
+    scores: dict = {"images": len(files), "shards": [p.name for p in shard_folders(out)],
+                    "images_per_class": args.images_per_class}
+    if args.fid_ref:
+        scores["fid"] = {"value": clean_fid(files, args.fid_ref, args.fid_mode, device, progress),
+                         "reference": str(Path(args.fid_ref).resolve()), "mode": args.fid_mode,
+                         "feature_network": "clean-fid Inception-v3 (inception-2015-12-05)"}
+    if args.classifier:
+        from relaxspec.bench.report import FID_LIKE_NOTE, load_real_images, quality_metrics, read_pngs
+        from relaxspec.evaluation.classifier import load_classifier
+
+        if any(label is None for label in labels):
+            raise RelaxspecError("--classifier scores class-conditional images (these were generated from captions)")
+        real, _ = load_real_images(args.real_data, labels)
+        quality = quality_metrics({"generated": (read_pngs(files), np.array(labels))}, load_classifier(args.classifier),
+                                  real)["generated"]
+        scores["offline"] = {**quality, "classifier": str(Path(args.classifier).resolve()),
+                             "real_data": str(Path(args.real_data).resolve()), "note": FID_LIKE_NOTE}
+    write_json(out / SCORES_FILE, scores)
+    return scores
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    if args.images_per_class < 1:
+        raise RelaxspecError(f"--images-per-class must be >= 1, got {args.images_per_class}")
+    if (args.classifier is None) != (args.real_data is None):
+        raise RelaxspecError("offline scores need both --classifier and --real-data")
+    gen = parse_generate_args(args.generate_args)
+    out = Path(gen.out)
+    progress = not gen.no_progress
+    rank, world, local = distributed()
+    device = f"cuda:{local}" if world > 1 and gen.device == "cuda" else gen.device
+    wants_scores = bool(args.fid_ref or args.classifier)
+    if not args.scores_only:
+        others = {int(SHARD.search(p.name).group(2)) for p in shard_folders(out)} - {world} if out.is_dir() else set()
+        if others:
+            raise RelaxspecError(f"--out {out} holds shards of {min(others)} processes, this run has {world}; "
+                                 "use one folder per sharding")
+        folder = generate_shard(args, gen, rank, world, local)
+        print(f"rank {rank}/{world}: shard {folder} done", file=sys.stderr)
+        if not wants_scores:
+            return 0
+        if not shards_complete(out):
+            print(f"rank {rank}/{world}: other shards are still running; the last to finish scores them "
+                  f"(or run again with --scores-only)", file=sys.stderr)
+            return 0
+    elif not wants_scores:
+        raise RelaxspecError("--scores-only needs --fid-ref and/or --classifier with --real-data")
+    scores = score(args, out, device, progress)
+    parts = [f"{scores['images']} images"]
+    if "fid" in scores:
+        parts.append(f"FID {scores['fid']['value']:.2f} (clean-fid, {args.fid_mode})")
+    if "offline" in scores:
+        offline = scores["offline"]
+        fid_like = "–" if offline["fid_like"] is None else f"{offline['fid_like'][0]:.3f}"
+        parts.append(f"class accuracy {offline['class_accuracy'][0]:.3f}, FID-like {fid_like} "
+                     f"(our classifier; not comparable to FID)")
+    print(f"{out / SCORES_FILE}: " + "; ".join(parts))
+    return 0
+
+
+__all__ = ["add_eval_parser", "clean_fid", "distributed", "generated_images", "run_eval", "shard_range"]

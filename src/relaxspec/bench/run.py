@@ -1,0 +1,306 @@
+"""The benchmark loop: every method on the same images and seeds, in one process, interleaved.
+
+Image ``i`` (class ``classes[i]``) is decoded by every method before image ``i + 1`` starts, and
+the order of the methods rotates by one each image, so slow drift of the machine (other jobs,
+thermal state, caches) falls on all methods alike and no method always runs first. Each decode
+gets its own generator seeded ``seed * 1000003 + unit`` (``unit`` = the image, or the batch with
+``batch_size > 1``) — the seeding of ``relaxspec generate``, so plain AR reproduces its images.
+
+Latency is ``DecodeResult.seconds``: from the start of decoding (condition prefill included, as
+the papers measure "after condition encoding") to the last token, before VQ decoding. The draft
+source and acceptance rule (LANTERN's neighbour table) are built once per method, outside the
+timed region. Our own ``time.perf_counter`` around the call is kept too (``wall_seconds``).
+
+Every finished (image, method) pair is appended to ``out_dir/records.jsonl`` at once; a restarted
+run skips the pairs already there. ``settings.json`` holds the settings hash (methods, classes,
+seed, sampling, threads, batch size, model identity): records of other settings are never mixed
+in — the run is refused unless ``overwrite``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import hashlib
+import json
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from relaxspec import __version__
+from relaxspec.bench.config import BASELINE, MethodSpec
+from relaxspec.decoding.ar import generate_ar
+from relaxspec.decoding.engine import build_rule, build_source, generate_speculative
+from relaxspec.decoding.result import DecodeResult
+from relaxspec.errors import RelaxspecError
+from relaxspec.sampling import SamplingConfig
+
+RECORDS_FILE, SETTINGS_FILE = "records.jsonl", "settings.json"
+#: Generators for warm-up decodes (never recorded) are seeded from here, away from any real image.
+WARMUP_SEED = 2**40
+
+
+def unit_seed(seed: int, unit: int) -> int:
+    """``relaxspec generate``'s per-batch seed (:func:`relaxspec.cli.batch_seed`)."""
+    return seed * 1_000_003 + unit
+
+
+@dataclass
+class PreparedMethod:
+    """A method ready to decode: its options, sampling, and the draft source / acceptance rule
+    built once (reused across images; both reset themselves at the start of every decode)."""
+
+    spec: MethodSpec
+    sampling: SamplingConfig
+    options: object
+    source: object = None
+    rule: object = None
+
+    @classmethod
+    def build(cls, spec: MethodSpec, sampling: SamplingConfig, drafter=None, vq=None) -> PreparedMethod:
+        options = spec.method_options()
+        sampling = spec.sampling_config(sampling)
+        if options.method == "ar":
+            return cls(spec, sampling, options)
+        if options.needs_drafter and drafter is None:
+            raise RelaxspecError(f"{spec.label} needs a trained drafter (--drafter-ckpt)")
+        source = build_source(options, drafter, sampling)
+        return cls(spec, sampling, options, source, build_rule(options, vq, horizon=source.max_depth))
+
+
+def decode_method(method: PreparedMethod, target, cond: torch.Tensor, generator: torch.Generator) -> DecodeResult:
+    """One decode of ``cond [B]`` — the same call :func:`relaxspec.decoding.decode` makes, with the
+    prebuilt source and rule."""
+    if method.options.method == "ar":
+        return generate_ar(target, cond, method.sampling, generator=generator)
+    return generate_speculative(target, cond, method.sampling, method.options, generator=generator,
+                                rule=method.rule, source=method.source)
+
+
+def model_identity(target, vq=None, drafter=None) -> dict:
+    """Configs plus a cheap weight fingerprint (sums of the first and last tensors), for callers
+    that do not pass file identities."""
+    def fingerprint(module) -> list[float] | None:
+        if module is None:
+            return None
+        params = list(module.parameters())
+        return [float(params[0].detach().double().sum()), float(params[-1].detach().double().sum())]
+
+    def config(module):
+        if module is None:
+            return None
+        cfg = module.config
+        return cfg.to_dict() if hasattr(cfg, "to_dict") else repr(cfg)
+
+    return {name: {"config": config(m), "fingerprint": fingerprint(m)}
+            for name, m in (("target", target), ("vq", vq), ("drafter", drafter))}
+
+
+def bench_settings(methods: Sequence[MethodSpec], classes: Sequence[int], seed: int, sampling: SamplingConfig,
+                   threads: int, batch_size: int, num_tokens: int, identity: dict) -> dict:
+    return {
+        "methods": [m.to_dict() for m in methods], "baseline": BASELINE, "classes": [int(c) for c in classes],
+        "seed": seed, "seeding": "unit u (image, or batch of batch_size images): "
+                                 "torch.Generator().manual_seed(seed * 1000003 + u)",
+        "sampling": sampling.to_dict(), "threads": threads, "batch_size": batch_size,
+        "image_tokens": num_tokens, "models": identity,
+    }
+
+
+def settings_hash(settings: dict) -> str:
+    return hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def read_records(out_dir: str | Path, expected_hash: str | None = None) -> list[dict]:
+    """The complete records in ``records.jsonl`` (a line cut off by a crash is skipped), only those
+    of ``expected_hash`` when given."""
+    path = Path(out_dir) / RECORDS_FILE
+    if not path.exists():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict) and "index" in record and "method" in record and (
+                expected_hash is None or record.get("settings_hash") == expected_hash):
+            records.append(record)
+    return records
+
+
+def prepare_out_dir(out: Path, settings: dict, digest: str, overwrite: bool) -> list[dict]:
+    """Check ``out`` holds nothing or a run of the same settings; return that run's records and
+    rewrite ``records.jsonl`` with exactly them (dropping a torn last line before appending)."""
+    from relaxspec.cli import write_atomic, write_json
+
+    if out.exists() and not out.is_dir():
+        raise RelaxspecError(f"--out {out}: exists and is not a folder")
+    out.mkdir(parents=True, exist_ok=True)
+    settings_path, records_path = out / SETTINGS_FILE, out / RECORDS_FILE
+    old = None
+    if settings_path.exists():
+        try:
+            old = json.loads(settings_path.read_text())
+        except json.JSONDecodeError:
+            old = None
+    if old is None and records_path.exists() and not overwrite:
+        raise RelaxspecError(f"--out {out} holds {RECORDS_FILE} without a readable {SETTINGS_FILE}; "
+                             "choose another folder or pass --overwrite")
+    if old is not None and old.get("settings_hash") != digest:
+        if not overwrite:
+            before = old.get("settings", {}) if isinstance(old.get("settings"), dict) else {}
+            now = json.loads(json.dumps(settings, default=str))
+            changed = sorted(k for k in set(now) | set(before) if now.get(k) != before.get(k))
+            raise RelaxspecError(f"--out {out} holds a benchmark with different settings (changed: "
+                                 f"{', '.join(changed) or '?'}); choose another folder or pass --overwrite")
+        old = None
+    records = read_records(out, digest) if old is not None else []
+    write_atomic(records_path, lambda temp: temp.write_text("".join(json.dumps(r) + "\n" for r in records)))
+    write_json(settings_path, {"relaxspec_version": __version__, "settings_hash": digest, "settings": settings})
+    return records
+
+
+def _append(path: Path, records: list[dict]) -> None:
+    with open(path, "a") as handle:
+        handle.write("".join(json.dumps(r) + "\n" for r in records))
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed_decode(method: PreparedMethod, target, cond: torch.Tensor, seed: int) -> tuple[DecodeResult, float]:
+    """``(result, wall seconds)``; the garbage collector is off during the call (as ``timeit``
+    does) so a collection never lands inside one method's timing."""
+    device = target.output.weight.device
+    generator = torch.Generator(device=device).manual_seed(seed)
+    _sync(device)
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        start = time.perf_counter()
+        result = decode_method(method, target, cond, generator)
+        _sync(device)
+        wall = time.perf_counter() - start
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+    return result, wall
+
+
+def result_records(result: DecodeResult, wall: float, method: MethodSpec, indices: list[int], classes: list[int],
+                   seed: int, unit: int, position: int, digest: str) -> list[dict]:
+    """One record per image of a decode (per-image shares of the batch's times)."""
+    rows = len(indices)
+    records = []
+    for row, i in enumerate(indices):
+        records.append({
+            "settings_hash": digest, "index": i, "method": method.label, "family": method.family,
+            "class": int(classes[row]), "unit": unit, "seed": seed, "batch_size": rows, "order": position,
+            "seconds": result.seconds / rows, "wall_seconds": wall / rows,
+            "drafter_seconds": result.drafter_seconds / rows,
+            "target_forwards": int(result.target_forwards[row]), "drafter_forwards": int(result.drafter_forwards[row]),
+            "mal": float(result.mean_accepted_length[row]), "tv_bound": float(result.tv_bound[row]),
+            "accept_lengths": [int(n) for n in result.accept_lengths[row]],
+            "tokens": result.tokens[row].tolist(),
+        })
+    return records
+
+
+def run_bench(target, vq, drafter, classes: Sequence[int], methods: Sequence[MethodSpec], sampling: SamplingConfig,
+              out_dir: str | Path, *, seed: int = 0, threads: int | None = 1, warmup: int = 1, batch_size: int = 1,
+              progress: bool = True, identity: dict | None = None, overwrite: bool = False) -> list[dict]:
+    """Benchmark ``methods`` on images ``i = 0 .. len(classes) - 1`` (image ``i`` conditioned on
+    ``classes[i]``) and return every record of the run (resumed ones included).
+
+    ``threads``: ``torch.set_num_threads`` for the run (restored afterwards; ``None`` leaves it).
+    ``warmup``: unrecorded decodes per method before the first recorded one.
+    ``batch_size > 1``: throughput mode; each decode takes ``batch_size`` images and every image's
+    record holds its share of the batch's time. ``identity``: what identifies the checkpoints
+    (default :func:`model_identity`).
+    """
+    if not classes:
+        raise RelaxspecError("no images to benchmark")
+    if not methods:
+        raise RelaxspecError("no methods to benchmark")
+    if batch_size < 1 or warmup < 0 or (threads is not None and threads < 1):
+        raise RelaxspecError(f"batch size and threads must be >= 1 and warm-up >= 0 "
+                             f"(got {batch_size}, {threads}, {warmup})")
+    config = target.config
+    if config.model_type != "c2i":
+        raise RelaxspecError("relaxspec bench takes class-conditional (c2i) models for now")
+    bad = [c for c in classes if not 0 <= int(c) < config.num_classes]
+    if bad:
+        raise RelaxspecError(f"class id {bad[0]} is out of range: this model has classes 0..{config.num_classes - 1}")
+    labels = [m.label for m in methods]
+    if len(set(labels)) != len(labels):
+        raise RelaxspecError("method labels must be unique")
+    out = Path(out_dir)
+    settings = bench_settings(methods, classes, seed, sampling, threads or torch.get_num_threads(), batch_size,
+                              config.block_size, identity if identity is not None else model_identity(target, vq, drafter))
+    digest = settings_hash(settings)
+    records = prepare_out_dir(out, settings, digest, overwrite)
+    done = {(r["index"], r["method"]) for r in records}
+    units = [list(range(start, min(start + batch_size, len(classes)))) for start in range(0, len(classes), batch_size)]
+    todo = [(u, m) for u, index in enumerate(units) for m in methods if any((i, m.label) not in done for i in index)]
+    if not todo:
+        return records
+
+    with contextlib.ExitStack() as stack:
+        stack.callback(torch.set_num_threads, torch.get_num_threads())
+        if threads is not None:
+            torch.set_num_threads(threads)
+        prepared = {m.label: PreparedMethod.build(m, sampling, drafter, vq) for m in methods}
+        device = target.output.weight.device
+        first = torch.tensor([int(c) for c in classes[: len(units[0])]], device=device)
+        pending = {m.label for _, m in todo}
+        for w in range(warmup):
+            for m in methods:
+                if m.label in pending:
+                    timed_decode(prepared[m.label], target, first, WARMUP_SEED + w)
+        bar = tqdm(total=len(units) * len(methods), initial=len(units) * len(methods) - len(todo), unit="decode",
+                   desc="bench", disable=True if not progress else None)
+        stack.callback(bar.close)
+        path = out / RECORDS_FILE
+        for u, index in enumerate(units):
+            shift = u % len(methods)
+            order = list(methods[shift:]) + list(methods[:shift])  # rotate: no method always runs first
+            cond_classes = [int(classes[i]) for i in index]
+            cond = torch.tensor(cond_classes, device=device)
+            seed_u = unit_seed(seed, u)
+            for position, m in enumerate(order):
+                if all((i, m.label) in done for i in index):
+                    continue
+                bar.set_postfix_str(f"image {index[0]} {m.label}", refresh=False)
+                result, wall = timed_decode(prepared[m.label], target, cond, seed_u)
+                new = [r for r in result_records(result, wall, m, index, cond_classes, seed_u, u, position, digest)
+                       if (r["index"], m.label) not in done]
+                _append(path, new)
+                records.extend(new)
+                done.update((i, m.label) for i in index)
+                bar.update(1)
+    return records
+
+
+__all__ = [
+    "RECORDS_FILE",
+    "SETTINGS_FILE",
+    "PreparedMethod",
+    "bench_settings",
+    "decode_method",
+    "model_identity",
+    "read_records",
+    "run_bench",
+    "settings_hash",
+    "timed_decode",
+    "unit_seed",
+]

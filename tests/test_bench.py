@@ -1,0 +1,431 @@
+"""``relaxspec bench`` and ``relaxspec eval`` on tiny random models: method specs and sweeps, the
+interleaved resumable loop, pairwise speed-ups, acceptance heat maps, the tables, the offline
+quality numbers, sharded generation and the error messages."""
+
+from __future__ import annotations
+
+import json
+import sys
+import types
+
+import numpy as np
+import pytest
+import torch
+
+from relaxspec.bench import run as bench_run
+from relaxspec.bench.cli import add_bench_parser
+from relaxspec.bench.config import DEFAULT_METHODS, expand_methods, parse_methods
+from relaxspec.bench.eval import add_eval_parser, shard_range
+from relaxspec.bench.report import (
+    acceptance_map,
+    accepted_flags,
+    markdown_table,
+    pareto_front,
+    summarize,
+    write_report,
+)
+from relaxspec.bench.run import PreparedMethod, read_records, run_bench
+from relaxspec.checkpoints import load_gpt, load_vq, save_model
+from relaxspec.cli import UsageError, _Parser
+from relaxspec.decoding import decode
+from relaxspec.drafting.eagle import EagleDrafter
+from relaxspec.errors import RelaxspecError
+from relaxspec.sampling import SamplingConfig
+from relaxspec.training.drafter import load_drafter
+
+SAMPLING = SamplingConfig(cfg_scale=4.0, temperature=1.0, top_k=0, top_p=1.0)
+#: Two images (classes 1 and 2) with ar, sd-chain, sjd and a two-point LANTERN sweep.
+BENCH_METHODS = dict(names=["ar", "sd-chain", "sjd"], sweeps=["lantern:delta=0.1,0.4"])
+LABELS = ["ar", "sd-chain", "sjd", "lantern[delta=0.1]", "lantern[delta=0.4]"]
+
+
+@pytest.fixture(autouse=True)
+def neighbour_cache(monkeypatch, tmp_path_factory):
+    """LANTERN's neighbour tables go to a temporary cache, not ~/.cache."""
+    monkeypatch.setenv("RELAXSPEC_CACHE", str(tmp_path_factory.getbasetemp() / "neighbour-cache"))
+
+
+@pytest.fixture(scope="module")
+def models(tiny_ckpts, tmp_path_factory):
+    """The tiny official-layout target and VQ, and a random drafter saved and loaded as users do."""
+    files = tiny_ckpts["c2i"]
+    vq = load_vq(files["vq"], files["vq_json"])
+    target = load_gpt(files["gpt"], files["gpt_json"], image_size=16, downsample=vq.config.downsample_factor)
+    torch.manual_seed(0)
+    folder = save_model(EagleDrafter.for_target(target), tmp_path_factory.mktemp("drafter") / "drafter", kind="drafter")
+    return {"target": target, "vq": vq, "drafter": load_drafter(folder, target), "drafter_dir": str(folder),
+            "args": files["args"]}
+
+
+@pytest.fixture(scope="module")
+def bench_dir(models, tmp_path_factory):
+    """One finished benchmark (2 images x 5 methods) shared by the report tests."""
+    out = tmp_path_factory.mktemp("bench")
+    specs = expand_methods(BENCH_METHODS["names"], BENCH_METHODS["sweeps"])
+    run_bench(models["target"], models["vq"], models["drafter"], [1, 2], specs, SAMPLING, out, warmup=0,
+              progress=False)
+    return out
+
+
+def parser():
+    root = _Parser(prog="relaxspec")
+    commands = root.add_subparsers(dest="command")
+    add_bench_parser(commands)
+    add_eval_parser(commands)
+    return root
+
+
+def run_cli(argv: list[str]) -> int:
+    args = parser().parse_args(argv)
+    return args.handler(args)
+
+
+# ------------------------------------------------------------------------------------------
+# Method specs and sweeps
+# ------------------------------------------------------------------------------------------
+
+
+def test_sweeps_expand_into_labelled_variants():
+    specs = expand_methods(None, ["lantern:delta=0.05,0.1,0.2,0.4", "lantern++:lam=2,5,10", "cool:cool_delta=1.1,2,4"])
+    labels = [s.label for s in specs]
+    assert labels[:4] == ["ar", "sd-chain", "sd-static", "eagle2"]
+    assert [s.label for s in specs if s.family == "lantern"] == [f"lantern[delta={d}]" for d in ("0.05", "0.1", "0.2", "0.4")]
+    assert [s.method_options().lam for s in specs if s.family == "lantern++"] == [2.0, 5.0, 10.0]
+    assert [s.method_options().cool_delta for s in specs if s.family == "cool"] == [1.1, 2.0, 4.0]
+    assert "lantern" not in labels and "lantern++" not in labels  # replaced by their variants
+    options = {s.label: s.method_options() for s in specs}
+    assert options["lantern[delta=0.2]"].draft == "dynamic" and options["lantern[delta=0.2]"].k == 1000
+    assert options["lantern++[lam=10]"].draft == "static" and options["lantern++[lam=10]"].k == 10
+    # The baseline is always there, first when not listed; a swept name missing from --methods is appended;
+    # sweeps of one name multiply; a lam sweep on LANTERN replaces its additive budget.
+    product = expand_methods(parse_methods("sjd"), ["lantern:lam=2,5", "lantern:k=5,50"])
+    assert [s.label for s in product] == ["ar", "sjd", "lantern[lam=2,k=5]", "lantern[lam=2,k=50]",
+                                          "lantern[lam=5,k=5]", "lantern[lam=5,k=50]"]
+    assert product[2].method_options().delta is None and product[2].method_options().lam == 2.0
+    assert parse_methods(None) == list(DEFAULT_METHODS) and parse_methods("sd-dynamic,ar") == ["eagle2", "ar"]
+
+
+@pytest.mark.parametrize("methods, sweeps, message", [
+    ("ar,foo", [], "unknown method 'foo'"),
+    ("ar,sjd,ar", [], "more than once"),
+    (" , ", [], "--methods is empty"),
+    (None, ["lantern"], "expected NAME:FIELD=V1,V2"),
+    (None, ["lantern:delta="], "no values"),
+    (None, ["lantern:delta=0.1,0.1"], "repeated"),
+    (None, ["lantern:delta=abc"], "float expected"),
+    (None, ["lantern:depth=2.5"], "int expected"),
+    (None, ["lantern:colour=1"], "unknown field 'colour'"),
+    (None, ["lantern:method=sd"], "not its method"),
+    (None, ["ar:temperature=0,1"], "baseline"),
+    (None, ["lantern:delta=0.1", "lantern:delta=0.2"], "swept twice"),
+    (None, ["lantern:delta=1.5"], "lantern[delta=1.5]: --delta is an additive TV budget"),
+    (None, ["lantern:k=5", "lantern:delta=2"], "additive TV budget"),
+    (None, ["lantern++:delta=0.1"], "lantern++[delta=0.1]: --method lantern++ is the multiplicative rule"),
+    (None, ["lantern++:lam=0.5"], "multiplicative bound >= 1"),
+    (None, ["sjd:window=0"], "window must be >= 1"),
+    (None, ["sjd:top_p=0"], "top-p must lie in (0, 1]"),
+])
+def test_bad_methods_and_sweeps_are_one_line_errors(methods, sweeps, message):
+    with pytest.raises(RelaxspecError) as err:
+        expand_methods(parse_methods(methods), sweeps)
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+# ------------------------------------------------------------------------------------------
+# The loop
+# ------------------------------------------------------------------------------------------
+
+
+def test_bench_records_every_image_and_method_in_rotating_order(bench_dir):
+    records = read_records(bench_dir)
+    assert sorted((r["index"], r["method"]) for r in records) == sorted((i, m) for i in (0, 1) for m in LABELS)
+    for r in records:
+        assert len(r["tokens"]) == 16 and sum(r["accept_lengths"]) == 16
+        assert r["class"] == [1, 2][r["index"]] and r["seed"] == r["index"]  # seed 0: 0 * 1000003 + image
+        assert r["seconds"] > 0 and r["wall_seconds"] >= r["seconds"] * 0.5 and 0 <= r["drafter_seconds"] <= r["seconds"]
+        assert r["target_forwards"] == len(r["accept_lengths"]) and r["mal"] == pytest.approx(16 / r["target_forwards"])
+    by = {(r["index"], r["method"]): r for r in records}
+    # Each image starts with a different method: image 1's order is image 0's rotated by one.
+    assert [m for m in LABELS if by[(0, m)]["order"] == 0] == ["ar"]
+    assert [m for m in LABELS if by[(1, m)]["order"] == 0] == ["sd-chain"]
+    assert by[(1, "ar")]["order"] == len(LABELS) - 1
+    # AR is AR; exact methods certify zero TV, LANTERN does not.
+    assert all(by[(i, "ar")]["target_forwards"] == 16 and by[(i, "ar")]["drafter_forwards"] == 0 for i in (0, 1))
+    assert all(by[(i, m)]["tv_bound"] == 0 for i in (0, 1) for m in ("ar", "sd-chain", "sjd"))
+    assert any(by[(i, "lantern[delta=0.4]")]["tv_bound"] > 0 for i in (0, 1))
+    assert by[(0, "sd-chain")]["drafter_forwards"] > 0
+    settings = json.loads((bench_dir / "settings.json").read_text())
+    assert [m["label"] for m in settings["settings"]["methods"]] == LABELS
+
+
+def test_bench_resumes_and_never_mixes_settings(models, tmp_path, monkeypatch):
+    calls = []
+    real_decode = bench_run.decode_method
+
+    def counting(method, *args):
+        calls.append(method.spec.label)
+        return real_decode(method, *args)
+
+    monkeypatch.setattr(bench_run, "decode_method", counting)
+    specs = expand_methods(["ar", "sjd", "scd"])
+    bench = lambda **kw: run_bench(models["target"], models["vq"], None, [1, 2, 3], specs, SAMPLING, tmp_path,
+                                   progress=False, **kw)
+    bench(warmup=1)
+    assert len(calls) == 3 + 9  # one warm-up decode per method, then 3 images x 3 methods
+    path = tmp_path / "records.jsonl"
+    lines = path.read_text().splitlines()
+    assert len(lines) == 9
+
+    calls.clear()
+    assert len(bench(warmup=1)) == 9 and calls == []  # all done: nothing decoded, not even warm-up
+
+    # An interrupted run: the last two records are missing and a third was torn mid-write.
+    path.write_text("\n".join(lines[:6]) + "\n" + lines[6][:40])
+    calls.clear()
+    records = bench(warmup=0)
+    assert len(calls) == 3 and len(records) == 9
+    assert sorted((r["index"], r["method"]) for r in read_records(tmp_path)) == sorted(
+        (i, m) for i in range(3) for m in ("ar", "sjd", "scd"))
+
+    with pytest.raises(RelaxspecError, match="different settings.*seed"):
+        bench(warmup=0, seed=1)
+    calls.clear()
+    assert len(bench(warmup=0, seed=1, overwrite=True)) == 9 and len(calls) == 9
+    assert {r["seed"] for r in read_records(tmp_path)} == {1_000_003, 1_000_004, 1_000_005}
+
+
+def test_prebuilt_sources_and_rules_decode_exactly_like_decode(models):
+    """The bench builds each method's draft source and rule once; reusing them across images
+    gives the tokens :func:`relaxspec.decoding.decode` gives with the same generator."""
+    cond = torch.tensor([3])
+    for spec in expand_methods(["sd-static", "lantern++", "cool", "sjd", "scd"]):
+        method = PreparedMethod.build(spec, SAMPLING, models["drafter"], models["vq"])
+        for seed in (0, 1):
+            mine = bench_run.decode_method(method, models["target"], cond, torch.Generator().manual_seed(seed))
+            theirs = decode(models["target"], cond, SAMPLING, spec.method_options(), drafter=models["drafter"],
+                            vq=models["vq"], generator=torch.Generator().manual_seed(seed))
+            assert torch.equal(mine.tokens, theirs.tokens), spec.label
+            assert mine.accept_lengths == theirs.accept_lengths
+
+
+def test_throughput_mode_records_each_image_of_a_batch(models, tmp_path):
+    threads = torch.get_num_threads()
+    specs = expand_methods(["ar", "sjd"])
+    records = run_bench(models["target"], models["vq"], None, [1, 2, 3], specs, SAMPLING, tmp_path, batch_size=2,
+                        warmup=0, threads=1, progress=False)
+    assert torch.get_num_threads() == threads  # the pinned thread count is restored
+    assert len(records) == 6 and {r["batch_size"] for r in records} == {1, 2}
+    by = {(r["index"], r["method"]): r for r in records}
+    assert by[(0, "ar")]["seconds"] == by[(1, "ar")]["seconds"]  # shares of one batch
+    assert by[(0, "sjd")]["seed"] == by[(1, "sjd")]["seed"] == 0 and by[(2, "sjd")]["seed"] == 1
+
+
+def test_bench_input_errors(models, tmp_path):
+    target, vq = models["target"], models["vq"]
+    with pytest.raises(RelaxspecError, match="needs a trained drafter"):
+        run_bench(target, vq, None, [1], expand_methods(["sd-chain"]), SAMPLING, tmp_path / "a", progress=False)
+    with pytest.raises(RelaxspecError, match="class id 10 is out of range"):
+        run_bench(target, vq, None, [1, 10], expand_methods(["ar"]), SAMPLING, tmp_path / "b", progress=False)
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "records.jsonl").write_text("{}\n")
+    with pytest.raises(RelaxspecError, match="without a readable settings.json"):
+        run_bench(target, vq, None, [1], expand_methods(["ar"]), SAMPLING, tmp_path / "c", progress=False)
+
+
+# ------------------------------------------------------------------------------------------
+# The report
+# ------------------------------------------------------------------------------------------
+
+
+def synthetic(method: str, index: int, ms: float, accept_lengths=(1,) * 16, tv: float = 0.0) -> dict:
+    return {"index": index, "method": method, "family": method, "class": 0, "seconds": ms / 1000,
+            "wall_seconds": ms / 1000, "drafter_seconds": 0.0, "target_forwards": len(accept_lengths),
+            "drafter_forwards": 0, "mal": 16 / len(accept_lengths), "tv_bound": tv,
+            "accept_lengths": list(accept_lengths), "tokens": [0] * 16}
+
+
+def test_speedup_is_the_median_of_per_image_ratios():
+    halves = [synthetic("ar", i, 10.0) for i in range(5)] + [synthetic("fast", i, 5.0, (1, 5, 5, 5)) for i in range(5)]
+    rows = {r["label"]: r for r in summarize(halves, n_boot=50)}
+    assert rows["fast"]["speedup"] == pytest.approx(2.0)
+    assert rows["fast"]["speedup_lo"] == pytest.approx(2.0) and rows["fast"]["speedup_hi"] == pytest.approx(2.0)
+    assert rows["ar"]["speedup"] == pytest.approx(1.0) and rows["ar"]["mal"] == 1.0
+    assert rows["fast"]["mal"] == pytest.approx(4.0) and rows["fast"]["target_forwards_per_image"] == 4
+    assert rows["fast"]["latency_median_s"] == pytest.approx(0.005)
+    # Pairwise, not a ratio of medians: AR 10 / 30 ms vs 5 / 10 ms -> ratios 2 and 3 -> 2.5 (not 20 / 7.5).
+    # An image the baseline never decoded has no pair.
+    paired = [synthetic("ar", 0, 10.0), synthetic("ar", 1, 30.0), synthetic("m", 0, 5.0), synthetic("m", 1, 10.0),
+              synthetic("m", 2, 1.0)]
+    row = summarize(paired, n_boot=0)[1]
+    assert row["speedup"] == pytest.approx(2.5) and row["speedup_pairs"] == 2 and row["images"] == 3
+    assert row["latency_median_s"] == pytest.approx(0.005) and row["latency_q75_s"] == pytest.approx(0.0075)
+    # No baseline, no speed-up.
+    assert summarize([synthetic("m", 0, 5.0)], n_boot=0)[0]["speedup"] is None
+
+
+def test_acceptance_flags_and_heat_map():
+    # prefill token, then steps committing 3 (2 drafts + bonus), 1, 4, 2, 5 tokens
+    flags = accepted_flags([1, 3, 1, 4, 2, 5], 16)
+    assert flags.tolist() == [False, True, True, False, False, True, True, True, False, True, False,
+                              True, True, True, True, False]
+    assert accepted_flags([1, 3], 16) is None  # lengths that do not add up to the image are ignored
+    records = [synthetic("m", 0, 1.0, (1, 3, 1, 4, 2, 5)), synthetic("m", 1, 1.0)]
+    heat = acceptance_map(records, 16)
+    assert heat.shape == (4, 4) and heat[0, 1] == 0.5 and heat[0, 0] == 0.0 and heat.max() == 0.5
+    assert acceptance_map(records, 15) is None and acceptance_map([synthetic("m", 0, 1.0, (1,) * 15)], 15).shape == (1, 15)
+
+
+def test_pareto_front():
+    points = [{"label": "a", "speedup": 1.0, "fid": 1.0}, {"label": "b", "speedup": 2.0, "fid": 2.0},
+              {"label": "c", "speedup": 1.5, "fid": 3.0}, {"label": "d", "speedup": None, "fid": 0.0}]
+    assert pareto_front(points, "fid") == ["a", "b"]
+    assert pareto_front(points, "fid", lower_is_better=False) == ["b", "c"]
+
+
+def test_report_tables_and_plot_data(bench_dir, monkeypatch):
+    from relaxspec.bench import report
+
+    monkeypatch.setattr(report, "plots_available", lambda: False)
+    result = write_report(bench_dir, n_boot=20)
+    names = {p.name for p in result["files"]}
+    assert names == {"summary.json", "summary.csv", "summary.md", "plot_data.json"}
+    assert any("matplotlib is not installed" in n for n in result["notes"])
+    assert any("quality not measured" in n for n in result["notes"])
+    table = [line for line in (bench_dir / "summary.md").read_text().splitlines() if line.startswith("| `")]
+    assert [line.split("`")[1] for line in table] == LABELS  # one row per method, in run order
+    csv_rows = (bench_dir / "summary.csv").read_text().splitlines()
+    assert len(csv_rows) == 1 + len(LABELS) and csv_rows[0].startswith("label,family,sweep")
+    summary = json.loads((bench_dir / "summary.json").read_text())
+    rows = {r["label"]: r for r in summary["methods"]}
+    assert rows["ar"]["speedup"] == 1.0 and rows["ar"]["mal"] == 1.0 and rows["ar"]["drafter_share"] == 0
+    assert rows["lantern[delta=0.4]"]["sweep"] == {"delta": 0.4} and rows["lantern[delta=0.4]"]["family"] == "lantern"
+    assert rows["sd-chain"]["speedup_pairs"] == 2 and rows["sd-chain"]["tv_bound_mean"] == 0
+    data = json.loads((bench_dir / "plot_data.json").read_text())
+    assert set(data["accept_heatmap"]) == set(LABELS)
+    assert np.asarray(data["accept_heatmap"]["sjd"]).shape == (4, 4)
+    assert np.asarray(data["accept_heatmap"]["ar"]).max() == 0
+    assert sum(data["accept_length_hist"]["ar"].values()) == 2 * 15
+    assert [p["label"] for p in data["pareto"]["points"] if p["family"] == "lantern"] == LABELS[3:]
+
+
+def test_report_quality_with_a_classifier(bench_dir, models, tmp_path):
+    pytest.importorskip("scipy")
+    from relaxspec.evaluation.classifier import ClassifierConfig, ImageClassifier
+
+    torch.manual_seed(0)
+    classifier = ImageClassifier(ClassifierConfig(num_classes=10, image_size=16, channels=(8,), feature_dim=8)).eval()
+    rng = np.random.default_rng(0)
+    real = tmp_path / "val.npz"
+    np.savez(real, images=rng.integers(0, 256, (30, 16, 16, 3), dtype=np.uint8), labels=np.arange(30) % 10)
+    result = write_report(bench_dir, vq=models["vq"], classifier=classifier, real_data=real, n_boot=10, plots=False)
+    rows = {r["label"]: r for r in result["rows"]}
+    for label in LABELS:
+        quality = rows[label]["quality"]
+        assert quality["n_fake"] == 2 and quality["n_real"] == 6  # real images of the benchmarked classes 1, 2
+        value, lo, hi = quality["class_accuracy"]
+        assert 0 <= lo <= value <= hi <= 1
+        assert quality["fid_like"][0] >= 0
+    assert "class_accuracy_diff_vs_ar" in rows["sjd"]["quality"] and "class_accuracy_diff_vs_ar" not in rows["ar"]["quality"]
+    assert len(list((bench_dir / "images" / "lantern_delta=0.4").glob("*.png"))) == 2
+    digest = json.loads((bench_dir / "settings.json").read_text())["settings_hash"]
+    assert (bench_dir / "images" / "SETTINGS_HASH").read_text().strip() == digest
+    table = (bench_dir / "summary.md").read_text()
+    assert "FID-like" in table and "NOT comparable to Inception FID" in table
+    assert table.count("| `") == len(LABELS) + len(LABELS) - 1  # main table + the differences to AR
+
+
+def test_plots_when_matplotlib_is_installed(bench_dir):
+    pytest.importorskip("matplotlib")
+    result = write_report(bench_dir, n_boot=0)
+    assert {"pareto.png", "mal_hist.png", "accept_heatmap.png"} <= {p.name for p in result["files"]}
+
+
+def test_markdown_table_marks_missing_methods():
+    rows = summarize([synthetic("ar", 0, 10.0)], ["ar", "never-ran"], num_tokens=16, n_boot=0)
+    lines = markdown_table(rows).splitlines()
+    assert len(lines) == 4 and lines[3].startswith("| never-ran | 0 |")
+
+
+# ------------------------------------------------------------------------------------------
+# Command line
+# ------------------------------------------------------------------------------------------
+
+
+def test_bench_command(models, tmp_path, capsys):
+    out = tmp_path / "out"
+    argv = ["bench", *models["args"], "--classes", "1,2", "--methods", "ar,sjd", "--warmup", "0", "--out", str(out),
+            "--no-progress", "--no-plots"]
+    assert run_cli(argv) == 0
+    printed = capsys.readouterr().out
+    assert printed.count("| `") == 2 and "summary.md" in printed
+    assert len(read_records(out)) == 4
+    assert run_cli(argv + ["--report-only"]) == 0
+    assert run_cli(["bench", "--list-methods"]) == 0 and "lantern++" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--out", "X"], "no embedded model yet"),
+    (["MODELS", "--methods", "ar,sd-chain", "--out", "X"], "sd-chain draft with an EAGLE drafter"),
+    (["MODELS", "--classes", "1,12", "--methods", "ar", "--out", "X"], "class id 12 is out of range"),
+    (["MODELS", "--methods", "ar", "--threads", "0", "--out", "X"], "--threads must be >= 1"),
+    (["MODELS", "--classifier", "C", "--out", "X"], "both --classifier and --real-data"),
+    (["MODELS", "--methods", "ar", "--sweep", "lantern:delta=2", "--out", "X"], "additive TV budget"),
+    (["MODELS", "--methods", "ar"], "--out DIR is required"),
+])
+def test_bench_command_errors(models, tmp_path, extra, message):
+    argv = ["bench"]
+    for item in extra:
+        argv += models["args"] if item == "MODELS" else [str(tmp_path / item) if item in ("X", "C") else item]
+    with pytest.raises(RelaxspecError, match=message.replace("(", r"\(").replace("[", r"\[")):
+        run_cli(argv)
+
+
+def test_bench_command_usage_errors():
+    with pytest.raises(UsageError, match="not allowed with argument"):
+        run_cli(["bench", "--images-per-class", "2", "--num-images", "3", "--out", "X"])
+    with pytest.raises(UsageError, match="invalid int value"):
+        run_cli(["bench", "--threads", "two", "--out", "X"])
+
+
+def test_eval_generates_sharded_and_resumable(models, tmp_path, monkeypatch, capsys):
+    out = tmp_path / "eval"
+    generate = [*models["args"], "--classes", "1,2", "--threads", "1", "--no-progress", "--out", str(out)]
+    assert [list(shard_range(5, r, 2)) for r in (0, 1)] == [[0, 1], [2, 3, 4]]
+    for rank in (0, 1):
+        monkeypatch.setenv("RANK", str(rank))
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        assert run_cli(["eval", "--images-per-class", "2", "--", *generate]) == 0
+    shards = [json.loads((out / f"shard-0{r}-of-02" / "stats.json").read_text()) for r in (0, 1)]
+    assert [[im["class"] for im in s["images"]] for s in shards] == [[1, 1], [2, 2]]
+    assert [s["settings"]["seed"] for s in shards] == [0, 1] and all(s["complete"] for s in shards)
+    # Run again: both shards are complete, nothing is generated.
+    assert run_cli(["eval", "--images-per-class", "2", "--", *generate]) == 0
+    assert "0 generated now" in capsys.readouterr().out
+    # Another world size in the same folder is refused.
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(RelaxspecError, match="one folder per sharding"):
+        run_cli(["eval", "--", *generate])
+    monkeypatch.setenv("WORLD_SIZE", "2")
+
+    # FID through clean-fid: without it, one clear line; with it, its features and distance are used.
+    monkeypatch.setitem(sys.modules, "cleanfid", None)
+    with pytest.raises(RelaxspecError, match="needs clean-fid"):
+        run_cli(["eval", "--scores-only", "--fid-ref", str(tmp_path), "--", *generate])
+    seen = {}
+    fid_module = types.SimpleNamespace(
+        get_files_features=lambda files, model, **kw: seen.setdefault("files", files) and np.zeros((len(files), 2)),
+        get_folder_features=lambda folder, model, **kw: np.ones((3, 2)),
+        fid_from_feats=lambda a, b: 12.5)
+    features_module = types.SimpleNamespace(build_feature_extractor=lambda mode, device, use_dataparallel: "model")
+    package = types.ModuleType("cleanfid")
+    package.fid, package.features = fid_module, features_module
+    monkeypatch.setitem(sys.modules, "cleanfid", package)
+    monkeypatch.setitem(sys.modules, "cleanfid.fid", fid_module)
+    monkeypatch.setitem(sys.modules, "cleanfid.features", features_module)
+    assert run_cli(["eval", "--scores-only", "--fid-ref", str(tmp_path), "--", *generate]) == 0
+    scores = json.loads((out / "eval.json").read_text())
+    assert scores["fid"]["value"] == 12.5 and scores["images"] == 4
+    assert len(seen["files"]) == 4 and not any(f.endswith("grid.png") for f in seen["files"])
+    with pytest.raises(RelaxspecError, match="after '--'"):
+        run_cli(["eval", "--images-per-class", "2"])
