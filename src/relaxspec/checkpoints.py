@@ -39,6 +39,7 @@ class LoadedState:
     layout: str
     config: dict | None = None  # our own format carries its config
     kind: str | None = None
+    meta: dict | None = None  # the whole config.json of our format (class names, provenance)
 
 
 def _unpickling_error(path: Path, err: Exception, zip_file: bool) -> RelaxspecError:
@@ -100,7 +101,7 @@ def read_state(path: str | Path) -> LoadedState:
         if not isinstance(meta, dict) or "kind" not in meta or "config" not in meta:
             raise RelaxspecError(f"{config_file}: not a relaxspec config (needs 'kind' and 'config')")
         state = _load_safetensors(weights)
-        return LoadedState(state, "relaxspec", meta["config"], meta["kind"])
+        return LoadedState(state, "relaxspec", meta["config"], meta["kind"], meta)
     if not path.is_file():
         raise RelaxspecError(f"{path}: not a regular file")
     try:
@@ -314,6 +315,9 @@ def load_gpt(path: str | Path, model_name: str | None = None, *, image_size: int
             )
     model = Transformer(config)
     load_strict(model, strip_ignored(loaded.state_dict), str(path))
+    # Our folders may name the classes (config.json "class_names"), so users can ask by name.
+    names = (loaded.meta or {}).get("class_names")
+    model.class_names = list(names) if isinstance(names, list) and len(names) == config.num_classes else None
     return model.to(device=device, dtype=PRECISIONS[precision]).eval()
 
 

@@ -95,38 +95,44 @@ def build_parser() -> argparse.ArgumentParser:
         "and stats.json into --out; an interrupted run resumes when started again with the same settings."))
     gen.set_defaults(handler=cmd_generate)
     models = gen.add_argument_group("models")
-    models.add_argument("--gpt-ckpt", required=True, metavar="PATH",
-                        help="GPT weights: official .pt/.pth, .safetensors, or a relaxspec model folder")
+    models.add_argument("--gpt-ckpt", metavar="PATH",
+                        help="GPT weights: official .pt/.pth, .safetensors, or a relaxspec model folder "
+                             "(default: the embedded emoji model, with its tokenizer and drafter)")
     models.add_argument("--gpt-model", metavar="NAME|JSON", help=(
         f"named size ({', '.join(GPT_SIZES)}), or a JSON file of GPTConfig fields for other sizes; "
         "needed for official files (the head count is not in the weights)"))
-    models.add_argument("--vq-ckpt", required=True, metavar="PATH", help="VQ tokenizer weights")
+    models.add_argument("--vq-ckpt", metavar="PATH", help="VQ tokenizer weights (default: the embedded model's)")
     models.add_argument("--vq-model", default="VQ-16", metavar="NAME|JSON",
                         help=f"named tokenizer ({', '.join(VQ_CONFIGS)}) or a JSON file of VQConfig fields (default VQ-16)")
-    models.add_argument("--image-size", type=int, default=256, help="pixels per side; fixes the token grid (default 256)")
+    models.add_argument("--image-size", type=int, help="pixels per side; fixes the token grid (default: the model's "
+                                                       "own for relaxspec folders, else 256)")
     models.add_argument("--precision", choices=tuple(PRECISIONS), default="fp32", help="GPT weights dtype (default fp32)")
     models.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:1, ...")
     models.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's choice; 1 is often "
                                                     "fastest for small models on a busy machine)")
 
     cond = gen.add_argument_group("conditions")
-    cond.add_argument("--classes", metavar="IDS",
-                      help=f"comma-separated class ids for a c2i model (default: upstream's demo list {DEFAULT_CLASSES})")
+    cond.add_argument("--classes", metavar="IDS|NAMES",
+                      help=f"comma-separated class ids for a c2i model, or class names when the model names its "
+                           f"classes (the embedded model: e.g. animal-mammal,food-fruit) (default: upstream's demo "
+                           f"list {DEFAULT_CLASSES}, or the embedded model's demo classes)")
     cond.add_argument("--caption-features", metavar="PATH",
                       help="t2i: .npy of caption features [N, tokens, dim] (T5, left-padded), or .npz with "
                            "'features' and optional 'mask'")
     cond.add_argument("--caption-mask", metavar="PATH", help="t2i: .npy [N, tokens] of 1 (real token) / 0 (padding)")
 
     sampling = gen.add_argument_group("sampling (upstream order: CFG, temperature, top-k, top-p)")
-    sampling.add_argument("--cfg-scale", type=float, default=4.0, help="classifier-free guidance (default 4.0; 1 = off)")
-    sampling.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default 1.0)")
-    sampling.add_argument("--top-k", type=int, default=2000, help="0 = off (default 2000)")
-    sampling.add_argument("--top-p", type=float, default=1.0, help="in (0, 1] (default 1.0 = off)")
+    sampling.add_argument("--cfg-scale", type=float, help="classifier-free guidance (default 4.0, upstream's demo; "
+                                                          "the embedded model's own default with it; 1 = off)")
+    sampling.add_argument("--temperature", type=float, help="0 = greedy (default 1.0)")
+    sampling.add_argument("--top-k", type=int, help="0 = off (default 2000, upstream's demo; embedded: its own)")
+    sampling.add_argument("--top-p", type=float, help="in (0, 1] (default 1.0 = off)")
     sampling.add_argument("--seed", type=int, default=0,
                           help="batch b samples with a generator seeded seed * 1000003 + b (default 0)")
 
     method = gen.add_argument_group("decoding method")
-    method.add_argument("--method", default="ar", choices=METHODS + tuple(ALIASES), help="default ar")
+    method.add_argument("--method", choices=METHODS + tuple(ALIASES),
+                        help="default: ar, or the embedded model's documented default method (MODEL_CARD.md)")
     method.add_argument("--draft", help=f"{' | '.join(DRAFTS)} | a JSON static tree")
     method.add_argument("--drafter-ckpt", metavar="PATH", help="EAGLE drafter (methods sd, lantern, cool)")
     method.add_argument("--depth", type=int, help="chain length / dynamic-tree depth")
@@ -237,12 +243,49 @@ def _fail(message: str) -> int:
 # ------------------------------------------------------------------------------------------------
 
 
+UPSTREAM_SAMPLING = {"cfg_scale": 4.0, "temperature": 1.0, "top_k": 2000, "top_p": 1.0}
+
+
+def use_embedded_defaults(args: argparse.Namespace) -> bool:
+    """With no --gpt-ckpt the embedded model (its tokenizer, drafter and documented defaults)
+    stands in; flags the user did give still win."""
+    if args.gpt_ckpt is not None:
+        if args.vq_ckpt is None:
+            raise RelaxspecError("--vq-ckpt is required with --gpt-ckpt (the tokenizer that goes with the GPT)")
+        return False
+    from relaxspec import embedded
+
+    if args.vq_ckpt is not None or args.gpt_model is not None:
+        raise RelaxspecError("--vq-ckpt / --gpt-model go with --gpt-ckpt; without it the embedded model is used")
+    args.gpt_ckpt, args.vq_ckpt = str(embedded.path("gpt")), str(embedded.path("vq"))
+    defaults = embedded.defaults()
+    for key, value in defaults.get("sampling", {}).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.method is None and "method" in defaults:
+        args.method = defaults["method"].get("method", "ar")
+        for key, value in defaults["method"].items():
+            if key != "method" and getattr(args, key, None) is None:
+                setattr(args, key, value)
+    if args.classes is None and "classes" in defaults:
+        args.classes = defaults["classes"]
+    if args.drafter_ckpt is None and embedded.available("drafter"):
+        args.drafter_ckpt = str(embedded.path("drafter"))
+    return True
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     wall = time.perf_counter()
+    use_embedded_defaults(args)
+    for key, value in UPSTREAM_SAMPLING.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.method is None:
+        args.method = "ar"
     sampling = SamplingConfig(cfg_scale=args.cfg_scale, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     options = method_options(args)
     for name in ("image_size", "batch_size"):
-        if getattr(args, name) < 1:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             raise RelaxspecError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.seed < 0 or args.grid_max < 0:
         raise RelaxspecError("--seed and --grid-max must be >= 0")
@@ -257,11 +300,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     vq = load_vq(args.vq_ckpt, args.vq_model, device=device)
     downsample = vq.config.downsample_factor
-    if args.image_size % downsample:
+    if args.image_size is not None and args.image_size % downsample:
         raise RelaxspecError(
             f"--image-size {args.image_size} is not a multiple of the tokenizer's downsampling {downsample}")
     model = load_gpt(args.gpt_ckpt, args.gpt_model, image_size=args.image_size, downsample=downsample,
                      precision=args.precision, device=device)
+    args.image_size = model.config.grid_size * downsample
     if model.config.vocab_size != vq.config.codebook_size:
         raise RelaxspecError(f"the GPT's vocabulary ({model.config.vocab_size}) does not match the VQ codebook "
                              f"({vq.config.codebook_size}): they are not a pair")
@@ -401,11 +445,17 @@ def _spec_id(spec: str | None) -> str | None:
     return str(Path(spec).resolve()) if spec and spec not in GPT_SIZES and spec not in VQ_CONFIGS else spec
 
 
-def parse_classes(text: str) -> list[int]:
+def parse_classes(text: str, names: list[str] | None = None) -> list[int]:
+    """Comma-separated class ids, or names when the model names its classes."""
+    if names is not None:
+        from relaxspec.data.emoji import resolve_classes
+
+        return resolve_classes(text, names)
     try:
         classes = [int(item) for item in text.split(",") if item.strip()]
     except ValueError:
-        raise RelaxspecError(f"--classes must be comma-separated integer class ids, got {text!r}") from None
+        raise RelaxspecError(f"--classes must be comma-separated integer class ids (this model does not name its "
+                             f"classes), got {text!r}") from None
     if not classes:
         raise RelaxspecError("--classes is empty")
     return classes
@@ -418,7 +468,7 @@ def load_conditions(args: argparse.Namespace, model: Transformer) -> tuple[torch
     if config.model_type == "c2i":
         if args.caption_features or args.caption_mask:
             raise RelaxspecError("this is a class-conditional (c2i) model: give --classes, not --caption-features")
-        classes = parse_classes(args.classes if args.classes is not None else DEFAULT_CLASSES)
+        classes = parse_classes(args.classes if args.classes is not None else DEFAULT_CLASSES, model.class_names)
         bad = [c for c in classes if not 0 <= c < config.num_classes]
         if bad:
             raise RelaxspecError(f"class id {bad[0]} is out of range: this model has classes 0..{config.num_classes - 1}")

@@ -328,6 +328,7 @@ class Transformer(nn.Module):
         self.register_buffer("rope", table, persistent=False)
         self.max_batch = 0
         self.max_seq = 0
+        self.class_names: list[str] | None = None  # set by load_gpt when the checkpoint names them
         self.apply(self._init_weights)
 
     @staticmethod
