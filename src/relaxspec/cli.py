@@ -88,7 +88,7 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="relaxspec", description="Exact and relaxed speculative decoding for LlamaGen.")
     parser.add_argument("--version", action="version", version=f"relaxspec {__version__}")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="{generate,info,train-drafter,build-tree,bench,eval,train-classifier,make-test-checkpoints}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{generate,info,data,train-vq,train-gpt,train-drafter,train-classifier,build-tree,bench,eval,make-test-checkpoints}")
 
     gen = commands.add_parser("generate", help="generate images", description=(
         "Generate images with a LlamaGen checkpoint. Writes NNNN.png per image, grid.png, tokens.npy "
@@ -167,10 +167,16 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--json", action="store_true", help="print JSON")
 
     from relaxspec.bench.cli import add_bench_parser
+    from relaxspec.data.emoji import add_data_parser
+    from relaxspec.training.gpt import add_train_gpt_parser
+    from relaxspec.training.vq import add_train_vq_parser
     from relaxspec.bench.eval import add_eval_parser
     from relaxspec.evaluation.classifier import add_train_classifier_parser
     from relaxspec.training.drafter import add_train_drafter_parser
 
+    add_data_parser(commands)
+    add_train_vq_parser(commands)
+    add_train_gpt_parser(commands)
     add_train_drafter_parser(commands)
     add_bench_parser(commands)
     add_eval_parser(commands)
@@ -271,6 +277,10 @@ def use_embedded_defaults(args: argparse.Namespace) -> bool:
         args.classes = defaults["classes"]
     if args.drafter_ckpt is None and embedded.available("drafter"):
         args.drafter_ckpt = str(embedded.path("drafter"))
+    if args.threads is None:
+        # A model this small is fastest on one thread, and far slower with two when anything else
+        # runs on the other core (thread hand-offs, not arithmetic, dominate).
+        args.threads = 1
     return True
 
 

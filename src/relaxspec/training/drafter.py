@@ -28,8 +28,6 @@ import argparse
 import dataclasses
 import json
 import math
-import os
-import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,14 +37,17 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from relaxspec.checkpoints import PRECISIONS, load_gpt, load_strict, load_vq, read_state, save_model
+from relaxspec.checkpoints import PRECISIONS, load_gpt, load_strict, load_vq, read_state
 from relaxspec.drafting.eagle import DrafterConfig, EagleDrafter
 from relaxspec.errors import RelaxspecError
 from relaxspec.models.gpt import Transformer
 from relaxspec.models.vq import VQModel
 from relaxspec.sampling import SamplingConfig
+from relaxspec.training import common
+from relaxspec.training.common import TRAIN_STATE, step_bar
+from relaxspec.training.common import mix as _mix
+from relaxspec.training.common import resolve_device as _device
 
-TRAIN_STATE = "train_state.pt"
 STATE_VERSION = 1
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 #: Fields a resumed run may change: how long it runs, where, and how chatty it is. Everything
@@ -510,51 +511,22 @@ def _save_checkpoint(out: Path, drafter: EagleDrafter, optimizer: torch.optim.Op
                      config: DrafterTrainConfig, history: list[dict]) -> None:
     """``model.safetensors`` + ``config.json`` (what decoding loads) and ``train_state.pt`` (what
     ``--resume`` loads: weights too, so it alone is a consistent snapshot), each replaced atomically."""
-    staging = out / ".checkpoint.tmp"
-    shutil.rmtree(staging, ignore_errors=True)
-    save_model(drafter, staging, kind="drafter", extra={"training": {"step": step, "recipe": "relaxspec train-drafter"}})
-    for name in ("model.safetensors", "config.json"):
-        os.replace(staging / name, out / name)
-    shutil.rmtree(staging, ignore_errors=True)
-    state = {
+    common.publish_model(out, drafter, kind="drafter",
+                         extra={"training": {"step": step, "recipe": "relaxspec train-drafter"}})
+    common.save_train_state(out, {
         "format_version": STATE_VERSION,
         "step": step,
         "model": {k: v.detach().cpu().clone() for k, v in drafter.state_dict().items()},
         "optimizer": optimizer.state_dict(),
-        "rng": torch.get_rng_state(),
+        "rng": common.rng_state(),
         "config": config.to_dict(),
         "history": history,
-    }
-    tmp = out / (TRAIN_STATE + ".tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, out / TRAIN_STATE)
+    })
 
 
 def read_train_state(out: str | Path) -> dict:
     """``out/train_state.pt``, loaded with ``weights_only=True``."""
-    path = Path(out) / TRAIN_STATE
-    if not path.is_file():
-        raise RelaxspecError(f"{path}: no training state to resume from")
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:  # noqa: BLE001 - any failure means "not our training state"
-        raise RelaxspecError(f"{path}: not a readable training state ({type(err).__name__}: {err})") from None
-    if not isinstance(state, dict) or state.get("format_version") != STATE_VERSION:
-        raise RelaxspecError(f"{path}: not a relaxspec drafter training state (version {STATE_VERSION})")
-    return state
-
-
-def _check_resumable(saved: dict, config: DrafterTrainConfig) -> None:
-    current = config.to_dict()
-    changed = [f"{k} (saved {saved.get(k)!r}, now {current[k]!r})" for k in current
-               if k not in RUN_FIELDS and _plain(saved.get(k)) != _plain(current[k])]
-    if changed:
-        raise RelaxspecError("cannot resume with a different recipe: " + "; ".join(changed)
-                             + ". Only the run length and output settings may change.")
-
-
-def _plain(value):
-    return list(value) if isinstance(value, tuple) else value
+    return common.read_train_state(out, STATE_VERSION, "drafter")
 
 
 # ------------------------------------------------------------------------------------------
@@ -571,19 +543,6 @@ class DrafterTrainResult:
     sequences_per_second: float
 
 
-def _device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        return torch.device(name)
-    except RuntimeError:
-        raise RelaxspecError(f"unknown device {name!r}") from None
-
-
-def _mix(seed: int, index: int) -> int:
-    return (seed * 1_000_003 + index) % (2**63)
-
-
 def train_drafter(config: DrafterTrainConfig, *, target: Transformer | None = None,
                   dataset: DrafterDataset | None = None, resume: bool = False) -> DrafterTrainResult:
     """Train (or, with ``resume``, continue training) an EAGLE drafter for ``target``.
@@ -593,11 +552,9 @@ def train_drafter(config: DrafterTrainConfig, *, target: Transformer | None = No
     Writes ``config.out``; returns the trained drafter and its evaluation history.
     """
     out = Path(config.out)
-    saved = read_train_state(out) if resume else None
+    saved = common.check_fresh_or_resume(out, resume, STATE_VERSION, "drafter")
     if saved is not None:
-        _check_resumable(saved["config"], config)
-    elif (out / TRAIN_STATE).exists():
-        raise RelaxspecError(f"{out} already holds a training run; pass --resume to continue it or choose another --out")
+        common.check_resumable(saved["config"], config.to_dict(), RUN_FIELDS)
     device = _device(config.device)
     if target is None:
         if config.gpt_ckpt is None:
@@ -622,7 +579,7 @@ def train_drafter(config: DrafterTrainConfig, *, target: Transformer | None = No
     if saved is not None:
         load_strict(drafter, saved["model"], str(out / TRAIN_STATE))
         optimizer.load_state_dict(saved["optimizer"])
-        torch.set_rng_state(saved["rng"])
+        common.set_rng_state(saved["rng"])
         step, history = int(saved["step"]), list(saved["history"])
     out.mkdir(parents=True, exist_ok=True)
 
@@ -633,17 +590,15 @@ def train_drafter(config: DrafterTrainConfig, *, target: Transformer | None = No
         metrics = evaluate_drafter(drafter, eval_set, config, max_sequences=config.eval_sequences)
         record = {"step": at, "split": eval_name, **metrics}
         history.append(record)
-        with open(out / "metrics.jsonl", "a") as log:
-            log.write(json.dumps(record) + "\n")
-        tqdm.write(f"step {at}: {eval_name} loss {metrics['loss']:.4f} feature {metrics['feature_loss']:.4f} "
-                   f"ce {metrics['ce']:.4f} draft accuracy {metrics['accuracy']:.3f}")
+        common.log_metrics(out, record, f"step {at}: {eval_name} loss {metrics['loss']:.4f} feature "
+                                        f"{metrics['feature_loss']:.4f} ce {metrics['ce']:.4f} draft accuracy "
+                                        f"{metrics['accuracy']:.3f}")
 
     first = step
     if first == 0 and total > 0:
         evaluate(0)
     seconds, sequences = 0.0, 0
-    bar = tqdm(range(first, total), initial=first, total=max(total, first), desc="train-drafter",
-               disable=not config.progress)
+    bar = step_bar(first, total, "train-drafter", config.progress)
     order, order_epoch = None, -1
     for step in bar:
         # data: epoch e visits a permutation drawn from (seed, e); a short last batch is kept
@@ -750,7 +705,7 @@ def add_train_drafter_parser(subparsers) -> argparse.ArgumentParser:
     option("--eval-interval", "steps between evaluations", type=int)
     parser.add_argument("--resume", action="store_true", default=False, help="continue the run saved in --out")
     parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
-    parser.set_defaults(func=run_train_drafter)
+    parser.set_defaults(func=run_train_drafter, handler=run_train_drafter)
     return parser
 
 
