@@ -364,7 +364,7 @@ def test_bench_command(models, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["--out", "X"], "no embedded model yet"),
+    (["--classes", "no-such-class", "--methods", "ar", "--out", "X"], "unknown class 'no-such-class'"),
     (["MODELS", "--methods", "ar,sd-chain", "--out", "X"], "sd-chain draft with an EAGLE drafter"),
     (["MODELS", "--classes", "1,12", "--methods", "ar", "--out", "X"], "class id 12 is out of range"),
     (["MODELS", "--methods", "ar", "--threads", "0", "--out", "X"], "--threads must be >= 1"),

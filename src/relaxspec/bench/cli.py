@@ -16,11 +16,12 @@ from relaxspec.errors import RelaxspecError
 
 
 def default_models() -> dict:
-    """The checkpoints ``relaxspec bench`` uses when none are given: the embedded model, once it
-    ships (return ``{"gpt_ckpt", "gpt_model", "vq_ckpt", "vq_model", "drafter_ckpt",
-    "image_size"}`` then)."""
-    raise RelaxspecError("no embedded model yet: pass --gpt-ckpt, --vq-ckpt (with --gpt-model / --vq-model for "
-                         "official files), --image-size and, for drafter methods, --drafter-ckpt")
+    """The checkpoints ``relaxspec bench`` uses when none are given: the embedded model."""
+    from relaxspec import embedded
+
+    return {"gpt_ckpt": str(embedded.path("gpt")), "gpt_model": None, "vq_ckpt": str(embedded.path("vq")),
+            "vq_model": None, "drafter_ckpt": str(embedded.path("drafter")) if embedded.available("drafter") else None,
+            "image_size": None}
 
 
 def add_bench_parser(subparsers) -> argparse.ArgumentParser:
@@ -108,17 +109,17 @@ def resolve_models(args: argparse.Namespace) -> None:
         for key, value in defaults.items():
             if getattr(args, key, None) is None:
                 setattr(args, key, value)
-    if args.image_size is None:
-        args.image_size = 256
-    if args.vq_model is None:
+    if args.image_size is None and not Path(args.gpt_ckpt).is_dir():
+        args.image_size = 256  # official files: upstream's resolution; our folders carry their grid
+    if args.vq_model is None and not Path(args.vq_ckpt).is_dir():
         args.vq_model = "VQ-16"
 
 
-def image_classes(args: argparse.Namespace, num_classes: int) -> list[int]:
+def image_classes(args: argparse.Namespace, num_classes: int, class_names: list[str] | None = None) -> list[int]:
     """Image ``i``'s class: the class list cycled (so an interrupted run covers every class)."""
     from relaxspec.cli import parse_classes
 
-    classes = parse_classes(args.classes) if args.classes is not None else list(range(num_classes))
+    classes = parse_classes(args.classes, class_names) if args.classes is not None else list(range(num_classes))
     bad = [c for c in classes if not 0 <= c < num_classes]
     if bad:
         raise RelaxspecError(f"class id {bad[0]} is out of range: this model has classes 0..{num_classes - 1}")
@@ -178,7 +179,7 @@ def run_bench_cli(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     vq = load_vq(args.vq_ckpt, args.vq_model, device=device)
     downsample = vq.config.downsample_factor
-    if args.image_size % downsample:
+    if args.image_size is not None and args.image_size % downsample:
         raise RelaxspecError(f"--image-size {args.image_size} is not a multiple of the tokenizer's downsampling {downsample}")
     target = load_gpt(args.gpt_ckpt, args.gpt_model, image_size=args.image_size, downsample=downsample,
                       precision=args.precision, device=device)
@@ -188,7 +189,8 @@ def run_bench_cli(args: argparse.Namespace) -> int:
     if target.config.model_type != "c2i":
         raise RelaxspecError("relaxspec bench takes class-conditional (c2i) models for now")
     drafter = load_drafter(args.drafter_ckpt, target) if drafting else None
-    classes = image_classes(args, target.config.num_classes)
+    args.image_size = target.config.grid_size * downsample
+    classes = image_classes(args, target.config.num_classes, target.class_names)
     identity = {
         "gpt_ckpt": str(Path(args.gpt_ckpt).resolve()), "gpt_model": _spec_id(args.gpt_model),
         "vq_ckpt": str(Path(args.vq_ckpt).resolve()), "vq_model": _spec_id(args.vq_model),
