@@ -78,7 +78,7 @@ class GPTTrainConfig:
     flip: bool = True
     class_dropout: float = 0.1
     # optimisation
-    steps: int = 1500  # ~40 minutes on one busy CPU core at the default size
+    steps: int = 1500  # ~30 minutes on one busy CPU core at the default size (the shipped target)
     batch_size: int = 32
     lr: float = 1e-3  # nanoGPT shakespeare-char, a model of this size
     min_lr: float = 1e-4
