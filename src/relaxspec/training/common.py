@@ -195,3 +195,35 @@ def read_metrics(out: str | Path) -> list[dict]:
     if not path.is_file():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def add_run_options(parser: argparse.ArgumentParser, defaults, *, unit: str, seed_help: str,
+                    cosine: bool = True, extra=None) -> None:
+    """The options every recipe shares (optimiser, seed, precision, device, threads, intervals,
+    resume, progress); each overrides the ``defaults`` dataclass field of the same name.
+    ``extra(option)`` adds recipe-specific ones after the evaluation interval."""
+    group = parser.add_argument_group("training")
+
+    def option(flag: str, help: str, **kwargs) -> None:
+        name = kwargs.get("dest", flag.lstrip("-").replace("-", "_"))
+        default = getattr(defaults, name, None)
+        shown = default is not None and default is not False
+        group.add_argument(flag, help=f"{help} (default: {default})" if shown else help, **kwargs)
+
+    option("--steps", "optimizer steps (the cosine's length)" if cosine else "optimizer steps", type=int)
+    option("--batch-size", f"{unit} per step", type=int)
+    option("--lr", "peak AdamW learning rate", type=float)
+    option("--min-lr", "learning rate at the end of the cosine", type=float)
+    option("--weight-decay", "AdamW weight decay" + (" (matrices only)" if cosine else ""), type=float)
+    option("--warmup-steps", "linear learning-rate warm-up", type=int)
+    option("--grad-clip", "gradient-norm clip (0 = off)", type=float)
+    option("--seed", seed_help, type=int)
+    group.add_argument("--no-bf16", dest="bf16", action="store_false", help="train in fp32 (default: bf16 autocast)")
+    option("--device", "cpu, cuda, cuda:1, or auto")
+    option("--threads", "torch CPU threads (1 is steadiest on a busy machine)", type=int)
+    option("--eval-interval", "steps between evaluations", type=int)
+    if extra is not None:
+        extra(option)
+    option("--checkpoint-interval", "steps between checkpoints", type=int)
+    parser.add_argument("--resume", action="store_true", default=False, help="continue the run saved in --out")
+    parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")

@@ -457,23 +457,9 @@ def add_train_gpt_parser(subparsers) -> argparse.ArgumentParser:
     option("--max-shift", "augmentation: largest translation in px", type=int)
     group.add_argument("--no-flip", dest="flip", action="store_false", help="augmentation: no mirror flips")
     option("--class-dropout", "probability of training a sequence under the null class", type=float)
-    group = parser.add_argument_group("training")
-    option("--steps", "optimizer steps (the cosine's length)", type=int)
-    option("--batch-size", "sequences per step", type=int)
-    option("--lr", "peak AdamW learning rate", type=float)
-    option("--min-lr", "learning rate at the end of the cosine", type=float)
-    option("--weight-decay", "AdamW weight decay (matrices only)", type=float)
-    option("--warmup-steps", "linear learning-rate warm-up", type=int)
-    option("--grad-clip", "gradient-norm clip (0 = off)", type=float)
-    option("--seed", "seed (init, augmentation, data order, class dropout)", type=int)
-    group.add_argument("--no-bf16", dest="bf16", action="store_false", help="train in fp32 (default: bf16 autocast)")
-    option("--device", "cpu, cuda, cuda:1, or auto")
-    option("--threads", "torch CPU threads (1 is steadiest on a busy machine)", type=int)
-    option("--eval-interval", "steps between evaluations", type=int)
-    option("--patience", "evaluations without a better val NLL before stopping (0 = never)", type=int)
-    option("--checkpoint-interval", "steps between checkpoints", type=int)
-    parser.add_argument("--resume", action="store_true", default=False, help="continue the run saved in --out")
-    parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    common.add_run_options(parser, defaults, unit="sequences", seed_help="seed (init, augmentation, data order, class dropout)",
+                           extra=lambda option: option("--patience", "evaluations without a better val NLL before "
+                                                       "stopping (0 = never)", type=int))
     parser.set_defaults(func=run_train_gpt, handler=run_train_gpt)
     return parser
 
