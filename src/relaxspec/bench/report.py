@@ -95,7 +95,7 @@ def accept_length_histogram(records: Sequence[dict]) -> dict[int, int]:
 
 
 def _bootstrap(metric_fn: Callable[..., float], *arrays, n_boot: int = 200, seed: int = 0,
-               paired: bool = True) -> list:
+               paired: bool = True, bias_correct: bool = False) -> list:
     """``[value, lo, hi]`` with :func:`relaxspec.evaluation.metrics.bootstrap_ci` (``[value,
     None, None]`` when the evaluation module is missing or ``n_boot`` is 0)."""
     value = float(metric_fn(*arrays))
@@ -105,7 +105,7 @@ def _bootstrap(metric_fn: Callable[..., float], *arrays, n_boot: int = 200, seed
         from relaxspec.evaluation.metrics import bootstrap_ci
     except ImportError:
         return [value, None, None]
-    _, lo, hi = bootstrap_ci(metric_fn, *arrays, n_boot=n_boot, seed=seed, paired=paired)
+    _, lo, hi = bootstrap_ci(metric_fn, *arrays, n_boot=n_boot, seed=seed, paired=paired, bias_correct=bias_correct)
     return [value, lo, hi]
 
 
@@ -255,8 +255,7 @@ def quality_metrics(fake: dict[str, tuple[np.ndarray, np.ndarray]], classifier, 
     conditioning classes [n])``; ``indices[label]`` the image index of each row (default
     ``0 .. n-1``)."""
     from relaxspec.evaluation.metrics import (
-        feature_statistics,
-        frechet_distance_from_statistics,
+        frechet_distance_to,
         knn_radii,
         manifold_coverage,
         topk_hits,
@@ -264,11 +263,11 @@ def quality_metrics(fake: dict[str, tuple[np.ndarray, np.ndarray]], classifier, 
 
     real = classifier.features(real_images).double()
     real_np = real.numpy()
-    real_mu, real_sigma = feature_statistics(real_np)
     real_radii = knn_radii(real, k) if len(real) > k else None
-
-    def fid(feats: np.ndarray) -> float:
-        return frechet_distance_from_statistics(real_mu, real_sigma, *feature_statistics(feats))
+    # The real set's square root is computed once: each bootstrap resample then costs one
+    # symmetric eigendecomposition instead of a Schur sqrtm (slow and fragile on the singular
+    # covariances that resampling with repeats produces).
+    fid = frechet_distance_to(real_np)
 
     def precision(feats: np.ndarray) -> float:
         return manifold_coverage(real, real_radii, torch.from_numpy(feats))
@@ -285,11 +284,13 @@ def quality_metrics(fake: dict[str, tuple[np.ndarray, np.ndarray]], classifier, 
         raw[label] = feats, hits
         row = {"n_fake": len(images), "n_real": len(real_np),
                "class_accuracy": _bootstrap(np.mean, hits, n_boot=n_boot, seed=seed),
-               "fid_like": _bootstrap(fid, feats, n_boot=n_boot, seed=seed) if len(feats) >= 2 else None,
+               "fid_like": _bootstrap(fid, feats, n_boot=n_boot, seed=seed, bias_correct=True) if len(feats) >= 2 else None,
                "precision": None, "recall": None}
         if real_radii is not None and len(feats) > k:
-            row["precision"] = _bootstrap(precision, feats, n_boot=n_boot, seed=seed)
-            row["recall"] = _bootstrap(recall, feats, n_boot=n_boot, seed=seed)
+            # Set-level metrics are biased under resampling with repeats (duplicates shrink the
+            # k-NN radii and inflate the distance): shift the interval by the bootstrap bias.
+            row["precision"] = _bootstrap(precision, feats, n_boot=n_boot, seed=seed, bias_correct=True)
+            row["recall"] = _bootstrap(recall, feats, n_boot=n_boot, seed=seed, bias_correct=True)
         per_method[label] = row
     def rows_of(label: str) -> np.ndarray:
         return np.asarray(indices[label] if indices and label in indices else np.arange(len(raw[label][0])))
@@ -308,7 +309,7 @@ def quality_metrics(fake: dict[str, tuple[np.ndarray, np.ndarray]], classifier, 
                                                           n_boot=n_boot, seed=seed)
             if len(feats) >= 2:
                 row["fid_like_diff_vs_ar"] = _bootstrap(lambda a, b: fid(b) - fid(a), base_feats, feats,
-                                                        n_boot=n_boot, seed=seed)
+                                                        n_boot=n_boot, seed=seed, bias_correct=True)
     return per_method
 
 
