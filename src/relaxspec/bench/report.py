@@ -289,8 +289,11 @@ def quality_metrics(fake: dict[str, tuple[np.ndarray, np.ndarray]], classifier, 
         if real_radii is not None and len(feats) > k:
             # Set-level metrics are biased under resampling with repeats (duplicates shrink the
             # k-NN radii and inflate the distance): shift the interval by the bootstrap bias.
-            row["precision"] = _bootstrap(precision, feats, n_boot=n_boot, seed=seed, bias_correct=True)
-            row["recall"] = _bootstrap(recall, feats, n_boot=n_boot, seed=seed, bias_correct=True)
+            # Both are fractions: keep the shifted interval inside [0, 1].
+            for name, fn in (("precision", precision), ("recall", recall)):
+                value, lo, hi = _bootstrap(fn, feats, n_boot=n_boot, seed=seed, bias_correct=True)
+                row[name] = [value, None if lo is None else min(max(lo, 0.0), 1.0),
+                             None if hi is None else min(max(hi, 0.0), 1.0)]
         per_method[label] = row
     def rows_of(label: str) -> np.ndarray:
         return np.asarray(indices[label] if indices and label in indices else np.arange(len(raw[label][0])))
