@@ -498,13 +498,9 @@ def add_train_classifier_parser(subparsers) -> argparse.ArgumentParser:
                     "config.json (with val top-1 / top-5).",
         argument_default=argparse.SUPPRESS)
 
-    def option(flag: str, help: str, **kwargs) -> None:
-        name = kwargs.get("dest", flag.lstrip("-").replace("-", "_"))
-        default = getattr(defaults, name, None)
-        if isinstance(default, tuple):
-            default = ",".join(str(v) for v in default)
-        shown = default is not None and default is not False
-        parser.add_argument(flag, help=f"{help} (default: {default})" if shown else help, **kwargs)
+    from relaxspec.training.common import Options
+
+    option = Options(parser, defaults)
 
     option("--data", "folder with train.npz and val.npz", metavar="DIR")
     option("--out", "output folder", metavar="DIR")

@@ -202,13 +202,8 @@ def add_run_options(parser: argparse.ArgumentParser, defaults, *, unit: str, see
     """The options every recipe shares (optimiser, seed, precision, device, threads, intervals,
     resume, progress); each overrides the ``defaults`` dataclass field of the same name.
     ``extra(option)`` adds recipe-specific ones after the evaluation interval."""
-    group = parser.add_argument_group("training")
-
-    def option(flag: str, help: str, **kwargs) -> None:
-        name = kwargs.get("dest", flag.lstrip("-").replace("-", "_"))
-        default = getattr(defaults, name, None)
-        shown = default is not None and default is not False
-        group.add_argument(flag, help=f"{help} (default: {default})" if shown else help, **kwargs)
+    option = Options(parser, defaults)
+    option.section("training")
 
     option("--steps", "optimizer steps (the cosine's length)" if cosine else "optimizer steps", type=int)
     option("--batch-size", f"{unit} per step", type=int)
@@ -218,7 +213,7 @@ def add_run_options(parser: argparse.ArgumentParser, defaults, *, unit: str, see
     option("--warmup-steps", "linear learning-rate warm-up", type=int)
     option("--grad-clip", "gradient-norm clip (0 = off)", type=float)
     option("--seed", seed_help, type=int)
-    group.add_argument("--no-bf16", dest="bf16", action="store_false", help="train in fp32 (default: bf16 autocast)")
+    option.group.add_argument("--no-bf16", dest="bf16", action="store_false", help="train in fp32 (default: bf16 autocast)")
     option("--device", "cpu, cuda, cuda:1, or auto")
     option("--threads", "torch CPU threads (1 is steadiest on a busy machine)", type=int)
     option("--eval-interval", "steps between evaluations", type=int)
@@ -227,3 +222,43 @@ def add_run_options(parser: argparse.ArgumentParser, defaults, *, unit: str, see
     option("--checkpoint-interval", "steps between checkpoints", type=int)
     parser.add_argument("--resume", action="store_true", default=False, help="continue the run saved in --out")
     parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+
+
+class RecipeConfig:
+    """Mixin for a recipe's config dataclass: a JSON-able dict and back, refusing unknown fields
+    (a resumed run must not silently drop settings). ``what`` names the recipe in errors."""
+
+    what = "training"
+
+    def to_dict(self) -> dict:
+        import dataclasses
+
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict):
+        unknown = sorted(set(data) - set(cls.__dataclass_fields__))
+        if unknown:
+            from relaxspec.errors import RelaxspecError
+
+            raise RelaxspecError(f"unknown {cls.what} fields: {', '.join(unknown)}")
+        return cls(**data)
+
+
+class Options:
+    """Adds ``--flag`` options whose help shows the config dataclass's default; ``section(title)``
+    starts an argument group. One definition for every recipe's parser."""
+
+    def __init__(self, parser: argparse.ArgumentParser, defaults) -> None:
+        self.parser, self.defaults, self.group = parser, defaults, parser
+
+    def section(self, title: str) -> None:
+        self.group = self.parser.add_argument_group(title)
+
+    def __call__(self, flag: str, help: str, **kwargs) -> None:
+        name = kwargs.get("dest", flag.lstrip("-").replace("-", "_"))
+        default = getattr(self.defaults, name, None)
+        if isinstance(default, tuple):
+            default = ",".join(str(v) for v in default)
+        shown = default is not None and default is not False and default != []
+        self.group.add_argument(flag, help=f"{help} (default: {default})" if shown else help, **kwargs)

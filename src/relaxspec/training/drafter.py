@@ -62,8 +62,10 @@ RUN_FIELDS = ("out", "epochs", "steps", "device", "bf16", "progress", "checkpoin
 
 
 @dataclass
-class DrafterTrainConfig:
+class DrafterTrainConfig(common.RecipeConfig):
     """Everything ``relaxspec train-drafter`` can set. Defaults: LANTERN's recipe (REFERENCE §1.6)."""
+
+    what = "drafter training"
 
     out: str = "out/drafter"
     # target (official files need gpt_model; our folders carry their config)
@@ -150,15 +152,6 @@ class DrafterTrainConfig:
         """How self-samples are drawn."""
         return SamplingConfig(cfg_scale=self.cfg_scale, temperature=self.temperature, top_k=self.top_k)
 
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict) -> "DrafterTrainConfig":
-        unknown = sorted(set(data) - set(cls.__dataclass_fields__))
-        if unknown:
-            raise RelaxspecError(f"unknown drafter training fields: {', '.join(unknown)}")
-        return cls(**data)
 
 
 # ------------------------------------------------------------------------------------------
@@ -659,19 +652,15 @@ def add_train_drafter_parser(subparsers) -> argparse.ArgumentParser:
                     "Writes OUT/model.safetensors + config.json and OUT/train_state.pt.",
         argument_default=argparse.SUPPRESS)
 
-    def option(flag: str, help: str, **kwargs) -> None:
-        name = kwargs.get("dest", flag.lstrip("-").replace("-", "_"))
-        default = getattr(defaults, name, None)
-        shown = default is not None and default is not False and default != []
-        parser.add_argument(flag, help=f"{help} (default: {default})" if shown else help, **kwargs)
+    option = common.Options(parser, defaults)
 
-    target = parser.add_argument_group("target")
+    option.section("target")
     option("--gpt-ckpt", "target checkpoint: an official .pt or a relaxspec folder", metavar="PATH")
     option("--gpt-model", "target size for an official checkpoint (GPT-B, GPT-L, GPT-XL, ...)")
     option("--image-size", "image resolution of an official checkpoint", type=int)
     option("--downsample", "tokenizer downsampling factor", type=int)
     option("--precision", "target weights precision", choices=list(PRECISIONS))
-    data = parser.add_argument_group("data")
+    option.section("data")
     option("--data", "token sequences: .npz (tokens, labels) or .npy [n, N] with labels.npy / stats.json beside "
            "it; repeatable", action="append", metavar="FILE")
     option("--label", "class id for sources without labels", type=int)
@@ -685,7 +674,7 @@ def add_train_drafter_parser(subparsers) -> argparse.ArgumentParser:
     option("--vq-ckpt", "VQ tokenizer checkpoint for --images", metavar="PATH")
     option("--vq-model", "VQ model name for an official VQ checkpoint")
     option("--val-fraction", "share of sequences held out to measure draft accuracy", type=float)
-    train = parser.add_argument_group("training")
+    option.section("training")
     option("--out", "output folder", metavar="DIR")
     option("--n-layer", "drafter transformer blocks", type=int)
     option("--epochs", "passes over the data", type=float)

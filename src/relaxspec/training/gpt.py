@@ -34,7 +34,6 @@ One command: ``relaxspec train-gpt --data data/emoji --vq-ckpt out/vq --out out/
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import hashlib
 import json
 import math
@@ -62,8 +61,10 @@ RUN_FIELDS = ("out", "data", "vq_ckpt", "device", "threads", "progress", "checkp
 
 
 @dataclass
-class GPTTrainConfig:
+class GPTTrainConfig(common.RecipeConfig):
     """Everything ``relaxspec train-gpt`` can set; the defaults are the embedded target's recipe."""
+
+    what = "GPT training"
 
     out: str = "out/gpt"
     data: str = "data/emoji"
@@ -123,15 +124,6 @@ class GPTTrainConfig:
         return GPTConfig(dim=self.dim, n_layer=self.n_layer, n_head=self.n_head, vocab_size=vocab_size,
                          num_classes=num_classes, block_size=block_size, model_type="c2i")
 
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict) -> "GPTTrainConfig":
-        unknown = sorted(set(data) - set(cls.__dataclass_fields__))
-        if unknown:
-            raise RelaxspecError(f"unknown GPT training fields: {', '.join(unknown)}")
-        return cls(**data)
 
 
 # ------------------------------------------------------------------------------------------
@@ -436,26 +428,20 @@ def add_train_gpt_parser(subparsers) -> argparse.ArgumentParser:
                     "OUT/train_state.pt, OUT/tokens.npz and OUT/metrics.jsonl.",
         argument_default=argparse.SUPPRESS)
 
-    group = parser
-
-    def option(flag: str, help: str, **kwargs) -> None:
-        name = kwargs.get("dest", flag.lstrip("-").replace("-", "_"))
-        default = getattr(defaults, name, None)
-        shown = default is not None and default is not False
-        group.add_argument(flag, help=f"{help} (default: {default})" if shown else help, **kwargs)
+    option = common.Options(parser, defaults)
 
     option("--data", "folder written by `relaxspec data`", metavar="DIR")
     option("--vq-ckpt", "the tokenizer (a relaxspec VQ folder, e.g. from `relaxspec train-vq`)", metavar="PATH")
     option("--out", "output folder", metavar="DIR")
     option("--export", "also write the best-val weights here in fp16 (model.safetensors + config.json)", metavar="DIR")
-    group = parser.add_argument_group("model")
+    option.section("model")
     option("--dim", "model width", type=int)
     option("--n-layer", "transformer blocks", type=int)
     option("--n-head", "attention heads (LlamaGen: head dim 64)", type=int)
-    group = parser.add_argument_group("data")
+    option.section("data")
     option("--copies", "tokenised copies per training image (1 = no augmentation)", type=int)
     option("--max-shift", "augmentation: largest translation in px", type=int)
-    group.add_argument("--no-flip", dest="flip", action="store_false", help="augmentation: no mirror flips")
+    option.group.add_argument("--no-flip", dest="flip", action="store_false", help="augmentation: no mirror flips")
     option("--class-dropout", "probability of training a sequence under the null class", type=float)
     common.add_run_options(parser, defaults, unit="sequences", seed_help="seed (init, augmentation, data order, class dropout)",
                            extra=lambda option: option("--patience", "evaluations without a better val NLL before "

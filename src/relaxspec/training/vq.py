@@ -27,7 +27,6 @@ One command: ``relaxspec train-vq --data data/emoji --out out/vq`` (see :func:`a
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import time
@@ -51,8 +50,10 @@ RUN_FIELDS = ("out", "data", "device", "threads", "progress", "checkpoint_interv
 
 
 @dataclass
-class VQTrainConfig:
+class VQTrainConfig(common.RecipeConfig):
     """Everything ``relaxspec train-vq`` can set; the defaults are the embedded tokenizer's recipe."""
+
+    what = "VQ training"
 
     out: str = "out/vq"
     data: str = "data/emoji"
@@ -121,15 +122,6 @@ class VQTrainConfig:
                         z_channels=self.z_channels, ch=self.ch, ch_mult=self.ch_mult,
                         num_res_blocks=self.num_res_blocks, norm_groups=self.norm_groups)
 
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict) -> "VQTrainConfig":
-        unknown = sorted(set(data) - set(cls.__dataclass_fields__))
-        if unknown:
-            raise RelaxspecError(f"unknown VQ training fields: {', '.join(unknown)}")
-        return cls(**data)
 
 
 # ------------------------------------------------------------------------------------------
@@ -416,18 +408,12 @@ def add_train_vq_parser(subparsers) -> argparse.ArgumentParser:
                     "OUT/model.safetensors + config.json, OUT/train_state.pt and OUT/metrics.jsonl.",
         argument_default=argparse.SUPPRESS)
 
-    group = parser
-
-    def option(flag: str, help: str, **kwargs) -> None:
-        name = kwargs.get("dest", flag.lstrip("-").replace("-", "_"))
-        default = getattr(defaults, name, None)
-        shown = default is not None and default is not False
-        group.add_argument(flag, help=f"{help} (default: {default})" if shown else help, **kwargs)
+    option = common.Options(parser, defaults)
 
     option("--data", "folder written by `relaxspec data`", metavar="DIR")
     option("--out", "output folder", metavar="DIR")
     option("--export", "also write the final weights here in fp16 (model.safetensors + config.json)", metavar="DIR")
-    group = parser.add_argument_group("model")
+    option.section("model")
     option("--codebook-size", "codes", type=int)
     option("--codebook-embed-dim", "code vector width", type=int)
     option("--z-channels", "encoder output channels", type=int)
@@ -435,14 +421,14 @@ def add_train_vq_parser(subparsers) -> argparse.ArgumentParser:
     option("--ch-mult", "width multipliers per level, e.g. 1,2,2 (levels - 1 = log2 downsampling)", type=_ints)
     option("--num-res-blocks", "residual blocks per level", type=int)
     option("--norm-groups", "GroupNorm groups", type=int)
-    group = parser.add_argument_group("loss")
+    option.section("loss")
     option("--l1-weight", "pixel L1 weight", type=float)
     option("--l2-weight", "pixel L2 weight", type=float)
     option("--codebook-weight", "codebook loss weight", type=float)
     option("--commit-weight", "commitment loss weight (beta)", type=float)
     option("--restart-interval", "steps between dead-code restarts (0 = off)", type=int)
     option("--max-shift", "augmentation: largest translation in px", type=int)
-    group.add_argument("--no-flip", dest="flip", action="store_false", help="augmentation: no mirror flips")
+    option.group.add_argument("--no-flip", dest="flip", action="store_false", help="augmentation: no mirror flips")
     common.add_run_options(parser, defaults, unit="images", seed_help="seed (init, data order, augmentation, restarts)",
                            cosine=False)
     parser.set_defaults(func=run_train_vq, handler=run_train_vq)
