@@ -262,3 +262,11 @@ class Options:
             default = ",".join(str(v) for v in default)
         shown = default is not None and default is not False and default != []
         self.group.add_argument(flag, help=f"{help} (default: {default})" if shown else help, **kwargs)
+
+
+def need(ok: bool, message: str) -> None:
+    """Config validation: raise the user-facing error ``message`` unless ``ok``."""
+    if not ok:
+        from relaxspec.errors import RelaxspecError
+
+        raise RelaxspecError(message)

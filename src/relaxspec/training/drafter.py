@@ -117,10 +117,7 @@ class DrafterTrainConfig(common.RecipeConfig):
         self.validate()
 
     def validate(self) -> None:
-        def need(ok: bool, message: str) -> None:
-            if not ok:
-                raise RelaxspecError(message)
-
+        need = common.need
         need(bool(self.out), "out must name a folder")
         need(self.precision in PRECISIONS, f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
         need(self.self_samples >= 0, f"self_samples must be >= 0, got {self.self_samples}")

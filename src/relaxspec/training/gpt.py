@@ -102,10 +102,7 @@ class GPTTrainConfig(common.RecipeConfig):
         self.validate()
 
     def validate(self) -> None:
-        def need(ok: bool, message: str) -> None:
-            if not ok:
-                raise RelaxspecError(message)
-
+        need = common.need
         need(bool(self.out), "out must name a folder")
         need(self.copies >= 1, f"copies must be >= 1, got {self.copies}")
         need(self.max_shift >= 0, f"max_shift must be >= 0, got {self.max_shift}")

@@ -98,10 +98,7 @@ class VQTrainConfig(common.RecipeConfig):
         self.validate()
 
     def validate(self) -> None:
-        def need(ok: bool, message: str) -> None:
-            if not ok:
-                raise RelaxspecError(message)
-
+        need = common.need
         need(bool(self.out), "out must name a folder")
         for name in ("l1_weight", "l2_weight", "codebook_weight", "commit_weight", "weight_decay", "grad_clip"):
             need(getattr(self, name) >= 0, f"{name} must be >= 0, got {getattr(self, name)}")
