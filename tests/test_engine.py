@@ -460,9 +460,9 @@ class OracleTreeSource:
         self.children = {i: [j for j in range(spec.num_nodes) if int(spec.parents[j]) == i] for i in range(spec.num_nodes)}
         self.steps, self.log, self.kv_checks = 0, [], 0
 
-    def start(self, batch, vocab, device, generator, greedy) -> None:
+    def start(self, first_tokens, first_probs, first_hidden, streams, num_tokens, generator, greedy) -> None:
         assert greedy
-        self.vocab, self.gen = vocab, torch.Generator().manual_seed(7)
+        self.vocab, self.gen = first_probs.shape[-1], torch.Generator().manual_seed(7)
 
     def propose(self, roots, root_index, generator, greedy) -> DraftTree:
         batch, nodes, n_tok = roots.shape[0], self.spec.num_nodes, self.truth.shape[1]
@@ -485,7 +485,7 @@ class OracleTreeSource:
         return DraftTree(tokens, parents, self.spec.depths.expand(batch, -1), proposals,
                          torch.ones(batch, nodes, dtype=torch.bool), ancestors)
 
-    def update(self, committed, path, count, root_index, target_probs, target_hidden) -> None:
+    def update(self, committed, path, count, root_index, target_probs, target_hidden, generator=None) -> None:
         batch, cls = self.truth.shape[0], self.model.config.cls_token_num
         self.log.append((path.clone(), count.clone(), root_index.clone(), list(self.path)))
         committed_now = root_index + 1 + count  # tokens committed after this step
@@ -607,9 +607,10 @@ class CheckedEagleSource(EagleSource):
         super().__init__(drafter, structure, sampling)
         self.model, self.cond, self.checked = model, cond, 0
 
-    def start(self, batch, streams, num_tokens, device) -> None:
-        super().start(batch, streams, num_tokens, device)
-        self.seq = torch.zeros(batch, num_tokens + self.max_nodes + 1, dtype=torch.long)
+    def start(self, first_tokens, first_probs, first_hidden, streams, num_tokens, generator, greedy) -> None:
+        # The record must exist before the base class feeds pair 0 through catch_up.
+        self.seq = torch.zeros(first_tokens.shape[0], num_tokens + self.max_nodes + 1, dtype=torch.long)
+        super().start(first_tokens, first_probs, first_hidden, streams, num_tokens, generator, greedy)
 
     def catch_up(self, features, tokens, first, count) -> None:
         for b in range(tokens.shape[0]):

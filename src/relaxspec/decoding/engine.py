@@ -96,12 +96,7 @@ def generate_speculative(model, cond, sampling: SamplingConfig, options: MethodO
         tokens[:, 0] = sample_from(probs0, generator, greedy)
         bar.update(batch)
         t0 = time.perf_counter()
-        if isinstance(source, EagleSource):
-            source.start(batch, target.streams, n_tok, device)
-            zero = torch.zeros(batch, dtype=torch.long, device=device)
-            source.catch_up(hidden0, tokens[:, :1], zero, torch.ones_like(zero))
-        else:
-            source.start(batch, probs0.shape[-1], device, generator, greedy)
+        source.start(tokens[:, 0], probs0, hidden0, target.streams, n_tok, generator, greedy)
         drafter_seconds += time.perf_counter() - t0
         before = source.forwards
         while bool((n < n_tok).any()):
@@ -141,7 +136,7 @@ def generate_speculative(model, cond, sampling: SamplingConfig, options: MethodO
                 target.move_cache(src, dst)
             t0 = time.perf_counter()
             source.update(result.committed, result.path, torch.where(active, count, torch.ones_like(count)), root_index,
-                          probs, hidden, **({"generator": generator} if isinstance(source, JacobiSource) else {}))
+                          probs, hidden, generator)
             drafter_seconds += time.perf_counter() - t0
             steps = source.forwards - before
             before = source.forwards

@@ -100,10 +100,16 @@ class EagleSource:
         self.forwards = 0
 
     # -- plumbing shared by the structures ----------------------------------------------
-    def start(self, batch: int, streams: int, num_tokens: int, device) -> None:
-        self.batch, self.streams = batch, streams
-        self.drafter.setup_caches(batch * streams, num_tokens + self.structure.drafter_slots + 1)
+    def start(self, first_tokens, first_probs, first_hidden, streams: int, num_tokens: int, generator,
+              greedy: bool) -> None:
+        """Called once after the target's prefill: ``first_tokens [B]`` (image token 0), the law it
+        was drawn from ``first_probs [B, V]`` and the hidden state that predicted it
+        ``first_hidden [S*B, 1, d]``. Feeds pair 0 so the first proposal has its root law."""
+        self.batch, self.streams = first_tokens.shape[0], streams
+        self.drafter.setup_caches(self.batch * streams, num_tokens + self.structure.drafter_slots + 1)
         self.forwards = 0
+        zero = torch.zeros_like(first_tokens)
+        self.catch_up(first_hidden, first_tokens[:, None], zero, torch.ones_like(zero))
 
     def close(self) -> None:
         self.drafter.clear_caches()
@@ -138,7 +144,7 @@ class EagleSource:
         return self.structure.draft(self, roots, root_index, generator, greedy)
 
     def update(self, committed: torch.Tensor, path: torch.Tensor, count: torch.Tensor, root_index: torch.Tensor,
-               target_probs: torch.Tensor, target_hidden: torch.Tensor) -> None:
+               target_probs: torch.Tensor, target_hidden: torch.Tensor, generator=None) -> None:
         """After verification: pairs for tokens ``root_index + 1 ..`` are (target state at the
         path node before, committed token)."""
         nodes = path.clamp(min=0)[:, : committed.shape[1]]
@@ -339,13 +345,14 @@ class JacobiSource:
         self._depths = spec.depths
         self._ancestors = torch.ones(window + 1, window + 1).tril().bool()
 
-    def start(self, batch: int, vocab: int, device, generator, greedy: bool) -> None:
+    def start(self, first_tokens, first_probs, first_hidden, streams: int, num_tokens: int, generator,
+              greedy: bool) -> None:
+        """Called once after the target's prefill; the first window is uniform random."""
         self.greedy = greedy
-        self.vocab = vocab
-        uniform = torch.full((batch, self.window, vocab), 1.0 / vocab, device=device)
-        self.laws = uniform
+        batch, self.vocab = first_tokens.shape[0], first_probs.shape[-1]
+        uniform = torch.full((batch, self.window, self.vocab), 1.0 / self.vocab, device=first_tokens.device)
         self.drafts = self._draw(uniform, generator)
-        self.laws = self._as_proposal(self.laws, self.drafts)
+        self.laws = self._as_proposal(uniform, self.drafts)
 
     def _draw(self, laws: torch.Tensor, generator) -> torch.Tensor:
         return sample_from(laws, generator, greedy=self.greedy)
