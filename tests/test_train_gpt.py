@@ -155,3 +155,27 @@ def test_bad_inputs_raise_clear_errors(tmp_path, data, vq) -> None:
         train_gpt(quick(tmp_path / "y", data, vq), resume=True)
     with pytest.raises(RelaxspecError, match="no such file"):
         train_gpt(quick(tmp_path / "z", data, tmp_path / "no-vq"))
+
+
+def test_growing_a_trained_target_preserves_its_function_then_trains_on(tmp_path, data, vq) -> None:
+    shallow = train_gpt(quick(tmp_path / "one", data, vq, steps=10, patience=0))
+    deep = train_gpt(quick(tmp_path / "three", data, vq, steps=10, patience=0, n_layer=3,
+                           init_from=str(tmp_path / "one" / "best")))
+    # step 0 of the grown run is the shallow model: same NLLs to float precision
+    assert deep.history[0]["val_nll"] == pytest.approx(shallow.best["val_nll"], rel=1e-5)
+    assert deep.history[0]["train_nll"] == pytest.approx(shallow.best["train_nll"], rel=1e-5)
+    assert deep.model.config.n_layer == 3 and deep.best["val_nll"] <= deep.history[0]["val_nll"]
+    # the grown blocks were woken up by training (their zeroed output projections moved)
+    assert deep.model.layers[1].attention.wo.weight.abs().sum() > 0
+    assert json.loads((tmp_path / "three" / "best" / "config.json").read_text())["training"]["init_from_sha256"]
+    model = gpt_recipe.Transformer(quick(tmp_path / "x", data, vq, n_layer=3).model_config(32, 3, 16))
+    source = load_gpt(tmp_path / "one" / "best")
+    assert gpt_recipe.grow(model, source) == [0]
+    tokens, labels = torch.randint(0, 32, (4, 16)), torch.tensor([0, 1, 2, 0])
+    with torch.no_grad():
+        assert torch.allclose(model.forward_train(labels, tokens), source.forward_train(labels, tokens), atol=1e-5)
+    wider = quick(tmp_path / "x", data, vq, n_layer=3, dim=64, n_head=4).model_config(32, 3, 16)
+    with pytest.raises(RelaxspecError, match="dim=32"):
+        gpt_recipe.grow(gpt_recipe.Transformer(wider), source)
+    with pytest.raises(RelaxspecError, match="more than"):
+        gpt_recipe.grow(source, model)

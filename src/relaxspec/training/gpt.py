@@ -45,7 +45,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from relaxspec.checkpoints import load_strict, load_vq, read_state, save_model
+from relaxspec.checkpoints import load_gpt, load_strict, load_vq, read_state, save_model
 from relaxspec.data.emoji import augment, load_classes
 from relaxspec.errors import RelaxspecError
 from relaxspec.models.gpt import GPTConfig, Transformer
@@ -73,6 +73,7 @@ class GPTTrainConfig(common.RecipeConfig):
     dim: int = 384
     n_layer: int = 6
     n_head: int = 6
+    init_from: str | None = None  # grow from this trained target (same width, fewer layers)
     # data
     copies: int = 16  # tokenised copies per training image: the image + (copies - 1) augmented
     max_shift: int = 2
@@ -116,6 +117,7 @@ class GPTTrainConfig(common.RecipeConfig):
         need(self.threads is None or self.threads >= 1, f"threads must be >= 1, got {self.threads}")
         need(self.eval_interval >= 1 and self.checkpoint_interval >= 1, "eval and checkpoint intervals must be >= 1")
         GPTConfig(dim=self.dim, n_layer=self.n_layer, n_head=self.n_head, vocab_size=16, num_classes=1, block_size=16)
+        need(self.init_from is None or bool(self.init_from), "init_from must name a checkpoint")
 
     def model_config(self, vocab_size: int, num_classes: int, block_size: int) -> GPTConfig:
         return GPTConfig(dim=self.dim, n_layer=self.n_layer, n_head=self.n_head, vocab_size=vocab_size,
@@ -259,6 +261,44 @@ def read_train_state(out: str | Path) -> dict:
 
 
 # ------------------------------------------------------------------------------------------
+# Growing a trained target
+# ------------------------------------------------------------------------------------------
+
+
+def grow(model: Transformer, source: Transformer) -> list[int]:
+    """Initialise ``model`` from the shallower trained ``source`` so that both compute the same
+    function: source block ``i`` goes to block ``i * L // l`` (spread evenly), the other blocks
+    keep their random weights but start as the identity (attention ``wo`` and FFN ``w2`` zeroed,
+    so the residual stream passes through untouched; their first gradient step wakes them up),
+    and embeddings, final norm and head are copied. Returns where the source blocks went.
+
+    Function-preserving growth (Net2Net, arXiv 1511.05641; "stacking" for transformers,
+    arXiv 2011.13635) lets a deeper target continue from the shallow one's loss instead of
+    starting over — on a 2-core CPU that is the difference between an hour and three."""
+    mine, theirs = model.config, source.config
+    same = ("dim", "n_head", "n_kv_head", "vocab_size", "num_classes", "block_size", "model_type", "cls_token_num",
+            "multiple_of", "ffn_dim_multiplier", "rope_base", "norm_eps")
+    for name in same:
+        if getattr(mine, name) != getattr(theirs, name):
+            raise RelaxspecError(f"init_from: the source target has {name}={getattr(theirs, name)!r}, "
+                                 f"this recipe builds {name}={getattr(mine, name)!r}; growth only adds layers")
+    if theirs.n_layer > mine.n_layer:
+        raise RelaxspecError(f"init_from: the source target has {theirs.n_layer} layers, more than the "
+                             f"{mine.n_layer} asked for; growth only adds layers")
+    placed = [i * mine.n_layer // theirs.n_layer for i in range(theirs.n_layer)]
+    with torch.no_grad():
+        for index, layer in enumerate(model.layers):
+            if index in placed:
+                layer.load_state_dict(source.layers[placed.index(index)].state_dict())
+            else:
+                layer.attention.wo.weight.zero_()
+                layer.feed_forward.w2.weight.zero_()
+        for name in ("cls_embedding", "tok_embeddings", "norm", "output"):
+            getattr(model, name).load_state_dict(getattr(source, name).state_dict())
+    return placed
+
+
+# ------------------------------------------------------------------------------------------
 # The loop
 # ------------------------------------------------------------------------------------------
 
@@ -300,7 +340,13 @@ def train_gpt(config: GPTTrainConfig, *, vq: VQModel | None = None, train: Image
     probe = TokenSet(data.train_clean.tokens[index], data.train_clean.labels[index])
 
     torch.manual_seed(config.seed)
-    model = Transformer(model_config).to(device).train()
+    model = Transformer(model_config)
+    extra = {"vq_sha256": _file_hash(config.vq_ckpt), "recipe": "relaxspec train-gpt"}
+    if config.init_from:
+        extra["init_from_sha256"] = _file_hash(config.init_from)
+        if saved is None:  # a resumed run loads its own weights below
+            grow(model, load_gpt(config.init_from, device="cpu"))
+    model = model.to(device).train()
     optimizer = torch.optim.AdamW(_param_groups(model, config.weight_decay), lr=config.lr, betas=config.betas)
     step, history, best, bad_evals, running = 0, [], {}, 0, []  # running: train losses since the last evaluation
     if saved is not None:
@@ -311,7 +357,6 @@ def train_gpt(config: GPTTrainConfig, *, vq: VQModel | None = None, train: Image
         bad_evals, running = int(saved["bad_evals"]), list(saved["running"])
         common.rewrite_metrics(out, history)
     steps_per_epoch = math.ceil(len(data.train) / config.batch_size)
-    extra = {"vq_sha256": _file_hash(config.vq_ckpt), "recipe": "relaxspec train-gpt"}
 
     def evaluate(at: int) -> None:
         nonlocal bad_evals, best
@@ -435,6 +480,8 @@ def add_train_gpt_parser(subparsers) -> argparse.ArgumentParser:
     option("--dim", "model width", type=int)
     option("--n-layer", "transformer blocks", type=int)
     option("--n-head", "attention heads (LlamaGen: head dim 64)", type=int)
+    option("--init-from", "grow from this trained target (same width, fewer layers): its blocks are spread "
+           "over the new depth, the new blocks start as the identity", metavar="PATH")
     option.section("data")
     option("--copies", "tokenised copies per training image (1 = no augmentation)", type=int)
     option("--max-shift", "augmentation: largest translation in px", type=int)
