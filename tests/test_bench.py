@@ -298,6 +298,12 @@ def test_report_tables_and_plot_data(bench_dir, monkeypatch):
     summary = json.loads((bench_dir / "summary.json").read_text())
     rows = {r["label"]: r for r in summary["methods"]}
     assert rows["ar"]["speedup"] == 1.0 and rows["ar"]["mal"] == 1.0 and rows["ar"]["drafter_share"] == 0
+    # the time split: AR spends nothing in a drafter; the three shares add up to the decode time
+    assert rows["ar"]["drafter_forward_share"] == 0 and rows["sjd"]["drafter_forward_share"] == 0
+    for row in rows.values():
+        assert 0 < row["target_share"] < 1 and 0 <= row["overhead_share"] < 1
+        assert row["target_share"] + row["drafter_forward_share"] + row["overhead_share"] == pytest.approx(1.0)
+    assert rows["sd-chain"]["drafter_forward_share"] > 0
     assert rows["lantern[delta=0.4]"]["sweep"] == {"delta": 0.4} and rows["lantern[delta=0.4]"]["family"] == "lantern"
     assert rows["sd-chain"]["speedup_pairs"] == 2 and rows["sd-chain"]["tv_bound_mean"] == 0
     data = json.loads((bench_dir / "plot_data.json").read_text())

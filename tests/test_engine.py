@@ -411,6 +411,12 @@ def test_greedy_matches_ar(markov, greedy_ar, name, cfg, monkeypatch, tmp_path):
     assert [sum(a) for a in lengths] == [16] * 5
     assert [len(a) for a in lengths] == result.target_forwards.tolist()
     assert float(result.step_tv.abs().max()) == 0.0
+    # the time split is consistent: forwards are timed inside the decode, the drafter's inside its source
+    assert 0 < result.target_forward_seconds < result.seconds
+    assert 0 <= result.drafter_forward_seconds <= result.drafter_seconds
+    assert result.overhead_seconds == pytest.approx(
+        result.seconds - result.target_forward_seconds - result.drafter_forward_seconds)
+    assert (result.drafter_forward_seconds > 0) == (options.method not in ("sjd", "scd"))
     if options.method != "sjd" and options.method != "scd":
         # The steps really speculate, and rows of the batch accept different lengths.
         assert max(max(a) for a in lengths) >= 3

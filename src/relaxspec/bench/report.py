@@ -4,7 +4,9 @@ Per method (REFERENCE §3):
 
 * **MAL**: image tokens per target forward over all images (bonus included; AR = 1.0), and
   **target forwards per image** (the condition prefill included, so AR = image tokens);
-* **drafter share**: drafter seconds / decode seconds;
+* **drafter share**: draft-source seconds / decode seconds, and the **time split**: the shares of
+  target forwards, drafter forwards and the engine's own time (everything else: logit processing,
+  sampling, tree walk, masks, KV moves, Python) — the engine-overhead goal is about the last;
 * **latency per image**: median and inter-quartile range of ``DecodeResult.seconds`` (batch 1:
   one image; throughput mode: the image's share of its batch);
 * **speed-up vs AR**, computed *pairwise*: the median over images of
@@ -135,6 +137,7 @@ def method_summary(records: Sequence[dict], label: str, num_tokens: int, baselin
         "target_forwards_per_image": float(forwards.mean()),
         "drafter_forwards_per_image": float(np.mean([r["drafter_forwards"] for r in mine])),
         "drafter_share": float(sum(r["drafter_seconds"] for r in mine) / max(seconds.sum(), 1e-12)),
+        **time_split(mine),
         "latency_median_s": float(median), "latency_q25_s": float(q25), "latency_q75_s": float(q75),
         "latency_iqr_s": float(q75 - q25), "latency_mean_s": float(seconds.mean()),
         "wall_median_s": float(np.median([r["wall_seconds"] for r in mine])),
@@ -145,6 +148,18 @@ def method_summary(records: Sequence[dict], label: str, num_tokens: int, baselin
         row["speedup"], row["speedup_lo"], row["speedup_hi"] = _bootstrap(np.median, ratios, n_boot=n_boot, seed=seed)
     row["tv_bound_mean"], row["tv_bound_lo"], row["tv_bound_hi"] = _bootstrap(np.mean, tv, n_boot=n_boot, seed=seed)
     return row
+
+
+def time_split(records: Sequence[dict]) -> dict:
+    """Where the decode time went: shares of target forwards, drafter forwards and the rest (the
+    engine: sampling, tree walk, masks, cache moves, Python). ``None`` for records made before
+    forwards were timed."""
+    if not records or any("target_forward_seconds" not in r for r in records):
+        return {"target_share": None, "drafter_forward_share": None, "overhead_share": None}
+    total = max(sum(r["seconds"] for r in records), 1e-12)
+    target = sum(r["target_forward_seconds"] for r in records) / total
+    drafter = sum(r["drafter_forward_seconds"] for r in records) / total
+    return {"target_share": target, "drafter_forward_share": drafter, "overhead_share": max(1.0 - target - drafter, 0.0)}
 
 
 def summarize(records: Sequence[dict], labels: Sequence[str] | None = None, *, num_tokens: int | None = None,
@@ -322,7 +337,8 @@ def quality_metrics(fake: dict[str, tuple[np.ndarray, np.ndarray]], classifier, 
 
 QUALITY_KEYS = ("class_accuracy", "fid_like", "precision", "recall", "class_accuracy_diff_vs_ar", "fid_like_diff_vs_ar")
 CSV_COLUMNS = ("label", "family", "sweep", "method", "images", "mal", "mal_image_mean", "target_forwards_per_image",
-               "drafter_forwards_per_image", "drafter_share", "latency_median_s", "latency_q25_s", "latency_q75_s",
+               "drafter_forwards_per_image", "drafter_share", "target_share", "drafter_forward_share",
+               "overhead_share", "latency_median_s", "latency_q25_s", "latency_q75_s",
                "latency_iqr_s", "latency_mean_s", "wall_median_s", "images_per_second", "speedup", "speedup_lo",
                "speedup_hi", "speedup_pairs", "tv_bound_mean", "tv_bound_lo", "tv_bound_hi")
 
@@ -343,10 +359,16 @@ def _ms(seconds: float) -> str:
     return f"{ms:.2f}" if ms < 10 else f"{ms:.1f}" if ms < 1000 else f"{ms:.0f}"
 
 
+def _split(row: dict) -> str:
+    if row.get("overhead_share") is None:
+        return f"– / {100 * row['drafter_share']:.0f}% / –"
+    return " / ".join(f"{100 * row[k]:.0f}%" for k in ("target_share", "drafter_forward_share", "overhead_share"))
+
+
 def markdown_table(rows: Sequence[dict]) -> str:
     """One row per method: speed, certificate and (when measured) quality."""
     quality = any(row.get("quality") for row in rows)
-    head = ["method", "images", "MAL", "target fwd / image", "drafter share", "latency ms, median [IQR]",
+    head = ["method", "images", "MAL", "target fwd / image", "time: target / drafter / engine", "latency ms, median [IQR]",
             "speed-up vs AR [95% CI]", "TV bound"]
     if quality:
         head += ["class acc. [95% CI]", "FID-like [95% CI]", "precision", "recall"]
@@ -357,7 +379,7 @@ def markdown_table(rows: Sequence[dict]) -> str:
             continue
         speedup = None if row["speedup"] is None else [row["speedup"], row["speedup_lo"], row["speedup_hi"]]
         cells = [f"`{row['label']}`", str(row["images"]), _fmt(row["mal"]), _fmt(row["target_forwards_per_image"], 1),
-                 f"{100 * row['drafter_share']:.0f}%",
+                 _split(row),
                  f"{_ms(row['latency_median_s'])} [{_ms(row['latency_q25_s'])}, {_ms(row['latency_q75_s'])}]",
                  _ci(speedup), _fmt(row["tv_bound_mean"], 3)]
         if quality:
@@ -626,6 +648,10 @@ def write_report(out_dir: str | Path, *, vq=None, classifier=None, real_data: st
                    "target_forwards_per_image": "target forwards per image, the condition prefill included",
                    "drafter_share": "draft-source seconds (EAGLE drafter, or the Jacobi window's bookkeeping) / "
                                     "decode seconds",
+                   "target_share": "seconds inside the target model's forward calls / decode seconds",
+                   "drafter_forward_share": "seconds inside the drafter model's forward calls / decode seconds",
+                   "overhead_share": "the rest / decode seconds: the engine (logit processing, sampling, drafting "
+                                     "bookkeeping, tree walk, masks, KV moves, Python)",
                    "tv_bound": "mean over images of the certified per-image TV sum (0 for exact methods)"}}
     write_json(out / SUMMARY_JSON, summary)
     write_atomic(out / SUMMARY_CSV, lambda temp: temp.write_text(csv_text(rows)))

@@ -208,6 +208,8 @@ def result_records(result: DecodeResult, wall: float, method: MethodSpec, indice
             "class": int(classes[row]), "unit": unit, "seed": seed, "batch_size": rows, "order": position,
             "seconds": result.seconds / rows, "wall_seconds": wall / rows,
             "drafter_seconds": result.drafter_seconds / rows,
+            "target_forward_seconds": result.target_forward_seconds / rows,
+            "drafter_forward_seconds": result.drafter_forward_seconds / rows,
             "target_forwards": int(result.target_forwards[row]), "drafter_forwards": int(result.drafter_forwards[row]),
             "mal": float(result.mean_accepted_length[row]), "tv_bound": float(result.tv_bound[row]),
             "accept_lengths": [int(n) for n in result.accept_lengths[row]],

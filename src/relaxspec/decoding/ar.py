@@ -34,4 +34,4 @@ def generate_ar(model: Transformer, cond: torch.Tensor, sampling: SamplingConfig
     forwards = torch.full((batch,), target.forwards)
     return DecodeResult(tokens=tokens.cpu(), target_forwards=forwards, drafter_forwards=torch.zeros(batch, dtype=torch.long),
                         step_tv=torch.zeros(batch, n), accept_lengths=[[1] * n for _ in range(batch)],
-                        seconds=time.perf_counter() - start)
+                        seconds=time.perf_counter() - start, target_forward_seconds=target.watch.seconds)

@@ -153,6 +153,7 @@ def generate_speculative(model, cond, sampling: SamplingConfig, options: MethodO
     return DecodeResult(tokens=tokens[:, :n_tok].cpu(), target_forwards=forwards, drafter_forwards=drafter_forwards,
                         step_tv=step_tv[:, :n_tok].cpu(), accept_lengths=accept_lengths,
                         seconds=time.perf_counter() - start, drafter_seconds=drafter_seconds,
+                        target_forward_seconds=target.watch.seconds, drafter_forward_seconds=_watched(source),
                         rank_tests=rank_tests, rank_accepts=rank_accepts)
 
 
@@ -167,3 +168,9 @@ def _accumulate(total_tests, total_accepts, tests, accepts):
         for part in parts:
             dst[: part.shape[0], : part.shape[1]] += part
     return grown_t, grown_a
+
+
+def _watched(source) -> float:
+    """Seconds a draft source spent in model forwards (a user-written source may not time them)."""
+    watch = getattr(source, "watch", None)
+    return float(watch.seconds) if watch is not None else 0.0

@@ -15,6 +15,8 @@ class DecodeResult:
     condition prefill included, so plain AR gives ``N``); ``drafter_forwards [B]``;
     ``step_tv [B, N]`` the certified one-step TV distance recorded for each committed token
     (0 for lossless steps); ``accept_lengths`` per image, tokens committed by each target forward.
+    ``seconds`` minus the two ``*_forward_seconds`` is the engine's own time (sampling, tree walk,
+    cache moves, masks, Python): :attr:`overhead_seconds`.
     """
 
     tokens: torch.Tensor
@@ -23,9 +25,15 @@ class DecodeResult:
     step_tv: torch.Tensor
     accept_lengths: list[list[int]] = field(default_factory=list)
     seconds: float = 0.0
-    drafter_seconds: float = 0.0
+    drafter_seconds: float = 0.0  # in the draft source: drafter forwards + drafting bookkeeping
+    target_forward_seconds: float = 0.0  # inside the target model's forward calls
+    drafter_forward_seconds: float = 0.0  # inside the drafter model's forward calls
     rank_tests: torch.Tensor | None = None  # [depth, rank] sibling tests, summed over the batch
     rank_accepts: torch.Tensor | None = None  # [depth, rank] of those, accepted
+
+    @property
+    def overhead_seconds(self) -> float:
+        return max(self.seconds - self.target_forward_seconds - self.drafter_forward_seconds, 0.0)
 
     def acceptance_rates(self) -> torch.Tensor | None:
         """Measured P(accept | depth, rank, elder siblings rejected) ``[depth, rank]`` (0 where

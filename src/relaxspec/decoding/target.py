@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from relaxspec.timing import Stopwatch
 from relaxspec.models.gpt import Transformer
 from relaxspec.sampling import SamplingConfig, process_logits
 
@@ -46,6 +47,7 @@ class GuidedTarget:
             # Upstream masks the padded caption positions in both CFG streams.
             self.key_valid = key_valid.repeat(self.streams, 1)
         self.forwards = 0
+        self.watch = Stopwatch(self.device)  # time inside the model's forward calls
 
     def _rows(self, x: torch.Tensor) -> torch.Tensor:
         """Repeat a per-image tensor ``[B, ...]`` for every CFG stream."""
@@ -66,9 +68,10 @@ class GuidedTarget:
         """Encode the condition. Returns probabilities for image token 0 ``[B, V]`` and the
         hidden state at the last condition position ``[S*B, 1, dim]`` (all streams)."""
         slots = torch.arange(self.cls, device=self.device).expand(self.batch * self.streams, -1)
-        logits, hidden = self.model(cond=self.cond, positions=slots, cache_slots=slots,
-                                    attn_mask=self._mask(slots, None, self.cls), kv_len=self.cls,
-                                    return_hidden=True)
+        with self.watch:
+            logits, hidden = self.model(cond=self.cond, positions=slots, cache_slots=slots,
+                                        attn_mask=self._mask(slots, None, self.cls), kv_len=self.cls,
+                                        return_hidden=True)
         self.forwards += 1
         return process_logits(logits[:, -1], self.sampling), hidden[:, -1:]
 
@@ -83,9 +86,10 @@ class GuidedTarget:
             kv_len = int(slots.max()) + 1
         rows_slots = self._rows(slots)
         rows_mask = None if mask is None else self._rows(mask)
-        logits, hidden = self.model(self._rows(tokens), self._rows(positions), cache_slots=rows_slots,
-                                    attn_mask=self._mask(rows_slots, rows_mask, kv_len), kv_len=kv_len,
-                                    return_hidden=True)
+        attn_mask = self._mask(rows_slots, rows_mask, kv_len)
+        with self.watch:
+            logits, hidden = self.model(self._rows(tokens), self._rows(positions), cache_slots=rows_slots,
+                                        attn_mask=attn_mask, kv_len=kv_len, return_hidden=True)
         self.forwards += 1
         return process_logits(logits, self.sampling), hidden
 

@@ -23,6 +23,7 @@ from relaxspec.drafting.eagle import EagleDrafter
 from relaxspec.drafting.siblings import sample_siblings, topk_siblings
 from relaxspec.drafting.trees import TreeSpec
 from relaxspec.sampling import SamplingConfig, process_logits, sample_from
+from relaxspec.timing import Stopwatch
 
 
 @dataclass
@@ -98,6 +99,7 @@ class EagleSource:
         self.max_nodes = structure.max_nodes
         self.max_depth = structure.depth
         self.forwards = 0
+        self.watch = Stopwatch()  # time inside the drafter's forward calls
 
     # -- plumbing shared by the structures ----------------------------------------------
     def start(self, first_tokens, first_probs, first_hidden, streams: int, num_tokens: int, generator,
@@ -108,6 +110,7 @@ class EagleSource:
         self.batch, self.streams = first_tokens.shape[0], streams
         self.drafter.setup_caches(self.batch * streams, num_tokens + self.structure.drafter_slots + 1)
         self.forwards = 0
+        self.watch = Stopwatch(first_tokens.device)
         zero = torch.zeros_like(first_tokens)
         self.catch_up(first_hidden, first_tokens[:, None], zero, torch.ones_like(zero))
 
@@ -123,8 +126,10 @@ class EagleSource:
         [B, M]`` ... -> predicted features ``[S*B, M, d]`` and processed draft laws ``q [B, M, V]``."""
         # Padding pairs and finished rows may point past the image; their outputs are never used.
         positions = positions.clamp(max=self.drafter.rope.shape[0] - 1)
-        feats, logits = self.drafter(features, self.rows(tokens), self.rows(positions), cache_slots=self.rows(slots),
-                                     attn_mask=None if mask is None else self.rows(mask), kv_len=kv_len)
+        rows_mask = None if mask is None else self.rows(mask)
+        with self.watch:
+            feats, logits = self.drafter(features, self.rows(tokens), self.rows(positions), cache_slots=self.rows(slots),
+                                         attn_mask=rows_mask, kv_len=kv_len)
         self.forwards += 1
         return feats, process_logits(logits, self.sampling)
 
@@ -340,6 +345,7 @@ class JacobiSource:
         self.max_nodes, self.max_depth = window + 1, window
         self.depth = window
         self.forwards = 0
+        self.watch = Stopwatch()  # no drafter: stays at zero
         spec = TreeSpec.chain(window)
         self._parents = spec.parents
         self._depths = spec.depths
