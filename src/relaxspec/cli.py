@@ -189,7 +189,12 @@ def build_parser() -> argparse.ArgumentParser:
     tree.set_defaults(handler=cmd_build_tree)
     tree.add_argument("--stats", required=True, action="append", metavar="STATS_JSON",
                       help="stats.json of one or more generate runs (repeatable; counts are summed)")
-    tree.add_argument("--budget", type=int, default=57, help="drafted nodes (default 57)")
+    tree.add_argument("--budget", default="57", metavar="N|auto",
+                      help="drafted nodes (default 57), or 'auto': time the target and drafter of the stats' run on "
+                           "this machine and pick the size that commits the most tokens per second")
+    tree.add_argument("--max-budget", type=int, default=64, help="largest size --budget auto considers (default 64)")
+    tree.add_argument("--threads", type=int, default=None,
+                      help="torch CPU threads while timing (--budget auto; default: 1 on CPU)")
     tree.add_argument("--max-depth", type=int, default=None, help="deepest level (default: as measured)")
     tree.add_argument("--max-children", type=int, default=None, help="children per node (default: as measured)")
     tree.add_argument("--min-tests", type=int, default=20,
@@ -687,17 +692,60 @@ def cmd_build_tree(args: argparse.Namespace) -> int:
             rows, cols = max(tests.shape[0], t.shape[0]), max(tests.shape[1], t.shape[1])
             grow = lambda x: torch.nn.functional.pad(x, (0, cols - x.shape[1], 0, rows - x.shape[0]))  # noqa: E731
             tests, accepts = grow(tests) + grow(t), grow(accepts) + grow(a)
-    if args.budget < 1 or args.min_tests < 0:
-        raise RelaxspecError("--budget must be >= 1 and --min-tests >= 0")
+    auto = str(args.budget).strip().lower() == "auto"
+    if not auto:
+        try:
+            args.budget = int(args.budget)
+        except ValueError:
+            raise RelaxspecError(f"--budget must be a number of nodes or 'auto', got {args.budget!r}") from None
+    if (not auto and args.budget < 1) or args.min_tests < 0 or args.max_budget < 1:
+        raise RelaxspecError("--budget and --max-budget must be >= 1 and --min-tests >= 0")
     rates = torch.where(tests >= max(args.min_tests, 1), accepts / tests.clamp(min=1), torch.zeros_like(tests))
-    spec = build_tree(rates, args.budget, args.max_depth, args.max_children)
+    record = {"rates": rates.tolist(), "tests": tests.tolist()}
+    if auto:
+        spec, record["costs"], record["curve"] = _tree_for_this_machine(args, rates)
+    else:
+        spec = build_tree(rates, args.budget, args.max_depth, args.max_children)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"paths": [list(p) for p in spec.paths], "rates": rates.tolist(),
-                               "tests": tests.tolist(), "expected_mal": 1 + expected_accept_length(spec, rates)}) + "\n")
+    record = {"paths": [list(p) for p in spec.paths], "expected_mal": 1 + expected_accept_length(spec, rates), **record}
+    out.write_text(json.dumps(record) + "\n")
     print(f"{out}: {len(spec.paths)} nodes, depth {spec.depth}, per level {spec.level_sizes()}, "
-          f"expected MAL {1 + expected_accept_length(spec, rates):.3f} (use --draft {out})")
+          f"expected MAL {record['expected_mal']:.3f} (use --draft {out})")
     return 0
+
+
+def _tree_for_this_machine(args: argparse.Namespace, rates: torch.Tensor):
+    """``--budget auto``: time the stats' own target and drafter here, then pick the tree size
+    with the most expected tokens per second. Returns the tree, the costs and the whole curve."""
+    from relaxspec.bench.cost import measure_forward_costs
+    from relaxspec.drafting.trees import best_tree_for_cost
+
+    settings = json.loads(Path(args.stats[0]).read_text()).get("settings", {})
+    if not settings.get("gpt_ckpt") or not settings.get("drafter_ckpt"):
+        raise RelaxspecError(f"{args.stats[0]}: --budget auto needs a run that names its GPT and drafter checkpoints "
+                             "(a relaxspec generate run with a drafter method)")
+    device = resolve_device(settings.get("device", "cpu"))
+    threads = args.threads if args.threads is not None else (1 if device.type == "cpu" else None)
+    if threads is not None:
+        if threads < 1:
+            raise RelaxspecError(f"--threads must be >= 1, got {threads}")
+        torch.set_num_threads(threads)
+    downsample = load_vq(settings["vq_ckpt"], settings.get("vq_model")).config.downsample_factor
+    model = load_gpt(settings["gpt_ckpt"], settings.get("gpt_model"), image_size=settings.get("image_size"),
+                     downsample=downsample, precision=settings.get("precision", "fp32"), device=device)
+    drafter = load_drafter(settings["drafter_ckpt"], model)
+    sampling = SamplingConfig(**settings.get("sampling", {}))
+    costs = measure_forward_costs(model, drafter, sampling=sampling,
+                                  target_sizes=sorted({1, 2, 4, 8, 12, 16, 24, 32, 48, 64, args.max_budget + 1}))
+    spec, curve = best_tree_for_cost(rates, costs.step_seconds, args.max_budget, args.max_depth, args.max_children)
+    ar = costs.target_seconds(1)
+    print("nodes  depth  expected MAL  step ms  tokens/s  est. speed-up vs AR (forwards only)")
+    for row in curve:
+        mark = " <-" if row["nodes"] == len(spec.paths) else ""
+        print(f"{row['nodes']:5d}  {row['depth']:5d}  {row['expected_mal']:12.3f}  {1000 * row['step_seconds']:7.2f}  "
+              f"{row['tokens_per_second']:8.1f}  {row['tokens_per_second'] * ar:5.2f}x{mark}")
+    return spec, costs.to_dict(), curve
 
 
 def cmd_info(args: argparse.Namespace) -> int:

@@ -209,3 +209,31 @@ def build_tree(rates, budget: int, max_depth: int | None = None, max_children: i
         if len(path) < depth_cap:  # the first child
             heapq.heappush(heap, (-value_of(-neg, min(d + 1, rates.shape[0] - 1), 0), path + (0,)))
     return TreeSpec.from_paths(chosen)
+
+
+def best_tree_for_cost(rates, step_seconds, max_budget: int = 64, max_depth: int | None = None,
+                       max_children: int | None = None) -> tuple[TreeSpec, list[dict]]:
+    """The tree that commits the most tokens per *second*, not per forward.
+
+    For every budget ``n = 1 .. max_budget`` the best ``n``-node tree (:func:`build_tree`) has an
+    expected MAL (bonus included) and a step cost ``step_seconds(spec)`` (e.g.
+    :meth:`relaxspec.bench.cost.ForwardCosts.step_seconds`); the winner maximises MAL / cost.
+    Returns it and one row per budget: ``nodes, depth, expected_mal, step_seconds,
+    tokens_per_second``."""
+    if max_budget < 1:
+        raise RelaxspecError(f"max budget must be >= 1, got {max_budget}")
+    rows, best, best_rate = [], None, -1.0
+    for budget in range(1, max_budget + 1):
+        spec = build_tree(rates, budget, max_depth, max_children)
+        if len(spec.paths) < budget:  # the rates allow no larger tree
+            break
+        mal = 1.0 + expected_accept_length(spec, torch.as_tensor(rates, dtype=torch.float64).sort(dim=1, descending=True).values)
+        seconds = float(step_seconds(spec))
+        if seconds <= 0:
+            raise RelaxspecError("step_seconds must be positive")
+        rate = mal / seconds
+        rows.append({"nodes": budget, "depth": spec.depth, "expected_mal": mal, "step_seconds": seconds,
+                     "tokens_per_second": rate})
+        if rate > best_rate:
+            best, best_rate = spec, rate
+    return best, rows
