@@ -172,6 +172,19 @@ def test_save_load_round_trip(tmp_path, target: Transformer, dataset: DrafterDat
     assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
 
 
+def test_init_from_starts_at_the_given_drafter(tmp_path, target: Transformer, dataset: DrafterDataset) -> None:
+    first = train_drafter(quick(tmp_path / "first", steps=3), target=target, dataset=dataset)
+    warm = train_drafter(quick(tmp_path / "warm", steps=0, init_from=str(tmp_path / "first")), target=target,
+                         dataset=dataset)
+    for name, value in first.drafter.state_dict().items():
+        assert torch.equal(value, warm.drafter.state_dict()[name]), name
+    cold = train_drafter(quick(tmp_path / "cold", steps=0), target=target, dataset=dataset)
+    assert not torch.equal(cold.drafter.fc.weight, first.drafter.fc.weight)
+    with pytest.raises(RelaxspecError, match="blocks"):
+        train_drafter(quick(tmp_path / "two", steps=0, n_layer=2, init_from=str(tmp_path / "first")), target=target,
+                      dataset=dataset)
+
+
 def test_cli_trains_and_resumes(tmp_path, target: Transformer, dataset: DrafterDataset) -> None:
     save_model(target, tmp_path / "target")
     np.savez(tmp_path / "data.npz", tokens=dataset.tokens.numpy(), labels=dataset.labels.numpy())

@@ -88,6 +88,7 @@ class DrafterTrainConfig(common.RecipeConfig):
     val_fraction: float = 0.02  # held out to measure draft accuracy
     # drafter
     n_layer: int = 1
+    init_from: str | None = None  # start from this drafter's weights (e.g. one trained for a shallower target)
     # optimisation
     epochs: float = 20.0
     steps: int | None = None  # overrides epochs
@@ -563,6 +564,14 @@ def train_drafter(config: DrafterTrainConfig, *, target: Transformer | None = No
 
     torch.manual_seed(config.seed)
     drafter = EagleDrafter(DrafterConfig(target=target.config.to_dict(), n_layer=config.n_layer)).to(device).attach(target)
+    if config.init_from and saved is None:
+        # Warm start: the drafter's own weights (fc + blocks) carry over when the target's width,
+        # vocabulary and grid match; a resumed run loads its own weights below.
+        start = load_drafter(config.init_from, target)
+        if start.config.n_layer != config.n_layer:
+            raise RelaxspecError(f"--init-from {config.init_from}: that drafter has {start.config.n_layer} blocks, "
+                                 f"this run trains {config.n_layer}")
+        drafter.load_state_dict(start.state_dict())
     drafter.train()
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=config.lr, betas=config.betas, weight_decay=config.weight_decay)
     step, history = 0, []
@@ -674,6 +683,8 @@ def add_train_drafter_parser(subparsers) -> argparse.ArgumentParser:
     option.section("training")
     option("--out", "output folder", metavar="DIR")
     option("--n-layer", "drafter transformer blocks", type=int)
+    option("--init-from", "start from this drafter's weights (a relaxspec drafter folder, e.g. one trained for "
+           "a shallower version of the target)", metavar="DIR")
     option("--epochs", "passes over the data", type=float)
     option("--steps", "optimizer steps (overrides --epochs)", type=int)
     option("--batch-size", "sequences per step", type=int)
