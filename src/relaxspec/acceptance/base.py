@@ -133,10 +133,13 @@ class AcceptanceRule(ABC):
         :meth:`one_step_law` (the drafted token is then irrelevant: the draft is marginalised).
         """
         point_rows = gather_at(proposal, token) >= 1.0 - ONE_HOT_ATOL
-        law = self.token_law(target, proposal, token, depth)
-        if not bool(point_rows.all()):
-            full = self.one_step_law(target, proposal, depth)
-            law = torch.where(point_rows.unsqueeze(1), law, full.to(law.dtype))
+        if bool(point_rows.all()):
+            law = self.token_law(target, proposal, token, depth)
+        elif not bool(point_rows.any()):  # (each law costs several vocabulary-wide ops: only the one needed)
+            law = self.one_step_law(target, proposal, depth).to(target.dtype)
+        else:
+            law = torch.where(point_rows.unsqueeze(1), self.token_law(target, proposal, token, depth),
+                              self.one_step_law(target, proposal, depth).to(target.dtype))
         return 0.5 * (law - target).abs().sum(dim=1)
 
     def __repr__(self) -> str:  # pragma: no cover - cosmetic

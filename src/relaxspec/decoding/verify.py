@@ -175,8 +175,9 @@ def verify_tree(
             reject = testing & ~accept
             # A rejected sibling turns the target into the residual the next sibling is tested
             # against (and the bonus is drawn from, if it was the last one).
-            residual = rule.residual(target, proposal, token, node_depth)
-            target = torch.where(reject.unsqueeze(1), residual.to(target.dtype), target)
+            if bool(reject.any()):  # (the residual costs several vocabulary-wide ops: only when used)
+                residual = rule.residual(target, proposal, token, node_depth)
+                target = torch.where(reject.unsqueeze(1), residual.to(target.dtype), target)
             moved |= accept
             next_node = torch.where(accept, child, next_node)
 
