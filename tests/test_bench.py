@@ -435,3 +435,25 @@ def test_eval_generates_sharded_and_resumable(models, tmp_path, monkeypatch, cap
     assert len(seen["files"]) == 4 and not any(f.endswith("grid.png") for f in seen["files"])
     with pytest.raises(RelaxspecError, match="after '--'"):
         run_cli(["eval", "--images-per-class", "2"])
+
+
+def test_models_and_sampling_default_to_the_embedded_model_or_upstream(tmp_path):
+    import argparse
+
+    from relaxspec import embedded
+    from relaxspec.bench.cli import resolve_models
+
+    fields = dict(gpt_ckpt=None, gpt_model=None, vq_ckpt=None, vq_model=None, drafter_ckpt=None, image_size=None,
+                  cfg_scale=None, temperature=None, top_k=None, top_p=None)
+    args = argparse.Namespace(**fields)
+    resolve_models(args)
+    assert args.gpt_ckpt == str(embedded.path("gpt")) and args.vq_model is None and args.image_size is None
+    want = embedded.defaults()["sampling"]
+    assert (args.cfg_scale, args.temperature, args.top_k, args.top_p) == (
+        want["cfg_scale"], want["temperature"], want["top_k"], want["top_p"])
+    # a user's official checkpoint gets upstream's sampling defaults, and given flags always win
+    args = argparse.Namespace(**{**fields, "gpt_ckpt": str(tmp_path / "gpt.pt"), "vq_ckpt": str(tmp_path / "vq.pt"),
+                                 "cfg_scale": 2.0})
+    resolve_models(args)
+    assert (args.cfg_scale, args.temperature, args.top_k, args.top_p) == (2.0, 1.0, 2000, 1.0)
+    assert args.image_size == 256 and args.vq_model == "VQ-16"

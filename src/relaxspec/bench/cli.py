@@ -33,7 +33,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
         "command again to continue), summary.json/.csv/.md, plot_data.json and, with matplotlib, pareto.png, "
         "mal_hist.png and accept_heatmap.png into --out."))
     bench.set_defaults(handler=run_bench_cli)
-    models = bench.add_argument_group("models (required until the embedded model ships)")
+    models = bench.add_argument_group("models (default: the embedded emoji model, its drafter and its sampling defaults)")
     models.add_argument("--gpt-ckpt", metavar="PATH", help="target GPT weights (official .pt, .safetensors or a relaxspec folder)")
     models.add_argument("--gpt-model", metavar="NAME|JSON", help="named size or JSON config (official files)")
     models.add_argument("--vq-ckpt", metavar="PATH", help="VQ tokenizer weights")
@@ -61,10 +61,11 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     methods.add_argument("--list-methods", action="store_true", help="describe the named methods and exit")
 
     sampling = bench.add_argument_group("sampling (upstream order: CFG, temperature, top-k, top-p)")
-    sampling.add_argument("--cfg-scale", type=float, default=4.0, help="classifier-free guidance (default 4.0; 1 = off)")
-    sampling.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default 1.0)")
-    sampling.add_argument("--top-k", type=int, default=2000, help="0 = off (default 2000)")
-    sampling.add_argument("--top-p", type=float, default=1.0, help="in (0, 1] (default 1.0 = off)")
+    sampling.add_argument("--cfg-scale", type=float, help="classifier-free guidance (default 4.0; 1 = off)")
+    sampling.add_argument("--temperature", type=float, help="0 = greedy (default 1.0)")
+    sampling.add_argument("--top-k", type=int, help="0 = off (default: upstream's 2000; the embedded model's own "
+                                                     "default, 0, when no --gpt-ckpt is given)")
+    sampling.add_argument("--top-p", type=float, help="in (0, 1] (default 1.0 = off)")
 
     timing = bench.add_argument_group("timing")
     timing.add_argument("--threads", type=int, default=1, help="torch CPU threads, pinned for the run (default 1)")
@@ -102,13 +103,25 @@ def _positive(args: argparse.Namespace, *names: str) -> None:
             raise RelaxspecError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
 
 
+UPSTREAM_SAMPLING = {"cfg_scale": 4.0, "temperature": 1.0, "top_k": 2000, "top_p": 1.0}
+
+
 def resolve_models(args: argparse.Namespace) -> None:
-    """Fill unset model arguments from :func:`default_models` (which raises until a model ships)."""
+    """Fill unset model arguments from :func:`default_models` (the embedded model) and unset
+    sampling options from the embedded model's documented defaults, or upstream's for a user's
+    checkpoint."""
+    sampling = dict(UPSTREAM_SAMPLING)
     if args.gpt_ckpt is None or args.vq_ckpt is None:
+        from relaxspec import embedded
+
         defaults = default_models()
         for key, value in defaults.items():
             if getattr(args, key, None) is None:
                 setattr(args, key, value)
+        sampling.update(embedded.defaults().get("sampling", {}))
+    for key, value in sampling.items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, value)
     if args.image_size is None and not Path(args.gpt_ckpt).is_dir():
         args.image_size = 256  # official files: upstream's resolution; our folders carry their grid
     if args.vq_model is None and not Path(args.vq_ckpt).is_dir():
@@ -169,9 +182,9 @@ def run_bench_cli(args: argparse.Namespace) -> int:
     from relaxspec.sampling import SamplingConfig
 
     specs = expand_methods(parse_methods(args.methods), args.sweep)
-    sampling = SamplingConfig(cfg_scale=args.cfg_scale, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     drafting = [s.label for s in specs if s.needs_drafter]
     resolve_models(args)
+    sampling = SamplingConfig(cfg_scale=args.cfg_scale, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     if drafting and args.drafter_ckpt is None:
         raise RelaxspecError(f"{', '.join(drafting)} draft with an EAGLE drafter: give --drafter-ckpt (train one with "
                              "relaxspec train-drafter), or choose drafter-free --methods such as ar,sjd,scd")
