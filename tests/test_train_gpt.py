@@ -106,6 +106,10 @@ def test_early_stopping_after_patience(tmp_path, data, vq, monkeypatch) -> None:
     # resuming a stopped run trains no further
     again = train_gpt(quick(tmp_path / "run", data, vq, steps=100, patience=2), resume=True)
     assert again.step == 15 and again.stopped_early
+    # more patience (0 = none) lets the stopped run go on along the same schedule
+    monkeypatch.setattr(gpt_recipe, "evaluate_nll", lambda *args, **kwargs: 4.9)
+    more = train_gpt(quick(tmp_path / "run", data, vq, steps=100, patience=0), resume=True)
+    assert more.step == 100 and not more.stopped_early and more.best["step"] == 5
 
 
 def test_interrupted_run_resumes_bit_for_bit(tmp_path, data, vq, monkeypatch) -> None:

@@ -57,7 +57,8 @@ STATE_VERSION = 1
 RECIPE = "gpt"
 TOKENS = "tokens.npz"
 BEST = "best"
-RUN_FIELDS = ("out", "data", "vq_ckpt", "device", "threads", "progress", "checkpoint_interval", "export")
+RUN_FIELDS = ("out", "data", "vq_ckpt", "device", "threads", "progress", "checkpoint_interval", "export",
+              "patience")  # patience only decides when to stop: a stopped run may continue with more
 
 
 @dataclass
