@@ -89,10 +89,12 @@ def test_generate_end_to_end(tiny_ckpts, tmp_path, capsys):
     assert [r["class"] for r in stats["images"]] == [1, 2, 3]
     for record in stats["images"]:
         assert record["target_forwards"] == 16 and record["mean_accepted_length"] == 1.0 and record["tv_bound"] == 0.0
-        assert record["seconds"] > 0
+        assert record["seconds"] > 0 and 0 < record["target_forward_seconds"] < record["seconds"]
+        assert record["drafter_forward_seconds"] == 0
     totals = stats["totals"]
     assert totals["images"] == 3 and totals["target_forwards_per_image"] == 16 and totals["mean_accepted_length"] == 1.0
     assert totals["seconds_per_image"] > 0
+    assert 0 < totals["target_forward_share"] < 1 and totals["drafter_forward_share"] == 0
 
 
 def test_cli_tokens_equal_api_tokens(tiny_ckpts, tmp_path, capsys):

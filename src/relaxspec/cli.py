@@ -378,6 +378,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 "target_forwards": int(result.target_forwards[row]),
                 "drafter_forwards": int(result.drafter_forwards[row]),
                 "drafter_seconds": result.drafter_seconds / len(index),
+                "target_forward_seconds": result.target_forward_seconds / len(index),
+                "drafter_forward_seconds": result.drafter_forward_seconds / len(index),
                 "mean_accepted_length": float(mal[row]), "tv_bound": float(tv[row]),
             }
         generated += len(index)
@@ -396,6 +398,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         "seconds": sum(r["seconds"] for r in done),
         "seconds_per_image": sum(r["seconds"] for r in done) / num_images,
         "vq_seconds_per_image": sum(r["vq_seconds"] for r in done) / num_images,
+        # where the decoding time went (records of runs before forwards were timed count as 0)
+        **{f"{part}_share": sum(r.get(f"{part}_seconds", 0.0) for r in done) / max(sum(r["seconds"] for r in done), 1e-12)
+           for part in ("target_forward", "drafter_forward")},
         "target_forwards_per_image": forwards / num_images,
         "mean_accepted_length": num_images * num_tokens / forwards,
         "tv_bound_mean": sum(r["tv_bound"] for r in done) / num_images,
