@@ -331,6 +331,9 @@ def test_report_quality_with_a_classifier(bench_dir, models, tmp_path):
         value, lo, hi = quality["class_accuracy"]
         assert 0 <= lo <= value <= hi <= 1
         assert quality["fid_like"][0] >= 0
+        by_class = {int(c): v for c, v in quality["class_accuracy_by_class"].items()}
+        assert sorted(by_class) == [1, 2] and sum(n for _, n in by_class.values()) == 2
+        assert sum(h for h, _ in by_class.values()) == round(value * 2)  # the per-class hits add up
     assert "class_accuracy_diff_vs_ar" in rows["sjd"]["quality"] and "class_accuracy_diff_vs_ar" not in rows["ar"]["quality"]
     assert len(list((bench_dir / "images" / "lantern_delta=0.4").glob("*.png"))) == 2
     digest = json.loads((bench_dir / "settings.json").read_text())["settings_hash"]

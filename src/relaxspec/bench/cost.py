@@ -10,7 +10,9 @@ the two forward costs for a given model pair and device so that
 --budget auto``).
 
 Measured: the median wall time of ``reps`` forwards after ``warmup`` untimed ones, in the model's
-own dtype and on its device, inside a KV cache holding half an image of context. Not measured:
+own dtype and on its device, inside a KV cache holding half an image of context. The sizes are
+timed round-robin (one forward of each size per round), so drift of a shared machine hits every
+size alike instead of whichever happened to run during a busy spell. Not measured:
 the engine's own per-step work (sampling, tree walk, cache moves), which the bench reports as the
 "engine" share; it is nearly the same for every tree size and so hardly moves the choice.
 """
@@ -71,26 +73,28 @@ class ForwardCosts:
                 "device": self.device, "threads": self.threads}
 
 
-def _median_seconds(fn, reps: int, warmup: int, device: torch.device) -> float:
+def _round_robin_medians(calls: dict, reps: int, warmup: int, device: torch.device) -> dict:
+    """``{key: fn}`` -> ``{key: median seconds}``, timing one call of each per round."""
     for _ in range(warmup):
-        fn()
-    times = []
+        for fn in calls.values():
+            fn()
+    times = {key: [] for key in calls}
     for _ in range(reps):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - start)
-    times.sort()
-    return times[len(times) // 2]
+        for key, fn in calls.items():
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            times[key].append(time.perf_counter() - start)
+    return {key: sorted(values)[len(values) // 2] for key, values in times.items()}
 
 
 @torch.no_grad()
 def measure_forward_costs(target_model, drafter=None, *, sampling: SamplingConfig | None = None,
                           target_sizes=(1, 2, 4, 8, 12, 16, 24, 32, 48, 64), drafter_sizes=(1, 2, 4, 8, 16),
-                          reps: int = 15, warmup: int = 3) -> ForwardCosts:
+                          reps: int = 21, warmup: int = 2) -> ForwardCosts:
     """Time the target (and drafter) forwards of one image (both CFG streams unless ``sampling``
     turns CFG off) for the given token counts."""
     if reps < 1 or warmup < 0:
@@ -103,31 +107,33 @@ def measure_forward_costs(target_model, drafter=None, *, sampling: SamplingConfi
     context = config.block_size // 2  # a KV cache half full: the average step of an image
     largest = max(target_sizes)
     target = GuidedTarget(target_model, torch.zeros(1, dtype=torch.long, device=device), sampling, scratch=largest)
-    costs = {}
+    def target_call(size: int):
+        first = target.cls + context
+        slots = torch.arange(first, first + size, device=device)[None]
+        positions = slots.clamp(max=target.cls + config.block_size - 1)
+        tokens = torch.zeros(1, size, dtype=torch.long, device=device)
+        return lambda: target.forward(tokens, positions, slots, None, first + size)
+
     try:
         target.prefill()
-        for size in sorted(set(int(s) for s in target_sizes)):
-            first = target.cls + context
-            slots = torch.arange(first, first + size, device=device)[None]
-            positions = slots.clamp(max=target.cls + config.block_size - 1)
-            tokens = torch.zeros(1, size, dtype=torch.long, device=device)
-            costs[size] = _median_seconds(lambda: target.forward(tokens, positions, slots, None, first + size),
-                                          reps, warmup, device)
+        costs = _round_robin_medians({size: target_call(size) for size in sorted(set(int(s) for s in target_sizes))},
+                                     reps, warmup, device)
     finally:
         target.close()
     drafted = {}
     if drafter is not None:
         rows = target.streams
         drafter.setup_caches(rows, config.block_size + max(drafter_sizes) + 1)
+        def drafter_call(size: int):
+            slots = torch.arange(context, context + size, device=device)[None].expand(rows, -1)
+            positions = slots.clamp(max=config.block_size - 1)
+            feats = torch.zeros(rows, size, config.dim, device=device, dtype=drafter.fc.weight.dtype)
+            tokens = torch.zeros(rows, size, dtype=torch.long, device=device)
+            return lambda: drafter(feats, tokens, positions, cache_slots=slots, kv_len=context + size)
+
         try:
-            for size in sorted(set(int(s) for s in drafter_sizes)):
-                slots = torch.arange(context, context + size, device=device)[None].expand(rows, -1)
-                positions = slots.clamp(max=config.block_size - 1)
-                feats = torch.zeros(rows, size, config.dim, device=device, dtype=drafter.fc.weight.dtype)
-                tokens = torch.zeros(rows, size, dtype=torch.long, device=device)
-                drafted[size] = _median_seconds(
-                    lambda: drafter(feats, tokens, positions, cache_slots=slots, kv_len=context + size),
-                    reps, warmup, device)
+            drafted = _round_robin_medians({size: drafter_call(size) for size in sorted(set(int(s) for s in drafter_sizes))},
+                                           reps, warmup, device)
         finally:
             drafter.clear_caches()
     return ForwardCosts(costs, drafted, device=str(device), threads=torch.get_num_threads())

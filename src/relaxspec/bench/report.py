@@ -300,7 +300,10 @@ def quality_metrics(fake: dict[str, tuple[np.ndarray, np.ndarray]], classifier, 
         row = {"n_fake": len(images), "n_real": len(real_np),
                "class_accuracy": _bootstrap(np.mean, hits, n_boot=n_boot, seed=seed),
                "fid_like": _bootstrap(fid, feats, n_boot=n_boot, seed=seed, bias_correct=True) if len(feats) >= 2 else None,
-               "precision": None, "recall": None}
+               "precision": None, "recall": None,
+               # which classes the model draws well: {class id: [hits, images]}
+               "class_accuracy_by_class": {int(c): [int(hits[labels == c].sum()), int((labels == c).sum())]
+                                           for c in np.unique(labels)}}
         if real_radii is not None and len(feats) > k:
             # Set-level metrics are biased under resampling with repeats (duplicates shrink the
             # k-NN radii and inflate the distance): shift the interval by the bootstrap bias.
