@@ -1,0 +1,48 @@
+"""The shipped model: its parts fit together, and the README's first command works on it."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from relaxspec import embedded
+from relaxspec.cli import main
+from relaxspec.drafting.trees import load_tree
+
+
+@pytest.fixture(autouse=True)
+def neighbour_cache(monkeypatch, tmp_path_factory):
+    monkeypatch.setenv("RELAXSPEC_CACHE", str(tmp_path_factory.getbasetemp() / "neighbour-cache"))
+
+
+def test_shipped_parts_fit_and_stay_small() -> None:
+    target, vq, drafter = embedded.load()
+    assert target.config.vocab_size == vq.config.codebook_size and target.config.n_layer == 12
+    assert drafter.target is target and len(target.class_names) == target.config.num_classes == 99
+    total = sum(f.stat().st_size for f in embedded.path("gpt").parent.rglob("*") if f.is_file())
+    assert total < 60 * 2**20  # the issue's budget for everything shipped
+    for name in ("emoji-exact", "emoji-relaxed"):  # the trees build-tree --budget auto chose for it
+        assert load_tree(name).num_nodes >= 2
+
+
+def test_generate_with_no_checkpoint_uses_the_embedded_model_and_its_defaults(tmp_path, capsys) -> None:
+    defaults = embedded.defaults()
+    out = tmp_path / "out"
+    assert main(["generate", "--out", str(out), "--classes", "heart,time", "--no-progress"]) == 0
+    stats = json.loads((out / "stats.json").read_text())
+    settings = stats["settings"]
+    assert settings["gpt_ckpt"] == str(embedded.path("gpt").resolve())
+    assert settings["sampling"] == {**settings["sampling"], **defaults["sampling"]}
+    assert settings["method"]["method"] == defaults["method"]["method"]
+    assert [r["class"] for r in stats["images"]] == [target_class("heart"), target_class("time")]
+    grid = np.asarray(Image.open(out / "grid.png"))
+    assert grid.ndim == 3 and grid.shape[2] == 3 and grid.std() > 10  # a real picture, not a blank
+    if defaults["method"]["method"] != "ar":
+        assert stats["totals"]["mean_accepted_length"] > 1.0
+
+
+def target_class(name: str) -> int:
+    return embedded.load(with_drafter=False)[0].class_names.index(name)
