@@ -12,10 +12,6 @@ import torch
 from relaxspec.models.gpt import GPTConfig, Transformer
 from relaxspec.models.vq import VQConfig, VQModel
 
-# The test models are tiny: a forward is dominated by thread hand-offs, and with more than one
-# intra-op thread on a busy 2-core machine one millisecond becomes a hundred. One thread is as
-# fast as any for these sizes and keeps the suite's runtime predictable.
-torch.set_num_threads(1)
 
 #: 64-d, 2 layers, 4 heads (head dim 16), 64 codes, 10 classes, 4x4 token grid.
 TINY_GPT = dict(dim=64, n_layer=2, n_head=4, vocab_size=64, num_classes=10, block_size=16)
@@ -47,6 +43,16 @@ def scramble_(model: Transformer, seed: int = 0) -> Transformer:
                 buffer.copy_(torch.randn(buffer.shape, generator=gen))
     return model
 
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """The test models are tiny: a forward is dominated by thread hand-offs, and with more than
+    one intra-op thread on a busy 2-core machine one millisecond becomes a hundred. Every test
+    starts on one thread, whatever the previous one set (recipes and the CLI set --threads)."""
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(1)
 
 @pytest.fixture
 def make_gpt():

@@ -31,14 +31,6 @@ V = 6
 ATOL = 1e-6
 
 
-@pytest.fixture(autouse=True, scope="module")
-def single_thread():
-    """Tiny tensors: one thread avoids contention on the shared 2-core test machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 # --------------------------------------------------------------------------- fixtures / helpers
 def random_neighbours(vocab: int, seed: int = 0) -> torch.Tensor:

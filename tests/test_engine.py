@@ -54,15 +54,6 @@ CHUNK = 25_000  # images per engine call
 CLASS = 1
 
 
-@pytest.fixture(autouse=True, scope="module")
-def single_thread():
-    """Batched ops on tens of thousands of rows are much faster on one thread than on two that
-    contend with other processes on the shared test machine; restore the setting afterwards."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 # --------------------------------------------------------------------------- models
 def scaled_(module: torch.nn.Module, factor: float) -> None:

@@ -34,14 +34,6 @@ from relaxspec.training.drafter import (
 TINY = GPTConfig(dim=64, n_layer=2, n_head=4, vocab_size=64, num_classes=10, block_size=16)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # Tiny models on a shared machine: thread start-up costs more than it saves.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 def make_target(config: GPTConfig = TINY, seed: int = 0) -> Transformer:
     torch.manual_seed(seed)

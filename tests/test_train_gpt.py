@@ -30,13 +30,6 @@ TINY = dict(dim=32, n_layer=1, n_head=2, copies=3, batch_size=16, lr=3e-3, warmu
             checkpoint_interval=5, progress=False, threads=1, bf16=False)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):

@@ -32,13 +32,6 @@ TINY = dict(codebook_size=32, codebook_embed_dim=4, z_channels=8, ch=16, ch_mult
             restart_interval=5, progress=False, threads=1)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):

@@ -25,15 +25,6 @@ V = 5
 B = 120_000
 
 
-@pytest.fixture(autouse=True, scope="module")
-def single_thread():
-    """Batched ops on [120000, 5] tensors are far faster on one thread than two contending ones
-    (the test machine is shared); restore the setting for whatever runs next."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 ALPHA = 1e-3
 MAX_LEN = 3
