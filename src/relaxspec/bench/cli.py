@@ -103,13 +103,12 @@ def _positive(args: argparse.Namespace, *names: str) -> None:
             raise RelaxspecError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
 
 
-UPSTREAM_SAMPLING = {"cfg_scale": 4.0, "temperature": 1.0, "top_k": 2000, "top_p": 1.0}
-
-
 def resolve_models(args: argparse.Namespace) -> None:
     """Fill unset model arguments from :func:`default_models` (the embedded model) and unset
     sampling options from the embedded model's documented defaults, or upstream's for a user's
     checkpoint."""
+    from relaxspec.cli import UPSTREAM_SAMPLING
+
     sampling = dict(UPSTREAM_SAMPLING)
     if args.gpt_ckpt is None or args.vq_ckpt is None:
         from relaxspec import embedded

@@ -223,11 +223,12 @@ def best_tree_for_cost(rates, step_seconds, max_budget: int = 64, max_depth: int
     if max_budget < 1:
         raise RelaxspecError(f"max budget must be >= 1, got {max_budget}")
     rows, best, best_rate = [], None, -1.0
+    ranked = torch.as_tensor(rates, dtype=torch.float64).sort(dim=1, descending=True).values  # as build_tree sees them
     for budget in range(1, max_budget + 1):
         spec = build_tree(rates, budget, max_depth, max_children)
         if len(spec.paths) < budget:  # the rates allow no larger tree
             break
-        mal = 1.0 + expected_accept_length(spec, torch.as_tensor(rates, dtype=torch.float64).sort(dim=1, descending=True).values)
+        mal = 1.0 + expected_accept_length(spec, ranked)
         seconds = float(step_seconds(spec))
         if seconds <= 0:
             raise RelaxspecError("step_seconds must be positive")
