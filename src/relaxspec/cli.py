@@ -451,13 +451,9 @@ def load_drafter(path: str | None, target: Transformer):
 
 
 def resolve_device(name: str) -> torch.device:
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise RelaxspecError(f"--device {name!r} is not a device torch knows (try cpu or cuda)") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise RelaxspecError(f"--device {name}: CUDA is not available on this machine (this torch build: {torch.__version__})")
-    return device
+    from relaxspec.training.common import resolve_device as resolve
+
+    return resolve(name, "--device")
 
 
 def _spec_id(spec: str | None) -> str | None:

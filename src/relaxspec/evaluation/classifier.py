@@ -43,6 +43,7 @@ from tqdm.auto import tqdm
 
 from relaxspec.checkpoints import load_strict, save_model
 from relaxspec.errors import RelaxspecError
+from relaxspec.training.common import resolve_device
 from relaxspec.evaluation.metrics import topk_hits
 
 KIND = "classifier"
@@ -367,18 +368,6 @@ def augment(x: torch.Tensor, translate: int, flip: bool | torch.Tensor, generato
     return x.contiguous()
 
 
-def _device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise RelaxspecError(f"device {name!r} is not a device torch knows (try cpu or cuda)") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise RelaxspecError(f"device {name}: CUDA is not available on this machine")
-    return device
-
-
 def train_classifier(train: ImageSet | tuple, val: ImageSet | tuple, config: ClassifierTrainConfig | None = None) -> ImageClassifier:
     """Train an :class:`ImageClassifier` on ``train`` and measure it on ``val`` after every epoch.
 
@@ -398,7 +387,7 @@ def train_classifier(train: ImageSet | tuple, val: ImageSet | tuple, config: Cla
         raise RelaxspecError(f"{len(names)} class names but labels go up to {num_classes - 1}")
     if config.threads is not None:
         torch.set_num_threads(config.threads)
-    device = _device(config.device)
+    device = resolve_device(config.device)
 
     model_config = ClassifierConfig(num_classes=max(num_classes, len(names or ())), image_size=train.images.shape[1],
                                     channels=config.channels, feature_dim=config.feature_dim, dropout=config.dropout,

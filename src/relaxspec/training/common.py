@@ -153,14 +153,19 @@ def warmup_cosine(step: int, total: int, lr: float, warmup: int, min_lr: float) 
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (lr - min_lr)
 
 
-def resolve_device(name: str) -> torch.device:
-    """``auto`` is CUDA when present, else CPU."""
+def resolve_device(name: str, what: str = "device") -> torch.device:
+    """``auto`` is CUDA when present, else CPU; a CUDA device on a machine without one is refused
+    here, with a clear message, rather than deep inside the first forward. ``what`` names the
+    setting in messages (the CLI passes ``--device``)."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
-        return torch.device(name)
+        device = torch.device(name)
     except RuntimeError:
-        raise RelaxspecError(f"unknown device {name!r}") from None
+        raise RelaxspecError(f"{what} {name!r} is not a device torch knows (try cpu or cuda)") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise RelaxspecError(f"{what} {name}: CUDA is not available on this machine (this torch build: {torch.__version__})")
+    return device
 
 
 # ------------------------------------------------------------------------------------------
