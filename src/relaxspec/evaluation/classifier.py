@@ -43,7 +43,7 @@ from tqdm.auto import tqdm
 
 from relaxspec.checkpoints import load_strict, save_model
 from relaxspec.errors import RelaxspecError
-from relaxspec.training.common import resolve_device
+from relaxspec.training.common import RecipeConfig, resolve_device
 from relaxspec.evaluation.metrics import topk_hits
 
 KIND = "classifier"
@@ -163,7 +163,7 @@ def flippable_classes(class_names: list[str] | None, num_classes: int) -> torch.
 
 
 @dataclass
-class ClassifierConfig:
+class ClassifierConfig(RecipeConfig):
     """The network, a small VGG: a 3x3 conv-BN-ReLU stem at full resolution, then per stage a
     2x max-pool and two 3x3 conv-BN-ReLU at ``channels[i]``, a 1x1 conv-BN-ReLU to
     ``feature_dim``, global average pool (the features), dropout, linear head.
@@ -191,15 +191,10 @@ class ClassifierConfig:
         if self.class_names is not None and len(self.class_names) != self.num_classes:
             raise RelaxspecError(f"{len(self.class_names)} class names for {self.num_classes} classes")
 
+    what = "classifier config"
+
     def to_dict(self) -> dict:
         return {**dataclasses.asdict(self), "channels": list(self.channels)}
-
-    @classmethod
-    def from_dict(cls, data: dict) -> ClassifierConfig:
-        unknown = sorted(set(data) - {f.name for f in dataclasses.fields(cls)})
-        if unknown:
-            raise RelaxspecError(f"unknown classifier config fields: {', '.join(unknown)}")
-        return cls(**data)
 
 
 def _conv_bn_relu(cin: int, cout: int, kernel: int = 3) -> list[nn.Module]:
@@ -297,7 +292,7 @@ def save_classifier(model: ImageClassifier, folder: str | Path, train_config: Cl
 
 
 @dataclass
-class ClassifierTrainConfig:
+class ClassifierTrainConfig(RecipeConfig):
     """Everything ``relaxspec train-classifier`` can set. The defaults are the recipe."""
 
     data: str = "data/emoji"
@@ -340,15 +335,10 @@ class ClassifierTrainConfig:
         need(self.translate >= 0, f"translate must be >= 0 pixels, got {self.translate}")
         need(self.threads is None or self.threads >= 1, f"threads must be >= 1, got {self.threads}")
 
+    what = "classifier training"
+
     def to_dict(self) -> dict:
         return {**dataclasses.asdict(self), "channels": list(self.channels), "betas": list(self.betas)}
-
-    @classmethod
-    def from_dict(cls, data: dict) -> ClassifierTrainConfig:
-        unknown = sorted(set(data) - {f.name for f in dataclasses.fields(cls)})
-        if unknown:
-            raise RelaxspecError(f"unknown classifier training fields: {', '.join(unknown)}")
-        return cls(**data)
 
 
 def augment(x: torch.Tensor, translate: int, flip: bool | torch.Tensor, generator: torch.Generator) -> torch.Tensor:
