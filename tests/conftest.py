@@ -3,6 +3,7 @@ official-layout checkpoint files written by ``relaxspec make-test-checkpoints``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -43,6 +44,27 @@ def scramble_(model: Transformer, seed: int = 0) -> Transformer:
                 buffer.copy_(torch.randn(buffer.shape, generator=gen))
     return model
 
+
+
+@contextlib.contextmanager
+def interrupted_at(monkeypatch, step: int):
+    """A recipe run inside this block is interrupted (KeyboardInterrupt, asserted) when it asks
+    for the learning rate of ``step``, as a Ctrl-C between checkpoints would."""
+    from relaxspec.training import common
+
+    real = common.warmup_cosine
+
+    def crash(at, *args):
+        if at == step:
+            raise KeyboardInterrupt
+        return real(at, *args)
+
+    monkeypatch.setattr(common, "warmup_cosine", crash)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            yield
+    finally:
+        monkeypatch.setattr(common, "warmup_cosine", real)
 
 
 @pytest.fixture(autouse=True)

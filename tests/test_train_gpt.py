@@ -9,6 +9,7 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file
+from conftest import interrupted_at
 from test_data_emoji import build_fake_dataset
 
 from relaxspec.checkpoints import load_gpt, save_model
@@ -108,17 +109,8 @@ def test_early_stopping_after_patience(tmp_path, data, vq, monkeypatch) -> None:
 def test_interrupted_run_resumes_bit_for_bit(tmp_path, data, vq, monkeypatch) -> None:
     # evaluations (every 4) and checkpoints (every 5) interleave: the running train loss is state too
     whole = train_gpt(quick(tmp_path / "whole", data, vq, steps=12, patience=0, eval_interval=4))
-    real = common.warmup_cosine
-
-    def crash_at_step_7(step, *args):
-        if step == 7:
-            raise KeyboardInterrupt
-        return real(step, *args)
-
-    monkeypatch.setattr(common, "warmup_cosine", crash_at_step_7)
-    with pytest.raises(KeyboardInterrupt):
+    with interrupted_at(monkeypatch, 7):
         train_gpt(quick(tmp_path / "split", data, vq, steps=12, patience=0, eval_interval=4))
-    monkeypatch.setattr(common, "warmup_cosine", real)
     assert torch.load(tmp_path / "split" / common.TRAIN_STATE, weights_only=True)["step"] == 5
     resumed = train_gpt(quick(tmp_path / "split", data, vq, steps=12, patience=0, eval_interval=4), resume=True)
     for name, value in whole.model.state_dict().items():

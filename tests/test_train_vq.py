@@ -9,6 +9,7 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file
+from conftest import interrupted_at
 from test_data_emoji import build_fake_dataset
 
 from relaxspec.checkpoints import load_vq
@@ -92,18 +93,8 @@ def test_loss_falls_and_the_run_is_saved(tmp_path, data) -> None:
 def test_interrupted_run_resumes_bit_for_bit(tmp_path, data, monkeypatch) -> None:
     # evaluations (every 4) and checkpoints (every 5) interleave; a restart happens every 5 steps
     whole = train_vq(quick(tmp_path / "whole", data, steps=12, eval_interval=4))
-
-    real = common.warmup_cosine
-
-    def crash_at_step_7(step, *args):
-        if step == 7:
-            raise KeyboardInterrupt
-        return real(step, *args)
-
-    monkeypatch.setattr(common, "warmup_cosine", crash_at_step_7)
-    with pytest.raises(KeyboardInterrupt):
+    with interrupted_at(monkeypatch, 7):
         train_vq(quick(tmp_path / "split", data, steps=12, eval_interval=4))
-    monkeypatch.setattr(common, "warmup_cosine", real)
     assert torch.load(tmp_path / "split" / common.TRAIN_STATE, weights_only=True)["step"] == 5
     resumed = train_vq(quick(tmp_path / "split", data, steps=12, eval_interval=4), resume=True)
     for name, value in whole.vq.state_dict().items():
