@@ -8,8 +8,8 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file
 from conftest import interrupted_at
+from safetensors.torch import load_file
 from test_data_emoji import build_fake_dataset
 
 from relaxspec.checkpoints import load_gpt, save_model
