@@ -99,7 +99,6 @@ class EagleSource:
         self.max_nodes = structure.max_nodes
         self.max_depth = structure.depth
         self.forwards = 0
-        self.watch = Stopwatch()  # time inside the drafter's forward calls
 
     # -- plumbing shared by the structures ----------------------------------------------
     def start(self, first_tokens, first_probs, first_hidden, streams: int, num_tokens: int, generator,
@@ -110,7 +109,7 @@ class EagleSource:
         self.batch, self.streams = first_tokens.shape[0], streams
         self.drafter.setup_caches(self.batch * streams, num_tokens + self.structure.drafter_slots + 1)
         self.forwards = 0
-        self.watch = Stopwatch(first_tokens.device)
+        self.watch = Stopwatch(first_tokens.device)  # time inside the drafter's forward calls
         zero = torch.zeros_like(first_tokens)
         self.catch_up(first_hidden, first_tokens[:, None], zero, torch.ones_like(zero))
 
@@ -345,7 +344,6 @@ class JacobiSource:
         self.max_nodes, self.max_depth = window + 1, window
         self.depth = window
         self.forwards = 0
-        self.watch = Stopwatch()  # no drafter: stays at zero
         spec = TreeSpec.chain(window)
         self._parents = spec.parents
         self._depths = spec.depths
