@@ -732,7 +732,10 @@ def _tree_for_this_machine(args: argparse.Namespace, rates: torch.Tensor):
         if threads < 1:
             raise RelaxspecError(f"--threads must be >= 1, got {threads}")
         torch.set_num_threads(threads)
-    downsample = load_vq(settings["vq_ckpt"], settings.get("vq_model")).config.downsample_factor
+    if settings.get("vq_config"):  # the run recorded its tokenizer: no need to load it for its grid
+        downsample = VQConfig(**{**settings["vq_config"], "ch_mult": tuple(settings["vq_config"]["ch_mult"])}).downsample_factor
+    else:
+        downsample = load_vq(settings["vq_ckpt"], settings.get("vq_model")).config.downsample_factor
     model = load_gpt(settings["gpt_ckpt"], settings.get("gpt_model"), image_size=settings.get("image_size"),
                      downsample=downsample, precision=settings.get("precision", "fp32"), device=device)
     drafter = load_drafter(settings["drafter_ckpt"], model)
