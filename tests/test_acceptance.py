@@ -368,7 +368,7 @@ def test_greedy_accept_rules():
     nbrs = torch.tensor([[2, 3, 1], [0, 2, 3], [0, 1, 3], [0, 1, 2]])
     assert not LanternRule(nbrs, k=3, delta=0.05).greedy_accept(t, x0, 1).item()
     assert LanternRule(nbrs, k=3, delta=0.1).greedy_accept(t, x0, 1).item()  # 0.30 + 0.07 > 0.33
-    # merging the argmax itself into x: compare only with codes outside A_x + {x}
+    # merging the argmax itself into x: p~(x) = .30 + .33 beats every code's own p
     nbrs_top = torch.tensor([[1, 2, 3], [0, 2, 3], [0, 1, 3], [0, 1, 2]])
     rule = LanternRule(nbrs_top, k=3, delta=0.35)
     assert rule.greedy_accept(t, x0, 1).item()
@@ -379,7 +379,10 @@ def test_greedy_accept_rules():
     cool = CoolRule(weights=[1.2])
     assert cool.greedy_accept(t, x0, 1).item()  # 1.2 * 0.30 = 0.36 >= 0.33
     assert not CoolRule(weights=[1.05]).greedy_accept(t, x0, 1).item()
-    assert not CoolRule(weights=[0.5]).greedy_accept(t, x1, 1).item()
+    # w < 1 is a lossless position: the argmax is accepted (it used to be demoted to 0.5 * 0.33,
+    # committing the runner-up -- issue 9), and a non-argmax draft is rejected
+    assert CoolRule(weights=[0.5]).greedy_accept(t, x1, 1).item()
+    assert not CoolRule(weights=[0.5]).greedy_accept(t, x0, 1).item()
 
 
 # --------------------------------------------------------------------------- (h) neighbours

@@ -86,15 +86,17 @@ class AcceptanceRule(ABC):
 
     # ------------------------------------------------------------------ shared logic
     def accept_prob(self, target: Tensor, proposal: Tensor, token: Tensor, depth: Tensor | int) -> Tensor:
-        """``min(1, p~(x) / q(x))``, ``[B]``.
+        """``min(1, p~(x) / q(x))``, ``[B]``; 0 wherever ``p~(x) = 0`` (REFERENCE §4: a token the
+        relaxed target gives no mass is never committed, whatever source drafted it).
 
-        ``q(x) = 0`` cannot happen for ``x ~ q``; such rows get 1 so that callers enumerating all
-        tokens never see NaN (their weight ``q(x)`` is 0 anyway).
+        ``q(x) = 0`` cannot happen for ``x ~ q``; such rows get 1 when ``p~(x) > 0`` so that
+        callers enumerating all tokens never see NaN (their weight ``q(x)`` is 0 anyway).
         """
         relaxed = self.relaxed_prob(target, token, depth)
         drafted = gather_at(proposal, token).to(relaxed.dtype)
         ratio = relaxed / torch.where(drafted > 0, drafted, torch.ones_like(drafted))
-        return torch.where(drafted > 0, ratio.clamp(max=1.0), torch.ones_like(ratio))
+        alpha = torch.where(drafted > 0, ratio.clamp(max=1.0), torch.ones_like(ratio))
+        return torch.where(relaxed > 0, alpha, torch.zeros_like(alpha))
 
     def token_law(self, target: Tensor, proposal: Tensor, token: Tensor, depth: Tensor | int) -> Tensor:
         """Law ``[B, V]`` of the step's output *given* the drafted ``token``:
@@ -105,25 +107,34 @@ class AcceptanceRule(ABC):
         return alpha * one_hot(token, target.shape[1], res.dtype) + (1 - alpha) * res
 
     def greedy_scores(self, target: Tensor, token: Tensor, depth: Tensor | int) -> Tensor:
-        """Scores ``[B, V]`` whose argmax decides greedy acceptance: the target with ``x``'s entry
-        raised to ``p~(x)`` (REFERENCE §1.2: "boost p(x) to p~(x) and accept iff it is then the
-        argmax"). Rules that also remove mass (LANTERN's merged neighbours) override this."""
-        relaxed = self.relaxed_prob(target, token, depth).to(target.dtype)
-        return target.scatter(1, token.long().unsqueeze(1), relaxed.unsqueeze(1))
+        """Scores ``[B, V]`` whose argmax decides greedy acceptance (REFERENCE §4): the target with
+        ``x``'s entry raised to ``max(t(x), p~(x))``, every other code keeping its own ``t``.
+
+        This is LANTERN's definition and its published code ("boost p(x) to p~(x) and accept iff
+        it is then the argmax"): neighbours merged into ``x`` are *not* removed from the
+        comparison. The ``max`` keeps a rule whose ``p~(x) < t(x)`` (COOL-SD with ``w < 1``, an
+        exactly lossless position) from ever demoting the argmax.
+        """
+        boosted = torch.maximum(self.relaxed_prob(target, token, depth).to(target.dtype), gather_at(target, token))
+        return target.scatter(1, token.long().unsqueeze(1), boosted.unsqueeze(1))
 
     def greedy_accept(self, target: Tensor, token: Tensor, depth: Tensor | int) -> Tensor:
         """Temperature-0 acceptance ``[B]`` bool: ``x`` is the argmax of :meth:`greedy_scores`.
 
-        Ties go to the lowest index, as in ``torch.argmax`` (so the exact rule reproduces plain
-        greedy decoding token for token, and a zero relaxation reproduces the exact rule).
+        Ties go to the lowest index, as in ``torch.argmax`` and plain greedy decoding: a draft
+        whose boosted score ties a lower id is rejected, one that ties a higher id is accepted.
+        So the exact rule (and any zero relaxation) reproduces greedy AR token for token, and a
+        draft equal to the argmax is never rejected. An accepted draft always has ``p~(x) > 0``
+        (the maximum of a distribution is positive).
         """
         return self.greedy_scores(target, token, depth).argmax(dim=1) == token
 
-    def greedy_correction(self, target: Tensor, token: Tensor, depth: Tensor | int) -> Tensor:
-        """Temperature-0 correction token ``[B]`` after rejecting a deterministic draft ``token``:
-        the argmax of the residual with a point-mass proposal."""
-        point = one_hot(token, target.shape[1], target.dtype)
-        return self.residual(target, point, token, depth).argmax(dim=1)
+    def greedy_correction(self, target: Tensor, token: Tensor | None = None, depth: Tensor | int | None = None) -> Tensor:
+        """Temperature-0 correction token ``[B]`` after a rejection: the node target's own argmax
+        (REFERENCE §4), never the argmax of a residual -- with ``w < 1`` COOL-SD's residual keeps
+        mass on the rejected token and its argmax is the runner-up. Every greedy sibling is tested
+        against the same ``target``, so this is also the bonus after several rejections."""
+        return target.argmax(dim=1)
 
     def step_tv(self, target: Tensor, proposal: Tensor, token: Tensor, depth: Tensor | int) -> Tensor:
         """``0.5 * sum |one_step_law - target|``, ``[B]``.

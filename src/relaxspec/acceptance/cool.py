@@ -27,15 +27,37 @@ from relaxspec.acceptance.base import AcceptanceRule, as_depth, gather_at, norma
 from relaxspec.errors import RelaxspecError
 
 
-def cool_weights(delta: float, nu: float = 0.7, normalisation: str = "mean", horizon: int = 5) -> tuple[float, ...]:
+def cool_weights(delta: float, nu: float = 0.7, normalisation: str = "mean", horizon: int = 5,
+                 cap: float | None = None) -> tuple[float, ...]:
     """The annealed weights ``(w_1, ..., w_horizon)``, ``w_i = delta * exp(-nu * i - mu)``.
 
     ``"mean"``: ``mu = log(mean_i exp(-nu * i))``, so that ``mean_i w_i = delta``;
     ``"none"``: ``mu = 0``.
+
+    ``cap``: the largest weight allowed (1 for a schedule of additive TV budgets, e.g. LANTERN's
+    ``delta_schedule``). With ``"mean"`` the weights above it are set to ``cap`` and the others
+    scaled up together so that the mean is still ``delta`` (water-filling; the schedule stays
+    non-increasing; needs ``delta <= cap``); with ``"none"`` they are only clipped.
     """
     decay = [math.exp(-nu * i) for i in range(1, horizon + 1)]
     mu = math.log(sum(decay) / horizon) if normalisation == "mean" else 0.0
-    return tuple(delta * d * math.exp(-mu) for d in decay)
+    weights = tuple(delta * d * math.exp(-mu) for d in decay)
+    if cap is None or max(weights) <= cap:
+        return weights
+    if normalisation != "mean":
+        return tuple(min(cap, w) for w in weights)
+    if delta > cap:
+        raise RelaxspecError(f"a schedule with mean {delta} cannot have every weight <= cap {cap}")
+    # decay is non-increasing: clip the first `clipped` positions to the cap and scale the rest
+    # so the total stays horizon * delta; the first count for which the rest fits is the answer.
+    for clipped in range(1, horizon + 1):
+        rest = decay[clipped:]
+        if not rest:
+            return (float(cap),) * horizon
+        scale = (horizon * delta - clipped * cap) / sum(rest)
+        if scale * rest[0] <= cap:
+            return (float(cap),) * clipped + tuple(scale * d for d in rest)
+    raise AssertionError("unreachable: clipping every position meets the mean")  # pragma: no cover
 
 
 class CoolRule(AcceptanceRule):

@@ -197,10 +197,6 @@ class LanternRule(AcceptanceRule):
         relaxed = self.relaxed_target(target, token, depth)
         return normalise((relaxed - proposal).clamp(min=0), relaxed)
 
-    def greedy_scores(self, target: Tensor, token: Tensor, depth: Tensor | int = 1) -> Tensor:
-        """``p~_x``: accept iff ``p~(x)`` beats every code outside ``A_x + {x}`` (REFERENCE §1.2)."""
-        return self.relaxed_target(target, token, depth)
-
     def one_step_law(self, target: Tensor, proposal: Tensor, depth: Tensor | int = 1) -> Tensor:
         """Exact output law ``[B, V]`` of one test with ``x ~ proposal`` marginalised, O(V k) per row.
 

@@ -59,7 +59,8 @@ def build_rule(options: MethodOptions, vq=None, horizon: int = 5) -> AcceptanceR
         k = min(options.k, codebook.shape[0] - 1)
         table = cached_neighbour_table(codebook.detach().float().cpu(), k, options.geometry, neighbour_cache_dir())
         if options.anneal:
-            schedule = [min(1.0, w) for w in cool_weights(options.delta, options.nu, options.normalisation, horizon)]
+            # Budgets are TV masses (<= 1): capped, with the mean kept at delta (docs/METHODS.md).
+            schedule = cool_weights(options.delta, options.nu, options.normalisation, horizon, cap=1.0)
             return LanternRule(table, k, delta_schedule=schedule, residual=options.residual)
         return LanternRule(table, k, delta=options.delta, lam=options.lam, residual=options.residual)
     if options.method == "cool":

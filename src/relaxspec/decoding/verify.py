@@ -107,12 +107,14 @@ def verify_tree(
             deterministic drafts).
         depth: ``[B, T]`` 1-based draft position (root 0), passed to the rule.
         valid: ``[B, T]`` False for placeholder nodes, which are never tested.
-        greedy: temperature 0: ``rule.greedy_accept``, point-mass residuals, argmax bonus.
+        greedy: temperature 0: ``rule.greedy_accept`` of every sibling against its parent's own
+            target, the correction / bonus ``rule.greedy_correction`` (the argmax).
         generator: source of all randomness (acceptance uniforms and the bonus draw).
-        record_tv: compute ``step_tv`` (costs one ``rule.step_tv`` per test; off -> zeros).
+        record_tv: compute ``step_tv`` (costs one ``rule.step_tv`` per test; off -> zeros). In
+            greedy mode the record of a committed token is 1 where it differs from its node
+            target's argmax (a departure from greedy AR) and 0 elsewhere.
 
-    Greedy mode treats every draft as a point mass (its proposal row is replaced by the one-hot
-    of its token), both for the residual and for the TV record.
+    Greedy mode ignores ``proposals`` and ``generator``: it is deterministic.
     """
     batch, nodes, vocab = target_probs.shape
     if parents.shape != (batch, nodes) or tokens.shape != (batch, nodes) or proposals.shape != target_probs.shape:
@@ -157,30 +159,38 @@ def verify_tree(
             safe = child.clamp(min=0)
             token = tokens[rows, safe]
             node_depth = depth[rows, safe]
-            proposal = one_hot(token, vocab, target.dtype) if greedy else proposals[rows, safe]
             if greedy:
                 accept = rule.greedy_accept(target, token, node_depth)
             else:
+                proposal = proposals[rows, safe]
                 alpha = rule.accept_prob(target, proposal, token, node_depth)
                 uniform = torch.rand(batch, generator=generator, device=device, dtype=torch.float64)
                 accept = uniform < alpha.double()  # P(U < alpha) = alpha for U ~ U[0, 1)
-            if record_tv:
-                tv = rule.step_tv(target, proposal, token, node_depth)
-                step_tv[:, level] += torch.where(testing, tv.to(step_tv.dtype), torch.zeros_like(step_tv[:, 0]))
+                if record_tv:
+                    tv = rule.step_tv(target, proposal, token, node_depth)
+                    step_tv[:, level] += torch.where(testing, tv.to(step_tv.dtype), torch.zeros_like(step_tv[:, 0]))
             tests += testing.long()
             accept = accept & testing
             if level < rank_tests.shape[0]:
                 rank_tests[level, rank] += testing.sum()
                 rank_accepts[level, rank] += accept.sum()
             reject = testing & ~accept
-            # A rejected sibling turns the target into the residual the next sibling is tested
-            # against (and the bonus is drawn from, if it was the last one).
-            if bool(reject.any()):  # (the residual costs several vocabulary-wide ops: only when used)
+            # Sampling: a rejected sibling turns the target into the residual the next sibling is
+            # tested against (and the bonus is drawn from, if it was the last one). Greedy: every
+            # sibling is tested against the parent's own target (LANTERN's definition, REFERENCE
+            # §4) and the correction is that target's argmax, so there is no residual at all.
+            if not greedy and bool(reject.any()):  # (the residual costs several vocabulary-wide ops: only when used)
                 residual = rule.residual(target, proposal, token, node_depth)
                 target = torch.where(reject.unsqueeze(1), residual.to(target.dtype), target)
             moved |= accept
             next_node = torch.where(accept, child, next_node)
 
+        if greedy and record_tv:
+            # At temperature 0 the model's token is the node target's argmax: a committed draft
+            # that is not departs from greedy AR (TV 1 between the two point masses); the
+            # correction never does. So an image's sum counts its departures (docs/METHODS.md).
+            departs = moved & (tokens[rows, next_node] != rule.greedy_correction(target))
+            step_tv[:, level] = departs.to(step_tv.dtype)
         finishing = walking & ~moved
         final_target = torch.where(finishing.unsqueeze(1), target, final_target)
         walking = walking & moved
@@ -194,7 +204,7 @@ def verify_tree(
             break
 
     if greedy:
-        next_token = final_target.argmax(dim=1)
+        next_token = rule.greedy_correction(final_target)
     else:
         next_token = torch.multinomial(final_target.float(), 1, generator=generator).squeeze(1)
     committed.scatter_(1, num_accepted.unsqueeze(1), next_token.unsqueeze(1))

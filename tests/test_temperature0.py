@@ -1,0 +1,149 @@
+"""Exactness at temperature 0 and at the edges (REFERENCE §4).
+
+Each reproducer of issue 9 is a test here: what a lossless rule returns at temperature 0 must be
+the greedy AR token, a relaxed greedy rule must keep LANTERN's definition (boost ``p(x)`` to
+``p~(x)``, accept iff it is then the argmax of the *parent's own* ``p``, ties to the lowest id),
+no token of zero (relaxed) target probability is ever committed, the annealed LANTERN budget keeps
+its mean, and the TV certificate is reported under names that say what it is.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from relaxspec.acceptance import CoolRule, ExactRule, LanternRule, cool_weights
+from relaxspec.decoding.verify import verify_tree
+
+
+def tensor(rows) -> torch.Tensor:
+    return torch.tensor(rows, dtype=torch.float32)
+
+
+def one_level_tree(target: torch.Tensor, children: list[int], child_targets: torch.Tensor | None = None,
+                   proposals: torch.Tensor | None = None) -> dict:
+    """Root with ``children`` (drafted tokens) as siblings at depth 1, batch 1, point-mass drafts.
+    ``child_targets [C, V]`` are the targets at the children (default: ``target`` again)."""
+    vocab, n = target.shape[-1], len(children)
+    child_targets = target.expand(n, vocab) if child_targets is None else child_targets
+    tokens = torch.tensor([[0] + children])
+    if proposals is None:
+        proposals = torch.nn.functional.one_hot(tokens, vocab).float()
+    return dict(target_probs=torch.cat([target.view(1, 1, vocab), child_targets.view(1, n, vocab)], 1),
+                tokens=tokens, parents=torch.tensor([[-1] + [0] * n]), proposals=proposals,
+                depth=torch.tensor([[0] + [1] * n]), valid=torch.ones(1, n + 1, dtype=torch.bool))
+
+
+# --------------------------------------------------------------------------- reproducer 1
+def test_cool_weight_below_one_is_greedy_ar():
+    """COOL-SD with ``w < 1`` is lossless, so at temperature 0 the argmax draft is accepted and a
+    correction is the argmax: ``w p(x)`` must never demote the argmax (it committed the runner-up)."""
+    rule = CoolRule(weights=[0.7])
+    assert rule.lossless
+    p = tensor([[0.5, 0.4, 0.1]])
+    assert rule.greedy_accept(p, torch.tensor([0]), 1).item()
+    assert not rule.greedy_accept(p, torch.tensor([1]), 1).item()
+    assert rule.greedy_correction(p, torch.tensor([1]), 1).item() == 0
+    after = tensor([[0.1, 0.2, 0.7]])
+    result = verify_tree(rule, **one_level_tree(p, [0], after), greedy=True)
+    assert result.committed[0].tolist() == [0, 2]  # the draft, then the bonus argmax of the child
+    result = verify_tree(rule, **one_level_tree(p, [1], after), greedy=True)
+    assert result.committed[0].tolist() == [0, -1]  # rejected; the correction is p's argmax
+
+
+# --------------------------------------------------------------------------- reproducer 2
+def test_greedy_siblings_are_tested_against_the_parents_own_p():
+    """LANTERN's definition: every greedy sibling is compared with the parent's ``p``, not with a
+    residual left by earlier rejections (which here merged a different neighbour set)."""
+    p = tensor([[0.335, 0.30, 0.285, 0.06, 0.02]])
+    nbrs = torch.tensor([[1, 2, 3, 4], [0, 2, 3, 4], [1, 3, 0, 4], [0, 1, 2, 4], [0, 1, 2, 3]])
+    rule = LanternRule(nbrs, k=4, delta=0.1)
+    child = tensor([[0.0, 0.0, 0.0, 0.0, 1.0], [1.0, 0.0, 0.0, 0.0, 0.0]])
+    result = verify_tree(rule, **one_level_tree(p, [1, 2], child), greedy=True)
+    assert result.committed[0].tolist() == [0, -1]
+    assert result.num_accepted.item() == 0 and result.tests.item() == 2
+
+
+# --------------------------------------------------------------------------- reproducer 3
+def test_greedy_ties_go_to_the_lowest_index():
+    """``p = [.5, .3, .2, 0]``, draft 3 merges neighbour 0: ``p~(3) = .5`` ties with ``p(0)``, and
+    the tie goes to the lower id, as ``argmax`` (and plain greedy decoding) decides it. The merged
+    neighbour keeps its own ``p`` in the comparison (it is not zeroed)."""
+    p = tensor([[0.5, 0.3, 0.2, 0.0]])
+    nbrs = torch.tensor([[1, 2, 3], [0, 2, 3], [0, 1, 3], [0, 1, 2]])
+    rule = LanternRule(nbrs, k=3, delta=0.5)
+    assert rule.relaxed_prob(p, torch.tensor([3]), 1).item() == pytest.approx(0.5)
+    assert not rule.greedy_accept(p, torch.tensor([3]), 1).item()
+    # ... while a strictly larger relaxed probability wins, and a tie with a *higher* id too
+    assert LanternRule(nbrs, k=3, delta=0.8).greedy_accept(p, torch.tensor([3]), 1).item()  # .5 + .3
+    # p~(1) = .3 + .2 (neighbours 0 and the empty 2) = .5 ties p(3): the lower id, 1, wins
+    p2 = tensor([[0.2, 0.3, 0.0, 0.5]])
+    assert LanternRule(nbrs, k=3, delta=0.2).greedy_accept(p2, torch.tensor([1]), 1).item()
+    assert not LanternRule(nbrs, k=3, delta=0.19).greedy_accept(p2, torch.tensor([1]), 1).item()
+
+
+# --------------------------------------------------------------------------- reproducer 4
+@pytest.mark.parametrize("rule", [ExactRule(), CoolRule(weights=[3.0]),
+                                  LanternRule(torch.tensor([[1, 2], [0, 2], [0, 1]]), k=2, delta=0.0)],
+                         ids=["exact", "cool", "lantern-delta0"])
+def test_a_draft_of_zero_relaxed_probability_is_never_accepted(rule):
+    """``q(x) = 0`` and ``p(x) = 0`` (only a user-written source can draft it): never accepted."""
+    p = q = tensor([[0.0, 0.5, 0.5]])
+    x = torch.tensor([0])
+    assert rule.relaxed_prob(p, x, 1).item() == 0.0
+    assert rule.accept_prob(p, q, x, 1).item() == 0.0
+    assert not rule.greedy_accept(p, x, 1).item()
+    gen = torch.Generator().manual_seed(0)
+    tree = one_level_tree(p, [0], proposals=q.view(1, 1, 3).expand(1, 2, 3).clone())
+    batched = {key: value.expand(200, *value.shape[1:]).contiguous() for key, value in tree.items()}
+    result = verify_tree(rule, **batched, generator=gen)
+    assert result.num_accepted.sum().item() == 0
+    assert bool((result.committed[:, 0] != 0).all())  # the residual never holds token 0 either
+    # a draft the proposal gave no mass but the target does is still accepted (enumerating
+    # callers weight it by q(x) = 0; the ratio would be infinite)
+    assert rule.accept_prob(p, tensor([[1.0, 0.0, 0.0]]), torch.tensor([1]), 1).item() == 1.0
+
+
+# --------------------------------------------------------------------------- reproducer 5
+@pytest.mark.parametrize("delta", [0.0, 0.1, 0.3, 0.385, 0.4, 0.5, 0.7, 0.9, 1.0])
+@pytest.mark.parametrize("horizon", [1, 3, 5])
+def test_capped_schedule_keeps_its_mean(delta, horizon):
+    """``cool_weights(delta, cap=1)``: every weight <= 1, still annealed (non-increasing), mean
+    exactly ``delta`` (a plain ``min(1, w)`` fell to a mean of 0.44 at delta 0.5)."""
+    weights = cool_weights(delta, horizon=horizon, cap=1.0)
+    assert len(weights) == horizon
+    assert sum(weights) / horizon == pytest.approx(delta, abs=1e-12)
+    assert all(0.0 <= w <= 1.0 for w in weights)
+    assert all(a >= b - 1e-15 for a, b in zip(weights, weights[1:]))
+    plain = cool_weights(delta, horizon=horizon)
+    if max(plain) <= 1.0:  # nothing to clip: the schedule is the uncapped one
+        assert weights == pytest.approx(plain, abs=1e-15)
+    else:
+        assert weights[0] == 1.0
+    # the docs/API.md use: an annealed LANTERN budget for delta above 0.385
+    LanternRule(torch.tensor([[1], [0]]), k=1, delta_schedule=weights)
+
+
+def test_capped_schedule_rejects_a_mean_above_the_cap():
+    from relaxspec.errors import RelaxspecError
+
+    with pytest.raises(RelaxspecError, match="cap"):
+        cool_weights(1.5, cap=1.0)
+    # without normalisation the weights are only clipped (no mean is promised)
+    assert cool_weights(3.0, normalisation="none", horizon=2, cap=1.0) == pytest.approx((1.0, 3.0 * 2.718281828459045 ** -1.4))
+
+
+def test_anneal_option_builds_the_capped_schedule(monkeypatch, tmp_path):
+    from types import SimpleNamespace
+
+    from relaxspec.decoding import MethodOptions
+    from relaxspec.decoding.engine import build_rule
+
+    monkeypatch.setenv("RELAXSPEC_CACHE", str(tmp_path))
+    codebook = torch.randn(16, 4, generator=torch.Generator().manual_seed(0))
+    vq = SimpleNamespace(raw_codebook=codebook, codebook=codebook)
+    rule = build_rule(MethodOptions("lantern", delta=0.5, anneal=True, k=8), vq, horizon=4)
+    assert sum(rule.delta_schedule) / 4 == pytest.approx(0.5)
+    assert max(rule.delta_schedule) <= 1.0
