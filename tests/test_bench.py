@@ -305,7 +305,8 @@ def test_report_tables_and_plot_data(bench_dir, monkeypatch):
         assert row["target_share"] + row["drafter_forward_share"] + row["overhead_share"] == pytest.approx(1.0)
     assert rows["sd-chain"]["drafter_forward_share"] > 0
     assert rows["lantern[delta=0.4]"]["sweep"] == {"delta": 0.4} and rows["lantern[delta=0.4]"]["family"] == "lantern"
-    assert rows["sd-chain"]["speedup_pairs"] == 2 and rows["sd-chain"]["tv_bound_mean"] == 0
+    assert rows["sd-chain"]["speedup_pairs"] == 2 and rows["sd-chain"]["tv_sum_mean"] == 0
+    assert rows["sd-chain"]["tv_certified"] == 0
     data = json.loads((bench_dir / "plot_data.json").read_text())
     assert set(data["accept_heatmap"]) == set(LABELS)
     assert np.asarray(data["accept_heatmap"]["sjd"]).shape == (4, 4)

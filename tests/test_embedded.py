@@ -42,6 +42,30 @@ def test_generate_with_no_checkpoint_uses_the_embedded_model_and_its_defaults(tm
     assert grid.ndim == 3 and grid.shape[2] == 3 and grid.std() > 10  # a real picture, not a blank
     if defaults["method"]["method"] != "ar":
         assert stats["totals"]["mean_accepted_length"] > 1.0
+    # The certificate's fields (issue 9): the raw hybrid-argument sum, which the default relaxed
+    # method takes well past 1 on this model, is capped per image and for the run.
+    for record in stats["images"]:
+        assert record["tv_bound"] == min(1.0, record["tv_sum"]) <= 1.0
+        assert record["tv_per_token"] == pytest.approx(record["tv_sum"] / np.load(out / "tokens.npy").shape[1])
+    totals = stats["totals"]
+    assert totals["tv_sum_mean"] == pytest.approx(np.mean([r["tv_sum"] for r in stats["images"]]))
+    assert totals["tv_certified"] == min(1.0, totals["tv_sum_mean"])
+    if defaults["method"]["method"] == "lantern":
+        assert totals["tv_sum_mean"] > 1.0 and totals["tv_certified"] == 1.0  # vacuous, and said so
+
+
+def test_cool_with_every_weight_below_one_is_greedy_ar(tmp_path) -> None:
+    """Issue 9's end-to-end reproducer: COOL-SD with --cool-delta 0.3 on a depth-5 chain has every
+    weight <= 1 (lossless); at temperature 0 it used to differ from AR in 5 and 32 of 64 tokens."""
+    runs = {}
+    for method in (["--method", "ar"], ["--method", "cool", "--cool-delta", "0.3", "--draft", "chain", "--depth", "5"]):
+        out = tmp_path / method[1]
+        assert main(["generate", "--out", str(out), "--classes", "0,5", "--temperature", "0", "--no-progress",
+                     *method]) == 0
+        runs[method[1]] = (np.load(out / "tokens.npy"), json.loads((out / "stats.json").read_text()))
+    assert np.array_equal(runs["cool"][0], runs["ar"][0])
+    assert runs["cool"][1]["totals"]["tv_sum_mean"] == 0.0
+    assert runs["cool"][1]["totals"]["mean_accepted_length"] > 1.0
 
 
 def target_class(name: str) -> int:

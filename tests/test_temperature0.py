@@ -147,3 +147,38 @@ def test_anneal_option_builds_the_capped_schedule(monkeypatch, tmp_path):
     rule = build_rule(MethodOptions("lantern", delta=0.5, anneal=True, k=8), vq, horizon=4)
     assert sum(rule.delta_schedule) / 4 == pytest.approx(0.5)
     assert max(rule.delta_schedule) <= 1.0
+
+
+# --------------------------------------------------------------------------- reproducer 6
+def test_certificate_names_say_what_they_are():
+    """``tv_sum`` is the hybrid-argument sum (may exceed 1), ``tv_bound = min(1, tv_sum)`` per
+    image, ``tv_per_token`` its mean per token, and the run's certificate caps the *mean* sum."""
+    from relaxspec.decoding.result import DecodeResult, certified_tv, record_tv_sum
+
+    step_tv = torch.tensor([[0.0, 0.5, 0.75, 0.25], [0.0, 0.1, 0.0, 0.1]])
+    result = DecodeResult(tokens=torch.zeros(2, 4, dtype=torch.long), target_forwards=torch.tensor([3, 3]),
+                          drafter_forwards=torch.zeros(2), step_tv=step_tv)
+    assert result.tv_sum.tolist() == pytest.approx([1.5, 0.2])
+    assert result.tv_bound.tolist() == pytest.approx([1.0, 0.2])
+    assert result.tv_per_token.tolist() == pytest.approx([0.375, 0.05])
+    assert result.tv_record(0) == pytest.approx({"tv_sum": 1.5, "tv_per_token": 0.375, "tv_bound": 1.0})
+    assert certified_tv(result.tv_sum) == pytest.approx(0.85)  # min(1, mean sum), not mean min(1, sum) = 0.6
+    assert certified_tv([3.0, 0.0]) == 1.0 and certified_tv([]) == 0.0
+    assert record_tv_sum({"tv_sum": 2.0, "tv_bound": 1.0}) == 2.0
+    assert record_tv_sum({"tv_bound": 2.0}) == 2.0  # records written before the rename
+
+
+def test_greedy_tv_record_counts_departures_from_greedy_ar():
+    """At temperature 0 the record is exact: 1 for a committed draft that is not its node's
+    argmax, 0 otherwise (the bonus / correction is the argmax), so ``min(1, tv_sum)`` is the TV
+    distance (0 or 1) between the image and the greedy AR image."""
+    p = tensor([[0.40, 0.35, 0.25]])
+    nbrs = torch.tensor([[1, 2], [2, 0], [1, 0]])
+    rule = LanternRule(nbrs, k=2, delta=0.3)  # p~(1) = .35 + .25 beats .40: a departure
+    child = tensor([[0.2, 0.3, 0.5], [0.2, 0.3, 0.5]])
+    result = verify_tree(rule, **one_level_tree(p, [1], child[:1]), greedy=True)
+    assert result.committed[0].tolist() == [1, 2] and result.step_tv[0].tolist() == [1.0, 0.0]
+    result = verify_tree(rule, **one_level_tree(p, [0], child[:1]), greedy=True)  # the argmax itself
+    assert result.committed[0].tolist() == [0, 2] and result.step_tv[0].tolist() == [0.0, 0.0]
+    result = verify_tree(rule, **one_level_tree(p, [1], child[:1]), greedy=True, record_tv=False)
+    assert result.step_tv.abs().sum() == 0

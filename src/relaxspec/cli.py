@@ -34,6 +34,7 @@ from relaxspec import __version__
 from relaxspec.checkpoints import PRECISIONS, describe, load_gpt, load_vq
 from relaxspec.decoding import MethodOptions, decode
 from relaxspec.decoding.options import ALIASES, DRAFTS, METHODS
+from relaxspec.decoding.result import certified_tv, record_tv_sum
 from relaxspec.errors import RelaxspecError
 from relaxspec.models.gpt import GPT_SIZES, GPTConfig, Transformer, gpt_config
 from relaxspec.models.vq import VQ_CONFIGS, VQConfig, VQModel, to_uint8
@@ -366,7 +367,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         with torch.inference_mode():
             pixels = to_uint8(vq.decode(result.tokens.to(device))).cpu().numpy()
         vq_seconds = time.perf_counter() - began
-        mal, tv = result.mean_accepted_length, result.tv_bound
+        mal = result.mean_accepted_length
         accumulate_rank_counts(stats, result)
         for row, i in enumerate(index):
             name = f"{i:04d}.png"
@@ -380,7 +381,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 "drafter_seconds": result.drafter_seconds / len(index),
                 "target_forward_seconds": result.target_forward_seconds / len(index),
                 "drafter_forward_seconds": result.drafter_forward_seconds / len(index),
-                "mean_accepted_length": float(mal[row]), "tv_bound": float(tv[row]),
+                "mean_accepted_length": float(mal[row]), **result.tv_record(row),
             }
         generated += len(index)
         # Tokens first, then the record of what is finished: a crash in between only redoes a batch.
@@ -403,7 +404,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
            for part in ("target_forward", "drafter_forward")},
         "target_forwards_per_image": forwards / num_images,
         "mean_accepted_length": num_images * num_tokens / forwards,
-        "tv_bound_mean": sum(r["tv_bound"] for r in done) / num_images,
+        # the certificate: min(1, mean of the per-image sums), never a mean of capped values
+        "tv_sum_mean": sum(record_tv_sum(r) for r in done) / num_images,
+        "tv_per_token_mean": sum(record_tv_sum(r) for r in done) / (num_images * num_tokens),
+        "tv_certified": certified_tv(record_tv_sum(r) for r in done),
         "load_seconds": load_seconds, "wall_seconds_this_run": time.perf_counter() - wall,
     })
     write_atomic(out / TOKENS_FILE, lambda path: np.save(path, tokens))

@@ -211,7 +211,7 @@ def result_records(result: DecodeResult, wall: float, method: MethodSpec, indice
             "target_forward_seconds": result.target_forward_seconds / rows,
             "drafter_forward_seconds": result.drafter_forward_seconds / rows,
             "target_forwards": int(result.target_forwards[row]), "drafter_forwards": int(result.drafter_forwards[row]),
-            "mal": float(result.mean_accepted_length[row]), "tv_bound": float(result.tv_bound[row]),
+            "mal": float(result.mean_accepted_length[row]), **result.tv_record(row),
             "accept_lengths": [int(n) for n in result.accept_lengths[row]],
             "tokens": result.tokens[row].tolist(),
         })
