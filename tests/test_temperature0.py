@@ -182,3 +182,140 @@ def test_greedy_tv_record_counts_departures_from_greedy_ar():
     assert result.committed[0].tolist() == [0, 2] and result.step_tv[0].tolist() == [0.0, 0.0]
     result = verify_tree(rule, **one_level_tree(p, [1], child[:1]), greedy=True, record_tv=False)
     assert result.step_tv.abs().sum() == 0
+
+
+# --------------------------------------------------------------------------- greedy by definition
+def reference_relaxed_prob(spec: tuple, p: list[float], x: int, depth: int, nbrs: list[list[int]]) -> float:
+    """``p~(x)`` from scratch (REFERENCE §1.2, §1.4): LANTERN's neighbour prefix or COOL's weight."""
+    kind, value, k = spec
+    if kind == "exact":
+        return p[x]
+    if kind == "cool":
+        return value[min(depth, len(value)) - 1] * p[x]
+    if kind == "delta":
+        budget = value
+    elif kind == "lam":
+        budget = (value - 1.0) * p[x]
+    else:  # an additive budget per depth
+        budget = value[min(depth, len(value)) - 1]
+    total = 0.0
+    for n in nbrs[x][:k]:
+        if total + p[n] > budget * (1 + 1e-7):
+            break
+        total += p[n]
+    return p[x] + total
+
+
+def first_argmax(scores: list[float]) -> int:
+    best = max(scores)
+    return next(i for i, s in enumerate(scores) if s == best)
+
+
+def reference_greedy_walk(spec, node_targets, tokens, parents, depths, nbrs):
+    """LANTERN's greedy definition node by node: each child, in node order, is accepted iff its
+    boosted score ``max(p(x), p~(x))`` is the first argmax of the parent's own ``p``; when every
+    child is rejected the parent's argmax is committed. Returns (committed tokens, departures)."""
+    node, committed, departures = 0, [], []
+    while True:
+        p = node_targets[node]
+        children = [c for c in range(1, len(tokens)) if parents[c] == node]
+        for child in children:
+            x = tokens[child]
+            scores = list(p)
+            scores[x] = max(p[x], reference_relaxed_prob(spec, p, x, depths[child], nbrs))
+            if first_argmax(scores) == x:
+                committed.append(x)
+                departures.append(float(x != first_argmax(p)))
+                node = child
+                break
+        else:
+            committed.append(first_argmax(p))
+            departures.append(0.0)
+            return committed, departures
+
+
+GREEDY_SPECS = {
+    "exact": ("exact", None, 0),
+    "lantern-delta0.1-k3": ("delta", 0.1, 3),
+    "lantern-delta0.35-k5": ("delta", 0.35, 5),
+    "lantern++-lam3-k4": ("lam", 3.0, 4),
+    "lantern-schedule-k5": ("schedule", (0.4, 0.1, 0.0), 5),
+    "cool-weights": ("cool", (1.5, 0.75, 1.25), 0),
+}
+TREES = {  # parents (node 0 = root) and depths
+    "three-siblings": ([-1, 0, 0, 0, 1, 1, 2], [0, 1, 1, 1, 2, 2, 2]),
+    "deep": ([-1, 0, 0, 1, 1, 3, 3, 5], [0, 1, 1, 2, 2, 3, 3, 4]),
+}
+
+
+def sixteenths(gen: torch.Generator, *shape: int) -> torch.Tensor:
+    """Random distributions ``[*shape]`` over the last dimension whose entries are multiples of
+    1/16 (16 unit masses dropped at random), so sums and ties are exact in float32."""
+    drops = torch.randint(0, shape[-1], (*shape[:-1], 16), generator=gen)
+    return torch.nn.functional.one_hot(drops, shape[-1]).sum(-2).float() / 16
+
+
+def build_greedy_rule(spec, nbrs: torch.Tensor):
+    kind, value, k = spec
+    if kind == "exact":
+        return ExactRule()
+    if kind == "cool":
+        return CoolRule(weights=value)
+    keyword = {"delta": "delta", "lam": "lam", "schedule": "delta_schedule"}[kind]
+    return LanternRule(nbrs, k=k, **{keyword: value})
+
+
+@pytest.mark.parametrize("tree", list(TREES))
+@pytest.mark.parametrize("name", list(GREEDY_SPECS))
+def test_greedy_walk_matches_the_definition(name, tree):
+    """Batched ``verify_tree(greedy=True)`` against the node-by-node definition on 600 random
+    trees with siblings: coarse probabilities (multiples of 1/16, exact in binary: many exact ties
+    and zeros), drafts that repeat among siblings, every rule (binary-exact COOL weights). Committed tokens, departures (the TV record) and the
+    number of tests must agree row for row."""
+    vocab, batch = 6, 600
+    parents, depths = TREES[tree]
+    nodes = len(parents)
+    gen = torch.Generator().manual_seed(len(name) * 31 + nodes)
+    nbrs = torch.stack([torch.tensor([i for i in torch.randperm(vocab, generator=gen).tolist() if i != c])
+                        for c in range(vocab)])
+    targets = sixteenths(gen, batch, nodes, vocab)
+    tokens = torch.randint(0, vocab, (batch, nodes), generator=gen)
+    # half the rows draft each node's parent's argmax somewhere, so acceptance is common
+    argmax_parent = targets.argmax(-1).gather(1, torch.tensor(parents).clamp(min=0).expand(batch, -1))
+    tokens = torch.where(torch.rand(batch, nodes, generator=gen) < 0.4, argmax_parent, tokens)
+    spec = GREEDY_SPECS[name]
+    rule = build_greedy_rule(spec, nbrs)
+    result = verify_tree(rule, targets, tokens, torch.tensor(parents).expand(batch, -1),
+                         torch.nn.functional.one_hot(tokens, vocab).float(), torch.tensor(depths).expand(batch, -1),
+                         torch.ones(batch, nodes, dtype=torch.bool), greedy=True)
+    nbr_lists = nbrs.tolist()
+    departures_seen = 0
+    for b in range(batch):
+        committed, departures = reference_greedy_walk(spec, targets[b].tolist(), tokens[b].tolist(), parents, depths,
+                                                      nbr_lists)
+        n = int(result.num_accepted[b])
+        assert result.committed[b, : n + 1].tolist() == committed, f"row {b}"
+        assert result.step_tv[b, : n + 1].tolist() == departures, f"row {b}"
+        departures_seen += sum(departures)
+    assert result.num_accepted.float().mean() > 0.5  # the walk goes deep enough to mean something
+    assert (departures_seen > 0) == (not rule.lossless)
+
+
+@pytest.mark.parametrize("name", list(GREEDY_SPECS))
+def test_greedy_argmax_is_never_rejected_and_corrections_are_the_argmax(name):
+    """For every rule: the argmax draft is accepted, the correction is the argmax, and a lossless
+    rule accepts nothing else."""
+    gen = torch.Generator().manual_seed(7)
+    vocab = 6
+    nbrs = torch.stack([torch.tensor([i for i in torch.randperm(vocab, generator=gen).tolist() if i != c])
+                        for c in range(vocab)])
+    rule = build_greedy_rule(GREEDY_SPECS[name], nbrs)
+    p = sixteenths(gen, 500, vocab)
+    depth = torch.randint(1, 5, (500,), generator=gen)
+    top = p.argmax(1)
+    assert rule.greedy_accept(p, top, depth).all()
+    assert torch.equal(rule.greedy_correction(p, top, depth), top)
+    if rule.lossless:
+        for x in range(vocab):
+            token = torch.full((500,), x)
+            assert torch.equal(rule.greedy_accept(p, token, depth), top == x)
