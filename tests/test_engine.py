@@ -42,7 +42,7 @@ from relaxspec.decoding import DecodeResult, MethodOptions, decode
 from relaxspec.decoding.ar import generate_ar
 from relaxspec.decoding.engine import build_rule, generate_speculative
 from relaxspec.drafting.eagle import EagleDrafter
-from relaxspec.drafting.sources import DraftTree, DynamicTree, EagleSource, StaticTree, ancestor_matrix
+from relaxspec.drafting.sources import DraftTree, DynamicTree, EagleSource, JacobiSource, StaticTree, ancestor_matrix
 from relaxspec.drafting.trees import EAGLE25, TreeSpec, load_tree
 from relaxspec.errors import RelaxspecError
 from relaxspec.models.gpt import GPTConfig, Transformer
@@ -414,6 +414,44 @@ def test_greedy_matches_ar(markov, greedy_ar, name, cfg, monkeypatch, tmp_path):
         # The steps really speculate, and rows of the batch accept different lengths.
         assert max(max(a) for a in lengths) >= 3
         assert len({tuple(a) for a in lengths}) > 1
+        assert float(result.mean_accepted_length.mean()) > 1.5
+
+
+# Every rule that reports ``lossless`` x every draft structure x batch 1 and 3 x cfg 1 and 4: the
+# greedy AR tokens exactly (issue 9). The rules are built here, independently of the CLI options.
+LOSSLESS_RULES = {
+    "exact": lambda table, depth: ExactRule(),
+    "lantern-delta0": lambda table, depth: LanternRule(table, 8, delta=0.0),
+    "lantern++-lam1": lambda table, depth: LanternRule(table, 8, lam=1.0),
+    # --cool-delta 0.3: every weight of the mean-normalised schedule is below 1 (w_1 = 0.78 at
+    # depth 5), the branch that committed the runner-up before.
+    "cool-delta0.3": lambda table, depth: CoolRule(delta=0.3, horizon=depth),
+}
+DRAFT_STRUCTURES = {
+    "chain": lambda drafter, sampling: EagleSource(drafter, StaticTree(TreeSpec.chain(5)), sampling),
+    "static-sampled": lambda drafter, sampling: EagleSource(drafter, StaticTree(load_tree("eagle25"), "sampled"), sampling),
+    "static-topk": lambda drafter, sampling: EagleSource(drafter, StaticTree(load_tree("eagle25"), "topk"), sampling),
+    "dynamic": lambda drafter, sampling: EagleSource(drafter, DynamicTree(top_k=6, depth=4, total_tokens=24), sampling),
+    "jacobi": lambda drafter, sampling: JacobiSource(6),
+    "jacobi-coupled": lambda drafter, sampling: JacobiSource(6, coupled=True),
+}
+
+
+@pytest.mark.parametrize("cfg", [1.0, 4.0])
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("structure", list(DRAFT_STRUCTURES))
+@pytest.mark.parametrize("rule_name", list(LOSSLESS_RULES))
+def test_every_lossless_configuration_is_greedy_ar(markov, greedy_ar, rule_name, structure, batch, cfg):
+    model, drafter = markov
+    sampling = SamplingConfig(cfg_scale=cfg, temperature=0.0)
+    source = DRAFT_STRUCTURES[structure](drafter, sampling)
+    rule = LOSSLESS_RULES[rule_name](neighbour_table(fake_vq(model.config.vocab_size).raw_codebook, 8), source.max_depth)
+    assert rule.lossless
+    rows = torch.arange(3) if batch == 3 else torch.tensor([4])
+    result = generate_speculative(model, rows, sampling, MethodOptions(method="sd"), rule=rule, source=source)
+    assert torch.equal(result.tokens, greedy_ar[cfg][rows]), f"{rule_name} / {structure}: differs from greedy AR"
+    assert [sum(a) for a in result.accept_lengths] == [16] * batch
+    if not isinstance(source, JacobiSource):  # the drafter really speculates
         assert float(result.mean_accepted_length.mean()) > 1.5
 
 
