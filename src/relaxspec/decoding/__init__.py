@@ -1,9 +1,9 @@
 """Decoding: plain AR sampling, tree verification and the speculative engine."""
 
 from relaxspec.decoding.options import MethodOptions
-from relaxspec.decoding.result import DecodeResult
+from relaxspec.decoding.result import DecodeResult, certified_tv
 
-__all__ = ["DecodeResult", "MethodOptions", "decode"]
+__all__ = ["DecodeResult", "MethodOptions", "certified_tv", "decode"]
 
 
 def decode(model, cond, sampling, options: MethodOptions | None = None, *, generator=None, drafter=None,

@@ -9,6 +9,10 @@ correction token is sampled from the current residual and the step ends. With ex
 every committed token has exactly the target's law (the sibling proposals must be the laws the
 siblings were drawn from, see :mod:`relaxspec.drafting.siblings`).
 
+At temperature 0 there is no residual (REFERENCE §4): every sibling is tested against its
+parent's own target with ``rule.greedy_accept`` and the correction is that target's argmax, so a
+lossless rule commits exactly the greedy AR tokens.
+
 The walk is vectorised over the batch: it loops over tree levels and sibling ranks, with a mask
 per batch element, so its cost is ``O(depth * max_children)`` batched rule calls.
 """
@@ -20,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from relaxspec.acceptance.base import AcceptanceRule, one_hot
+from relaxspec.acceptance.base import AcceptanceRule
 
 
 @dataclass
