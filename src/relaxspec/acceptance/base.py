@@ -133,7 +133,8 @@ class AcceptanceRule(ABC):
         """Temperature-0 correction token ``[B]`` after a rejection: the node target's own argmax
         (REFERENCE §4), never the argmax of a residual -- with ``w < 1`` COOL-SD's residual keeps
         mass on the rejected token and its argmax is the runner-up. Every greedy sibling is tested
-        against the same ``target``, so this is also the bonus after several rejections."""
+        against the same ``target``, so this is also the bonus after several rejections.
+        ``token`` and ``depth`` are not used; they keep the call shape of the other greedy methods."""
         return target.argmax(dim=1)
 
     def step_tv(self, target: Tensor, proposal: Tensor, token: Tensor, depth: Tensor | int) -> Tensor:

@@ -49,15 +49,14 @@ def cool_weights(delta: float, nu: float = 0.7, normalisation: str = "mean", hor
     if delta > cap:
         raise RelaxspecError(f"a schedule with mean {delta} cannot have every weight <= cap {cap}")
     # decay is non-increasing: clip the first `clipped` positions to the cap and scale the rest
-    # so the total stays horizon * delta; the first count for which the rest fits is the answer.
-    for clipped in range(1, horizon + 1):
+    # so the total stays horizon * delta; the first count for which the rest fits is the answer
+    # (with none left, delta == cap and every weight is the cap).
+    for clipped in range(1, horizon):
         rest = decay[clipped:]
-        if not rest:
-            return (float(cap),) * horizon
         scale = (horizon * delta - clipped * cap) / sum(rest)
         if scale * rest[0] <= cap:
             return (float(cap),) * clipped + tuple(scale * d for d in rest)
-    raise AssertionError("unreachable: clipping every position meets the mean")  # pragma: no cover
+    return (float(cap),) * horizon
 
 
 class CoolRule(AcceptanceRule):
