@@ -112,14 +112,14 @@ def measure_forward_costs(target_model, drafter=None, *, sampling: SamplingConfi
         slots = torch.arange(first, first + size, device=device)[None]
         positions = slots.clamp(max=target.cls + config.block_size - 1)
         tokens = torch.zeros(1, size, dtype=torch.long, device=device)
-        return lambda: target.forward(tokens, positions, slots, None, first + size)
+        return lambda: target.forward(tokens, positions, slots)
 
     try:
         target.prefill()
         costs = _round_robin_medians({size: target_call(size) for size in sorted(set(int(s) for s in target_sizes))},
                                      reps, warmup, device)
     finally:
-        target.close()
+        target_model.clear_caches()  # a measurement leaves no cache behind
     drafted = {}
     if drafter is not None:
         rows = target.streams
@@ -129,7 +129,7 @@ def measure_forward_costs(target_model, drafter=None, *, sampling: SamplingConfi
             positions = slots.clamp(max=config.block_size - 1)
             feats = torch.zeros(rows, size, config.dim, device=device, dtype=drafter.fc.weight.dtype)
             tokens = torch.zeros(rows, size, dtype=torch.long, device=device)
-            return lambda: drafter(feats, tokens, positions, cache_slots=slots, kv_len=context + size)
+            return lambda: drafter(feats, tokens, positions, cache_slots=slots)
 
         try:
             drafted = _round_robin_medians({size: drafter_call(size) for size in sorted(set(int(s) for s in drafter_sizes))},

@@ -20,7 +20,8 @@ import torch
 import torch.nn as nn
 
 from relaxspec.errors import RelaxspecError
-from relaxspec.models.gpt import GPTConfig, KVCache, Transformer, TransformerBlock, rope_table_2d, run_blocks
+from relaxspec.models.gpt import (GPTConfig, Transformer, TransformerBlock, allocate_kv_store, release_kv_store,
+                                  rope_table_2d, run_blocks)
 
 
 @dataclass
@@ -56,6 +57,7 @@ class EagleDrafter(nn.Module):
         self.layers = nn.ModuleList(TransformerBlock(tcfg) for _ in range(config.n_layer))
         self.register_buffer("rope", rope_table_2d(tcfg.grid_size, tcfg.head_dim, tcfg.rope_base, 0), persistent=False)
         self._target: tuple[Transformer] | None = None  # a tuple so the target is not a submodule
+        self._kv_store: torch.Tensor | None = None
         for module in self.modules():
             if isinstance(module, nn.Linear):
                 nn.init.normal_(module.weight, std=0.02)
@@ -84,14 +86,18 @@ class EagleDrafter(nn.Module):
         return self._target[0]
 
     def setup_caches(self, rows: int, max_seq: int) -> None:
-        dtype, device = self.fc.weight.dtype, self.fc.weight.device
-        for layer in self.layers:
-            att = layer.attention
-            att.kv_cache = KVCache(rows, max_seq, att.n_kv_head, att.head_dim, dtype, device)
+        """Static caches for ``rows`` rows of ``max_seq`` slots, reused while the shape stays."""
+        att = self.layers[0].attention
+        allocate_kv_store(self, self.layers, rows, max_seq, att.n_kv_head, att.head_dim, self.fc.weight.dtype,
+                          self.fc.weight.device)
+
+    @property
+    def cache_length(self) -> int:
+        """Slots of the current caches."""
+        return self._kv_store.shape[4]
 
     def clear_caches(self) -> None:
-        for layer in self.layers:
-            layer.attention.kv_cache = None
+        release_kv_store(self, self.layers)
 
     def forward(self, features: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, *,
                 cache_slots: torch.Tensor | None = None, attn_mask: torch.Tensor | None = None,

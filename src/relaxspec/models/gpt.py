@@ -186,27 +186,62 @@ class FeedForward(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
-class KVCache(nn.Module):
-    """Static cache ``[batch, kv_heads, max_seq, head_dim]`` written at explicit slots."""
+class KVCache:
+    """One layer's static cache: views ``k_cache`` / ``v_cache`` ``[batch, kv_heads, max_seq,
+    head_dim]`` into the stacked store of all layers (:func:`allocate_kv_store`), written at
+    explicit slots."""
 
-    def __init__(self, batch: int, max_seq: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device=None):
-        super().__init__()
-        shape = (batch, kv_heads, max_seq, head_dim)
-        self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-        self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+    def __init__(self, store: torch.Tensor, layer: int):
+        self.store, self.layer = store, layer
+
+    @property
+    def k_cache(self) -> torch.Tensor:
+        return self.store[self.layer, 0]
+
+    @property
+    def v_cache(self) -> torch.Tensor:
+        return self.store[self.layer, 1]
 
     def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """``slots [B, T]``; ``k, v [B, H, T, D]``."""
-        index = slots[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])
-        self.k_cache.scatter_(2, index, k)
-        self.v_cache.scatter_(2, index, v)
+        """``slots [B, T]``; ``k, v [B, H, T, D]``: one scatter for both."""
+        kv = torch.stack([k, v])
+        index = slots[None, :, None, :, None].expand_as(kv)
+        self.store[self.layer].scatter_(3, index, kv.to(self.store.dtype))
 
-    def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Copy slots ``src [B, n]`` onto ``dst [B, n]`` (KV compaction after tree verification)."""
-        for cache in (self.k_cache, self.v_cache):
-            gather = src[:, None, :, None].expand(-1, cache.shape[1], -1, cache.shape[3])
-            values = cache.gather(2, gather)
-            cache.scatter_(2, dst[:, None, :, None].expand_as(gather), values)
+
+def allocate_kv_store(owner: nn.Module, layers: nn.ModuleList, batch: int, max_seq: int, kv_heads: int,
+                      head_dim: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """One ``[layers, 2, batch, kv_heads, max_seq, head_dim]`` tensor for every layer's keys and
+    values, kept on ``owner`` and reused while the shape, dtype and device stay the same (a
+    decode never allocates its cache twice; stale entries are never attended: every query's
+    mask covers only slots written for it). Compaction moves all layers in one gather and one
+    scatter (:func:`move_kv`)."""
+    shape = (len(layers), 2, batch, kv_heads, max_seq, head_dim)
+    store = getattr(owner, "_kv_store", None)
+    if store is None or tuple(store.shape) != shape or store.dtype != dtype or store.device != torch.device(device):
+        owner._kv_store = None  # free the old store before allocating the new one
+        store = torch.zeros(shape, dtype=dtype, device=device)
+        owner._kv_store = store
+    for index, layer in enumerate(layers):
+        layer.attention.kv_cache = KVCache(store, index)
+    return store
+
+
+def release_kv_store(owner: nn.Module, layers: nn.ModuleList) -> None:
+    """Drop the caches and free the store."""
+    for layer in layers:
+        layer.attention.kv_cache = None
+    owner._kv_store = None
+
+
+def move_kv(store: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Copy slots ``src [B, n]`` onto ``dst [B, n]`` in every layer's keys and values: one gather
+    and one scatter whatever the depth (KV compaction after tree verification). All reads
+    happen before any write, so a source slot may also be a destination."""
+    layers, _, _, heads, _, dim = store.shape
+    index = src[None, None, :, None, :, None].expand(layers, 2, -1, heads, -1, dim)
+    values = store.gather(4, index)
+    store.scatter_(4, dst[None, None, :, None, :, None].expand_as(index), values)
 
 
 class Attention(nn.Module):
@@ -227,8 +262,9 @@ class Attention(nn.Module):
         v = v.view(b, t, self.n_kv_head, self.head_dim).transpose(1, 2)
         if self.kv_cache is not None and slots is not None:
             self.kv_cache.write(slots, k, v)
-            k = self.kv_cache.k_cache[:, :, :kv_len]
-            v = self.kv_cache.v_cache[:, :, :kv_len]
+            k, v = self.kv_cache.k_cache, self.kv_cache.v_cache
+            if kv_len is not None:
+                k, v = k[:, :, :kv_len], v[:, :, :kv_len]
         if self.n_kv_head != self.n_head:
             rep = self.n_head // self.n_kv_head
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
@@ -255,13 +291,13 @@ class TransformerBlock(nn.Module):
 def run_blocks(layers: nn.ModuleList, h: torch.Tensor, rope: torch.Tensor, cache_slots: torch.Tensor | None,
                attn_mask: torch.Tensor | None, kv_len: int | None) -> torch.Tensor:
     """Run transformer blocks over ``h [B, T, dim]``. With caches and ``cache_slots [B, T]`` the
-    inputs are written to those slots and attend to the first ``kv_len`` slots, by default
-    causally by slot; without, attention is plain causal over the ``T`` inputs."""
-    if cache_slots is not None and layers[0].attention.kv_cache is not None:
-        if kv_len is None:
-            kv_len = int(cache_slots.max()) + 1
+    inputs are written to those slots and attend to the first ``kv_len`` slots (default: the
+    whole cache, so shapes never depend on the data), by default causally by slot; without,
+    attention is plain causal over the ``T`` inputs."""
+    cache = layers[0].attention.kv_cache
+    if cache_slots is not None and cache is not None:
         if attn_mask is None:
-            keys = torch.arange(kv_len, device=h.device)
+            keys = torch.arange(cache.store.shape[4] if kv_len is None else kv_len, device=h.device)
             attn_mask = keys[None, None, :] <= cache_slots[:, :, None]
     else:
         cache_slots = None
@@ -328,6 +364,7 @@ class Transformer(nn.Module):
         self.register_buffer("rope", table, persistent=False)
         self.max_batch = 0
         self.max_seq = 0
+        self._kv_store: torch.Tensor | None = None
         self.class_names: list[str] | None = None  # set by load_gpt when the checkpoint names them
         self.apply(self._init_weights)
 
@@ -340,22 +377,19 @@ class Transformer(nn.Module):
     # ---------------------------------------------------------------- caches
     def setup_caches(self, batch: int, max_seq: int, dtype: torch.dtype | None = None) -> None:
         """Allocate static KV caches for ``batch`` rows of ``max_seq`` slots each."""
-        dtype = dtype or self.output.weight.dtype
-        device = self.output.weight.device
-        for layer in self.layers:
-            att = layer.attention
-            att.kv_cache = KVCache(batch, max_seq, att.n_kv_head, att.head_dim, dtype, device)
+        config = self.config
+        allocate_kv_store(self, self.layers, batch, max_seq, config.n_kv_head, config.head_dim,
+                          dtype or self.output.weight.dtype, self.output.weight.device)
         self.max_batch, self.max_seq = batch, max_seq
 
     def clear_caches(self) -> None:
-        for layer in self.layers:
-            layer.attention.kv_cache = None
+        """Free the KV store (decoding keeps it between calls of the same shape)."""
+        release_kv_store(self, self.layers)
         self.max_batch = self.max_seq = 0
 
     def move_cache(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Copy KV slots ``src [B, n]`` to ``dst [B, n]`` in every layer."""
-        for layer in self.layers:
-            layer.attention.kv_cache.move(src, dst)
+        """Copy KV slots ``src [B, n]`` to ``dst [B, n]`` in every layer (two ops in all)."""
+        move_kv(self._kv_store, src, dst)
 
     # ---------------------------------------------------------------- embeddings
     def null_condition(self, cond: torch.Tensor) -> torch.Tensor:
@@ -383,6 +417,7 @@ class Transformer(nn.Module):
         attn_mask: torch.Tensor | None = None,
         kv_len: int | None = None,
         return_hidden: bool = False,
+        check: bool = True,
     ):
         """Run the transformer on one of ``tokens [B, T]``, ``cond`` (prefill) or ``embeddings``.
 
@@ -391,7 +426,8 @@ class Transformer(nn.Module):
         them (or without caches) attention is plain causal over the ``T`` inputs. ``attn_mask
         [B, T, kv_len]`` (True = may attend) overrides the default causal-by-slot mask.
         Returns fp32 logits ``[B, T, vocab]`` and, with ``return_hidden``, the normed final
-        hidden states ``[B, T, dim]`` (what the output head sees).
+        hidden states ``[B, T, dim]`` (what the output head sees). ``check=False`` skips the
+        range check of ``positions`` (a host sync): the decoding loop builds them in range.
         """
         if embeddings is not None:
             h = embeddings
@@ -406,7 +442,7 @@ class Transformer(nn.Module):
             positions = torch.arange(t, device=h.device).expand(b, t)
         elif positions.dim() == 1:
             positions = positions.expand(b, -1)
-        if int(positions.max()) >= self.rope.shape[0] or int(positions.min()) < 0:
+        if check and (int(positions.max()) >= self.rope.shape[0] or int(positions.min()) < 0):
             raise ValueError(f"positions must lie in [0, {self.rope.shape[0]}) for this model's token grid")
         if cache_slots is not None and cache_slots.dim() == 1:
             cache_slots = cache_slots.expand(b, -1)
