@@ -94,9 +94,36 @@ def process_logits(logits: torch.Tensor, config: SamplingConfig) -> torch.Tensor
     return logits.softmax(dim=-1)
 
 
-def sample_from(probs: torch.Tensor, generator: torch.Generator | None = None, greedy: bool = False) -> torch.Tensor:
-    """Draw one token per row of ``probs [..., V]`` -> int64 ``[...]`` (argmax when greedy)."""
+def exponential_clocks(shape, generator: torch.Generator | None = None, device=None) -> torch.Tensor:
+    """I.i.d. ``Exp(1)`` fp32 ``shape`` from ``generator``, floored at the smallest normal float
+    (never 0): the randomness of :func:`race_keys`, drawable ahead of the ops that use it."""
+    clocks = torch.empty(shape, dtype=torch.float32, device=device).exponential_(generator=generator)
+    return clocks.clamp(min=torch.finfo(torch.float32).tiny)
+
+
+def race_keys(probs: torch.Tensor, generator: torch.Generator | None = None,
+              clocks: torch.Tensor | None = None) -> torch.Tensor:
+    """Exponential-race keys ``p_i / E_i`` (``E_i ~ Exp(1)`` i.i.d.: ``clocks``, or drawn from
+    ``generator``), fp32 ``[..., V]``.
+
+    ``argmax`` of the keys is a draw from ``probs`` (the first of independent ``Exp(p_i)``
+    clocks ``E_i / p_i`` to ring is ``i`` with probability ``p_i / sum p``); on the CPU it is
+    the very draw ``torch.multinomial(probs, 1)`` makes from the same generator state, since that
+    is how it samples. ``topk(n)`` of the keys is ``n`` successive draws without replacement (the
+    Gumbel-top-k trick, Kool et al. 2019: the logs of the keys are Gumbel-perturbed
+    log-probabilities). Unlike ``torch.multinomial`` this never synchronises with the host.
+    Zero-probability tokens get key 0 and come out only where every key is 0.
+    """
+    if clocks is None:
+        clocks = exponential_clocks(probs.shape, generator, probs.device)
+    return probs.to(torch.float32) / clocks
+
+
+def sample_from(probs: torch.Tensor, generator: torch.Generator | None = None, greedy: bool = False,
+                clocks: torch.Tensor | None = None) -> torch.Tensor:
+    """Draw one token per row of ``probs [..., V]`` -> int64 ``[...]`` (argmax when greedy), by the
+    exponential race (:func:`race_keys`, with ``clocks`` drawn ahead or from ``generator``): no
+    host sync."""
     if greedy:
         return probs.argmax(dim=-1)
-    flat = probs.reshape(-1, probs.shape[-1])
-    return torch.multinomial(flat, 1, generator=generator).view(probs.shape[:-1])
+    return race_keys(probs, generator, clocks).argmax(dim=-1)

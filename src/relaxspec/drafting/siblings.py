@@ -14,6 +14,7 @@ from torch import Tensor
 
 from relaxspec.acceptance.base import one_hot
 from relaxspec.errors import RelaxspecError
+from relaxspec.sampling import race_keys
 
 
 def _check(q: Tensor, n: int) -> None:
@@ -26,31 +27,31 @@ def _check(q: Tensor, n: int) -> None:
 def sample_siblings(
     q: Tensor, n: int, generator: torch.Generator | None = None
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Draw ``n`` distinct siblings from ``q [B, V]`` without replacement.
+    """Draw ``n`` distinct siblings from ``q [B, V]`` without replacement, in one top-k.
 
     Returns ``tokens [B, n]`` int64, ``proposals [B, n, V]`` (``proposals[:, j]`` = ``q`` with
     siblings ``0..j-1`` removed, renormalised: the law sibling ``j`` was drawn from) and
-    ``valid [B, n]`` bool. Where ``q`` has fewer than ``n`` nonzero entries the extra siblings are
+    ``valid [B, n]`` bool. The order of the ``n`` largest exponential-race keys
+    (:func:`relaxspec.sampling.race_keys`) has exactly the law of ``n`` successive draws
+    without replacement. Where ``q`` has fewer than ``n`` nonzero entries the extra siblings are
     invalid: their token is 0 and their proposal the one-hot row of token 0 (placeholders that
     keep every row a distribution; callers must skip them).
     """
     _check(q, n)
     batch, vocab = q.shape
-    remaining = q.clone()
-    tokens = torch.zeros(batch, n, dtype=torch.long, device=q.device)
-    proposals = torch.zeros(batch, n, vocab, dtype=q.dtype, device=q.device)
-    valid = torch.zeros(batch, n, dtype=torch.bool, device=q.device)
-    placeholder = one_hot(torch.zeros(batch, dtype=torch.long, device=q.device), vocab, q.dtype)
-    for j in range(n):
-        mass = remaining.sum(dim=1, keepdim=True)
-        ok = mass.squeeze(1) > 0
-        law = torch.where(ok.unsqueeze(1), remaining / torch.where(mass > 0, mass, torch.ones_like(mass)), placeholder)
-        draw = torch.multinomial(law, 1, generator=generator).squeeze(1)
-        draw = torch.where(ok, draw, torch.zeros_like(draw))
-        tokens[:, j] = draw
-        proposals[:, j] = law
-        valid[:, j] = ok
-        remaining.scatter_(1, draw.unsqueeze(1), 0.0)
+    top = min(n, vocab)
+    keys, tokens = race_keys(q, generator).topk(top, dim=1)
+    valid = keys > 0
+    if top < n:  # more siblings asked for than the vocabulary has: pad with invalid ones
+        tokens = torch.cat([tokens, tokens.new_zeros(batch, n - top)], dim=1)
+        valid = torch.cat([valid, valid.new_zeros(batch, n - top)], dim=1)
+    tokens = torch.where(valid, tokens, torch.zeros_like(tokens))
+    drawn = one_hot(tokens.reshape(-1), vocab, q.dtype).view(batch, n, vocab) * valid[:, :, None].to(q.dtype)
+    removed = drawn.cumsum(dim=1) - drawn  # siblings before j
+    remaining = q[:, None, :] * (1 - removed)
+    mass = remaining.sum(dim=2, keepdim=True)
+    placeholder = one_hot(torch.zeros(batch * n, dtype=torch.long, device=q.device), vocab, q.dtype).view(batch, n, vocab)
+    proposals = torch.where(valid[:, :, None], remaining / mass.clamp(min=torch.finfo(q.dtype).tiny), placeholder)
     return tokens, proposals, valid
 
 
