@@ -84,6 +84,10 @@ class AcceptanceRule(ABC):
         """Closed-form output law ``[B, V]`` of: draw ``x ~ proposal``, test it, on rejection
         sample the residual (the draft marginalised out)."""
 
+    def prepare(self, device: torch.device) -> None:
+        """Copy whatever tables the rule keeps to ``device`` now, before a decoding loop, so no
+        step pays a host->device copy (default: nothing to copy)."""
+
     # ------------------------------------------------------------------ shared logic
     def accept_prob(self, target: Tensor, proposal: Tensor, token: Tensor, depth: Tensor | int) -> Tensor:
         """``min(1, p~(x) / q(x))``, ``[B]``; 0 wherever ``p~(x) = 0`` (REFERENCE §4: a token the
@@ -137,21 +141,27 @@ class AcceptanceRule(ABC):
         ``token`` and ``depth`` are not used; they keep the call shape of the other greedy methods."""
         return target.argmax(dim=1)
 
-    def step_tv(self, target: Tensor, proposal: Tensor, token: Tensor, depth: Tensor | int) -> Tensor:
+    def step_tv(self, target: Tensor, proposal: Tensor, token: Tensor, depth: Tensor | int,
+                point_mass: bool | None = None) -> Tensor:
         """``0.5 * sum |one_step_law - target|``, ``[B]``.
 
         For a point-mass proposal (``q(x) >= 1 - 1e-6``) the step's law is :meth:`token_law` of
         that token, which costs O(V) instead of the rule's full marginalisation; other rows use
         :meth:`one_step_law` (the drafted token is then irrelevant: the draft is marginalised).
+        ``point_mass``: whether every row is a point mass, when the caller knows (the draft
+        source does); ``None`` reads it from ``proposal`` (a host sync).
         """
-        point_rows = gather_at(proposal, token) >= 1.0 - ONE_HOT_ATOL
-        if bool(point_rows.all()):
+        if point_mass is None:
+            point_rows = gather_at(proposal, token) >= 1.0 - ONE_HOT_ATOL
+            if bool(point_rows.any()) and not bool(point_rows.all()):
+                law = torch.where(point_rows.unsqueeze(1), self.token_law(target, proposal, token, depth),
+                                  self.one_step_law(target, proposal, depth).to(target.dtype))
+                return 0.5 * (law - target).abs().sum(dim=1)
+            point_mass = bool(point_rows.all())
+        if point_mass:
             law = self.token_law(target, proposal, token, depth)
-        elif not bool(point_rows.any()):  # (each law costs several vocabulary-wide ops: only the one needed)
-            law = self.one_step_law(target, proposal, depth).to(target.dtype)
         else:
-            law = torch.where(point_rows.unsqueeze(1), self.token_law(target, proposal, token, depth),
-                              self.one_step_law(target, proposal, depth).to(target.dtype))
+            law = self.one_step_law(target, proposal, depth).to(target.dtype)
         return 0.5 * (law - target).abs().sum(dim=1)
 
     def __repr__(self) -> str:  # pragma: no cover - cosmetic

@@ -104,6 +104,7 @@ class CoolRule(AcceptanceRule):
         self.normalisation = normalisation
         self.weights: tuple[float, ...] = weights
         self.horizon = len(weights)
+        self._tables: dict[torch.device, Tensor] = {}
 
     @property
     def lossless(self) -> bool:
@@ -115,8 +116,13 @@ class CoolRule(AcceptanceRule):
         ``[batch]``. Depths past the horizon use ``w_horizon``, depths below 1 use ``w_1``."""
         if not isinstance(depth, Tensor):
             depth = as_depth(depth, batch, torch.device(device))
-        table = torch.tensor(self.weights, dtype=torch.float64, device=depth.device)
+        table = self._tables.get(depth.device)
+        if table is None:  # one host->device copy per device, not one per test
+            table = self._tables[depth.device] = torch.tensor(self.weights, dtype=torch.float64, device=depth.device)
         return table[depth.long().clamp(1, self.horizon) - 1]
+
+    def prepare(self, device: torch.device) -> None:
+        self.weight(1, device=device)
 
     def _weight_for(self, target: Tensor, depth: Tensor | int) -> Tensor:
         depth = as_depth(depth, target.shape[0], target.device)

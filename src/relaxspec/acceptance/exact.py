@@ -36,6 +36,7 @@ class ExactRule(AcceptanceRule):
         """The target itself: the rule is lossless (arXiv 2211.17192, Theorem 1)."""
         return target.clone()
 
-    def step_tv(self, target: Tensor, proposal: Tensor, token: Tensor, depth: Tensor | int = 1) -> Tensor:
+    def step_tv(self, target: Tensor, proposal: Tensor, token: Tensor, depth: Tensor | int = 1,
+                point_mass: bool | None = None) -> Tensor:
         """Zero, ``[B]``: the output law is the target."""
         return torch.zeros(target.shape[0], dtype=target.dtype, device=target.device)

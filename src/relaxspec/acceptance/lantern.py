@@ -36,7 +36,8 @@ from relaxspec.errors import RelaxspecError
 # S_j is a float cumulative sum of float32 probabilities; a prefix whose exact sum equals the
 # budget must not be cut by rounding, so the comparison allows this relative slack.
 PREFIX_RTOL = 1e-7
-# one_step_law materialises [batch, chunk, k] neighbour probabilities; this bounds chunk * k.
+# one_step_law materialises [batch, chunk, k] neighbour probabilities (fp32) in chunks of a fixed
+# size over the whole vocabulary; this bounds batch * chunk * k.
 LAW_CHUNK_ELEMENTS = 1 << 22
 
 ResidualKind = Literal["relaxed", "plain"]
@@ -128,6 +129,7 @@ class LanternRule(AcceptanceRule):
         self.delta_schedule = delta_schedule
         self.residual_kind: ResidualKind = residual
         self._tables: dict[torch.device, Tensor] = {table.device: table}
+        self._schedules: dict[torch.device, Tensor] = {}
 
     # ------------------------------------------------------------------ helpers
     @property
@@ -146,6 +148,11 @@ class LanternRule(AcceptanceRule):
             self._tables[device] = next(iter(self._tables.values())).to(device)
         return self._tables[device]
 
+    def prepare(self, device: torch.device) -> None:
+        self._table(torch.device(device))
+        if self.delta_schedule is not None:
+            self._budget(torch.zeros(1, device=device), torch.ones(1, dtype=torch.long, device=device))
+
     def _check(self, target: Tensor) -> None:
         if target.dim() != 2 or target.shape[1] != self.vocab:
             raise ValueError(f"target must be [batch, {self.vocab}], got {tuple(target.shape)}")
@@ -157,7 +164,10 @@ class LanternRule(AcceptanceRule):
             return (self.lam - 1.0) * x64
         if self.delta is not None:
             return torch.full_like(x64, self.delta)
-        schedule = torch.tensor(self.delta_schedule, dtype=torch.float64, device=x64.device)
+        schedule = self._schedules.get(x64.device)
+        if schedule is None:  # one host->device copy per device, not one per test
+            schedule = self._schedules[x64.device] = torch.tensor(self.delta_schedule, dtype=torch.float64,
+                                                                  device=x64.device)
         index = depth.clamp(1, len(self.delta_schedule)) - 1
         per_row = schedule[index]
         return per_row.view(-1, *([1] * (x64.dim() - 1))).expand_as(x64)
@@ -220,29 +230,28 @@ class LanternRule(AcceptanceRule):
         batch, vocab = target.shape
         depth = as_depth(depth, batch, target.device)
         table = self._table(target.device)
-        t64, q64 = target.double(), proposal.double()
-        excess = (t64 - q64).clamp(min=0)  # (t - q)_+
+        t, q = target.float(), proposal.float()
+        excess = (t - q).clamp(min=0)  # (t - q)_+
         # Where q(x) <= t(x) nothing about x's neighbourhood matters: a(x) = q(x) (p~_x(x) >= t(x)
-        # >= q(x)) and nothing is rejected (c_x = 0). Only drafts the drafter over-weights, in
-        # any row, need the O(k) merge -- typically well under half of the vocabulary.
-        accepted = q64.clone()
-        columns = torch.nonzero((q64 > t64).any(dim=0)).flatten()
-        scale = torch.zeros_like(t64)  # c_x
-        removed = torch.zeros_like(t64)  # sum_{x: y in A_x} c_x
+        # >= q(x)) and nothing is rejected (c_x = 0); the formulas below give exactly that, so
+        # every column goes through them in chunks of a fixed size (no data-dependent shapes).
+        accepted = torch.empty_like(t)
+        scale = torch.zeros_like(t)  # c_x
+        removed = torch.zeros_like(t)  # sum_{x: y in A_x} c_x
         total_excess = excess.sum(dim=1, keepdim=True)
         chunk = max(1, LAW_CHUNK_ELEMENTS // max(1, batch * max(1, self.k)))
-        for start in range(0, columns.numel(), chunk):
-            cols = columns[start : start + chunk]
+        for start in range(0, vocab, chunk):
+            cols = slice(start, min(start + chunk, vocab))
             nbrs = table[cols]  # [c, k]
-            nbr_probs = t64[:, nbrs]  # [B, c, k]
-            t_x = t64[:, cols]
+            nbr_probs = t[:, nbrs]  # [B, c, k]
+            t_x = t[:, cols]
             merged = merged_prefix(nbr_probs, self._budget(t_x, depth))
             relaxed = t_x + (nbr_probs * merged).sum(dim=2)
-            acc = torch.minimum(q64[:, cols], relaxed)
+            acc = torch.minimum(q[:, cols], relaxed)
             accepted[:, cols] = acc
             if self.residual_kind == "relaxed":
                 kept = total_excess - (excess[:, nbrs] * merged).sum(dim=2) - excess[:, cols]
-                rejected = q64[:, cols] - acc
+                rejected = q[:, cols] - acc
                 usable = (rejected > 0) & (kept > 0)
                 c_x = torch.where(usable, rejected / torch.where(usable, kept, torch.ones_like(kept)), 0.0)
                 c_x = c_x.clamp(0.0, 1.0)
@@ -251,7 +260,7 @@ class LanternRule(AcceptanceRule):
                 removed.scatter_add_(1, nbrs.reshape(1, -1).expand(batch, -1), contrib)
         if self.residual_kind == "plain":
             leftover = (1.0 - accepted.sum(dim=1, keepdim=True)).clamp(min=0)
-            law = accepted + leftover * normalise(excess, t64)
+            law = accepted + leftover * normalise(excess, t)
         else:
             law = accepted + excess * (scale.sum(dim=1, keepdim=True) - removed - scale)
         return law.clamp(min=0).to(target.dtype)

@@ -12,13 +12,15 @@ def decode(model, cond, sampling, options: MethodOptions | None = None, *, gener
 
     ``model``: the target :class:`~relaxspec.models.gpt.Transformer`; ``drafter``: an EAGLE
     drafter (methods sd / lantern / cool); ``vq``: the tokenizer whose codebook defines LANTERN's
-    latent neighbours.
+    latent neighbours. ``options.compile`` runs the steps compiled, ``options.record_tv=False``
+    skips the TV record of relaxed rules.
     """
     options = options or MethodOptions()
     if options.method == "ar":
         from relaxspec.decoding.ar import generate_ar
 
-        return generate_ar(model, cond, sampling, generator=generator, cond_mask=cond_mask, progress=progress)
+        return generate_ar(model, cond, sampling, generator=generator, cond_mask=cond_mask, progress=progress,
+                           compile=options.compile)
     from relaxspec.decoding.engine import generate_speculative
 
     return generate_speculative(model, cond, sampling, options, generator=generator, drafter=drafter, vq=vq,

@@ -16,18 +16,22 @@ from relaxspec.sampling import SamplingConfig, sample_from
 @torch.no_grad()
 def generate_ar(model: Transformer, cond: torch.Tensor, sampling: SamplingConfig, *,
                 generator: torch.Generator | None = None, cond_mask: torch.Tensor | None = None,
-                progress: bool = False) -> DecodeResult:
-    """Sample ``[B, N]`` image tokens one target forward at a time (the baseline, MAL 1.0)."""
+                progress: bool = False, compile: bool = False) -> DecodeResult:
+    """Sample ``[B, N]`` image tokens one target forward at a time (the baseline, MAL 1.0).
+
+    No step reads anything back from the device (tokens are drawn by the exponential race);
+    ``compile=True`` runs the single-token step compiled -- the compiled AR baseline."""
     start = time.perf_counter()
-    target = GuidedTarget(model, cond, sampling, cond_mask=cond_mask)
+    target = GuidedTarget(model, cond, sampling, cond_mask=cond_mask, compile=compile)
     batch, n, cls = target.batch, target.num_tokens, target.cls
     tokens = torch.empty(batch, n, dtype=torch.long, device=target.device)
+    where = (cls + torch.arange(n, device=target.device)).expand(batch, -1)  # slot = position of token k
     try:
         probs, _ = target.prefill()
         tokens[:, 0] = sample_from(probs, generator, sampling.greedy)
         for k in tqdm(range(1, n), desc="ar", disable=not progress, leave=False):
-            where = torch.full((batch, 1), cls + k - 1, device=target.device)
-            probs, _ = target.forward(tokens[:, k - 1 : k], where, where, kv_len=cls + k)
+            step = where[:, k - 1 : k]
+            probs, _ = target.forward(tokens[:, k - 1 : k], step, step)
             tokens[:, k] = sample_from(probs[:, 0], generator, sampling.greedy)
     finally:
         target.close()

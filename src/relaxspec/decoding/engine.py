@@ -21,7 +21,8 @@ from relaxspec.acceptance import AcceptanceRule, CoolRule, ExactRule, LanternRul
 from relaxspec.decoding.options import MethodOptions
 from relaxspec.decoding.result import DecodeResult
 from relaxspec.decoding.target import GuidedTarget
-from relaxspec.decoding.verify import verify_tree
+from relaxspec.compiling import compiled
+from relaxspec.decoding.verify import verify_tree, walk_tree
 from relaxspec.drafting.sources import DynamicTree, EagleSource, JacobiSource, StaticTree, tree_attention_mask
 from relaxspec.drafting.trees import TreeSpec, load_tree
 from relaxspec.errors import RelaxspecError
@@ -35,8 +36,8 @@ def neighbour_cache_dir():
     return Path(os.environ.get("RELAXSPEC_CACHE", Path.home() / ".cache" / "relaxspec")) / "neighbours"
 
 
-def build_source(options: MethodOptions, drafter, sampling: SamplingConfig):
-    """The draft source an options object describes."""
+def build_source(options: MethodOptions, drafter, sampling: SamplingConfig, compile: bool = False):
+    """The draft source an options object describes (``compile``: the drafter's step compiled)."""
     if options.method in ("sjd", "scd"):
         return JacobiSource(options.window, coupled=options.method == "scd")
     if drafter is None:
@@ -47,7 +48,7 @@ def build_source(options: MethodOptions, drafter, sampling: SamplingConfig):
         spec = TreeSpec.chain(options.depth) if options.draft == "chain" else load_tree(
             options.tree if options.draft == "static" else options.draft)
         structure = StaticTree(spec, options.siblings)
-    return EagleSource(drafter, structure, sampling)
+    return EagleSource(drafter, structure, sampling, compile=compile)
 
 
 def build_rule(options: MethodOptions, vq=None, horizon: int = 5) -> AcceptanceRule:
@@ -71,26 +72,36 @@ def build_rule(options: MethodOptions, vq=None, horizon: int = 5) -> AcceptanceR
 @torch.no_grad()
 def generate_speculative(model, cond, sampling: SamplingConfig, options: MethodOptions, *, generator=None,
                          drafter=None, vq=None, cond_mask=None, progress: bool = False, rule: AcceptanceRule | None = None,
-                         source=None, record_tv: bool = True) -> DecodeResult:
+                         source=None) -> DecodeResult:
     """Generate ``[B, N]`` tokens speculatively. ``rule`` / ``source`` override what ``options``
-    would build (the Python API composes them freely)."""
+    would build (the Python API composes them freely). ``options.record_tv=False`` skips the TV
+    record of relaxed rules (``step_tv`` is then zero); ``options.compile`` runs the target's
+    and the drafter's steps and the tree walk compiled.
+
+    Every step makes the same sequence of ops on tensors of fixed shapes and reads the device
+    once, for whether every row has finished and how many tokens are done; counters, accept
+    lengths and rank statistics stay on the device until the decode ends."""
     start = time.perf_counter()
-    source = source or build_source(options, drafter, sampling)
+    compile, record_tv = options.compile, options.record_tv
+    source = source or build_source(options, drafter, sampling, compile=compile)
     rule = rule or build_rule(options, vq, horizon=source.max_depth)
     greedy = sampling.greedy
-    target = GuidedTarget(model, cond, sampling, cond_mask=cond_mask, scratch=source.max_nodes)
+    target = GuidedTarget(model, cond, sampling, cond_mask=cond_mask, scratch=source.max_nodes, compile=compile)
     batch, n_tok, cls, device = target.batch, target.num_tokens, target.cls, target.device
     width = source.max_nodes  # most tokens one step can commit: depth + 1 <= nodes
     tokens = torch.zeros(batch, n_tok + width, dtype=torch.long, device=device)
     step_tv = torch.zeros(batch, n_tok + width, device=device)
     n = torch.ones(batch, dtype=torch.long, device=device)
-    forwards = torch.ones(batch, dtype=torch.long)
-    drafter_forwards = torch.zeros(batch, dtype=torch.long)
-    accept_lengths: list[list[int]] = [[1] for _ in range(batch)]
-    drafter_seconds = 0.0
-    rank_tests = torch.zeros(source.max_depth, 1, dtype=torch.long)
-    rank_accepts = torch.zeros_like(rank_tests)
+    steps = torch.zeros(batch, dtype=torch.long, device=device)  # speculative steps each row took
+    drafter_forwards = torch.zeros(batch, dtype=torch.long, device=device)
+    lengths = torch.zeros(batch, n_tok + 1, dtype=torch.long, device=device)  # tokens committed per step
+    rank_tests = rank_accepts = None
     rows = torch.arange(batch, device=device)
+    spill = torch.full((batch, width), n_tok + width - 1, dtype=torch.long, device=device)  # a scratch column
+    offsets = torch.arange(width, device=device)
+    walk = compiled(walk_tree, device) if compile else None
+    rule.prepare(device)
+    drafter_seconds, done = 0.0, batch
     bar = tqdm(total=batch * n_tok, desc=options.method, disable=not progress, leave=False)
     try:
         probs0, hidden0 = target.prefill()
@@ -100,7 +111,7 @@ def generate_speculative(model, cond, sampling: SamplingConfig, options: MethodO
         source.start(tokens[:, 0], probs0, hidden0, target.streams, n_tok, generator, greedy)
         drafter_seconds += time.perf_counter() - t0
         before = source.forwards
-        while bool((n < n_tok).any()):
+        while done < batch * n_tok:
             active = n < n_tok
             root_index = n - 1
             t0 = time.perf_counter()
@@ -111,60 +122,70 @@ def generate_speculative(model, cond, sampling: SamplingConfig, options: MethodO
             # never tested (stopping early is exact: the bonus then comes from p itself).
             valid = tree.valid & (tree.depth <= (n_tok - n - 1)[:, None])
             base = cls + root_index
-            slots = base[:, None] + torch.arange(nodes, device=device)
+            slots = base[:, None] + offsets[:nodes]
             # Nodes past the image (never tested) still need a valid RoPE row.
             positions = (base[:, None] + tree.depth).clamp(max=cls + n_tok - 1)
-            kv_len = int(base.max()) + nodes
-            mask = tree_attention_mask(base, tree.ancestors, kv_len)
-            probs, hidden = target.forward(tree.tokens, positions, slots, mask, kv_len)
+            mask = tree_attention_mask(base, tree.ancestors, target.max_seq)
+            probs, hidden = target.forward(tree.tokens, positions, slots, mask)
             result = verify_tree(rule, probs, tree.tokens, tree.parents, tree.proposals, tree.depth, valid,
-                                 greedy=greedy, generator=generator, record_tv=record_tv and not rule.lossless)
+                                 greedy=greedy, generator=generator, record_tv=record_tv and not rule.lossless,
+                                 children=tree.children, level_widths=tree.level_widths, point_mass=tree.point_mass,
+                                 check=False, walk=walk)
             count = torch.where(active, result.num_accepted + 1, torch.zeros_like(n))
-            rank_tests, rank_accepts = _accumulate(rank_tests, rank_accepts, result.rank_tests, result.rank_accepts)
-            # Commit: tokens n .. n + count - 1 of each row.
+            if rank_tests is None:
+                rank_tests, rank_accepts = result.rank_tests, result.rank_accepts
+            else:
+                rank_tests, rank_accepts = _accumulate(rank_tests, rank_accepts, result.rank_tests, result.rank_accepts)
+            # Commit: tokens n .. n + count - 1 of each row (the rest of the span goes to a
+            # scratch column past the image).
             span = result.committed.shape[1]
-            offsets = torch.arange(span, device=device)
-            keep = offsets[None, :] < count[:, None]
-            write_at = torch.where(keep, n[:, None] + offsets, torch.full_like(keep, n_tok + width - 1, dtype=torch.long))
-            tokens.scatter_(1, write_at, torch.where(keep, result.committed.clamp(min=0), tokens.gather(1, write_at)))
-            step_tv.scatter_(1, write_at, torch.where(keep, result.step_tv.to(step_tv.dtype), step_tv.gather(1, write_at)))
-            # KV compaction: accepted node path[j] (j >= 1) moves from slot base + path[j] to base + j.
+            keep = offsets[None, :span] < count[:, None]
+            write_at = torch.where(keep, n[:, None] + offsets[:span], spill[:, :span])
+            tokens.scatter_(1, write_at, result.committed.clamp(min=0))
+            step_tv.scatter_(1, write_at, result.step_tv.to(step_tv.dtype))
+            # KV compaction: accepted node path[j] (j >= 1) moves from slot base + path[j] to
+            # base + j; every other entry copies a slot onto itself.
             path = result.path[:, 1:]
             moving = (path >= 0) & (offsets[None, : path.shape[1]] < result.num_accepted[:, None]) & active[:, None]
             dst = base[:, None] + 1 + offsets[None, : path.shape[1]]
-            src = torch.where(moving, base[:, None] + path.clamp(min=0), dst)
-            if bool(moving.any()):
-                target.move_cache(src, dst)
+            target.move_cache(torch.where(moving, base[:, None] + path.clamp(min=0), dst), dst)
             t0 = time.perf_counter()
             source.update(result.committed, result.path, torch.where(active, count, torch.ones_like(count)), root_index,
                           probs, hidden, generator)
             drafter_seconds += time.perf_counter() - t0
-            steps = source.forwards - before
+            drafter_forwards += active.long() * (source.forwards - before)
             before = source.forwards
-            forwards += active.cpu().long()
-            drafter_forwards += active.cpu().long() * steps
-            for b in torch.nonzero(active).flatten().tolist():
-                accept_lengths[b].append(int(count[b]))
+            lengths.scatter_(1, torch.where(active, steps + 1, torch.full_like(steps, n_tok))[:, None], count[:, None])
+            steps += active.long()
             n = n + count
-            bar.update(int(count.sum()))
+            now = int(n.clamp(max=n_tok).sum())  # the step's one read from the device
+            bar.update(now - done)
+            done = now
     finally:
         bar.close()
         target.close()
         source.close()
-    return DecodeResult(tokens=tokens[:, :n_tok].cpu(), target_forwards=forwards, drafter_forwards=drafter_forwards,
-                        step_tv=step_tv[:, :n_tok].cpu(), accept_lengths=accept_lengths,
-                        seconds=time.perf_counter() - start, drafter_seconds=drafter_seconds,
-                        target_forward_seconds=target.watch.seconds, drafter_forward_seconds=_watched(source),
-                        rank_tests=rank_tests, rank_accepts=rank_accepts)
+    # The results are read once, after the loop.
+    step_counts, per_step = steps.tolist(), lengths.tolist()
+    accept_lengths = [[1] + row[1 : count + 1] for row, count in zip(per_step, step_counts)]
+    return DecodeResult(tokens=tokens[:, :n_tok].cpu(), target_forwards=torch.tensor(step_counts) + 1,
+                        drafter_forwards=drafter_forwards.cpu(), step_tv=step_tv[:, :n_tok].cpu(),
+                        accept_lengths=accept_lengths, seconds=time.perf_counter() - start,
+                        drafter_seconds=drafter_seconds, target_forward_seconds=target.watch.seconds,
+                        drafter_forward_seconds=_watched(source),
+                        rank_tests=rank_tests.cpu(), rank_accepts=rank_accepts.cpu(),
+                        tv_recorded=record_tv or rule.lossless)
 
 
 def _accumulate(total_tests, total_accepts, tests, accepts):
-    """Add one step's ``[depth, rank]`` counts into running totals, growing them as needed."""
-    tests, accepts = tests.cpu(), accepts.cpu()
+    """Add one step's ``[depth, rank]`` counts into running totals (the same shape every step
+    for a source that declares its structure; grown as needed for one that does not)."""
+    if tests.shape == total_tests.shape:
+        return total_tests + tests, total_accepts + accepts
     rows = max(total_tests.shape[0], tests.shape[0])
     cols = max(total_tests.shape[1], tests.shape[1])
-    grown_t = torch.zeros(rows, cols, dtype=torch.long)
-    grown_a = torch.zeros_like(grown_t)
+    grown_t = total_tests.new_zeros(rows, cols)
+    grown_a = grown_t.clone()
     for dst, parts in ((grown_t, (total_tests, tests)), (grown_a, (total_accepts, accepts))):
         for part in parts:
             dst[: part.shape[0], : part.shape[1]] += part

@@ -29,6 +29,10 @@ class MethodOptions:
     anneal: LANTERN with COOL-SD's annealing — the additive budget at draft depth i is
     ``delta * exp(-nu * i - mu)`` (same ``nu`` / normalisation as COOL-SD), so early positions
     relax more than late ones at the same mean budget.
+    compile: run the model steps and the tree walk compiled (``torch.compile``, CUDA graphs on
+    a GPU; :mod:`relaxspec.compiling`): the first decode of each shape pays the compilation.
+    record_tv: keep the per-token TV record of relaxed rules (``--no-tv-record`` turns it off;
+    ``step_tv`` is then zero and no certificate is reported).
     """
 
     method: str = "ar"
@@ -48,6 +52,8 @@ class MethodOptions:
     normalisation: str = "mean"
     window: int = 16
     anneal: bool = False
+    compile: bool = False
+    record_tv: bool = True
 
     def __post_init__(self) -> None:
         if self.method in ALIASES:

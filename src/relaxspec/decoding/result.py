@@ -30,6 +30,7 @@ class DecodeResult:
     drafter_forward_seconds: float = 0.0  # inside the drafter model's forward calls
     rank_tests: torch.Tensor | None = None  # [depth, rank] sibling tests, summed over the batch
     rank_accepts: torch.Tensor | None = None  # [depth, rank] of those, accepted
+    tv_recorded: bool = True  # False: a relaxed method ran with the record off (step_tv is zero, not measured)
 
     @property
     def overhead_seconds(self) -> float:
@@ -65,8 +66,11 @@ class DecodeResult:
         distance. Average :attr:`tv_sum`, not this, over images: :func:`certified_tv` does."""
         return self.tv_sum.clamp(max=1.0)
 
-    def tv_record(self, row: int) -> dict[str, float]:
-        """Image ``row``'s certificate fields as stats.json and the bench records keep them."""
+    def tv_record(self, row: int) -> dict[str, float | None]:
+        """Image ``row``'s certificate fields as stats.json and the bench records keep them
+        (``None`` when the record was switched off)."""
+        if not self.tv_recorded:
+            return {"tv_sum": None, "tv_per_token": None, "tv_bound": None}
         return {"tv_sum": float(self.tv_sum[row]), "tv_per_token": float(self.tv_per_token[row]),
                 "tv_bound": float(self.tv_bound[row])}
 
@@ -82,5 +86,6 @@ def certified_tv(tv_sums) -> float:
 
 def record_tv_sum(record: dict) -> float:
     """A stats / bench record's per-image TV sum (records written before it had its own name keep
-    it under ``"tv_bound"``, which was then the uncapped sum)."""
-    return float(record["tv_sum"] if "tv_sum" in record else record.get("tv_bound", 0.0))
+    it under ``"tv_bound"``, which was then the uncapped sum); NaN where the record was off."""
+    value = record["tv_sum"] if "tv_sum" in record else record.get("tv_bound", 0.0)
+    return float("nan") if value is None else float(value)

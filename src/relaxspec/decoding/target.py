@@ -14,9 +14,41 @@ from __future__ import annotations
 
 import torch
 
+from relaxspec.compiling import compiled
 from relaxspec.timing import Stopwatch
 from relaxspec.models.gpt import Transformer
 from relaxspec.sampling import SamplingConfig, process_logits
+
+
+def attention_mask(slots: torch.Tensor, mask: torch.Tensor | None, key_valid: torch.Tensor | None,
+                   cache_len: int) -> torch.Tensor:
+    """``[R, T, cache_len]`` for queries at ``slots [R, T]``: ``mask`` (default causal by slot)
+    with padded caption keys (``key_valid [R, cache_len]`` False) hidden."""
+    keys = torch.arange(cache_len, device=slots.device)[None, None, :]
+    if mask is None:
+        mask = keys <= slots[:, :, None]
+    if key_valid is None:
+        return mask
+    # A padded caption position still attends to itself (upstream's eye fix), else its row
+    # would be all -inf.
+    return (mask & key_valid[:, None, :]) | (keys == slots[:, :, None])
+
+
+def guided_step(model: Transformer, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                mask: torch.Tensor | None, key_valid: torch.Tensor | None, sampling: SamplingConfig,
+                streams: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One target forward for ``B`` images over ``tokens [B, T]`` (repeated for each CFG
+    stream) at RoPE ``positions``, written to cache ``slots`` and attending by ``mask [B, T,
+    cache]`` (default causal by slot): processed probabilities ``[B, T, V]`` and hidden states
+    ``[S*B, T, dim]``. This is what ``--compile`` compiles."""
+    def rows(x):
+        return x if streams == 1 or x is None else torch.cat([x, x])
+
+    slots = rows(slots)
+    attn_mask = attention_mask(slots, rows(mask), key_valid, model.max_seq)
+    logits, hidden = model(rows(tokens), rows(positions), cache_slots=slots, attn_mask=attn_mask, return_hidden=True,
+                           check=False)
+    return process_logits(logits, sampling), hidden
 
 
 class GuidedTarget:
@@ -25,10 +57,14 @@ class GuidedTarget:
     ``cond``: class ids ``[B]`` or caption features ``[B, C, caption_dim]``; ``cond_mask [B, C]``
     (t2i only) marks real caption tokens — padded ones are hidden from every query, as upstream.
     ``scratch`` extra cache slots are reserved past the image for speculative drafts.
+    ``compile``: run :func:`guided_step` compiled (:mod:`relaxspec.compiling`).
+
+    Shapes are static: the cache is allocated once per (model, rows, length) and kept between
+    decodes, and every forward attends over the whole cache through a mask built from slots.
     """
 
     def __init__(self, model: Transformer, cond: torch.Tensor, sampling: SamplingConfig, *,
-                 cond_mask: torch.Tensor | None = None, scratch: int = 0):
+                 cond_mask: torch.Tensor | None = None, scratch: int = 0, compile: bool = False):
         self.model, self.sampling = model, sampling
         config = model.config
         self.batch = cond.shape[0]
@@ -48,21 +84,11 @@ class GuidedTarget:
             self.key_valid = key_valid.repeat(self.streams, 1)
         self.forwards = 0
         self.watch = Stopwatch(self.device)  # time inside the model's forward calls
+        self._step = compiled(guided_step, self.device) if compile else guided_step
 
     def _rows(self, x: torch.Tensor) -> torch.Tensor:
         """Repeat a per-image tensor ``[B, ...]`` for every CFG stream."""
         return x if self.streams == 1 else torch.cat([x, x])
-
-    def _mask(self, slots: torch.Tensor, mask: torch.Tensor | None, kv_len: int) -> torch.Tensor | None:
-        if self.key_valid is None:
-            return mask
-        if mask is None:
-            keys = torch.arange(kv_len, device=self.device)
-            mask = keys[None, None, :] <= slots[:, :, None]
-        # A padded caption position still attends to itself (upstream's eye fix), else its row
-        # would be all -inf.
-        own = torch.arange(kv_len, device=self.device)[None, None, :] == slots[:, :, None]
-        return (mask & self.key_valid[:, None, :kv_len]) | own
 
     def prefill(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Encode the condition. Returns probabilities for image token 0 ``[B, V]`` and the
@@ -70,32 +96,27 @@ class GuidedTarget:
         slots = torch.arange(self.cls, device=self.device).expand(self.batch * self.streams, -1)
         with self.watch:
             logits, hidden = self.model(cond=self.cond, positions=slots, cache_slots=slots,
-                                        attn_mask=self._mask(slots, None, self.cls), kv_len=self.cls,
-                                        return_hidden=True)
+                                        attn_mask=attention_mask(slots, None, self.key_valid, self.max_seq),
+                                        return_hidden=True, check=False)
         self.forwards += 1
         return process_logits(logits[:, -1], self.sampling), hidden[:, -1:]
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                mask: torch.Tensor | None = None, kv_len: int | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+                mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """One target forward over ``tokens [B, T]`` at RoPE ``positions [B, T]`` written to cache
-        ``slots [B, T]``; ``mask [B, T, kv_len]`` (True = may attend), default causal by slot.
+        ``slots [B, T]``; ``mask [B, T, max_seq]`` (True = may attend), default causal by slot.
         Returns probabilities ``[B, T, V]`` (what each input predicts next) and hidden states
         ``[S*B, T, dim]``."""
-        if kv_len is None:
-            kv_len = int(slots.max()) + 1
-        rows_slots = self._rows(slots)
-        rows_mask = None if mask is None else self._rows(mask)
-        attn_mask = self._mask(rows_slots, rows_mask, kv_len)
         with self.watch:
-            logits, hidden = self.model(self._rows(tokens), self._rows(positions), cache_slots=rows_slots,
-                                        attn_mask=attn_mask, kv_len=kv_len, return_hidden=True)
+            probs, hidden = self._step(self.model, tokens, positions, slots, mask, self.key_valid, self.sampling,
+                                       self.streams)
         self.forwards += 1
-        return process_logits(logits, self.sampling), hidden
+        return probs, hidden
 
     def move_cache(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Compact accepted tree nodes: copy slots ``src [B, n]`` onto ``dst [B, n]``."""
         self.model.move_cache(self._rows(src), self._rows(dst))
 
     def close(self) -> None:
-        self.model.clear_caches()
+        """The cache stays allocated for the next decode of the same shape
+        (``model.clear_caches()`` frees it)."""

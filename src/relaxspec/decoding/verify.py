@@ -14,7 +14,10 @@ parent's own target with ``rule.greedy_accept`` and the correction is that targe
 lossless rule commits exactly the greedy AR tokens.
 
 The walk is vectorised over the batch: it loops over tree levels and sibling ranks, with a mask
-per batch element, so its cost is ``O(depth * max_children)`` batched rule calls.
+per batch element, so its cost is ``O(depth * max_children)`` batched rule calls. Given the
+tree's static structure (children table, per-level widths, whether drafts are point masses) it
+makes the same fixed sequence of ops every step -- every test is computed and masked, nothing
+stops early -- and never reads a value back from the device.
 """
 
 from __future__ import annotations
@@ -25,6 +28,10 @@ import torch
 from torch import Tensor
 
 from relaxspec.acceptance.base import AcceptanceRule
+from relaxspec.drafting.sources import children_table
+from relaxspec.sampling import exponential_clocks, sample_from
+
+__all__ = ["VerifyResult", "children_table", "verify_tree", "walk_tree"]
 
 
 @dataclass
@@ -56,26 +63,6 @@ class VerifyResult:
     rank_accepts: Tensor | None = None
 
 
-def children_table(parents: Tensor, valid: Tensor) -> Tensor:
-    """Children of every node in ascending node order: ``[B, T]`` -> ``[B, T, C]`` (-1 padded).
-
-    Only valid nodes are listed; ``C`` is the largest number of valid children of any node.
-    """
-    batch, nodes = parents.shape
-    node_ids = torch.arange(nodes, device=parents.device)
-    # is_child[b, p, i]: node i is a valid child of node p.
-    is_child = (parents.unsqueeze(1) == node_ids.view(1, nodes, 1)) & valid.unsqueeze(1)
-    rank = is_child.long().cumsum(dim=2) - 1
-    width = max(1, int(is_child.sum(dim=2).max())) if nodes else 1
-    table = torch.full((batch, nodes, width + 1), -1, dtype=torch.long, device=parents.device)
-    # Non-children are written to a spare last column that is dropped afterwards.
-    slot = torch.where(is_child, rank, torch.full_like(rank, width))
-    table.scatter_(2, slot, node_ids.view(1, 1, nodes).expand(batch, nodes, nodes).clone())
-    # Each real column has exactly one writer (a child's rank is unique); the spare column got
-    # arbitrary writers and is dropped.
-    return table[:, :, :width]
-
-
 def _tree_levels(parents: Tensor, valid: Tensor) -> int:
     """The deepest valid node's distance from the root (structural, from ``parents``)."""
     batch, nodes = parents.shape
@@ -86,6 +73,18 @@ def _tree_levels(parents: Tensor, valid: Tensor) -> int:
     usable = valid.clone()
     usable[:, 0] = True
     return int(torch.where(usable, level, torch.zeros_like(level)).max()) if nodes else 0
+
+
+def _check_tree(target_probs: Tensor, tokens: Tensor, parents: Tensor, proposals: Tensor) -> None:
+    batch, nodes, _ = target_probs.shape
+    if parents.shape != (batch, nodes) or tokens.shape != (batch, nodes) or proposals.shape != target_probs.shape:
+        raise ValueError("verify_tree: tokens/parents/depth/valid must be [B, T] and proposals [B, T, V]")
+    if nodes and bool((parents[:, 0] != -1).any()):
+        raise ValueError("verify_tree: node 0 must be the root (parent -1)")
+    if nodes > 1:
+        child_ids = torch.arange(1, nodes, device=parents.device)
+        if bool(((parents[:, 1:] >= child_ids) | (parents[:, 1:] < 0)).any()):
+            raise ValueError("verify_tree: every parent index must be in [0, child index)")
 
 
 def verify_tree(
@@ -99,6 +98,12 @@ def verify_tree(
     greedy: bool = False,
     generator: torch.Generator | None = None,
     record_tv: bool = True,
+    *,
+    children: Tensor | None = None,
+    level_widths: tuple[int, ...] | None = None,
+    point_mass: bool | None = None,
+    check: bool = True,
+    walk=None,
 ) -> VerifyResult:
     """Walk a batch of draft trees and pick the accepted path and the next token.
 
@@ -117,108 +122,127 @@ def verify_tree(
         record_tv: compute ``step_tv`` (costs one ``rule.step_tv`` per test; off -> zeros). In
             greedy mode the record of a committed token is 1 where it differs from its node
             target's argmax (a departure from greedy AR) and 0 elsewhere.
+        children, level_widths, point_mass: the tree's static structure, when the caller knows
+            it (:class:`relaxspec.drafting.sources.DraftTree` carries it): ``children [B or 1,
+            T, C]`` node ids of each node's children in sibling order (-1 padded; invalid ones
+            are skipped), ``level_widths[d]`` the most children of any node at depth ``d`` (its
+            length is the number of levels that hold drafts), ``point_mass`` whether every
+            proposal is one-hot. With all three the walk has a fixed number of batched ops and
+            never reads the device; without, they are read from the tensors.
+        check: validate the shapes and parent indices (host syncs; the engine builds its trees
+            valid and skips it).
+        walk: the function that walks (default :func:`walk_tree`; the engine passes it compiled).
 
     Greedy mode ignores ``proposals`` and ``generator``: it is deterministic.
     """
     batch, nodes, vocab = target_probs.shape
-    if parents.shape != (batch, nodes) or tokens.shape != (batch, nodes) or proposals.shape != target_probs.shape:
-        raise ValueError("verify_tree: tokens/parents/depth/valid must be [B, T] and proposals [B, T, V]")
-    if nodes and bool((parents[:, 0] != -1).any()):
-        raise ValueError("verify_tree: node 0 must be the root (parent -1)")
-    if nodes > 1:
-        child_ids = torch.arange(1, nodes, device=parents.device)
-        if bool(((parents[:, 1:] >= child_ids) | (parents[:, 1:] < 0)).any()):
-            raise ValueError("verify_tree: every parent index must be in [0, child index)")
+    if check:
+        _check_tree(target_probs, tokens, parents, proposals)
+    valid = valid.to(torch.bool)
+    valid = torch.cat([torch.zeros_like(valid[:, :1]), valid[:, 1:]], dim=1)  # the root is never tested
+    if children is None:
+        children = children_table(parents, valid)
+    if level_widths is None:
+        level_widths = (children.shape[2],) * _tree_levels(parents, valid)
+    uniforms = clocks = None
+    if not greedy:  # all of the step's randomness in two draws, ahead of the walk
+        uniforms = torch.rand(max(sum(level_widths), 1), batch, generator=generator, device=target_probs.device,
+                              dtype=torch.float64)
+        clocks = exponential_clocks((batch, vocab), generator, target_probs.device)
+    return VerifyResult(*(walk or walk_tree)(rule, target_probs, tokens, proposals, depth, valid, children, uniforms,
+                                             clocks, level_widths=level_widths, greedy=greedy, record_tv=record_tv,
+                                             point_mass=point_mass))
 
+
+def walk_tree(rule: AcceptanceRule, target_probs: Tensor, tokens: Tensor, proposals: Tensor, depth: Tensor,
+              valid: Tensor, children: Tensor, uniforms: Tensor | None, clocks: Tensor | None, *,
+              level_widths: tuple[int, ...], greedy: bool, record_tv: bool,
+              point_mass: bool | None) -> tuple[Tensor, ...]:
+    """The walk of :func:`verify_tree` as a pure function of tensors: ``valid`` with the root
+    cleared, ``uniforms [tests, B]`` (one per sibling test, in walk order) and exponential
+    ``clocks [B, V]`` for the bonus draw (both None when greedy). A fixed sequence of ops for
+    given static arguments -- what ``--compile`` compiles. Returns the fields of
+    :class:`VerifyResult` in order."""
+    batch = target_probs.shape[0]
     device = target_probs.device
     rows = torch.arange(batch, device=device)
-    valid = valid.to(torch.bool).clone()
-    valid[:, 0] = False  # the root is committed already, never tested
-    children = children_table(parents, valid)
-    width = children.shape[2]
-    levels = _tree_levels(parents, valid)
+    children = children.expand(batch, -1, -1)
+    levels, width = len(level_widths), children.shape[2]
 
-    path = torch.full((batch, levels + 1), -1, dtype=torch.long, device=device)
-    path[:, 0] = 0
-    committed = torch.full((batch, levels + 1), -1, dtype=torch.long, device=device)
-    step_tv = torch.zeros(batch, levels + 1, dtype=target_probs.dtype, device=device)
-    num_accepted = torch.zeros(batch, dtype=torch.long, device=device)
-    tests = torch.zeros(batch, dtype=torch.long, device=device)
-    rank_tests = torch.zeros(max(levels, 1), width, dtype=torch.long, device=device)
-    rank_accepts = torch.zeros_like(rank_tests)
-
+    no = torch.zeros(batch, dtype=torch.bool, device=device)
+    zero_tv = torch.zeros(batch, dtype=target_probs.dtype, device=device)
     current = torch.zeros(batch, dtype=torch.long, device=device)
-    target = target_probs[:, 0].clone()
+    target = target_probs[:, 0]
     walking = torch.ones(batch, dtype=torch.bool, device=device)
-    final_target = target.clone()  # the residual each row's bonus token is drawn from
+    final_target = target  # the residual each row's bonus token is drawn from
+    path_cols, committed_cols, tv_cols, tested, accepted = [current], [], [], [], []
+    test_index = 0
 
-    for level in range(levels + 1):
-        moved = torch.zeros(batch, dtype=torch.bool, device=device)
-        next_node = current.clone()
-        for rank in range(width):
-            child = children[rows, current, rank]
-            testing = walking & ~moved & (child >= 0)
-            if not bool(testing.any()):
-                break
+    for level, level_width in enumerate(level_widths):
+        moved = no
+        next_node = current
+        level_tv = zero_tv
+        kids = children[rows, current]  # [B, C] the current node's children
+        for rank in range(level_width):
+            child = kids[:, rank]
             safe = child.clamp(min=0)
-            token = tokens[rows, safe]
-            node_depth = depth[rows, safe]
+            testing = walking & ~moved & (child >= 0) & valid.gather(1, safe[:, None]).squeeze(1)
+            token = tokens.gather(1, safe[:, None]).squeeze(1)
+            node_depth = depth.gather(1, safe[:, None]).squeeze(1)
             if greedy:
                 accept = rule.greedy_accept(target, token, node_depth)
             else:
                 proposal = proposals[rows, safe]
                 alpha = rule.accept_prob(target, proposal, token, node_depth)
-                uniform = torch.rand(batch, generator=generator, device=device, dtype=torch.float64)
-                accept = uniform < alpha.double()  # P(U < alpha) = alpha for U ~ U[0, 1)
+                accept = uniforms[test_index] < alpha.double()  # P(U < alpha) = alpha for U ~ U[0, 1)
+                test_index += 1
                 if record_tv:
-                    tv = rule.step_tv(target, proposal, token, node_depth)
-                    step_tv[:, level] += torch.where(testing, tv.to(step_tv.dtype), torch.zeros_like(step_tv[:, 0]))
-            tests += testing.long()
+                    tv = rule.step_tv(target, proposal, token, node_depth, point_mass=point_mass)
+                    level_tv = level_tv + torch.where(testing, tv.to(level_tv.dtype), zero_tv)
             accept = accept & testing
-            if level < rank_tests.shape[0]:
-                rank_tests[level, rank] += testing.sum()
-                rank_accepts[level, rank] += accept.sum()
-            reject = testing & ~accept
-            # Sampling: a rejected sibling turns the target into the residual the next sibling is
-            # tested against (and the bonus is drawn from, if it was the last one). Greedy: every
-            # sibling is tested against the parent's own target (LANTERN's definition, REFERENCE
-            # §4) and the correction is that target's argmax, so there is no residual at all.
-            if not greedy and bool(reject.any()):  # (the residual costs several vocabulary-wide ops: only when used)
+            tested.append(testing)
+            accepted.append(accept)
+            if not greedy:
+                # A rejected sibling turns the target into the residual the next sibling is
+                # tested against (and the bonus is drawn from, if it was the last one). Greedy:
+                # every sibling is tested against the parent's own target (LANTERN's
+                # definition, REFERENCE §4) and the correction is that target's argmax, so there
+                # is no residual at all.
                 residual = rule.residual(target, proposal, token, node_depth)
-                target = torch.where(reject.unsqueeze(1), residual.to(target.dtype), target)
-            moved |= accept
+                target = torch.where((testing & ~accept).unsqueeze(1), residual.to(target.dtype), target)
+            moved = moved | accept
             next_node = torch.where(accept, child, next_node)
+        tested.extend([no] * (width - level_width))
+        accepted.extend([no] * (width - level_width))
 
+        moved_token = tokens.gather(1, next_node[:, None]).squeeze(1)
         if greedy and record_tv:
             # At temperature 0 the model's token is the node target's argmax: a committed draft
             # that is not departs from greedy AR (TV 1 between the two point masses); the
             # correction never does. So an image's sum counts its departures (docs/METHODS.md).
-            departs = moved & (tokens[rows, next_node] != rule.greedy_correction(target))
-            step_tv[:, level] = departs.to(step_tv.dtype)
-        finishing = walking & ~moved
-        final_target = torch.where(finishing.unsqueeze(1), target, final_target)
+            level_tv = (moved & (moved_token != rule.greedy_correction(target))).to(level_tv.dtype)
+        tv_cols.append(level_tv)
+        final_target = torch.where((walking & ~moved).unsqueeze(1), target, final_target)
         walking = walking & moved
         current = next_node
-        if level + 1 <= levels:
-            path[:, level + 1] = torch.where(moved, current, path[:, level + 1])
-        committed[:, level] = torch.where(moved, tokens[rows, current], committed[:, level])
-        num_accepted += moved.long()
+        path_cols.append(torch.where(moved, current, torch.full_like(current, -1)))
+        committed_cols.append(torch.where(moved, moved_token, torch.full_like(current, -1)))
         target = torch.where(moved.unsqueeze(1), target_probs[rows, current], target)
-        if not bool(walking.any()):
-            break
+    final_target = torch.where(walking.unsqueeze(1), target, final_target)  # accepted a deepest node
 
+    num_accepted = (torch.stack(committed_cols, 1) >= 0).sum(1) if levels else torch.zeros_like(current)
     if greedy:
         next_token = rule.greedy_correction(final_target)
     else:
-        next_token = torch.multinomial(final_target.float(), 1, generator=generator).squeeze(1)
-    committed.scatter_(1, num_accepted.unsqueeze(1), next_token.unsqueeze(1))
-    return VerifyResult(
-        path=path,
-        num_accepted=num_accepted,
-        next_token=next_token,
-        step_tv=step_tv,
-        tests=tests,
-        committed=committed,
-        rank_tests=rank_tests,
-        rank_accepts=rank_accepts,
-    )
+        next_token = sample_from(final_target, clocks=clocks)
+    committed = torch.stack(committed_cols + [torch.full_like(current, -1)], 1)
+    committed = committed.scatter(1, num_accepted.unsqueeze(1), next_token.unsqueeze(1))
+    step_tv = torch.stack(tv_cols + [zero_tv], 1)
+    if levels:
+        counts = torch.stack([torch.stack(tested), torch.stack(accepted)]).view(2, levels, width, batch).sum(3)
+        rank_tests, rank_accepts = counts[0], counts[1]
+        tests = torch.stack(tested).sum(0)
+    else:
+        rank_tests = rank_accepts = torch.zeros(1, width, dtype=torch.long, device=device)
+        tests = torch.zeros_like(current)
+    return (torch.stack(path_cols, 1), num_accepted, next_token, step_tv, tests, committed, rank_tests, rank_accepts)

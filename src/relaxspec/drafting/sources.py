@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from relaxspec.acceptance.base import one_hot
+from relaxspec.compiling import compiled
 from relaxspec.drafting.eagle import EagleDrafter
 from relaxspec.drafting.siblings import sample_siblings, topk_siblings
 from relaxspec.drafting.trees import TreeSpec
@@ -41,6 +42,13 @@ class DraftTree:
     proposals: torch.Tensor
     valid: torch.Tensor
     ancestors: torch.Tensor
+    #: Static structure (optional; a source that knows it lets the walk run without host syncs):
+    #: ``children [B or 1, T, C]`` each node's children in sibling order (-1 padded),
+    #: ``level_widths[d]`` the most children of a node at depth ``d`` (one entry per level that
+    #: holds drafts), ``point_mass`` whether every proposal is one-hot.
+    children: torch.Tensor | None = None
+    level_widths: tuple[int, ...] | None = None
+    point_mass: bool | None = None
 
     @property
     def num_nodes(self) -> int:
@@ -66,11 +74,50 @@ def ancestor_matrix(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
     return reach > 0
 
 
+def children_table(parents: torch.Tensor, valid: torch.Tensor, width: int | None = None) -> torch.Tensor:
+    """Children of every node in ascending node order: ``[B, T]`` -> ``[B, T, C]`` (-1 padded).
+
+    Only valid nodes are listed. ``C`` is ``width`` when given (a static bound on any node's
+    number of children: no host sync), else the largest number of valid children of any node
+    (read from the device).
+    """
+    batch, nodes = parents.shape
+    node_ids = torch.arange(nodes, device=parents.device)
+    # is_child[b, p, i]: node i is a valid child of node p.
+    is_child = (parents.unsqueeze(1) == node_ids.view(1, nodes, 1)) & valid.unsqueeze(1)
+    rank = is_child.long().cumsum(dim=2) - 1
+    if width is None:
+        width = max(1, int(is_child.sum(dim=2).max())) if nodes else 1
+    table = torch.full((batch, nodes, width + 1), -1, dtype=torch.long, device=parents.device)
+    # Non-children (and children past ``width``) are written to a spare last column that is
+    # dropped afterwards.
+    slot = torch.where(is_child, rank.clamp(max=width), torch.full_like(rank, width))
+    table.scatter_(2, slot, node_ids.view(1, 1, nodes).expand(batch, nodes, nodes).clone())
+    # Each real column has exactly one writer (a child's rank is unique); the spare column got
+    # arbitrary writers and is dropped.
+    return table[:, :, :width]
+
+
+def static_children(parents: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """A fixed shape's ``parents [T]`` -> children table ``[1, T, C]`` (:func:`children_table`)
+    and the most children of a node at each depth (one entry per depth that has children), built
+    once on the host."""
+    nodes = parents.shape[0]
+    table = children_table(parents[None], torch.ones(1, nodes, dtype=torch.bool))
+    depth = [0] * nodes
+    for i in range(1, nodes):
+        depth[i] = depth[int(parents[i])] + 1
+    counts = (table[0] >= 0).sum(dim=1).tolist()
+    widths = tuple(max(c for c, d in zip(counts, depth) if d == level) for level in range(max(depth)))
+    return table, widths
+
+
 def tree_attention_mask(base: torch.Tensor, ancestors: torch.Tensor, kv_len: int,
                         queries: torch.Tensor | None = None) -> torch.Tensor:
     """Mask ``[B, Q, kv_len]`` for tree nodes stored at slots ``base + node``: every committed
     slot ``< base`` plus the query node's ancestors (and itself). ``queries [B, Q]`` selects
-    which nodes ask (default all)."""
+    which nodes ask (default all). ``kv_len`` is the whole cache: the shape never depends on
+    where the tree sits."""
     batch, nodes, _ = ancestors.shape
     if queries is not None:
         ancestors = ancestors.gather(1, queries[:, :, None].expand(-1, -1, nodes))
@@ -86,6 +133,22 @@ def tree_attention_mask(base: torch.Tensor, ancestors: torch.Tensor, kv_len: int
 # ------------------------------------------------------------------------------------------
 
 
+def drafter_step(drafter: EagleDrafter, features: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
+                 slots: torch.Tensor, mask: torch.Tensor | None, sampling: SamplingConfig,
+                 streams: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One drafter forward on every CFG stream: ``features [S*B, M, d]``, per-image ``tokens``,
+    ``positions``, ``slots`` and ``mask [B, M, cache]`` (default causal by slot) -> predicted
+    features ``[S*B, M, d]`` and processed draft laws ``q [B, M, V]``. What ``--compile``
+    compiles for the drafter."""
+    def rows(x):
+        return x if streams == 1 or x is None else torch.cat([x, x])
+
+    # Padding pairs and finished rows may point past the image; their outputs are never used.
+    positions = positions.clamp(max=drafter.rope.shape[0] - 1)
+    feats, logits = drafter(features, rows(tokens), rows(positions), cache_slots=rows(slots), attn_mask=rows(mask))
+    return feats, process_logits(logits, sampling)
+
+
 class EagleSource:
     """Drafts with an :class:`EagleDrafter` on both CFG streams, laid out by ``structure``.
 
@@ -94,11 +157,13 @@ class EagleSource:
     ``root_index``, already committed), so draft slots are overwritten by the next catch-up.
     """
 
-    def __init__(self, drafter: EagleDrafter, structure: "StaticTree | DynamicTree", sampling: SamplingConfig):
+    def __init__(self, drafter: EagleDrafter, structure: "StaticTree | DynamicTree", sampling: SamplingConfig,
+                 compile: bool = False):
         self.drafter, self.structure, self.sampling = drafter, structure, sampling
         self.max_nodes = structure.max_nodes
         self.max_depth = structure.depth
         self.forwards = 0
+        self.compile = compile
 
     # -- plumbing shared by the structures ----------------------------------------------
     def start(self, first_tokens, first_probs, first_hidden, streams: int, num_tokens: int, generator,
@@ -108,6 +173,9 @@ class EagleSource:
         ``first_hidden [S*B, 1, d]``. Feeds pair 0 so the first proposal has its root law."""
         self.batch, self.streams = first_tokens.shape[0], streams
         self.drafter.setup_caches(self.batch * streams, num_tokens + self.structure.drafter_slots + 1)
+        self.cache_length = self.drafter.cache_length
+        device = first_tokens.device
+        self._step = compiled(drafter_step, device) if self.compile else drafter_step
         self.forwards = 0
         self.watch = Stopwatch(first_tokens.device)  # time inside the drafter's forward calls
         zero = torch.zeros_like(first_tokens)
@@ -120,17 +188,14 @@ class EagleSource:
         return x if self.streams == 1 else torch.cat([x, x])
 
     def expand(self, features: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-               mask: torch.Tensor | None, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+               mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """One drafter forward: ``features [S*B, M, d]`` (of the inputs' parents), ``tokens
-        [B, M]`` ... -> predicted features ``[S*B, M, d]`` and processed draft laws ``q [B, M, V]``."""
-        # Padding pairs and finished rows may point past the image; their outputs are never used.
-        positions = positions.clamp(max=self.drafter.rope.shape[0] - 1)
-        rows_mask = None if mask is None else self.rows(mask)
+        [B, M]`` ... -> predicted features ``[S*B, M, d]`` and processed draft laws ``q [B, M, V]``.
+        ``mask [B, M, cache_length]`` (default: causal by slot over the whole cache)."""
         with self.watch:
-            feats, logits = self.drafter(features, self.rows(tokens), self.rows(positions), cache_slots=self.rows(slots),
-                                         attn_mask=rows_mask, kv_len=kv_len)
+            feats, q = self._step(self.drafter, features, tokens, positions, slots, mask, self.sampling, self.streams)
         self.forwards += 1
-        return feats, process_logits(logits, self.sampling)
+        return feats, q
 
     def catch_up(self, features: torch.Tensor, tokens: torch.Tensor, first: torch.Tensor, count: torch.Tensor) -> None:
         """Feed the newly committed pairs: ``features [S*B, M, d]`` (target states that predicted
@@ -138,8 +203,7 @@ class EagleSource:
         Leaves the root's predicted feature and draft law for the next :meth:`propose`."""
         width = tokens.shape[1]
         slots = first[:, None] + torch.arange(width, device=first.device)
-        kv_len = int(slots.max()) + 1
-        feats, q = self.expand(features, tokens, slots, slots, None, kv_len)
+        feats, q = self.expand(features, tokens, slots, slots, None)
         last = (count - 1).clamp(min=0)
         self.root_q = q[torch.arange(self.batch), last]
         self.root_feature = feats[torch.arange(feats.shape[0]), self.rows(last)]
@@ -158,26 +222,45 @@ class EagleSource:
 
 class StaticTree:
     """A fixed tree shape (:class:`TreeSpec`); siblings "sampled" from ``q`` without replacement
-    or deterministic "topk". A chain is ``TreeSpec.chain(L)``."""
+    or deterministic "topk". A chain is ``TreeSpec.chain(L)``. Every table the step needs
+    (parents, depths, ancestors, children, per-level slots and ranks) is built once per device."""
 
     def __init__(self, spec: TreeSpec, siblings: str = "sampled"):
         self.spec, self.siblings = spec, siblings
         self.max_nodes, self.depth = spec.num_nodes, spec.depth
         self.drafter_slots = spec.num_nodes
-        self._ancestors = ancestor_matrix(spec.parents[None], spec.depth)[0]
-        # Per level: the parents that have children, and each child's (parent slot, rank).
-        self._levels = []
-        for d in range(1, spec.depth + 1):
-            nodes = spec.level(d)
-            parents = spec.parents[nodes]
-            parent_list = torch.unique(parents)
-            slot = torch.searchsorted(parent_list, parents)
-            expand = nodes[spec.num_children[nodes] > 0]  # nodes whose q the drafter must compute
-            self._levels.append((nodes, parent_list, slot, spec.ranks[nodes], int(spec.num_children[parent_list].max()), expand))
+        self._tables: dict[torch.device, dict] = {}
+
+    def tables(self, device: torch.device) -> dict:
+        """The shape's index tables on ``device`` (copied there once)."""
+        if device not in self._tables:
+            spec = self.spec
+            children, widths = static_children(spec.parents)
+            levels = []
+            # Per level: its nodes, the parents that have children there, each child's (parent
+            # slot, rank), the width of the sibling draw and the nodes whose q the drafter computes.
+            for d in range(1, spec.depth + 1):
+                nodes = spec.level(d)
+                parents = spec.parents[nodes]
+                parent_list = torch.unique(parents)
+                slot = torch.searchsorted(parent_list, parents)
+                expand = nodes[spec.num_children[nodes] > 0]
+                levels.append(dict(nodes=nodes, node_parents=parents, parent_list=parent_list, slot=slot,
+                                   ranks=spec.ranks[nodes], width=int(spec.num_children[parent_list].max()),
+                                   expand=expand, expand_parents=spec.parents[expand]))
+            host = dict(parents=spec.parents[None], depths=spec.depths[None],
+                        ancestors=ancestor_matrix(spec.parents[None], spec.depth), children=children)
+            moved = {k: v.to(device) for k, v in host.items()}
+            moved["levels"] = [{k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in lv.items()}
+                               for lv in levels]
+            moved["level_widths"] = widths
+            self._tables[device] = moved
+        return self._tables[device]
 
     def draft(self, source: EagleSource, roots, root_index, generator, greedy: bool) -> DraftTree:
         spec, batch = self.spec, roots.shape[0]
         device = roots.device
+        tab = self.tables(device)
         vocab = source.root_q.shape[-1]
         nodes_n = spec.num_nodes
         tokens = torch.zeros(batch, nodes_n, dtype=torch.long, device=device)
@@ -188,33 +271,32 @@ class StaticTree:
         q_at[:, 0] = source.root_q
         feats = source.root_feature.new_zeros(source.root_feature.shape[0], nodes_n, source.root_feature.shape[-1])
         feats[:, 0] = source.root_feature
-        ancestors = self._ancestors.to(device).expand(batch, nodes_n, nodes_n)
-        depths = spec.depths.to(device)
+        ancestors = tab["ancestors"].expand(batch, nodes_n, nodes_n)
+        depths = tab["depths"][0]
         base = root_index  # drafter slot of node i is root_index + i
-        kv_len = int(base.max()) + nodes_n
-        for nodes, parent_list, slot, ranks, width, expand in self._levels:
-            q_parents = q_at[:, parent_list.to(device)].reshape(-1, vocab)  # [B*P, V]
-            if greedy or self.siblings == "topk":
+        point_mass = greedy or self.siblings == "topk"
+        for level in tab["levels"]:
+            nodes, width, expand = level["nodes"], level["width"], level["expand"]
+            q_parents = q_at[:, level["parent_list"]].reshape(-1, vocab)  # [B*P, V]
+            if point_mass:
                 sib_tok, sib_prop, sib_valid = topk_siblings(q_parents, width)
             else:
                 sib_tok, sib_prop, sib_valid = sample_siblings(q_parents, width, generator)
-            P = parent_list.numel()
-            sib_tok = sib_tok.view(batch, P, width)
-            pick = (slot.to(device), ranks.to(device))
-            tokens[:, nodes] = sib_tok[:, pick[0], pick[1]]
+            P = level["parent_list"].shape[0]
+            pick = (level["slot"], level["ranks"])
+            tokens[:, nodes] = sib_tok.view(batch, P, width)[:, pick[0], pick[1]]
             proposals[:, nodes] = sib_prop.view(batch, P, width, vocab)[:, pick[0], pick[1]]
-            valid[:, nodes] = sib_valid.view(batch, P, width)[:, pick[0], pick[1]] & valid[:, spec.parents[nodes]]
-            if expand.numel():
-                ex = expand.to(device)
-                parent_feats = feats[:, spec.parents[expand].to(device)]
-                queries = ex.expand(batch, -1)
-                mask = tree_attention_mask(base, ancestors, kv_len, queries)
-                out, q = source.expand(parent_feats, tokens[:, ex], root_index[:, None] + depths[ex],
-                                       base[:, None] + ex, mask, kv_len)
-                feats[:, ex] = out
-                q_at[:, ex] = q
-        return DraftTree(tokens, spec.parents.to(device).expand(batch, -1), depths.expand(batch, -1), proposals,
-                         valid, ancestors)
+            valid[:, nodes] = sib_valid.view(batch, P, width)[:, pick[0], pick[1]] & valid[:, level["node_parents"]]
+            if expand.shape[0]:
+                queries = expand.expand(batch, -1)
+                mask = tree_attention_mask(base, ancestors, source.cache_length, queries)
+                out, q = source.expand(feats[:, level["expand_parents"]], tokens[:, expand],
+                                       root_index[:, None] + depths[expand], base[:, None] + expand, mask)
+                feats[:, expand] = out
+                q_at[:, expand] = q
+        return DraftTree(tokens, tab["parents"].expand(batch, -1), tab["depths"].expand(batch, -1), proposals,
+                         valid, ancestors, children=tab["children"], level_widths=tab["level_widths"],
+                         point_mass=point_mass)
 
 
 class DynamicTree:
@@ -246,8 +328,7 @@ class DynamicTree:
         feats_root = source.root_feature
         beam_feats = feats_root.new_zeros(feats_root.shape[0], 0, feats_root.shape[-1])
         level_start, level_size = 0, kk
-        max_beams = (self.depth - 1) * kk
-        kv_len = int(root_index.max()) + 2 + max_beams
+        kv_len = source.cache_length
         for d in range(2, self.depth + 1):
             scores = torch.cat(cand_score, dim=1)
             level_scores = scores[:, level_start : level_start + level_size]
@@ -285,7 +366,7 @@ class DynamicTree:
             queries = (torch.arange(nb, device=device) + 1 + n_beams).expand(batch, -1)
             mask = tree_attention_mask(root_index, full_anc, kv_len, queries)
             depth_now = torch.cat(cand_depth, dim=1).gather(1, chosen)
-            out, q = source.expand(pf, toks, root_index[:, None] + depth_now, root_index[:, None] + queries, mask, kv_len)
+            out, q = source.expand(pf, toks, root_index[:, None] + depth_now, root_index[:, None] + queries, mask)
             beam_feats = torch.cat([beam_feats, out], dim=1)
             beam_cand.extend(chosen.unbind(1))
             top = q.topk(kk, dim=-1)  # [B, nb, kk]
@@ -320,7 +401,10 @@ class DynamicTree:
         depth = torch.cat([torch.zeros(batch, 1, dtype=torch.long, device=device), depth_all.gather(1, keep)], 1)
         valid = torch.cat([torch.ones(batch, 1, dtype=torch.bool, device=device), ok], 1)
         proposals = one_hot(tokens.reshape(-1), vocab, source.root_q.dtype).view(batch, -1, vocab)
-        return DraftTree(tokens, parents, depth, proposals, valid, ancestor_matrix(parents, self.depth))
+        # A node has at most kk children (one expansion's top-kk), the root its kk candidates.
+        return DraftTree(tokens, parents, depth, proposals, valid, ancestor_matrix(parents, self.depth),
+                         children=children_table(parents, valid & (depth > 0), kk),
+                         level_widths=(kk,) * self.depth, point_mass=True)
 
 
 # ------------------------------------------------------------------------------------------
@@ -344,10 +428,7 @@ class JacobiSource:
         self.max_nodes, self.max_depth = window + 1, window
         self.depth = window
         self.forwards = 0
-        spec = TreeSpec.chain(window)
-        self._parents = spec.parents
-        self._depths = spec.depths
-        self._ancestors = torch.ones(window + 1, window + 1).tril().bool()
+        self._chain = StaticTree(TreeSpec.chain(window), "topk")
 
     def start(self, first_tokens, first_probs, first_hidden, streams: int, num_tokens: int, generator,
               greedy: bool) -> None:
@@ -373,12 +454,13 @@ class JacobiSource:
     def propose(self, roots, root_index, generator, greedy: bool) -> DraftTree:
         batch, device = roots.shape[0], roots.device
         tokens = torch.cat([roots[:, None], self.drafts], dim=1)
-        proposals = torch.cat([torch.zeros_like(self.laws[:, :1]), self.laws], dim=1)
-        proposals[:, 0, 0] = 1.0  # the root is never tested; keep its row a distribution
+        # The root is never tested; a one-hot row keeps it a distribution.
+        proposals = torch.cat([one_hot(roots, self.vocab, self.laws.dtype)[:, None], self.laws], dim=1)
         n = self.window + 1
-        return DraftTree(tokens, self._parents.to(device).expand(batch, n), self._depths.to(device).expand(batch, n),
-                         proposals, torch.ones(batch, n, dtype=torch.bool, device=device),
-                         self._ancestors.to(device).expand(batch, n, n))
+        tab = self._chain.tables(device)
+        return DraftTree(tokens, tab["parents"].expand(batch, n), tab["depths"].expand(batch, n), proposals,
+                         torch.ones(batch, n, dtype=torch.bool, device=device), tab["ancestors"].expand(batch, n, n),
+                         children=tab["children"], level_widths=tab["level_widths"], point_mass=self.greedy)
 
     def update(self, committed, path, count, root_index, target_probs, target_hidden, generator=None) -> None:
         """New window after committing ``count = a + 1`` tokens: position ``j`` of the new window
