@@ -70,6 +70,9 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     timing = bench.add_argument_group("timing")
     timing.add_argument("--threads", type=int, default=1, help="torch CPU threads, pinned for the run (default 1)")
     timing.add_argument("--warmup", type=int, default=1, help="unrecorded decodes per method first (default 1)")
+    timing.add_argument("--compile", action="store_true",
+                        help="every method compiled (unless a --sweep sets its compile field); give --warmup >= 1 "
+                             "so compilation stays out of the timings")
     timing.add_argument("--batch-size", type=int, default=1,
                         help="images per decode (default 1: latency; 8: throughput mode)")
 
@@ -181,6 +184,9 @@ def run_bench_cli(args: argparse.Namespace) -> int:
     from relaxspec.sampling import SamplingConfig
 
     specs = expand_methods(parse_methods(args.methods), args.sweep)
+    if args.compile:
+        for spec in specs:
+            spec.options.setdefault("compile", True)
     drafting = [s.label for s in specs if s.needs_drafter]
     resolve_models(args)
     sampling = SamplingConfig(cfg_scale=args.cfg_scale, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)

@@ -147,8 +147,11 @@ def method_summary(records: Sequence[dict], label: str, num_tokens: int, baselin
     }
     if len(ratios):
         row["speedup"], row["speedup_lo"], row["speedup_hi"] = _bootstrap(np.median, ratios, n_boot=n_boot, seed=seed)
-    row["tv_sum_mean"], row["tv_sum_lo"], row["tv_sum_hi"] = _bootstrap(np.mean, tv, n_boot=n_boot, seed=seed)
-    row["tv_certified"] = certified_tv(tv)
+    if np.isnan(tv).any():  # run with --no-tv-record: nothing was measured
+        row["tv_sum_mean"] = row["tv_sum_lo"] = row["tv_sum_hi"] = row["tv_certified"] = None
+    else:
+        row["tv_sum_mean"], row["tv_sum_lo"], row["tv_sum_hi"] = _bootstrap(np.mean, tv, n_boot=n_boot, seed=seed)
+        row["tv_certified"] = certified_tv(tv)
     return row
 
 

@@ -69,7 +69,7 @@ class PreparedMethod:
             return cls(spec, sampling, options)
         if options.needs_drafter and drafter is None:
             raise RelaxspecError(f"{spec.label} needs a trained drafter (--drafter-ckpt)")
-        source = build_source(options, drafter, sampling)
+        source = build_source(options, drafter, sampling, compile=options.compile)
         return cls(spec, sampling, options, source, build_rule(options, vq, horizon=source.max_depth))
 
 
@@ -77,7 +77,7 @@ def decode_method(method: PreparedMethod, target, cond: torch.Tensor, generator:
     """One decode of ``cond [B]`` — the same call :func:`relaxspec.decoding.decode` makes, with the
     prebuilt source and rule."""
     if method.options.method == "ar":
-        return generate_ar(target, cond, method.sampling, generator=generator)
+        return generate_ar(target, cond, method.sampling, generator=generator, compile=method.options.compile)
     return generate_speculative(target, cond, method.sampling, method.options, generator=generator,
                                 rule=method.rule, source=method.source)
 
