@@ -1,0 +1,147 @@
+"""Counting what a decode asks of the device: ops, host syncs and host->device copies per step.
+
+:class:`StepCounter` is a ``TorchFunctionMode``: every torch call made inside it is seen once.
+It treats every tensor as if it lived on an accelerator (the test machine has none), so a call
+that would make the host wait for the device counts as a **sync** wherever it runs:
+
+* reading a value: ``.item()``, ``.tolist()``, ``bool()`` / ``int()`` / ``float()`` /
+  ``__index__`` of a tensor, ``.numpy()``, printing;
+* copies to the host: ``.cpu()`` (``.to(device)`` is not counted: on this machine it can only
+  name the device a tensor is already on, a no-op);
+* ops whose output size depends on the data: ``nonzero``, ``argwhere``, ``unique``,
+  ``masked_select``, boolean-mask indexing, ``repeat_interleave`` without ``output_size``;
+* ``torch.multinomial`` (it reads its input's validity back on CUDA).
+
+Building a tensor from host data (``torch.tensor``, ``as_tensor``, ``from_numpy``) counts as a
+**host->device copy**. Every other call is an **op** (metadata queries such as ``size`` or
+``dim`` excepted), attributed to the target's forward, the drafter's forward or the engine.
+
+Calls are grouped into **windows** that each start when the target model's forward is entered:
+window 0 holds the prefill and the first draft, window ``i`` step ``i``'s verification forward,
+the walk, the commit, the drafter's catch-up and the next draft. The decode's final read-out
+lands in the last window.
+"""
+
+from __future__ import annotations
+
+import traceback
+from dataclasses import dataclass, field
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+SYNC_CALLS = frozenset({
+    "item", "tolist", "__bool__", "__int__", "__float__", "__index__", "__complex__", "numpy", "cpu",
+    "__repr__", "__format__", "__str__", "nonzero", "argwhere", "unique", "unique_consecutive", "masked_select",
+    "multinomial", "equal", "allclose",
+})
+HOST_DATA_CALLS = frozenset({"tensor", "as_tensor", "from_numpy"})
+METADATA_CALLS = frozenset({
+    "__get__", "size", "dim", "numel", "__len__", "stride", "is_floating_point", "is_complex", "data_ptr",
+    "element_size", "is_contiguous", "storage_offset", "get_device", "__hash__",
+})
+
+
+def _name(func) -> str:
+    return getattr(func, "__name__", str(func))
+
+
+def is_sync(name: str, args, kwargs) -> bool:
+    """Whether a call would make the host wait for the device (see the module docstring)."""
+    if name in SYNC_CALLS:
+        return True
+    if name in ("__getitem__", "__setitem__") and len(args) > 1:
+        index = args[1] if isinstance(args[1], tuple) else (args[1],)
+        return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in index)
+    if name == "repeat_interleave":
+        return "output_size" not in kwargs and any(isinstance(a, torch.Tensor) for a in args[1:2])
+    return False
+
+
+@dataclass
+class Window:
+    """One target forward and everything up to the next: counts and where the syncs came from."""
+
+    syncs: int = 0
+    host_copies: int = 0
+    target_ops: int = 0
+    drafter_ops: int = 0
+    engine_ops: int = 0
+    sync_sites: list[str] = field(default_factory=list)
+
+
+class StepCounter(TorchFunctionMode):
+    """``with StepCounter(model, drafter) as counter: decode(...)`` -> ``counter.windows``.
+
+    ``model``'s forward starts a new window; ops inside it (and inside ``drafter``'s forward)
+    are counted apart from the engine's. ``sites=True`` keeps a short stack line per sync.
+    """
+
+    def __init__(self, model: torch.nn.Module, drafter: torch.nn.Module | None = None, sites: bool = True):
+        super().__init__()
+        self.windows: list[Window] = [Window()]
+        self.sites = sites
+        self._in_target = self._in_drafter = 0
+        self._hooks = []
+        self._started = False
+        for module, flag in ((model, "_in_target"), (drafter, "_in_drafter")):
+            if module is None:
+                continue
+            self._hooks.append(module.register_forward_pre_hook(self._enter(flag)))
+            self._hooks.append(module.register_forward_hook(self._leave(flag)))
+
+    def _enter(self, flag: str):
+        def hook(module, args):
+            if flag == "_in_target" and self._in_target == 0:
+                if self._started:
+                    self.windows.append(Window())
+                self._started = True
+            setattr(self, flag, getattr(self, flag) + 1)
+        return hook
+
+    def _leave(self, flag: str):
+        def hook(module, args, output):
+            setattr(self, flag, getattr(self, flag) - 1)
+        return hook
+
+    def __exit__(self, *exc):
+        for hook in self._hooks:
+            hook.remove()
+        return super().__exit__(*exc)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = _name(func)
+        window = self.windows[-1]
+        if is_sync(name, args, kwargs):
+            window.syncs += 1
+            if self.sites:
+                frame = next((f for f in reversed(traceback.extract_stack()[:-1]) if "relaxspec" in f.filename
+                              and "counting.py" not in f.filename), None)
+                window.sync_sites.append(f"{name} at {frame.filename.split('src/')[-1]}:{frame.lineno}" if frame else name)
+        elif name in HOST_DATA_CALLS:
+            window.host_copies += 1
+        elif name not in METADATA_CALLS:
+            if self._in_target:
+                window.target_ops += 1
+            elif self._in_drafter:
+                window.drafter_ops += 1
+            else:
+                window.engine_ops += 1
+        return func(*args, **kwargs)
+
+    # ------------------------------------------------------------------ summaries
+    @property
+    def steps(self) -> list[Window]:
+        """The windows of the speculative (or AR) steps: all but the prefill's and the last,
+        which also holds the decode's final read-out."""
+        return self.windows[1:-1]
+
+    def per_step(self) -> dict[str, float]:
+        """Mean counts per step (over :attr:`steps`) and the largest sync count of any step."""
+        steps = self.steps or self.windows
+        n = len(steps)
+        mean = lambda attr: sum(getattr(w, attr) for w in steps) / n  # noqa: E731
+        return {"steps": n, "syncs": mean("syncs"), "max_syncs": max(w.syncs for w in steps),
+                "host_copies": mean("host_copies"), "engine_ops": mean("engine_ops"),
+                "drafter_ops": mean("drafter_ops"), "target_ops": mean("target_ops")}

@@ -1,0 +1,240 @@
+"""The fast engine's structural guarantees (issue 11): host syncs per step, static shapes, the
+compiled steps (no graph breaks, no recompiles after warm-up, the same tokens as eager).
+
+Syncs are counted with :class:`relaxspec.bench.counting.StepCounter`, which treats every tensor
+as if it lived on a GPU: a ``.item()``, ``bool()``, ``nonzero`` or ``multinomial`` on the CPU
+here is a pipeline stall there. The budgets are exact: a plain AR step reads nothing back, a
+speculative step reads one number (how many tokens are done).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from relaxspec.acceptance import LanternRule, neighbour_table
+from relaxspec.bench.counting import StepCounter, is_sync
+from relaxspec.decoding import MethodOptions, decode
+from relaxspec.decoding.target import GuidedTarget, guided_step
+from relaxspec.decoding.verify import walk_tree
+from relaxspec.drafting.sources import StaticTree, drafter_step, tree_attention_mask
+from relaxspec.drafting.trees import TreeSpec
+from relaxspec.sampling import SamplingConfig
+from test_engine import SMALL_TREE, fake_vq, markov_pair
+
+#: Every method and draft structure, small enough to compile in seconds.
+METHODS = {
+    "ar": dict(method="ar"),
+    "sd-chain": dict(method="sd", draft="chain", depth=3),
+    "sd-tree-sampled": dict(method="sd", draft="static", tree=SMALL_TREE, siblings="sampled"),
+    "sd-tree-topk": dict(method="sd", draft="static", tree=SMALL_TREE, siblings="topk"),
+    "lantern-chain": dict(method="lantern", draft="chain", depth=3, k=8, delta=0.3),
+    "lantern++-tree": dict(method="lantern++", tree=SMALL_TREE, k=8),
+    "cool-chain": dict(method="cool", draft="chain", depth=3),
+    "eagle2": dict(method="eagle2", dynamic_top_k=3, total_tokens=8, depth=3),
+    "sjd": dict(method="sjd", window=4),
+    "scd": dict(method="scd", window=4),
+}
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return markov_pair()
+
+
+def options_for(name: str, tmp_path, **extra) -> MethodOptions:
+    options = dict(METHODS[name], **extra)
+    if isinstance(options.get("tree"), list):  # a static tree given as a file, as the CLI does
+        path = tmp_path / "tree.json"
+        path.write_text(json.dumps(options.pop("tree")))
+        options["draft"] = str(path)
+        if options["method"] == "lantern++":
+            options.update(method="lantern", lam=5.0)
+    return MethodOptions(**options)
+
+
+def run(pair, name, tmp_path, temperature, *, batch=2, seed=0, compile=False, record_tv=True):
+    model, drafter = pair
+    return decode(model, torch.arange(batch), SamplingConfig(cfg_scale=4.0, temperature=temperature),
+                  options_for(name, tmp_path, compile=compile, record_tv=record_tv), drafter=drafter,
+                  vq=fake_vq(model.config.vocab_size), generator=torch.Generator().manual_seed(seed))
+
+
+# --------------------------------------------------------------------------- host syncs
+def test_the_counter_sees_every_kind_of_sync():
+    """The counter itself can fail: each way of reading the device is caught, plain ops are not."""
+    x = torch.arange(6.0)
+    model = torch.nn.Linear(2, 2)
+    with StepCounter(model) as counter:
+        x.sum().item(), x.tolist(), bool(x.any()), int(x[0]), float(x[1]), x.nonzero(), x.cpu()
+        x[x > 2], torch.multinomial(x + 1, 1), x.unique(), range(x[2].long())
+        x * 2, torch.where(x > 1, x, 0), x.argmax()
+        torch.tensor([1, 2])
+    window = counter.windows[0]
+    assert window.syncs == 11
+    assert window.host_copies == 1
+    assert window.engine_ops >= 3
+    assert is_sync("repeat_interleave", (x, torch.tensor([1] * 6)), {})
+    assert not is_sync("repeat_interleave", (x, torch.tensor([1] * 6)), {"output_size": 6})
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.0])
+@pytest.mark.parametrize("name", list(METHODS))
+def test_host_syncs_per_step(pair, name, temperature, tmp_path, monkeypatch):
+    """At most one host sync per speculative step (none per AR step), no host->device copies, in
+    every step of every method, sampled and greedy, TV record on."""
+    monkeypatch.setenv("RELAXSPEC_CACHE", str(tmp_path))
+    model, drafter = pair
+    with StepCounter(model, drafter) as counter:
+        result = run(pair, name, tmp_path, temperature)
+    budget = 0 if name == "ar" else 1
+    steps = counter.steps
+    assert len(steps) == int(result.target_forwards.max()) - 2  # prefill and last windows aside
+    assert len(steps) >= 3
+    for index, window in enumerate(steps, start=1):
+        assert window.syncs <= budget, f"step {index}: {window.sync_sites}"
+        assert window.host_copies == 0, f"step {index}: {window.host_copies} host->device copies"
+    # the decode's end reads its results once (tokens, counters, records), not per step
+    assert counter.windows[-1].syncs <= budget + 8, counter.windows[-1].sync_sites
+
+
+def test_a_sync_in_the_loop_is_caught(pair, tmp_path, monkeypatch):
+    """The budget test has teeth: a rule that reads its acceptance probability back (as the old
+    walk did to skip unused residuals) puts syncs in every step."""
+    real = LanternRule.accept_prob
+
+    def reading(self, *args):
+        alpha = real(self, *args)
+        bool(alpha.any())
+        return alpha
+
+    monkeypatch.setattr(LanternRule, "accept_prob", reading)
+    monkeypatch.setenv("RELAXSPEC_CACHE", str(tmp_path))
+    model, drafter = pair
+    with StepCounter(model, drafter) as counter:
+        run(pair, "lantern-chain", tmp_path, 1.0)
+    assert all(window.syncs > 1 for window in counter.steps)
+    assert any("verify.py" in site for window in counter.steps for site in window.sync_sites)
+
+
+def test_tv_record_off_leaves_zeros_and_the_tokens(pair, tmp_path, monkeypatch):
+    monkeypatch.setenv("RELAXSPEC_CACHE", str(tmp_path))
+    on = run(pair, "lantern-chain", tmp_path, 1.0)
+    off = run(pair, "lantern-chain", tmp_path, 1.0, record_tv=False)
+    assert float(on.tv_sum.min()) > 0
+    assert torch.equal(on.tokens, off.tokens)
+    assert float(off.step_tv.abs().max()) == 0.0
+
+
+# --------------------------------------------------------------------------- static shapes
+def test_kv_cache_is_allocated_once_and_reused(pair, tmp_path):
+    model, drafter = pair
+    run(pair, "sd-chain", tmp_path, 1.0)
+    store, drafter_store = model._kv_store, drafter._kv_store
+    run(pair, "sd-chain", tmp_path, 1.0, seed=1)
+    assert model._kv_store is store and drafter._kv_store is drafter_store
+    run(pair, "sd-chain", tmp_path, 1.0, batch=3)  # another batch size: a new store
+    assert model._kv_store is not store
+    model.clear_caches()
+    assert model._kv_store is None and model.layers[0].attention.kv_cache is None
+
+
+def test_kv_compaction_is_two_ops_for_all_layers(pair):
+    model, _ = pair
+    model.setup_caches(2, 20)
+    src, dst = torch.tensor([[5, 6], [7, 8]]), torch.tensor([[1, 2], [3, 4]])
+    before = model._kv_store.clone()
+    with StepCounter(torch.nn.Identity()) as counter:
+        model.move_cache(src, dst)
+    assert counter.windows[0].engine_ops <= 6  # index views + one gather + one scatter
+    after = model._kv_store
+    for b in range(2):
+        assert torch.equal(after[:, :, b, :, dst[b]], before[:, :, b, :, src[b]])
+    model.clear_caches()
+
+
+# --------------------------------------------------------------------------- compilation
+def _tree_inputs(pair):
+    """Arguments of the three compiled functions for a 7-node tree step of 2 images with CFG."""
+    model, drafter = pair
+    sampling = SamplingConfig(cfg_scale=4.0)
+    spec = TreeSpec.from_paths(SMALL_TREE)
+    target = GuidedTarget(model, torch.arange(2), sampling, scratch=spec.num_nodes)
+    tables = StaticTree(spec).tables(torch.device("cpu"))
+    base = torch.tensor([3, 5]) + target.cls
+    tokens = torch.randint(0, 32, (2, spec.num_nodes))
+    mask = tree_attention_mask(base, tables["ancestors"].expand(2, -1, -1), target.max_seq)
+    positions = base[:, None] + tables["depths"]
+    slots = base[:, None] + torch.arange(spec.num_nodes)
+    return target, tables, tokens, positions, slots, mask, sampling
+
+
+def test_compiled_steps_have_no_graph_breaks(pair):
+    model, drafter = pair
+    target, tables, tokens, positions, slots, mask, sampling = _tree_inputs(pair)
+    explain = torch._dynamo.explain
+    checks = {
+        "target tree step": explain(guided_step)(model, tokens, positions, slots, mask, None, sampling, 2),
+        "target AR step": explain(guided_step)(model, tokens[:, :1], positions[:, :1], slots[:, :1], None, None,
+                                               sampling, 2),
+    }
+    drafter.setup_caches(4, 40)
+    feats = torch.randn(4, 3, model.config.dim)
+    checks["drafter step"] = explain(drafter_step)(drafter, feats, tokens[:, :3], positions[:, :3] - 1,
+                                                   slots[:, :3] - 1, None, sampling, 2)
+    probs = torch.softmax(torch.randn(2, tokens.shape[1], 32), -1)
+    rule = LanternRule(neighbour_table(fake_vq(32).raw_codebook, 8), 8, delta=0.3)
+    valid = torch.ones_like(tokens, dtype=torch.bool)
+    valid[:, 0] = False
+    uniforms = torch.rand(sum(tables["level_widths"]), 2, dtype=torch.float64)
+    checks["tree walk"] = explain(walk_tree)(rule, probs, tokens, probs, tables["depths"].expand(2, -1), valid,
+                                             tables["children"], uniforms, torch.ones(2, 32),
+                                             level_widths=tables["level_widths"], greedy=False, record_tv=True,
+                                             point_mass=False)
+    for name, report in checks.items():
+        assert report.graph_break_count == 0, f"{name}: {report.break_reasons}"
+        assert report.graph_count == 1, name
+    model.clear_caches()
+    drafter.clear_caches()
+
+
+#: (method, temperature) pairs decoded compiled: every draft source and rule family once, greedy
+#: and sampled (compiling costs seconds per graph on this CPU, so not every pair).
+COMPILED = [("ar", 0.0), ("ar", 1.0), ("sd-tree-sampled", 0.0), ("sd-tree-sampled", 1.0), ("lantern++-tree", 1.0),
+            ("cool-chain", 1.0), ("eagle2", 0.0), ("sjd", 1.0)]
+
+
+@pytest.fixture(scope="module")
+def compiled_runs(pair, tmp_path_factory):
+    """Each method decoded eager and compiled, greedy and sampled, then again compiled (other
+    images, other seed), counting the graphs compiled by the second pass."""
+    tmp = tmp_path_factory.mktemp("compiled")
+    import os
+    os.environ["RELAXSPEC_CACHE"] = str(tmp)
+    counters = torch._dynamo.utils.counters
+    runs = {}
+    for name, temperature in COMPILED:
+        eager = run(pair, name, tmp, temperature)
+        before = counters["stats"]["unique_graphs"]
+        first = run(pair, name, tmp, temperature, compile=True)
+        compiles = counters["stats"]["unique_graphs"]
+        again = run(pair, name, tmp, temperature, compile=True, seed=5)
+        runs[name, temperature] = (eager, first, again, compiles - before, counters["stats"]["unique_graphs"] - compiles)
+    return runs
+
+
+@pytest.mark.parametrize("name, temperature", COMPILED)
+def test_compiled_equals_eager(compiled_runs, name, temperature):
+    """Compiled and eager commit the same tokens: greedy always; sampled from the same generator
+    too, since every random number is drawn outside the compiled graphs, in the same order."""
+    eager, first, again, warm_up_graphs, new_graphs = compiled_runs[name, temperature]
+    assert torch.equal(first.tokens, eager.tokens), name
+    assert first.accept_lengths == eager.accept_lengths
+    torch.testing.assert_close(first.step_tv, eager.step_tv, rtol=1e-4, atol=1e-5)
+    assert new_graphs == 0, f"{name}: {new_graphs} graphs compiled after warm-up"
+    # one graph per shape, compiled in the first decode's first steps, never per step: the AR
+    # step; the tree forward, the walk and a drafter graph per drafted level and the catch-up
+    assert warm_up_graphs <= (1 if name == "ar" else 6), f"{name}: {warm_up_graphs} graphs"
+    assert [sum(a) for a in again.accept_lengths] == [16, 16]
