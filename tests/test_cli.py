@@ -330,3 +330,31 @@ def test_console_errors_in_a_real_process(argv, expected, bad_files):
     proc = subprocess.run([sys.executable, "-m", "relaxspec.cli", *argv], capture_output=True, text=True, env=env,
                           timeout=120)
     assert_one_line_error(proc.returncode, proc.stdout, proc.stderr, expected)
+
+
+def test_compile_flag_gives_the_eager_tokens(tiny_ckpts, tmp_path, capsys):
+    """``--compile`` (the compiled AR baseline here) commits the tokens eager decoding commits."""
+    tokens = {}
+    for name, extra in (("eager", []), ("compiled", ["--compile"])):
+        code, _, err = run(generate_args(tiny_ckpts["c2i"], tmp_path / name, "--classes", "1,2", "--method", "ar",
+                                         "--top-k", "0", *extra), capsys)
+        assert code == 0, err
+        tokens[name] = np.load(tmp_path / name / "tokens.npy")
+        settings = json.loads((tmp_path / name / "stats.json").read_text())["settings"]
+        assert settings["method"]["compile"] is bool(extra)
+    assert np.array_equal(tokens["compiled"], tokens["eager"])
+
+
+def test_no_tv_record_reports_no_certificate(tmp_path, capsys):
+    """A relaxed method without its TV record keeps its tokens and reports no certificate (not a
+    zero that would read as lossless)."""
+    stats, tokens = {}, {}
+    for name, extra in (("on", []), ("off", ["--no-tv-record"])):
+        code, _, err = run(["generate", "--out", tmp_path / name, "--classes", "heart", "--no-progress", *extra], capsys)
+        assert code == 0, err
+        stats[name] = json.loads((tmp_path / name / "stats.json").read_text())
+        tokens[name] = np.load(tmp_path / name / "tokens.npy")
+    assert stats["on"]["settings"]["method"]["method"] == "lantern"
+    assert np.array_equal(tokens["on"], tokens["off"])
+    assert stats["on"]["totals"]["tv_sum_mean"] > 0
+    assert stats["off"]["totals"]["tv_certified"] is None and stats["off"]["images"][0]["tv_sum"] is None

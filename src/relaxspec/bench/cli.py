@@ -71,7 +71,8 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     timing.add_argument("--threads", type=int, default=1, help="torch CPU threads, pinned for the run (default 1)")
     timing.add_argument("--warmup", type=int, default=1, help="unrecorded decodes per method first (default 1)")
     timing.add_argument("--compile", action="store_true",
-                        help="every method compiled (unless a --sweep sets its compile field); give --warmup >= 1 "
+                        help="every method but the eager baseline ar compiled (unless a --sweep sets its compile "
+                             "field; add ar-compiled to --methods for the compiled AR baseline); keep --warmup >= 1 "
                              "so compilation stays out of the timings")
     timing.add_argument("--batch-size", type=int, default=1,
                         help="images per decode (default 1: latency; 8: throughput mode)")
@@ -88,6 +89,8 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     output.add_argument("--overwrite", action="store_true", help="replace a benchmark with other settings in --out")
     output.add_argument("--report-only", action="store_true",
                         help="decode nothing: rebuild the summaries and plots of --out (e.g. to add quality)")
+    output.add_argument("--baseline", metavar="LABEL", default=BASELINE,
+                        help=f"the method speed-ups are measured against (default {BASELINE}; e.g. ar-compiled)")
     output.add_argument("--no-plots", action="store_true", help="write plot_data.json but no PNG plots")
     output.add_argument("--no-progress", action="store_true", help="no progress bars")
     return bench
@@ -186,7 +189,8 @@ def run_bench_cli(args: argparse.Namespace) -> int:
     specs = expand_methods(parse_methods(args.methods), args.sweep)
     if args.compile:
         for spec in specs:
-            spec.options.setdefault("compile", True)
+            if spec.label != BASELINE:
+                spec.options.setdefault("compile", True)
     drafting = [s.label for s in specs if s.needs_drafter]
     resolve_models(args)
     sampling = SamplingConfig(cfg_scale=args.cfg_scale, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
@@ -231,8 +235,8 @@ def _report(write_report, out: str, vq, classifier, args: argparse.Namespace, pr
     from relaxspec.bench.report import SUMMARY_MD, markdown_table
 
     result = write_report(out, vq=vq, classifier=classifier, real_data=args.real_data, n_boot=args.n_boot,
-                          plots=not args.no_plots, progress=progress)
-    print(markdown_table(result["rows"]), end="")
+                          plots=not args.no_plots, progress=progress, baseline=args.baseline)
+    print(markdown_table(result["rows"], args.baseline), end="")
     for note in result["notes"]:
         print(f"note: {note}")
     print(f"wrote {', '.join(p.name for p in result['files'])} in {out} (table: {Path(out) / SUMMARY_MD})")

@@ -33,6 +33,8 @@ BASELINE = "ar"
 #: name -> (MethodOptions kwargs, one-line description).
 METHOD_SPECS: dict[str, tuple[dict, str]] = {
     "ar": (dict(method="ar"), "plain autoregressive sampling (the baseline, MAL 1.0)"),
+    "ar-compiled": (dict(method="ar", compile=True),
+                    "plain AR with its step compiled (CUDA graphs on a GPU): the baseline a method must beat"),
     "sd-chain": (dict(method="sd", draft="chain", depth=4), "exact speculative decoding, EAGLE drafter, chain of 4"),
     "sd-static": (dict(method="sd", draft="static", tree="lantern57", siblings="sampled"),
                   "exact speculative decoding, static 57-node tree, sampled siblings (EAGLE-1 style)"),
@@ -50,7 +52,8 @@ METHOD_SPECS: dict[str, tuple[dict, str]] = {
 }
 #: Other names for the same specs.
 SPEC_ALIASES = {"sd-dynamic": "eagle2", "eagle-2": "eagle2", "cool-sd": "cool", "lanternpp": "lantern++"}
-DEFAULT_METHODS = tuple(METHOD_SPECS)
+#: Every named spec but the compiled baseline (its compilation costs minutes on a CPU): ask for it.
+DEFAULT_METHODS = tuple(name for name in METHOD_SPECS if name != "ar-compiled")
 
 SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingConfig))
 OPTION_FIELDS = tuple(f.name for f in dataclasses.fields(MethodOptions) if f.name != "method")

@@ -183,16 +183,22 @@ def walk_tree(rule: AcceptanceRule, target_probs: Tensor, tokens: Tensor, propos
         next_node = current
         level_tv = zero_tv
         kids = children[rows, current]  # [B, C] the current node's children
+        safe_kids = kids.clamp(min=0)
+        # Everything the level's tests read, gathered once: [B, C] (and [B, C, V]).
+        kid_ok = (kids >= 0) & valid.gather(1, safe_kids)
+        kid_tokens = tokens.gather(1, safe_kids)
+        kid_depths = depth.gather(1, safe_kids)
+        if not greedy:
+            kid_proposals = proposals.gather(1, safe_kids[:, :level_width, None].expand(-1, -1, proposals.shape[2]))
         for rank in range(level_width):
             child = kids[:, rank]
-            safe = child.clamp(min=0)
-            testing = walking & ~moved & (child >= 0) & valid.gather(1, safe[:, None]).squeeze(1)
-            token = tokens.gather(1, safe[:, None]).squeeze(1)
-            node_depth = depth.gather(1, safe[:, None]).squeeze(1)
+            testing = walking & ~moved & kid_ok[:, rank]
+            token = kid_tokens[:, rank]
+            node_depth = kid_depths[:, rank]
             if greedy:
                 accept = rule.greedy_accept(target, token, node_depth)
             else:
-                proposal = proposals[rows, safe]
+                proposal = kid_proposals[:, rank]
                 alpha = rule.accept_prob(target, proposal, token, node_depth)
                 accept = uniforms[test_index] < alpha.double()  # P(U < alpha) = alpha for U ~ U[0, 1)
                 test_index += 1

@@ -193,6 +193,13 @@ class KVCache:
 
     def __init__(self, store: torch.Tensor, layer: int):
         self.store, self.layer = store, layer
+        _, _, rows, heads, _, _ = store.shape
+        device = store.device
+        # Index tensors of (layer, k/v, row, head): a write is one index_put_ on the store itself,
+        # which torch.compile turns into an in-place write (through a view it copies the store).
+        self._index = (torch.full((1, 1, 1, 1), layer, device=device), torch.arange(2, device=device).view(2, 1, 1, 1),
+                       torch.arange(rows, device=device).view(1, rows, 1, 1),
+                       torch.arange(heads, device=device).view(1, 1, heads, 1))
 
     @property
     def k_cache(self) -> torch.Tensor:
@@ -203,10 +210,8 @@ class KVCache:
         return self.store[self.layer, 1]
 
     def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """``slots [B, T]``; ``k, v [B, H, T, D]``: one scatter for both."""
-        kv = torch.stack([k, v])
-        index = slots[None, :, None, :, None].expand_as(kv)
-        self.store[self.layer].scatter_(3, index, kv.to(self.store.dtype))
+        """``slots [B, T]``; ``k, v [B, H, T, D]``: one in-place write for both."""
+        self.store.index_put_((*self._index, slots[None, :, None, :]), torch.stack([k, v]).to(self.store.dtype))
 
 
 def allocate_kv_store(owner: nn.Module, layers: nn.ModuleList, batch: int, max_seq: int, kv_heads: int,
