@@ -428,8 +428,10 @@ class Transformer(nn.Module):
 
         ``positions [B, T]`` index the RoPE table (defaults to ``0..T-1``, or the condition
         positions for ``cond``). ``cache_slots [B, T]`` are the KV-cache slots to write; without
-        them (or without caches) attention is plain causal over the ``T`` inputs. ``attn_mask
-        [B, T, kv_len]`` (True = may attend) overrides the default causal-by-slot mask.
+        them (or without caches) attention is plain causal over the ``T`` inputs. Queries attend to
+        the first ``kv_len`` cache slots (default: the whole cache, the static shape decoding
+        uses); ``attn_mask [B, T, kv_len]`` (True = may attend) overrides the default
+        causal-by-slot mask.
         Returns fp32 logits ``[B, T, vocab]`` and, with ``return_hidden``, the normed final
         hidden states ``[B, T, dim]`` (what the output head sees). ``check=False`` skips the
         range check of ``positions`` (a host sync): the decoding loop builds them in range.
