@@ -1,0 +1,79 @@
+"""Ops, host syncs and host->device copies per decoding step on the embedded model, per method.
+
+    python benchmarks/engine_counts.py [--batch 1] [--images 4] [--json out.json]
+
+Counts come from :class:`relaxspec.bench.counting.StepCounter` (a ``TorchFunctionMode`` that
+treats every tensor as if it lived on a GPU): means over the steps of ``--images`` decodes
+(cfg 4, temperature 1, eager). To count an older checkout, run this file with that checkout's
+``src`` first on ``PYTHONPATH``: the counter is loaded from beside this script when the checkout
+has none.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from relaxspec import embedded
+from relaxspec.decoding import MethodOptions, decode
+from relaxspec.sampling import SamplingConfig
+
+try:
+    from relaxspec.bench.counting import StepCounter
+except ImportError:  # an older checkout: the counter of this one
+    spec = importlib.util.spec_from_file_location(
+        "relaxspec_counting", Path(__file__).resolve().parents[1] / "src" / "relaxspec" / "bench" / "counting.py")
+    counting = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = counting
+    spec.loader.exec_module(counting)
+    StepCounter = counting.StepCounter
+
+METHODS = {
+    "ar": dict(method="ar"),
+    "sd chain 4": dict(method="sd", draft="chain", depth=4),
+    "lantern (embedded default)": dict(embedded.defaults()["method"]),
+    "lantern++ (57-node tree)": dict(method="lantern++", tree="lantern57", k=64),
+    "eagle2": dict(method="eagle2"),
+    "sjd": dict(method="sjd"),
+    "scd": dict(method="scd"),
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--images", type=int, default=4, help="decodes per method (default 4)")
+    parser.add_argument("--json", help="also write the table as JSON")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    target, vq, drafter = embedded.load()
+    sampling = SamplingConfig(cfg_scale=4.0, temperature=1.0, top_k=0)
+    rows = {}
+    print("| method | host syncs / step (max) | host->device copies / step | engine ops / step | "
+          "drafter ops / step | target forward ops / step |")
+    print("|---|---|---|---|---|---|")
+    for name, options in METHODS.items():
+        windows = []
+        for image in range(args.images):
+            with StepCounter(target, drafter, sites=False) as counter:
+                decode(target, torch.arange(args.batch) + image, sampling, MethodOptions(**options), drafter=drafter,
+                       vq=vq, generator=torch.Generator().manual_seed(image))
+            windows += counter.steps
+        mean = {key: sum(getattr(w, key) for w in windows) / len(windows)
+                for key in ("syncs", "host_copies", "engine_ops", "drafter_ops", "target_ops")}
+        mean["max_syncs"] = max(w.syncs for w in windows)
+        mean["steps"] = len(windows)
+        rows[name] = mean
+        print(f"| {name} | {mean['syncs']:.1f} ({mean['max_syncs']}) | {mean['host_copies']:.1f} | "
+              f"{mean['engine_ops']:.0f} | {mean['drafter_ops']:.0f} | {mean['target_ops']:.0f} |", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
