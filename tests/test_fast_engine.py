@@ -69,11 +69,11 @@ def test_the_counter_sees_every_kind_of_sync():
     model = torch.nn.Linear(2, 2)
     with StepCounter(model) as counter:
         x.sum().item(), x.tolist(), bool(x.any()), int(x[0]), float(x[1]), x.nonzero(), x.cpu()
-        x[x > 2], torch.multinomial(x + 1, 1), x.unique(), range(x[2].long())
+        x[x > 2], torch.multinomial(x + 1, 1), x.unique(), range(x[2].long()), torch.where(x > 2)
         x * 2, torch.where(x > 1, x, 0), x.argmax()
         torch.tensor([1, 2])
     window = counter.windows[0]
-    assert window.syncs == 11
+    assert window.syncs == 12
     assert window.host_copies == 1
     assert window.engine_ops >= 3
     assert is_sync("repeat_interleave", (x, torch.tensor([1] * 6)), {})
@@ -133,8 +133,11 @@ def test_kv_cache_is_allocated_once_and_reused(pair, tmp_path):
     model, drafter = pair
     run(pair, "sd-chain", tmp_path, 1.0)
     store, drafter_store = model._kv_store, drafter._kv_store
+    caches = [layer.attention.kv_cache for layer in model.layers]
+    assert store is not None and drafter_store is not None
     run(pair, "sd-chain", tmp_path, 1.0, seed=1)
     assert model._kv_store is store and drafter._kv_store is drafter_store
+    assert [layer.attention.kv_cache for layer in model.layers] == caches  # the same index tables too
     run(pair, "sd-chain", tmp_path, 1.0, batch=3)  # another batch size: a new store
     assert model._kv_store is not store
     model.clear_caches()
@@ -237,3 +240,12 @@ def test_compiled_equals_eager(compiled_runs, name, temperature):
     # step; the tree forward, the walk and a drafter graph per drafted level and the catch-up
     assert warm_up_graphs <= (1 if name == "ar" else 6), f"{name}: {warm_up_graphs} graphs"
     assert [sum(a) for a in again.accept_lengths] == [16, 16]
+
+
+def test_one_token_image_takes_no_step(tmp_path):
+    """A 1x1 grid: the prefill commits the only token and the loop never runs."""
+    model, drafter = markov_pair(block_size=1)
+    result = decode(model, torch.arange(2), SamplingConfig(cfg_scale=4.0), MethodOptions(method="sd", depth=2),
+                    drafter=drafter, generator=torch.Generator().manual_seed(0))
+    assert result.tokens.shape == (2, 1) and result.target_forwards.tolist() == [1, 1]
+    assert result.accept_lengths == [[1], [1]] and int(result.rank_tests.sum()) == 0

@@ -29,7 +29,8 @@ def compiled(fn: Callable, device: torch.device) -> Callable:
     key = (fn, torch.device(device).type)
     if key not in _compiled:
         config = torch._dynamo.config
-        config.recompile_limit = max(config.recompile_limit, RECOMPILE_LIMIT)
+        name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"  # older torch
+        setattr(config, name, max(getattr(config, name), RECOMPILE_LIMIT))
         if key[1] == "cuda":
             graph = torch.compile(fn, fullgraph=True, dynamic=False, mode="reduce-overhead")
 

@@ -53,6 +53,8 @@ def is_sync(name: str, args, kwargs) -> bool:
     if name in ("__getitem__", "__setitem__") and len(args) > 1:
         index = args[1] if isinstance(args[1], tuple) else (args[1],)
         return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in index)
+    if name == "where" and len(args) == 1 and not kwargs:  # torch.where(cond) is nonzero
+        return True
     if name == "repeat_interleave":
         return "output_size" not in kwargs and any(isinstance(a, torch.Tensor) for a in args[1:2])
     return False

@@ -165,6 +165,8 @@ def generate_speculative(model, cond, sampling: SamplingConfig, options: MethodO
         bar.close()
         target.close()
         source.close()
+    if rank_tests is None:  # a one-token image: no step was taken
+        rank_tests = rank_accepts = torch.zeros(max(source.max_depth, 1), 1, dtype=torch.long)
     # The results are read once, after the loop.
     step_counts, per_step = steps.tolist(), lengths.tolist()
     accept_lengths = [[1] + row[1 : count + 1] for row, count in zip(per_step, step_counts)]

@@ -182,7 +182,8 @@ class EagleSource:
         self.catch_up(first_hidden, first_tokens[:, None], zero, torch.ones_like(zero))
 
     def close(self) -> None:
-        self.drafter.clear_caches()
+        """The drafter's cache stays allocated for the next decode of the same shape, as the
+        target's does (``drafter.clear_caches()`` frees it)."""
 
     def rows(self, x: torch.Tensor) -> torch.Tensor:
         return x if self.streams == 1 else torch.cat([x, x])

@@ -223,8 +223,11 @@ def allocate_kv_store(owner: nn.Module, layers: nn.ModuleList, batch: int, max_s
     scatter (:func:`move_kv`)."""
     shape = (len(layers), 2, batch, kv_heads, max_seq, head_dim)
     store = getattr(owner, "_kv_store", None)
-    if store is None or tuple(store.shape) != shape or store.dtype != dtype or store.device != torch.device(device):
-        owner._kv_store = None  # free the old store before allocating the new one
+    if store is not None and tuple(store.shape) == shape and store.dtype == dtype and store.device == torch.device(device):
+        if all(layer.attention.kv_cache is not None and layer.attention.kv_cache.store is store for layer in layers):
+            return store  # the same tensors and index tables: compiled graphs see the same addresses
+    else:
+        release_kv_store(owner, layers)  # free the old store before allocating the new one
         store = torch.zeros(shape, dtype=dtype, device=device)
         owner._kv_store = store
     for index, layer in enumerate(layers):
