@@ -53,6 +53,12 @@ class SamplingConfig:
         return asdict(self)
 
 
+def stream_rows(x: torch.Tensor | None, streams: int) -> torch.Tensor | None:
+    """A per-image tensor ``[B, ...]`` repeated for every CFG stream (``[cond; uncond]`` rows:
+    ``[S*B, ...]``); ``None`` stays ``None``."""
+    return x if streams == 1 or x is None else torch.cat([x, x])
+
+
 def guide(logits: torch.Tensor, cfg_scale: float) -> torch.Tensor:
     """``logits [2B, ..., V]`` stacked ``[cond; uncond]`` -> guided ``[B, ..., V]``."""
     cond, uncond = logits.chunk(2, dim=0)

@@ -17,7 +17,7 @@ import torch
 from relaxspec.compiling import compiled
 from relaxspec.timing import Stopwatch
 from relaxspec.models.gpt import Transformer
-from relaxspec.sampling import SamplingConfig, process_logits
+from relaxspec.sampling import SamplingConfig, process_logits, stream_rows
 
 
 def attention_mask(slots: torch.Tensor, mask: torch.Tensor | None, key_valid: torch.Tensor | None,
@@ -41,13 +41,10 @@ def guided_step(model: Transformer, tokens: torch.Tensor, positions: torch.Tenso
     stream) at RoPE ``positions``, written to cache ``slots`` and attending by ``mask [B, T,
     cache]`` (default causal by slot): processed probabilities ``[B, T, V]`` and hidden states
     ``[S*B, T, dim]``. This is what ``--compile`` compiles."""
-    def rows(x):
-        return x if streams == 1 or x is None else torch.cat([x, x])
-
-    slots = rows(slots)
-    attn_mask = attention_mask(slots, rows(mask), key_valid, model.max_seq)
-    logits, hidden = model(rows(tokens), rows(positions), cache_slots=slots, attn_mask=attn_mask, return_hidden=True,
-                           check=False)
+    slots = stream_rows(slots, streams)
+    attn_mask = attention_mask(slots, stream_rows(mask, streams), key_valid, model.max_seq)
+    logits, hidden = model(stream_rows(tokens, streams), stream_rows(positions, streams), cache_slots=slots,
+                           attn_mask=attn_mask, return_hidden=True, check=False)
     return process_logits(logits, sampling), hidden
 
 
@@ -86,10 +83,6 @@ class GuidedTarget:
         self.watch = Stopwatch(self.device)  # time inside the model's forward calls
         self._step = compiled(guided_step, self.device) if compile else guided_step
 
-    def _rows(self, x: torch.Tensor) -> torch.Tensor:
-        """Repeat a per-image tensor ``[B, ...]`` for every CFG stream."""
-        return x if self.streams == 1 else torch.cat([x, x])
-
     def prefill(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Encode the condition. Returns probabilities for image token 0 ``[B, V]`` and the
         hidden state at the last condition position ``[S*B, 1, dim]`` (all streams)."""
@@ -115,7 +108,7 @@ class GuidedTarget:
 
     def move_cache(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Compact accepted tree nodes: copy slots ``src [B, n]`` onto ``dst [B, n]``."""
-        self.model.move_cache(self._rows(src), self._rows(dst))
+        self.model.move_cache(stream_rows(src, self.streams), stream_rows(dst, self.streams))
 
     def close(self) -> None:
         """The cache stays allocated for the next decode of the same shape

@@ -23,7 +23,7 @@ from relaxspec.compiling import compiled
 from relaxspec.drafting.eagle import EagleDrafter
 from relaxspec.drafting.siblings import sample_siblings, topk_siblings
 from relaxspec.drafting.trees import TreeSpec
-from relaxspec.sampling import SamplingConfig, process_logits, sample_from
+from relaxspec.sampling import SamplingConfig, process_logits, sample_from, stream_rows
 from relaxspec.timing import Stopwatch
 
 
@@ -141,7 +141,7 @@ def drafter_step(drafter: EagleDrafter, features: torch.Tensor, tokens: torch.Te
     features ``[S*B, M, d]`` and processed draft laws ``q [B, M, V]``. What ``--compile``
     compiles for the drafter."""
     def rows(x):
-        return x if streams == 1 or x is None else torch.cat([x, x])
+        return stream_rows(x, streams)
 
     # Padding pairs and finished rows may point past the image; their outputs are never used.
     positions = positions.clamp(max=drafter.rope.shape[0] - 1)
@@ -186,7 +186,7 @@ class EagleSource:
         target's does (``drafter.clear_caches()`` frees it)."""
 
     def rows(self, x: torch.Tensor) -> torch.Tensor:
-        return x if self.streams == 1 else torch.cat([x, x])
+        return stream_rows(x, self.streams)
 
     def expand(self, features: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
