@@ -98,17 +98,12 @@ def children_table(parents: torch.Tensor, valid: torch.Tensor, width: int | None
     return table[:, :, :width]
 
 
-def static_children(parents: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
-    """A fixed shape's ``parents [T]`` -> children table ``[1, T, C]`` (:func:`children_table`)
-    and the most children of a node at each depth (one entry per depth that has children), built
-    once on the host."""
-    nodes = parents.shape[0]
-    table = children_table(parents[None], torch.ones(1, nodes, dtype=torch.bool))
-    depth = [0] * nodes
-    for i in range(1, nodes):
-        depth[i] = depth[int(parents[i])] + 1
-    counts = (table[0] >= 0).sum(dim=1).tolist()
-    widths = tuple(max(c for c, d in zip(counts, depth) if d == level) for level in range(max(depth)))
+def static_children(spec: TreeSpec) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """A fixed shape -> its children table ``[1, T, C]`` (:func:`children_table`) and the most
+    children of a node at each depth that has children, built once on the host."""
+    table = children_table(spec.parents[None], torch.ones(1, spec.num_nodes, dtype=torch.bool))
+    counts = (table[0] >= 0).sum(dim=1)
+    widths = tuple(int(counts[spec.depths == level].max()) for level in range(spec.depth))
     return table, widths
 
 
@@ -236,7 +231,7 @@ class StaticTree:
         """The shape's index tables on ``device`` (copied there once)."""
         if device not in self._tables:
             spec = self.spec
-            children, widths = static_children(spec.parents)
+            children, widths = static_children(spec)
             levels = []
             # Per level: its nodes, the parents that have children there, each child's (parent
             # slot, rank), the width of the sibling draw and the nodes whose q the drafter computes.
