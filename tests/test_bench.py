@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from relaxspec.bench import run as bench_run
-from relaxspec.bench.cli import add_bench_parser
+from relaxspec.cli.bench import add_bench_parser
 from relaxspec.bench.config import DEFAULT_METHODS, expand_methods, parse_methods
-from relaxspec.bench.eval import add_eval_parser, shard_range
+from relaxspec.cli.eval import add_eval_parser, shard_range
 from relaxspec.bench.report import (
     acceptance_map,
     accepted_flags,
@@ -26,12 +26,12 @@ from relaxspec.bench.report import (
 )
 from relaxspec.bench.run import PreparedMethod, read_records, run_bench
 from relaxspec.checkpoints import load_gpt, load_vq, save_model
-from relaxspec.cli import UsageError, _Parser
+from relaxspec.cli.options import Parser, UsageError
 from relaxspec.decoding import decode
 from relaxspec.drafting.eagle import EagleDrafter
 from relaxspec.errors import RelaxspecError
 from relaxspec.sampling import SamplingConfig
-from relaxspec.training.drafter import load_drafter
+from relaxspec.drafting.eagle import load_drafter
 
 SAMPLING = SamplingConfig(cfg_scale=4.0, temperature=1.0, top_k=0, top_p=1.0)
 #: Two images (classes 1 and 2) with ar, sd-chain, sjd and a two-point LANTERN sweep.
@@ -68,7 +68,7 @@ def bench_dir(models, tmp_path_factory):
 
 
 def parser():
-    root = _Parser(prog="relaxspec")
+    root = Parser(prog="relaxspec")
     commands = root.add_subparsers(dest="command")
     add_bench_parser(commands)
     add_eval_parser(commands)
@@ -445,7 +445,7 @@ def test_models_and_sampling_default_to_the_embedded_model_or_upstream(tmp_path)
     import argparse
 
     from relaxspec import embedded
-    from relaxspec.bench.cli import resolve_models
+    from relaxspec.cli.bench import resolve_models
 
     fields = dict(gpt_ckpt=None, gpt_model=None, vq_ckpt=None, vq_model=None, drafter_ckpt=None, image_size=None,
                   cfg_scale=None, temperature=None, top_k=None, top_p=None)

@@ -16,9 +16,10 @@ import pytest
 import torch
 from PIL import Image
 
-import relaxspec.cli as cli
+import relaxspec.cli.generate as cli
 from relaxspec.checkpoints import load_gpt, load_vq, read_state
-from relaxspec.cli import batch_seed, main
+from relaxspec.cli import main
+from relaxspec.sampling import batch_seed
 from relaxspec.decoding import decode
 from relaxspec.models.gpt import GPTConfig, Transformer, rope_table_2d
 from relaxspec.models.vq import VQConfig, VQModel, to_uint8

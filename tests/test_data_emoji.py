@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 import torch
 
+from relaxspec.cli.train import add_data_parser
 from relaxspec.data import emoji as emoji_data
 from relaxspec.data.emoji import (
     INSTALL_COMMAND,
     NO_FLIP,
     PACKAGE,
     VERSION,
-    add_data_parser,
     augment,
     build_emoji_dataset,
     find_package,
@@ -153,7 +153,7 @@ def test_cli_builds_the_data(tmp_path, package, capsys) -> None:
     add_data_parser(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["data", "--source", str(package), "--out", str(tmp_path / "d"), "--size", "8",
                               "--no-progress"])
-    assert args.func(args) == 0
+    assert args.handler(args) == 0
     assert json.loads(capsys.readouterr().out)["classes"] == 3
     assert (tmp_path / "d" / "train.npz").is_file()
 

@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 import torch
 
+from relaxspec.cli.train import add_train_classifier_parser
 from relaxspec.errors import RelaxspecError
 from relaxspec.evaluation.classifier import (
     ClassifierConfig,
     ClassifierTrainConfig,
     ImageClassifier,
-    add_train_classifier_parser,
     augment,
     load_classifier,
     save_classifier,

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from relaxspec.cli.train import add_train_drafter_parser, run_train_drafter
 from relaxspec.checkpoints import save_model
 from relaxspec.drafting.eagle import EagleDrafter
 from relaxspec.errors import RelaxspecError
@@ -17,7 +18,6 @@ from relaxspec.training.drafter import (
     TRAIN_STATE,
     DrafterDataset,
     DrafterTrainConfig,
-    add_train_drafter_parser,
     drafter_inputs,
     drafter_loss,
     drafter_targets,
@@ -25,7 +25,6 @@ from relaxspec.training.drafter import (
     evaluate_drafter,
     load_drafter,
     load_token_file,
-    run_train_drafter,
     sample_from_target,
     target_features,
     train_drafter,
@@ -185,7 +184,7 @@ def test_cli_trains_and_resumes(tmp_path, target: Transformer, dataset: DrafterD
     common = ["train-drafter", "--gpt-ckpt", str(tmp_path / "target"), "--out", str(tmp_path / "run"), "--no-progress"]
     args = parser.parse_args(common + ["--data", str(tmp_path / "data.npz"), "--steps", "3", "--batch-size", "4",
                                        "--lr", "1e-3", "--self-samples", "4", "--classes", "1,2", "3"])
-    assert args.func(args) == 0
+    assert args.handler(args) == 0
     assert torch.load(tmp_path / "run" / TRAIN_STATE, weights_only=True)["step"] == 3
     # Resuming needs only the run length: the recipe comes from the saved state ...
     args = parser.parse_args(common + ["--resume", "--steps", "5"])

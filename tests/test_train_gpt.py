@@ -12,6 +12,7 @@ from conftest import interrupted_at
 from safetensors.torch import load_file
 from test_data_emoji import build_fake_dataset
 
+from relaxspec.cli.train import add_train_gpt_parser
 from relaxspec.checkpoints import load_gpt, save_model
 from relaxspec.errors import RelaxspecError
 from relaxspec.models.vq import VQConfig, VQModel
@@ -19,7 +20,6 @@ from relaxspec.training import common
 from relaxspec.training import gpt as gpt_recipe
 from relaxspec.training.gpt import (
     GPTTrainConfig,
-    add_train_gpt_parser,
     evaluate_nll,
     load_images,
     tokenise,
@@ -128,12 +128,12 @@ def test_cli_trains_and_resumes(tmp_path, data, vq, capsys) -> None:
     tiny = ["--dim", "32", "--n-layer", "1", "--n-head", "2", "--copies", "2", "--batch-size", "8", "--steps", "4",
             "--eval-interval", "2", "--no-bf16"]
     args = parser.parse_args(common_args + tiny)
-    assert args.func(args) == 0
+    assert args.handler(args) == 0
     summary = json.loads(capsys.readouterr().out.splitlines()[-1])
     assert summary["step"] == 4 and {"train_nll", "val_nll", "step", "epoch"} <= set(summary["best"])
     args = parser.parse_args(common_args + ["--resume", "--n-layer", "2"])
     with pytest.raises(RelaxspecError, match="different recipe: n_layer"):
-        args.func(args)
+        args.handler(args)
 
 
 def test_bad_inputs_raise_clear_errors(tmp_path, data, vq) -> None:

@@ -12,13 +12,13 @@ from conftest import interrupted_at
 from safetensors.torch import load_file
 from test_data_emoji import build_fake_dataset
 
+from relaxspec.cli.train import add_train_vq_parser
 from relaxspec.checkpoints import load_vq
 from relaxspec.errors import RelaxspecError
 from relaxspec.models.vq import VQModel
 from relaxspec.training import common
 from relaxspec.training.vq import (
     VQTrainConfig,
-    add_train_vq_parser,
     evaluate_vq,
     load_images,
     quantise,
@@ -110,7 +110,7 @@ def test_cli_trains_resumes_and_exports(tmp_path, data, capsys) -> None:
     tiny = ["--codebook-size", "32", "--codebook-embed-dim", "4", "--z-channels", "8", "--ch", "16", "--ch-mult", "1,2",
             "--num-res-blocks", "1", "--norm-groups", "8", "--batch-size", "8", "--steps", "3", "--eval-interval", "3"]
     args = parser.parse_args(common_args + tiny + ["--export", str(tmp_path / "ship")])
-    assert args.func(args) == 0
+    assert args.handler(args) == 0
     assert json.loads(capsys.readouterr().out.splitlines()[-1])["step"] == 3
     shipped = load_vq(tmp_path / "ship")
     weights = load_file(str(tmp_path / "ship" / "model.safetensors"))
@@ -120,9 +120,9 @@ def test_cli_trains_resumes_and_exports(tmp_path, data, capsys) -> None:
     # resuming takes the recipe from the saved state and may not change it
     args = parser.parse_args(common_args + ["--resume", "--lr", "1e-2"])
     with pytest.raises(RelaxspecError, match="different recipe: lr"):
-        args.func(args)
+        args.handler(args)
     args = parser.parse_args(common_args + ["--resume"])
-    assert args.func(args) == 0  # already at the end: nothing to train, still fine
+    assert args.handler(args) == 0  # already at the end: nothing to train, still fine
 
 
 def test_bad_inputs_raise_clear_errors(tmp_path, data) -> None:

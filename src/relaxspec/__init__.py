@@ -27,7 +27,7 @@ _EXPORTS = {
     "load_gpt": "relaxspec.checkpoints",
     "load_vq": "relaxspec.checkpoints",
     "save_model": "relaxspec.checkpoints",
-    "load_drafter": "relaxspec.training.drafter",
+    "load_drafter": "relaxspec.drafting.eagle",
     "Transformer": "relaxspec.models.gpt",
     "GPTConfig": "relaxspec.models.gpt",
     "VQModel": "relaxspec.models.vq",

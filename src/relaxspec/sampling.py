@@ -133,3 +133,9 @@ def sample_from(probs: torch.Tensor, generator: torch.Generator | None = None, g
     if greedy:
         return probs.argmax(dim=-1)
     return race_keys(probs, generator, clocks).argmax(dim=-1)
+
+
+def batch_seed(seed: int, batch: int) -> int:
+    """The seed of batch ``batch`` of a run seeded ``seed`` (``relaxspec generate`` and ``bench``):
+    every batch has its own stream, so a resumed run reproduces an uninterrupted one."""
+    return seed * 1_000_003 + batch

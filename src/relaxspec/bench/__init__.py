@@ -1,3 +1,5 @@
-"""Benchmarking: ``relaxspec bench`` (every method on the same images: speed, TV certificate,
-offline quality; :mod:`.run`, :mod:`.report`, :mod:`.config`) and ``relaxspec eval`` (N images per
-class through ``relaxspec generate``, sharded, then FID; :mod:`.eval`)."""
+"""Benchmarking as library functions: every method on the same images (:mod:`.run`), the
+tables, plots and offline quality (:mod:`.report`), the named method specs (:mod:`.config`),
+forward costs (:mod:`.cost`), per-step op and sync counts (:mod:`.counting`). The commands
+``relaxspec bench`` and ``relaxspec eval`` are :mod:`relaxspec.cli.bench` and
+:mod:`relaxspec.cli.eval`."""

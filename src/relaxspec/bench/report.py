@@ -210,7 +210,7 @@ def ensure_images(out_dir: str | Path, records: Sequence[dict], vq, *, batch_siz
     Returns the files per method label, by image index."""
     from tqdm.auto import tqdm
 
-    from relaxspec.cli import write_atomic, write_png
+    from relaxspec.files import write_atomic, write_png
     from relaxspec.models.vq import to_uint8
 
     out = Path(out_dir) / IMAGES_DIR
@@ -588,7 +588,7 @@ def write_report(out_dir: str | Path, *, vq=None, classifier=None, real_data: st
     """Summarise the benchmark in ``out_dir`` and write every output; returns ``{"rows", "files",
     "notes"}``. Quality needs ``vq`` (to decode the tokens), ``classifier`` and ``real_data``.
     ``baseline``: the label speed-ups are measured against (default: the run's, plain AR)."""
-    from relaxspec.cli import write_atomic, write_json
+    from relaxspec.files import write_atomic, write_json
 
     out = Path(out_dir)
     settings, records = load_bench(out)

@@ -38,16 +38,11 @@ from relaxspec.decoding.ar import generate_ar
 from relaxspec.decoding.engine import build_rule, build_source, generate_speculative
 from relaxspec.decoding.result import DecodeResult
 from relaxspec.errors import RelaxspecError
-from relaxspec.sampling import SamplingConfig
+from relaxspec.sampling import SamplingConfig, batch_seed
 
 RECORDS_FILE, SETTINGS_FILE = "records.jsonl", "settings.json"
 #: Generators for warm-up decodes (never recorded) are seeded from here, away from any real image.
 WARMUP_SEED = 2**40
-
-
-def unit_seed(seed: int, unit: int) -> int:
-    """``relaxspec generate``'s per-batch seed (:func:`relaxspec.cli.batch_seed`)."""
-    return seed * 1_000_003 + unit
 
 
 @dataclass
@@ -137,7 +132,7 @@ def read_records(out_dir: str | Path, expected_hash: str | None = None) -> list[
 def prepare_out_dir(out: Path, settings: dict, digest: str, overwrite: bool) -> list[dict]:
     """Check ``out`` holds nothing or a run of the same settings; return that run's records and
     rewrite ``records.jsonl`` with exactly them (dropping a torn last line before appending)."""
-    from relaxspec.cli import write_atomic, write_json
+    from relaxspec.files import write_atomic, write_json
 
     if out.exists() and not out.is_dir():
         raise RelaxspecError(f"--out {out}: exists and is not a folder")
@@ -278,7 +273,7 @@ def run_bench(target, vq, drafter, classes: Sequence[int], methods: Sequence[Met
             order = list(methods[shift:]) + list(methods[:shift])  # rotate: no method always runs first
             cond_classes = [int(classes[i]) for i in index]
             cond = torch.tensor(cond_classes, device=device)
-            seed_u = unit_seed(seed, u)
+            seed_u = batch_seed(seed, u)
             for position, m in enumerate(order):
                 if all((i, m.label) in done for i in index):
                     continue
@@ -304,5 +299,4 @@ __all__ = [
     "run_bench",
     "settings_hash",
     "timed_decode",
-    "unit_seed",
 ]

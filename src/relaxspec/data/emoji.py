@@ -21,7 +21,6 @@ recoloured copies of training images. Everything is a pure function of the packa
 
 from __future__ import annotations
 
-import argparse
 import difflib
 import hashlib
 import io
@@ -386,34 +385,3 @@ def augment(images, may_flip, generator, max_shift: int = 2):
         cols = (dx[:, None] + torch.arange(w))[:, None, :]
         images = padded[torch.arange(b)[:, None, None], rows, cols]
     return torch.where(flip[:, None, None, None], images.flip(2), images)
-
-
-# ------------------------------------------------------------------------------------------
-# Command line
-# ------------------------------------------------------------------------------------------
-
-
-def add_data_parser(subparsers) -> argparse.ArgumentParser:
-    """``relaxspec data``: build the emoji data set."""
-    parser = subparsers.add_parser(
-        "data", help="build the emoji training data (offline, from an npm package)",
-        description=f"Build the emoji data set from {PACKAGE}@{VERSION} (install it with `{INSTALL_COMMAND}`): "
-                    "OUT/train.npz, OUT/val.npz, OUT/classes.json, OUT/SOURCE.md.")
-    parser.add_argument("--out", default="data/emoji", metavar="DIR", help="output folder (default: data/emoji)")
-    parser.add_argument("--source", metavar="DIR",
-                        help="the package folder or a folder holding node_modules/ (default: ./node_modules, "
-                             "then `npm root -g`)")
-    parser.add_argument("--size", type=int, default=32, help="image side in pixels (default: 32)")
-    parser.add_argument("--val-fraction", type=float, default=0.1, help="share of base emoji held out (default: 0.1)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the split (default: 0)")
-    parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
-    parser.set_defaults(func=run_data, handler=run_data)
-    return parser
-
-
-def run_data(args: argparse.Namespace) -> int:
-    """Entry point of ``relaxspec data``; raises :class:`RelaxspecError` on bad input."""
-    summary = build_emoji_dataset(args.out, args.source, size=args.size, val_fraction=args.val_fraction,
-                                  seed=args.seed, progress=args.progress)
-    print(json.dumps(summary))
-    return 0

@@ -89,3 +89,21 @@ def record_tv_sum(record: dict) -> float:
     it under ``"tv_bound"``, which was then the uncapped sum); NaN where the record was off."""
     value = record["tv_sum"] if "tv_sum" in record else record.get("tv_bound", 0.0)
     return float("nan") if value is None else float(value)
+
+
+def accumulate_rank_counts(stats: dict, result) -> None:
+    """Keep running ``[depth, rank]`` test / accept counts in stats.json (``relaxspec build-tree``
+    reads them)."""
+    if result.rank_tests is None:
+        return
+    counts = stats.setdefault("acceptance_counts", {"tests": [], "accepts": []})
+    for key, new in (("tests", result.rank_tests.tolist()), ("accepts", result.rank_accepts.tolist())):
+        old = counts[key]
+        rows = max(len(old), len(new))
+        cols = max([len(r) for r in old + new] or [0])
+        merged = [[0] * cols for _ in range(rows)]
+        for table in (old, new):
+            for i, row in enumerate(table):
+                for j, value in enumerate(row):
+                    merged[i][j] += int(value)
+        counts[key] = merged

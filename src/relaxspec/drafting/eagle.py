@@ -14,11 +14,14 @@ stream), exactly like the target.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 import torch.nn as nn
 
+from relaxspec.checkpoints import load_strict, read_state
 from relaxspec.errors import RelaxspecError
 from relaxspec.models.gpt import (GPTConfig, Transformer, TransformerBlock, allocate_kv_store, release_kv_store,
                                   rope_table_2d, run_blocks)
@@ -113,3 +116,27 @@ class EagleDrafter(nn.Module):
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
+
+
+def load_drafter(path: str | Path, target: Transformer) -> EagleDrafter:
+    """Read a drafter folder written by ``relaxspec train-drafter``
+    (:func:`relaxspec.training.drafter.train_drafter`) (``kind == "drafter"``) and attach it
+    to ``target`` (its dtype and device)."""
+    loaded = read_state(path)
+    if loaded.layout != "relaxspec":
+        raise RelaxspecError(f"{path}: a drafter is a relaxspec folder (model.safetensors + config.json), "
+                             f"not a {loaded.layout} file")
+    if loaded.kind != "drafter":
+        raise RelaxspecError(f"{path}: this is a {loaded.kind!r} model, not a drafter")
+    config = loaded.config if isinstance(loaded.config, dict) else {}
+    unknown = sorted(set(config) - {f.name for f in dataclasses.fields(DrafterConfig)})
+    if unknown or not isinstance(config.get("target"), dict):
+        raise RelaxspecError(f"{path}: not a drafter config (needs 'target' and 'n_layer'"
+                             + (f"; unknown fields {', '.join(unknown)})" if unknown else ")"))
+    try:
+        drafter = EagleDrafter(DrafterConfig(**config))
+    except TypeError as err:
+        raise RelaxspecError(f"{path}: bad drafter config ({err})") from None
+    load_strict(drafter, loaded.state_dict, str(path))
+    weight = target.output.weight
+    return drafter.to(device=weight.device, dtype=weight.dtype).eval().attach(target)

@@ -12,10 +12,8 @@ from relaxspec.evaluation.classifier import (
     ClassifierTrainConfig,
     ImageClassifier,
     ImageSet,
-    add_train_classifier_parser,
     load_classifier,
     load_data,
-    run_train_classifier,
     save_classifier,
     train_classifier,
 )
@@ -30,7 +28,7 @@ from relaxspec.evaluation.metrics import (
 )
 
 __all__ = [
-    "ClassifierConfig", "ClassifierTrainConfig", "ImageClassifier", "ImageSet", "add_train_classifier_parser",
+    "ClassifierConfig", "ClassifierTrainConfig", "ImageClassifier", "ImageSet",
     "bootstrap_ci", "class_accuracy", "classifier_frechet_distance", "frechet_distance", "frechet_distance_to", "load_classifier",
-    "load_data", "precision_recall", "quality_report", "run_train_classifier", "save_classifier", "train_classifier",
+    "load_data", "precision_recall", "quality_report", "save_classifier", "train_classifier",
 ]

@@ -25,7 +25,6 @@ mirrored (text, flags, clocks: :data:`relaxspec.data.emoji.NO_FLIP`).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import math
@@ -43,7 +42,8 @@ from tqdm.auto import tqdm
 
 from relaxspec.checkpoints import load_strict, save_model
 from relaxspec.errors import RelaxspecError
-from relaxspec.training.common import RecipeConfig, resolve_device
+from relaxspec.devices import resolve_device
+from relaxspec.training.common import RecipeConfig
 from relaxspec.evaluation.metrics import topk_hits
 
 KIND = "classifier"
@@ -453,75 +453,8 @@ def train_classifier(train: ImageSet | tuple, val: ImageSet | tuple, config: Cla
     return model
 
 
-# ------------------------------------------------------------------------------------------
-# Command line
-# ------------------------------------------------------------------------------------------
-
-
-def _ints(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(v) for v in text.replace(",", " ").split())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-
-
-def add_train_classifier_parser(subparsers) -> argparse.ArgumentParser:
-    """``relaxspec train-classifier --data DIR --out DIR``: every option overrides one
-    :class:`ClassifierTrainConfig` field; options not given keep the default."""
-    defaults = ClassifierTrainConfig()
-    parser = subparsers.add_parser(
-        "train-classifier", help="train the offline evaluation classifier",
-        description="Train the small CNN classifier whose features and logits the quality metrics use "
-                    "(FID-like distance, precision/recall, class accuracy). Reads DATA/train.npz and "
-                    "DATA/val.npz (images uint8 [n, H, W, 3], labels [n]); writes OUT/model.safetensors + "
-                    "config.json (with val top-1 / top-5).",
-        argument_default=argparse.SUPPRESS)
-
-    from relaxspec.training.common import Options
-
-    option = Options(parser, defaults)
-
-    option("--data", "folder with train.npz and val.npz", metavar="DIR")
-    option("--out", "output folder", metavar="DIR")
-    option("--channels", "conv widths of the stages, e.g. 32,64,128", type=_ints)
-    option("--feature-dim", "width of the penultimate layer (the features)", type=int)
-    option("--dropout", "dropout before the head", type=float)
-    option("--epochs", "passes over the training split", type=int)
-    option("--batch-size", "images per step", type=int)
-    option("--lr", "peak AdamW learning rate", type=float)
-    option("--weight-decay", "AdamW weight decay (conv and linear weights only)", type=float)
-    option("--warmup-epochs", "linear warm-up before the cosine decay", type=float)
-    option("--label-smoothing", "cross-entropy label smoothing", type=float)
-    option("--translate", "largest random shift in pixels (0 = off)", type=int)
-    parser.add_argument("--no-flip", dest="flip", action="store_false",
-                        help="no random horizontal flips (by default all classes but text, flags, clocks, ... are "
-                             "mirrored half the time)")
-    option("--seed", "seed (init, data order, augmentation)", type=int)
-    option("--device", "cpu, cuda, cuda:1, or auto")
-    option("--threads", "CPU threads for torch (default: torch's choice; 1 is often much faster on a busy "
-           "machine)", type=int)
-    parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
-    parser.set_defaults(handler=run_train_classifier)
-    return parser
-
-
-def run_train_classifier(args: argparse.Namespace) -> int:
-    """Entry point of ``relaxspec train-classifier``; raises :class:`RelaxspecError` on bad input."""
-    given = {k: v for k, v in vars(args).items() if k in ClassifierTrainConfig.__dataclass_fields__}
-    config = ClassifierTrainConfig.from_dict(given)
-    out = Path(config.out)
-    if out.exists() and not out.is_dir():
-        raise RelaxspecError(f"--out {out}: exists and is not a folder")
-    train, val = load_data(config.data)
-    model = train_classifier(train, val, config)
-    save_classifier(model, out, config)
-    summary = {k: v for k, v in model.metrics.items() if k != "history"}
-    print(json.dumps({"out": str(out), **summary}))
-    return 0
-
-
 __all__ = [
-    "ClassifierConfig", "ClassifierTrainConfig", "ImageClassifier", "ImageSet", "add_train_classifier_parser",
-    "augment", "check_image_set", "flippable_classes", "load_classifier", "load_data", "load_split", "run_train_classifier",
+    "ClassifierConfig", "ClassifierTrainConfig", "ImageClassifier", "ImageSet",
+    "augment", "check_image_set", "flippable_classes", "load_classifier", "load_data", "load_split",
     "save_classifier", "to_model_input", "train_classifier",
 ]

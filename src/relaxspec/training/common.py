@@ -16,7 +16,6 @@ continuation would not be the run it claims to be.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -117,15 +116,6 @@ def set_rng_state(state: dict | torch.Tensor) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def config_from_args(args: argparse.Namespace, config_cls, read_saved) -> tuple[object, bool]:
-    """The config the command line asks for: the given options over the defaults or, with
-    ``--resume``, over the saved run's config (``read_saved(out) -> state dict``)."""
-    given = {k: v for k, v in vars(args).items() if k in config_cls.__dataclass_fields__}
-    resume = bool(getattr(args, "resume", False))
-    base = dict(read_saved(given.get("out", config_cls.out))["config"]) if resume else {}
-    return config_cls.from_dict({**base, **given}), resume
-
-
 # ------------------------------------------------------------------------------------------
 # Schedules, randomness, devices
 # ------------------------------------------------------------------------------------------
@@ -151,21 +141,6 @@ def warmup_cosine(step: int, total: int, lr: float, warmup: int, min_lr: float) 
         return min_lr
     progress = (step - warmup) / max(1, total - warmup)
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (lr - min_lr)
-
-
-def resolve_device(name: str, what: str = "device") -> torch.device:
-    """``auto`` is CUDA when present, else CPU; a CUDA device on a machine without one is refused
-    here, with a clear message, rather than deep inside the first forward. ``what`` names the
-    setting in messages (the CLI passes ``--device``)."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise RelaxspecError(f"{what} {name!r} is not a device torch knows (try cpu or cuda)") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise RelaxspecError(f"{what} {name}: CUDA is not available on this machine (this torch build: {torch.__version__})")
-    return device
 
 
 # ------------------------------------------------------------------------------------------
@@ -202,33 +177,6 @@ def read_metrics(out: str | Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def add_run_options(parser: argparse.ArgumentParser, defaults, *, unit: str, seed_help: str,
-                    cosine: bool = True, extra=None) -> None:
-    """The options every recipe shares (optimiser, seed, precision, device, threads, intervals,
-    resume, progress); each overrides the ``defaults`` dataclass field of the same name.
-    ``extra(option)`` adds recipe-specific ones after the evaluation interval."""
-    option = Options(parser, defaults)
-    option.section("training")
-
-    option("--steps", "optimizer steps (the cosine's length)" if cosine else "optimizer steps", type=int)
-    option("--batch-size", f"{unit} per step", type=int)
-    option("--lr", "peak AdamW learning rate", type=float)
-    option("--min-lr", "learning rate at the end of the cosine", type=float)
-    option("--weight-decay", "AdamW weight decay" + (" (matrices only)" if cosine else ""), type=float)
-    option("--warmup-steps", "linear learning-rate warm-up", type=int)
-    option("--grad-clip", "gradient-norm clip (0 = off)", type=float)
-    option("--seed", seed_help, type=int)
-    option.group.add_argument("--no-bf16", dest="bf16", action="store_false", help="train in fp32 (default: bf16 autocast)")
-    option("--device", "cpu, cuda, cuda:1, or auto")
-    option("--threads", "torch CPU threads (1 is steadiest on a busy machine)", type=int)
-    option("--eval-interval", "steps between evaluations", type=int)
-    if extra is not None:
-        extra(option)
-    option("--checkpoint-interval", "steps between checkpoints", type=int)
-    parser.add_argument("--resume", action="store_true", default=False, help="continue the run saved in --out")
-    parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
-
-
 class RecipeConfig:
     """Mixin for a recipe's config dataclass: a JSON-able dict and back, refusing unknown fields
     (a resumed run must not silently drop settings). ``what`` names the recipe in errors."""
@@ -248,25 +196,6 @@ class RecipeConfig:
 
             raise RelaxspecError(f"unknown {cls.what} fields: {', '.join(unknown)}")
         return cls(**data)
-
-
-class Options:
-    """Adds ``--flag`` options whose help shows the config dataclass's default; ``section(title)``
-    starts an argument group. One definition for every recipe's parser."""
-
-    def __init__(self, parser: argparse.ArgumentParser, defaults) -> None:
-        self.parser, self.defaults, self.group = parser, defaults, parser
-
-    def section(self, title: str) -> None:
-        self.group = self.parser.add_argument_group(title)
-
-    def __call__(self, flag: str, help: str, **kwargs) -> None:
-        name = kwargs.get("dest", flag.lstrip("-").replace("-", "_"))
-        default = getattr(self.defaults, name, None)
-        if isinstance(default, tuple):
-            default = ",".join(str(v) for v in default)
-        shown = default is not None and default is not False and default != []
-        self.group.add_argument(flag, help=f"{help} (default: {default})" if shown else help, **kwargs)
 
 
 def need(ok: bool, message: str) -> None:

@@ -24,8 +24,6 @@ with ``weights_only=True``) therefore continues bit for bit.
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
 import json
 import math
 import time
@@ -37,8 +35,8 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from relaxspec.checkpoints import PRECISIONS, load_gpt, load_strict, load_vq, read_state
-from relaxspec.drafting.eagle import DrafterConfig, EagleDrafter
+from relaxspec.checkpoints import PRECISIONS, load_gpt, load_strict, load_vq
+from relaxspec.drafting.eagle import DrafterConfig, EagleDrafter, load_drafter
 from relaxspec.errors import RelaxspecError
 from relaxspec.models.gpt import Transformer
 from relaxspec.models.vq import VQModel
@@ -46,7 +44,7 @@ from relaxspec.sampling import SamplingConfig
 from relaxspec.training import common
 from relaxspec.training.common import TRAIN_STATE, step_bar
 from relaxspec.training.common import mix as _mix
-from relaxspec.training.common import resolve_device as _device
+from relaxspec.devices import resolve_device as _device
 
 STATE_VERSION = 1
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
@@ -475,29 +473,6 @@ def evaluate_drafter(drafter: EagleDrafter, dataset: DrafterDataset, config: Dra
 # ------------------------------------------------------------------------------------------
 
 
-def load_drafter(path: str | Path, target: Transformer) -> EagleDrafter:
-    """Read a drafter folder written by :func:`train_drafter` (``kind == "drafter"``) and attach it
-    to ``target`` (its dtype and device)."""
-    loaded = read_state(path)
-    if loaded.layout != "relaxspec":
-        raise RelaxspecError(f"{path}: a drafter is a relaxspec folder (model.safetensors + config.json), "
-                             f"not a {loaded.layout} file")
-    if loaded.kind != "drafter":
-        raise RelaxspecError(f"{path}: this is a {loaded.kind!r} model, not a drafter")
-    config = loaded.config if isinstance(loaded.config, dict) else {}
-    unknown = sorted(set(config) - {f.name for f in dataclasses.fields(DrafterConfig)})
-    if unknown or not isinstance(config.get("target"), dict):
-        raise RelaxspecError(f"{path}: not a drafter config (needs 'target' and 'n_layer'"
-                             + (f"; unknown fields {', '.join(unknown)})" if unknown else ")"))
-    try:
-        drafter = EagleDrafter(DrafterConfig(**config))
-    except TypeError as err:
-        raise RelaxspecError(f"{path}: bad drafter config ({err})") from None
-    load_strict(drafter, loaded.state_dict, str(path))
-    weight = target.output.weight
-    return drafter.to(device=weight.device, dtype=weight.dtype).eval().attach(target)
-
-
 def _save_checkpoint(out: Path, drafter: EagleDrafter, optimizer: torch.optim.Optimizer, step: int,
                      config: DrafterTrainConfig, history: list[dict]) -> None:
     """``model.safetensors`` + ``config.json`` (what decoding loads) and ``train_state.pt`` (what
@@ -634,96 +609,3 @@ def train_drafter(config: DrafterTrainConfig, *, target: Transformer | None = No
     if first >= total:  # nothing left to train (e.g. resumed at the end): still leave a checkpoint
         _save_checkpoint(out, drafter, optimizer, step, config, history)
     return DrafterTrainResult(drafter.eval(), step, history, seconds, sequences / seconds if seconds else 0.0)
-
-
-# ------------------------------------------------------------------------------------------
-# Command line
-# ------------------------------------------------------------------------------------------
-
-
-def _classes(text: str) -> list[int]:
-    try:
-        return [int(part) for part in text.replace(",", " ").split()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"class ids must be integers, got {text!r}") from None
-
-
-def add_train_drafter_parser(subparsers) -> argparse.ArgumentParser:
-    """``relaxspec train-drafter``: every option overrides one :class:`DrafterTrainConfig` field;
-    options not given keep the default (or, with ``--resume``, the saved value)."""
-    defaults = DrafterTrainConfig()
-    parser = subparsers.add_parser(
-        "train-drafter", help="train an EAGLE drafter on a target's features",
-        description="Train the EAGLE drafter (REFERENCE §1.6) on a frozen LlamaGen target's features. "
-                    "Writes OUT/model.safetensors + config.json and OUT/train_state.pt.",
-        argument_default=argparse.SUPPRESS)
-
-    option = common.Options(parser, defaults)
-
-    option.section("target")
-    option("--gpt-ckpt", "target checkpoint: an official .pt or a relaxspec folder", metavar="PATH")
-    option("--gpt-model", "target size for an official checkpoint (GPT-B, GPT-L, GPT-XL, ...)")
-    option("--image-size", "image resolution of an official checkpoint", type=int)
-    option("--downsample", "tokenizer downsampling factor", type=int)
-    option("--precision", "target weights precision", choices=list(PRECISIONS))
-    option.section("data")
-    option("--data", "token sequences: .npz (tokens, labels) or .npy [n, N] with labels.npy / stats.json beside "
-           "it; repeatable", action="append", metavar="FILE")
-    option("--label", "class id for sources without labels", type=int)
-    option("--self-samples", "also train on COUNT samples drawn from the target", type=int, metavar="COUNT")
-    option("--classes", "classes of the self-samples, e.g. '1 2 3' or '1,2,3' (default: uniform)", type=_classes,
-           nargs="+", metavar="CLASS")
-    option("--cfg-scale", "CFG scale of the self-samples", type=float)
-    option("--temperature", "temperature of the self-samples", type=float)
-    option("--top-k", "top-k of the self-samples (0 = off)", type=int)
-    option("--images", "folder of images (class sub-folders or --label) to encode with the VQ model", metavar="DIR")
-    option("--vq-ckpt", "VQ tokenizer checkpoint for --images", metavar="PATH")
-    option("--vq-model", "VQ model name for an official VQ checkpoint")
-    option("--val-fraction", "share of sequences held out to measure draft accuracy", type=float)
-    option.section("training")
-    option("--out", "output folder", metavar="DIR")
-    option("--n-layer", "drafter transformer blocks", type=int)
-    option("--init-from", "start from this drafter's weights (a relaxspec drafter folder, e.g. one trained for "
-           "a shallower version of the target)", metavar="DIR")
-    option("--epochs", "passes over the data", type=float)
-    option("--steps", "optimizer steps (overrides --epochs)", type=int)
-    option("--batch-size", "sequences per step", type=int)
-    option("--lr", "AdamW learning rate", type=float)
-    option("--weight-decay", "AdamW weight decay", type=float)
-    option("--warmup-steps", "linear learning-rate warm-up", type=int)
-    option("--grad-clip", "gradient-norm clip (0 = off)", type=float)
-    option("--noise", "uniform feature noise amplitude a: U(-a, a)", type=float)
-    option("--ce-weight", "weight of the cross-entropy term", type=float)
-    option("--null-fraction", "share of each batch also trained under the null condition", type=float)
-    option("--seed", "seed (data order, noise, init, self-samples)", type=int)
-    option("--bf16", "bf16 autocast", action="store_true")
-    option("--device", "cpu, cuda, cuda:1, or auto")
-    option("--checkpoint-interval", "steps between checkpoints", type=int)
-    option("--eval-interval", "steps between evaluations", type=int)
-    parser.add_argument("--resume", action="store_true", default=False, help="continue the run saved in --out")
-    parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
-    parser.set_defaults(func=run_train_drafter, handler=run_train_drafter)
-    return parser
-
-
-def config_from_args(args: argparse.Namespace) -> tuple[DrafterTrainConfig, bool]:
-    """The config the command line asks for: given options over the defaults or, with
-    ``--resume``, over the saved run's config."""
-    given = {k: v for k, v in vars(args).items() if k in DrafterTrainConfig.__dataclass_fields__}
-    if "classes" in given:  # each --classes word may itself be a comma list
-        given["classes"] = [c for word in given["classes"] for c in word]
-    resume = bool(getattr(args, "resume", False))
-    base = {}
-    if resume:
-        base = dict(read_train_state(given.get("out", DrafterTrainConfig.out))["config"])
-    return DrafterTrainConfig.from_dict({**base, **given}), resume
-
-
-def run_train_drafter(args: argparse.Namespace) -> int:
-    """Entry point of ``relaxspec train-drafter``; raises :class:`RelaxspecError` on bad input."""
-    config, resume = config_from_args(args)
-    result = train_drafter(config, resume=resume)
-    last = result.history[-1] if result.history else {}
-    print(json.dumps({"out": config.out, "step": result.step, "sequences_per_second": round(result.sequences_per_second, 2),
-                      **{k: round(v, 5) for k, v in last.items() if isinstance(v, float)}}))
-    return 0

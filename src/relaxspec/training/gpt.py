@@ -33,7 +33,6 @@ One command: ``relaxspec train-gpt --data data/emoji --vq-ckpt out/vq --out out/
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import math
@@ -47,6 +46,7 @@ import torch.nn.functional as F
 
 from relaxspec.checkpoints import load_gpt, load_strict, load_vq, read_state, save_model
 from relaxspec.data.emoji import augment, load_classes
+from relaxspec.devices import resolve_device
 from relaxspec.errors import RelaxspecError
 from relaxspec.models.gpt import GPTConfig, Transformer
 from relaxspec.models.vq import VQModel
@@ -325,7 +325,7 @@ def train_gpt(config: GPTTrainConfig, *, vq: VQModel | None = None, train: Image
         common.check_resumable(saved["config"], config.to_dict(), RUN_FIELDS)
     if config.threads:
         torch.set_num_threads(config.threads)
-    device = common.resolve_device(config.device)
+    device = resolve_device(config.device)
     vq = vq if vq is not None else load_vq(config.vq_ckpt, device="cpu")
     vq.eval().requires_grad_(False)
     train = train if train is not None else load_images(config.data, "train")
@@ -453,54 +453,3 @@ def export_gpt(model: Transformer, folder: str | Path, training: dict, measure: 
     shipped = {f"{name}_nll": evaluate_nll(rounded, data, bf16=False) for name, data in measure.items() if len(data)}
     save_model(model, folder, dtype=torch.float16, extra={"training": {**training, "fp16_fp32": shipped}})
     return shipped
-
-
-# ------------------------------------------------------------------------------------------
-# Command line
-# ------------------------------------------------------------------------------------------
-
-
-def add_train_gpt_parser(subparsers) -> argparse.ArgumentParser:
-    """``relaxspec train-gpt``: every option overrides one :class:`GPTTrainConfig` field; options not
-    given keep the default (or, with ``--resume``, the saved value)."""
-    defaults = GPTTrainConfig()
-    parser = subparsers.add_parser(
-        "train-gpt", help="train a small LlamaGen c2i target on the emoji data",
-        description="Train a LlamaGen c2i transformer on VQ tokens of `relaxspec data` output (augmented). "
-                    "Writes OUT/best (the best-val weights), OUT/model.safetensors + config.json (the last), "
-                    "OUT/train_state.pt, OUT/tokens.npz and OUT/metrics.jsonl.",
-        argument_default=argparse.SUPPRESS)
-
-    option = common.Options(parser, defaults)
-
-    option("--data", "folder written by `relaxspec data`", metavar="DIR")
-    option("--vq-ckpt", "the tokenizer (a relaxspec VQ folder, e.g. from `relaxspec train-vq`)", metavar="PATH")
-    option("--out", "output folder", metavar="DIR")
-    option("--export", "also write the best-val weights here in fp16 (model.safetensors + config.json)", metavar="DIR")
-    option.section("model")
-    option("--dim", "model width", type=int)
-    option("--n-layer", "transformer blocks", type=int)
-    option("--n-head", "attention heads (LlamaGen: head dim 64)", type=int)
-    option("--init-from", "grow from this trained target (same width, fewer layers): its blocks are spread "
-           "over the new depth, the new blocks start as the identity", metavar="PATH")
-    option.section("data")
-    option("--copies", "tokenised copies per training image (1 = no augmentation)", type=int)
-    option("--max-shift", "augmentation: largest translation in px", type=int)
-    option.group.add_argument("--no-flip", dest="flip", action="store_false", help="augmentation: no mirror flips")
-    option("--class-dropout", "probability of training a sequence under the null class", type=float)
-    common.add_run_options(parser, defaults, unit="sequences", seed_help="seed (init, augmentation, data order, class dropout)",
-                           extra=lambda option: option("--patience", "evaluations without a better val NLL before "
-                                                       "stopping (0 = never)", type=int))
-    parser.set_defaults(func=run_train_gpt, handler=run_train_gpt)
-    return parser
-
-
-def run_train_gpt(args: argparse.Namespace) -> int:
-    """Entry point of ``relaxspec train-gpt``; raises :class:`RelaxspecError` on bad input."""
-    config, resume = common.config_from_args(args, GPTTrainConfig, read_train_state)
-    result = train_gpt(config, resume=resume)
-    print(json.dumps({"out": config.out, "step": result.step, "stopped_early": result.stopped_early,
-                      "sequences_per_second": round(result.sequences_per_second, 2),
-                      "train_seconds": round(result.seconds, 1), "tokenise_seconds": round(result.tokenise_seconds, 1),
-                      "best": result.best}))
-    return 0

@@ -26,8 +26,6 @@ One command: ``relaxspec train-vq --data data/emoji --out out/vq`` (see :func:`a
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
 import time
 from dataclasses import dataclass
@@ -38,6 +36,7 @@ import torch.nn.functional as F
 
 from relaxspec.checkpoints import load_strict, save_model
 from relaxspec.data.emoji import augment, flippable, load_classes, load_split
+from relaxspec.devices import resolve_device
 from relaxspec.errors import RelaxspecError
 from relaxspec.models.vq import VQConfig, VQModel, to_uint8
 from relaxspec.training import common
@@ -279,7 +278,7 @@ def train_vq(config: VQTrainConfig, *, train: ImageSet | None = None, val: Image
         common.check_resumable(saved["config"], config.to_dict(), RUN_FIELDS)
     if config.threads:
         torch.set_num_threads(config.threads)
-    device = common.resolve_device(config.device)
+    device = resolve_device(config.device)
     train = train if train is not None else load_images(config.data, "train")
     val = val if val is not None else load_images(config.data, "val")
     if len(train) == 0:
@@ -381,62 +380,3 @@ def export_vq(vq: VQModel, folder: str | Path, metrics: dict, val: ImageSet | No
     training = {"recipe": "relaxspec train-vq", "metrics": metrics, **({"val_fp16": shipped} if shipped else {})}
     save_model(vq, folder, dtype=torch.float16, extra={"training": training})
     return shipped
-
-
-# ------------------------------------------------------------------------------------------
-# Command line
-# ------------------------------------------------------------------------------------------
-
-
-def _ints(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(part) for part in text.replace(",", " ").split())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected integers like 1,2,2, got {text!r}") from None
-
-
-def add_train_vq_parser(subparsers) -> argparse.ArgumentParser:
-    """``relaxspec train-vq``: every option overrides one :class:`VQTrainConfig` field; options not
-    given keep the default (or, with ``--resume``, the saved value)."""
-    defaults = VQTrainConfig()
-    parser = subparsers.add_parser(
-        "train-vq", help="train a small LlamaGen VQ tokenizer on the emoji data",
-        description="Train a LlamaGen-architecture VQ tokenizer on `relaxspec data` output. Writes "
-                    "OUT/model.safetensors + config.json, OUT/train_state.pt and OUT/metrics.jsonl.",
-        argument_default=argparse.SUPPRESS)
-
-    option = common.Options(parser, defaults)
-
-    option("--data", "folder written by `relaxspec data`", metavar="DIR")
-    option("--out", "output folder", metavar="DIR")
-    option("--export", "also write the final weights here in fp16 (model.safetensors + config.json)", metavar="DIR")
-    option.section("model")
-    option("--codebook-size", "codes", type=int)
-    option("--codebook-embed-dim", "code vector width", type=int)
-    option("--z-channels", "encoder output channels", type=int)
-    option("--ch", "base channel width", type=int)
-    option("--ch-mult", "width multipliers per level, e.g. 1,2,2 (levels - 1 = log2 downsampling)", type=_ints)
-    option("--num-res-blocks", "residual blocks per level", type=int)
-    option("--norm-groups", "GroupNorm groups", type=int)
-    option.section("loss")
-    option("--l1-weight", "pixel L1 weight", type=float)
-    option("--l2-weight", "pixel L2 weight", type=float)
-    option("--codebook-weight", "codebook loss weight", type=float)
-    option("--commit-weight", "commitment loss weight (beta)", type=float)
-    option("--restart-interval", "steps between dead-code restarts (0 = off)", type=int)
-    option("--max-shift", "augmentation: largest translation in px", type=int)
-    option.group.add_argument("--no-flip", dest="flip", action="store_false", help="augmentation: no mirror flips")
-    common.add_run_options(parser, defaults, unit="images", seed_help="seed (init, data order, augmentation, restarts)",
-                           cosine=False)
-    parser.set_defaults(func=run_train_vq, handler=run_train_vq)
-    return parser
-
-
-def run_train_vq(args: argparse.Namespace) -> int:
-    """Entry point of ``relaxspec train-vq``; raises :class:`RelaxspecError` on bad input."""
-    config, resume = common.config_from_args(args, VQTrainConfig, read_train_state)
-    result = train_vq(config, resume=resume)
-    last = result.history[-1] if result.history else {}
-    print(json.dumps({"out": config.out, "step": result.step, "images_per_second": round(result.images_per_second, 2),
-                      "train_seconds": round(result.seconds, 1), "val": last.get("val"), "train": last.get("train")}))
-    return 0

@@ -1,8 +1,8 @@
 """``relaxspec bench``: every decoding method on the same images, then the tables and plots.
 
-Wire it into the main parser with ``add_bench_parser(subparsers)``; the handler is
-:func:`run_bench_cli` (returns the exit code; user errors raise :class:`RelaxspecError`, which
-``relaxspec.cli.main`` prints on one line).
+The measuring and reporting are library code (:mod:`relaxspec.bench`); this module is the
+command: options, models and checks. The handler :func:`run_bench_cli` returns the exit code;
+user errors raise :class:`RelaxspecError`, which ``relaxspec.cli.main`` prints on one line.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from relaxspec.bench.config import BASELINE, METHOD_SPECS, SPEC_ALIASES, expand_methods, parse_methods
+from relaxspec.cli.options import UPSTREAM_SAMPLING, device_option, parse_classes, spec_id
 from relaxspec.errors import RelaxspecError
 
 
@@ -113,8 +114,6 @@ def resolve_models(args: argparse.Namespace) -> None:
     """Fill unset model arguments from :func:`default_models` (the embedded model) and unset
     sampling options from the embedded model's documented defaults, or upstream's for a user's
     checkpoint."""
-    from relaxspec.cli import UPSTREAM_SAMPLING
-
     sampling = dict(UPSTREAM_SAMPLING)
     if args.gpt_ckpt is None or args.vq_ckpt is None:
         from relaxspec import embedded
@@ -135,8 +134,6 @@ def resolve_models(args: argparse.Namespace) -> None:
 
 def image_classes(args: argparse.Namespace, num_classes: int, class_names: list[str] | None = None) -> list[int]:
     """Image ``i``'s class: the class list cycled (so an interrupted run covers every class)."""
-    from relaxspec.cli import parse_classes
-
     classes = parse_classes(args.classes, class_names) if args.classes is not None else list(range(num_classes))
     bad = [c for c in classes if not 0 <= c < num_classes]
     if bad:
@@ -177,13 +174,13 @@ def run_bench_cli(args: argparse.Namespace) -> int:
         if classifier is not None:
             resolve_models(args)
             from relaxspec.checkpoints import load_vq
-            from relaxspec.cli import resolve_device
 
-            vq = load_vq(args.vq_ckpt, args.vq_model, device=resolve_device(args.device))
+            vq = load_vq(args.vq_ckpt, args.vq_model, device=device_option(args.device))
         return _report(write_report, args.out, vq, classifier, args, progress)
 
     from relaxspec.checkpoints import load_gpt, load_vq
-    from relaxspec.cli import _spec_id, file_identity, load_drafter, resolve_device
+    from relaxspec.drafting.eagle import load_drafter
+    from relaxspec.files import file_identity
     from relaxspec.sampling import SamplingConfig
 
     specs = expand_methods(parse_methods(args.methods), args.sweep)
@@ -197,7 +194,7 @@ def run_bench_cli(args: argparse.Namespace) -> int:
     if drafting and args.drafter_ckpt is None:
         raise RelaxspecError(f"{', '.join(drafting)} draft with an EAGLE drafter: give --drafter-ckpt (train one with "
                              "relaxspec train-drafter), or choose drafter-free --methods such as ar,sjd,scd")
-    device = resolve_device(args.device)
+    device = device_option(args.device)
     torch.set_num_threads(args.threads)
     vq = load_vq(args.vq_ckpt, args.vq_model, device=device)
     downsample = vq.config.downsample_factor
@@ -214,8 +211,8 @@ def run_bench_cli(args: argparse.Namespace) -> int:
     args.image_size = target.config.grid_size * downsample
     classes = image_classes(args, target.config.num_classes, target.class_names)
     identity = {
-        "gpt_ckpt": str(Path(args.gpt_ckpt).resolve()), "gpt_model": _spec_id(args.gpt_model),
-        "vq_ckpt": str(Path(args.vq_ckpt).resolve()), "vq_model": _spec_id(args.vq_model),
+        "gpt_ckpt": str(Path(args.gpt_ckpt).resolve()), "gpt_model": spec_id(args.gpt_model),
+        "vq_ckpt": str(Path(args.vq_ckpt).resolve()), "vq_model": spec_id(args.vq_model),
         "drafter_ckpt": None if not drafting else str(Path(args.drafter_ckpt).resolve()),
         "image_size": args.image_size, "precision": args.precision, "device": str(device),
         "torch": torch.__version__,

@@ -41,6 +41,7 @@ from pathlib import Path
 import numpy as np
 
 from relaxspec.errors import RelaxspecError
+from relaxspec.files import load_caption_features, write_atomic, write_json
 
 SCORES_FILE = "eval.json"
 SHARD = re.compile(r"shard-(\d+)-of-(\d+)$")
@@ -89,19 +90,20 @@ def shard_dir(out: Path, rank: int, world: int) -> Path:
 
 def parse_generate_args(argv: list[str]) -> argparse.Namespace:
     """``relaxspec generate``'s options, checked by its own parser."""
-    from relaxspec.cli import build_parser
+    from relaxspec.cli.generate import add_generate_parser
+    from relaxspec.cli.options import Parser
 
     argv = argv[1:] if argv and argv[0] == "--" else argv
     if not argv:
         raise RelaxspecError("give relaxspec generate's options after '--' (at least the models and --out DIR)")
-    return build_parser().parse_args(["generate", *argv])
+    parser = Parser(prog="relaxspec")
+    add_generate_parser(parser.add_subparsers(dest="command", required=True))
+    return parser.parse_args(["generate", *argv])
 
 
 def _write_captions(path: Path, features: np.ndarray, mask: np.ndarray | None) -> None:
     """Write a shard's caption file only if it differs: generate's settings hash includes the file's
     mtime, so rewriting an identical file would make a resumed shard look like a new run."""
-    from relaxspec.cli import write_atomic
-
     if path.is_file():
         with np.load(path, allow_pickle=False) as old:
             same = np.array_equal(old["features"], features) and (
@@ -114,7 +116,8 @@ def _write_captions(path: Path, features: np.ndarray, mask: np.ndarray | None) -
 
 def generate_shard(args: argparse.Namespace, gen: argparse.Namespace, rank: int, world: int, local: int) -> Path:
     """Generate this rank's slice into its shard folder with ``relaxspec generate`` (resumable)."""
-    from relaxspec.cli import DEFAULT_CLASSES, cmd_generate, load_caption_features, parse_classes
+    from relaxspec.cli.generate import cmd_generate
+    from relaxspec.cli.options import DEFAULT_CLASSES, parse_classes
 
     out = Path(gen.out)
     folder = shard_dir(out, rank, world)
@@ -211,8 +214,6 @@ def clean_fid(files: list[Path], reference: str, mode: str = "clean", device: st
 
 def score(args: argparse.Namespace, out: Path, device: str = "cpu", progress: bool = True) -> dict:
     """The requested scores of everything generated in ``out``, written to ``OUT/eval.json``."""
-    from relaxspec.cli import write_json
-
     files, labels = generated_images(out)
     if not files:
         raise RelaxspecError(f"{out}: no generated images to score")

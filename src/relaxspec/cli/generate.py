@@ -1,0 +1,372 @@
+"""``relaxspec generate``: condition -> image tokens (any decoding method) -> VQ decode -> PNGs,
+``grid.png``, ``tokens.npy`` and ``stats.json``; resumable (finished batches of the same settings
+are kept)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from relaxspec import __version__
+from relaxspec.checkpoints import PRECISIONS, load_gpt, load_vq
+from relaxspec.cli.options import DEFAULT_CLASSES, UPSTREAM_SAMPLING, device_option, parse_classes, spec_id
+from relaxspec.decoding import MethodOptions, decode
+from relaxspec.decoding.options import ALIASES, DRAFTS, METHODS
+from relaxspec.decoding.result import accumulate_rank_counts, certified_tv, record_tv_sum
+from relaxspec.drafting.eagle import load_drafter
+from relaxspec.errors import RelaxspecError
+from relaxspec.files import load_caption_features, file_identity, write_atomic, write_grid, write_json, write_png
+from relaxspec.models.gpt import GPT_SIZES, Transformer
+from relaxspec.models.vq import VQ_CONFIGS, to_uint8
+from relaxspec.sampling import SamplingConfig, batch_seed
+
+STATS_FILE, TOKENS_FILE = "stats.json", "tokens.npy"
+#: ``generate`` flag -> MethodOptions field. Flags left unset keep MethodOptions' defaults, so a
+#: method's own defaults (e.g. LANTERN++'s multiplicative ``lam``) still apply.
+METHOD_FLAGS = {
+    "draft": "draft", "depth": "depth", "tree": "tree", "siblings": "siblings",
+    "dynamic_top_k": "dynamic_top_k", "total_tokens": "total_tokens", "k": "k", "delta": "delta",
+    "lam": "lam", "residual": "residual", "geometry": "geometry", "cool_delta": "cool_delta",
+    "nu": "nu", "normalisation": "normalisation", "window": "window", "anneal": "anneal",
+    "compile": "compile", "record_tv": "record_tv",
+}
+
+
+def add_generate_parser(subparsers) -> argparse.ArgumentParser:
+    gen = subparsers.add_parser("generate", help="generate images", description=(
+        "Generate images with a LlamaGen checkpoint. Writes NNNN.png per image, grid.png, tokens.npy "
+        "and stats.json into --out; an interrupted run resumes when started again with the same settings."))
+    gen.set_defaults(handler=cmd_generate)
+    models = gen.add_argument_group("models")
+    models.add_argument("--gpt-ckpt", metavar="PATH",
+                        help="GPT weights: official .pt/.pth, .safetensors, or a relaxspec model folder "
+                             "(default: the embedded emoji model, with its tokenizer and drafter)")
+    models.add_argument("--gpt-model", metavar="NAME|JSON", help=(
+        f"named size ({', '.join(GPT_SIZES)}), or a JSON file of GPTConfig fields for other sizes; "
+        "needed for official files (the head count is not in the weights)"))
+    models.add_argument("--vq-ckpt", metavar="PATH", help="VQ tokenizer weights (default: the embedded model's)")
+    models.add_argument("--vq-model", default="VQ-16", metavar="NAME|JSON",
+                        help=f"named tokenizer ({', '.join(VQ_CONFIGS)}) or a JSON file of VQConfig fields (default VQ-16)")
+    models.add_argument("--image-size", type=int, help="pixels per side; fixes the token grid (default: the model's "
+                                                       "own for relaxspec folders, else 256)")
+    models.add_argument("--precision", choices=tuple(PRECISIONS), default="fp32", help="GPT weights dtype (default fp32)")
+    models.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:1, ...")
+    models.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's choice; 1 is often "
+                                                    "fastest for small models on a busy machine)")
+
+    cond = gen.add_argument_group("conditions")
+    cond.add_argument("--classes", metavar="IDS|NAMES",
+                      help=f"comma-separated class ids for a c2i model, or class names when the model names its "
+                           f"classes (the embedded model: e.g. animal-mammal,food-fruit) (default: upstream's demo "
+                           f"list {DEFAULT_CLASSES}, or the embedded model's demo classes)")
+    cond.add_argument("--caption-features", metavar="PATH",
+                      help="t2i: .npy of caption features [N, tokens, dim] (T5, left-padded), or .npz with "
+                           "'features' and optional 'mask'")
+    cond.add_argument("--caption-mask", metavar="PATH", help="t2i: .npy [N, tokens] of 1 (real token) / 0 (padding)")
+
+    sampling = gen.add_argument_group("sampling (upstream order: CFG, temperature, top-k, top-p)")
+    sampling.add_argument("--cfg-scale", type=float, help="classifier-free guidance (default 4.0, upstream's demo; "
+                                                          "the embedded model's own default with it; 1 = off)")
+    sampling.add_argument("--temperature", type=float, help="0 = greedy (default 1.0)")
+    sampling.add_argument("--top-k", type=int, help="0 = off (default 2000, upstream's demo; embedded: its own)")
+    sampling.add_argument("--top-p", type=float, help="in (0, 1] (default 1.0 = off)")
+    sampling.add_argument("--seed", type=int, default=0,
+                          help="batch b samples with a generator seeded seed * 1000003 + b (default 0)")
+
+    method = gen.add_argument_group("decoding method")
+    method.add_argument("--method", choices=METHODS + tuple(ALIASES),
+                        help="default: ar, or the embedded model's documented default method (MODEL_CARD.md)")
+    method.add_argument("--draft", help=f"{' | '.join(DRAFTS)} | a JSON static tree")
+    method.add_argument("--drafter-ckpt", metavar="PATH", help="EAGLE drafter (methods sd, lantern, cool)")
+    method.add_argument("--depth", type=int, help="chain length / dynamic-tree depth")
+    method.add_argument("--tree", help="name of a shipped static tree")
+    method.add_argument("--siblings", choices=("sampled", "topk"))
+    method.add_argument("--dynamic-top-k", type=int, help="EAGLE-2 dynamic tree: children per beam")
+    method.add_argument("--total-tokens", type=int, help="EAGLE-2 dynamic tree: nodes per step")
+    method.add_argument("--k", type=int, help="LANTERN: latent neighbours per token")
+    method.add_argument("--delta", type=float, help="LANTERN: additive TV budget in [0, 1]")
+    method.add_argument("--lam", type=float, help="LANTERN++: multiplicative bound >= 1")
+    method.add_argument("--residual", choices=("relaxed", "plain"))
+    method.add_argument("--geometry", choices=("raw", "normalised"), help="LANTERN neighbour geometry")
+    method.add_argument("--cool-delta", type=float, help="COOL-SD relaxation strength")
+    method.add_argument("--nu", type=float, help="COOL-SD annealing rate")
+    method.add_argument("--normalisation", choices=("mean", "none"), help="COOL-SD schedule normalisation")
+    method.add_argument("--window", type=int, help="SJD / SCD Jacobi window")
+    method.add_argument("--anneal", action="store_true", default=None,
+                        help="LANTERN: anneal the additive budget over draft depth (COOL-SD's schedule)")
+    method.add_argument("--compile", action="store_true", default=None,
+                        help="compile the model steps and the tree walk (torch.compile; CUDA graphs on a GPU): "
+                             "the first batch pays the compilation, later ones run faster")
+    method.add_argument("--no-tv-record", dest="record_tv", action="store_false", default=None,
+                        help="relaxed methods: skip the per-token TV record (faster; no TV certificate)")
+
+    output = gen.add_argument_group("output")
+    output.add_argument("--out", required=True, metavar="DIR", help="output folder")
+    output.add_argument("--batch-size", type=int, default=1, help="images per decoding batch (default 1)")
+    output.add_argument("--grid-max", type=int, default=64, help="images in grid.png (the first N; default 64)")
+    output.add_argument("--overwrite", action="store_true",
+                        help="replace a previous run in --out made with different settings")
+    output.add_argument("--no-progress", action="store_true", help="no progress bars")
+    return gen
+
+
+def use_embedded_defaults(args: argparse.Namespace) -> bool:
+    """With no --gpt-ckpt the embedded model (its tokenizer, drafter and documented defaults)
+    stands in; flags the user did give still win."""
+    if args.gpt_ckpt is not None:
+        if args.vq_ckpt is None:
+            raise RelaxspecError("--vq-ckpt is required with --gpt-ckpt (the tokenizer that goes with the GPT)")
+        return False
+    from relaxspec import embedded
+
+    if args.vq_ckpt is not None or args.gpt_model is not None:
+        raise RelaxspecError("--vq-ckpt / --gpt-model go with --gpt-ckpt; without it the embedded model is used")
+    args.gpt_ckpt, args.vq_ckpt = str(embedded.path("gpt")), str(embedded.path("vq"))
+    defaults = embedded.defaults()
+    for key, value in defaults.get("sampling", {}).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.method is None and "method" in defaults:
+        args.method = defaults["method"].get("method", "ar")
+        for key, value in defaults["method"].items():
+            if key != "method" and getattr(args, key, None) is None:
+                setattr(args, key, value)
+    if args.classes is None and "classes" in defaults:
+        args.classes = defaults["classes"]
+    if args.drafter_ckpt is None and embedded.available("drafter"):
+        args.drafter_ckpt = str(embedded.path("drafter"))
+    if args.threads is None:
+        # A model this small is fastest on one thread, and far slower with two when anything else
+        # runs on the other core (thread hand-offs, not arithmetic, dominate).
+        args.threads = 1
+    return True
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    wall = time.perf_counter()
+    use_embedded_defaults(args)
+    for key, value in UPSTREAM_SAMPLING.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.method is None:
+        args.method = "ar"
+    sampling = SamplingConfig(cfg_scale=args.cfg_scale, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    options = method_options(args)
+    for name in ("image_size", "batch_size"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            raise RelaxspecError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.seed < 0 or args.grid_max < 0:
+        raise RelaxspecError("--seed and --grid-max must be >= 0")
+    device = device_option(args.device)
+    if args.threads is not None:
+        if args.threads < 1:
+            raise RelaxspecError(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise RelaxspecError(f"--out {out}: exists and is not a folder")
+
+    vq = load_vq(args.vq_ckpt, args.vq_model, device=device)
+    downsample = vq.config.downsample_factor
+    if args.image_size is not None and args.image_size % downsample:
+        raise RelaxspecError(
+            f"--image-size {args.image_size} is not a multiple of the tokenizer's downsampling {downsample}")
+    model = load_gpt(args.gpt_ckpt, args.gpt_model, image_size=args.image_size, downsample=downsample,
+                     precision=args.precision, device=device)
+    args.image_size = model.config.grid_size * downsample
+    if model.config.vocab_size != vq.config.codebook_size:
+        raise RelaxspecError(f"the GPT's vocabulary ({model.config.vocab_size}) does not match the VQ codebook "
+                             f"({vq.config.codebook_size}): they are not a pair")
+    conditions, cond_mask, cond_settings = load_conditions(args, model)
+    if options.needs_drafter and args.drafter_ckpt is None:
+        raise RelaxspecError("--drafter-ckpt is required: this method drafts with an EAGLE drafter trained for the "
+                             "target (train one with relaxspec train-drafter)")
+    drafter = load_drafter(args.drafter_ckpt, model) if options.needs_drafter else None
+
+    settings = {
+        "gpt_ckpt": str(Path(args.gpt_ckpt).resolve()), "gpt_model": spec_id(args.gpt_model),
+        "gpt_config": model.config.to_dict(),
+        "vq_ckpt": str(Path(args.vq_ckpt).resolve()), "vq_model": spec_id(args.vq_model),
+        "vq_config": dataclasses.asdict(vq.config),
+        "image_size": args.image_size, "image_tokens": model.config.block_size, **cond_settings,
+        "sampling": sampling.to_dict(), "method": options.to_dict(),
+        "drafter_ckpt": None if args.drafter_ckpt is None else str(Path(args.drafter_ckpt).resolve()),
+        "seed": args.seed, "seeding": "batch b: torch.Generator().manual_seed(seed * 1000003 + b)",
+        "batch_size": args.batch_size, "precision": args.precision, "device": str(device),
+        "files": {key: file_identity(path) for key, path in (
+            ("gpt_ckpt", args.gpt_ckpt), ("vq_ckpt", args.vq_ckpt), ("drafter_ckpt", args.drafter_ckpt),
+            ("caption_features", args.caption_features), ("caption_mask", args.caption_mask)) if path},
+    }
+    settings_hash = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+    num_images, num_tokens = conditions.shape[0], model.config.block_size
+    out.mkdir(parents=True, exist_ok=True)
+    records, tokens = previous_run(out, settings, settings_hash, num_images, num_tokens, args.overwrite)
+
+    stats = {"relaxspec_version": __version__, "settings_hash": settings_hash, "settings": settings,
+             "complete": False, "images": [], "totals": {}}
+    load_seconds = time.perf_counter() - wall
+    show = not args.no_progress
+    bar = tqdm(total=num_images, initial=len(records), unit="image", desc="generate",
+               disable=True if not show else None)
+    generated = 0
+    for batch, start in enumerate(range(0, num_images, args.batch_size)):
+        index = list(range(start, min(start + args.batch_size, num_images)))
+        if all(i in records for i in index):
+            continue
+        seed = batch_seed(args.seed, batch)
+        generator = torch.Generator(device=device).manual_seed(seed)
+        result = decode(model, conditions[index], sampling, options, generator=generator, drafter=drafter, vq=vq,
+                        cond_mask=None if cond_mask is None else cond_mask[index],
+                        progress=show and sys.stderr.isatty())
+        began = time.perf_counter()
+        with torch.inference_mode():
+            pixels = to_uint8(vq.decode(result.tokens.to(device))).cpu().numpy()
+        vq_seconds = time.perf_counter() - began
+        mal = result.mean_accepted_length
+        accumulate_rank_counts(stats, result)
+        for row, i in enumerate(index):
+            name = f"{i:04d}.png"
+            write_png(out / name, pixels[row])
+            tokens[i] = result.tokens[row].numpy()
+            records[i] = {
+                "index": i, "file": name, **condition_record(cond_settings, i), "batch": batch, "batch_seed": seed,
+                "seconds": result.seconds / len(index), "vq_seconds": vq_seconds / len(index),
+                "target_forwards": int(result.target_forwards[row]),
+                "drafter_forwards": int(result.drafter_forwards[row]),
+                "drafter_seconds": result.drafter_seconds / len(index),
+                "target_forward_seconds": result.target_forward_seconds / len(index),
+                "drafter_forward_seconds": result.drafter_forward_seconds / len(index),
+                "mean_accepted_length": float(mal[row]), **result.tv_record(row),
+            }
+        generated += len(index)
+        # Tokens first, then the record of what is finished: a crash in between only redoes a batch.
+        write_atomic(out / TOKENS_FILE, lambda path: np.save(path, tokens))
+        stats["images"] = [records[i] for i in sorted(records)]
+        write_json(out / STATS_FILE, stats)
+        bar.update(len(index))
+    bar.close()
+
+    write_grid(out, [records[i]["file"] for i in range(min(num_images, args.grid_max))])
+    done = [records[i] for i in range(num_images)]
+    forwards = sum(r["target_forwards"] for r in done)
+    tv_sums = [record_tv_sum(r) for r in done]
+    recorded = not any(math.isnan(v) for v in tv_sums)  # --no-tv-record: no certificate
+    stats.update(complete=True, images=done, totals={
+        "images": num_images, "generated_this_run": generated,
+        "seconds": sum(r["seconds"] for r in done),
+        "seconds_per_image": sum(r["seconds"] for r in done) / num_images,
+        "vq_seconds_per_image": sum(r["vq_seconds"] for r in done) / num_images,
+        # where the decoding time went (records of runs before forwards were timed count as 0)
+        **{f"{part}_share": sum(r.get(f"{part}_seconds", 0.0) for r in done) / max(sum(r["seconds"] for r in done), 1e-12)
+           for part in ("target_forward", "drafter_forward")},
+        "target_forwards_per_image": forwards / num_images,
+        "mean_accepted_length": num_images * num_tokens / forwards,
+        # the certificate: min(1, mean of the per-image sums), never a mean of capped values
+        "tv_sum_mean": sum(tv_sums) / num_images if recorded else None,
+        "tv_per_token_mean": sum(tv_sums) / (num_images * num_tokens) if recorded else None,
+        "tv_certified": certified_tv(tv_sums) if recorded else None,
+        "load_seconds": load_seconds, "wall_seconds_this_run": time.perf_counter() - wall,
+    })
+    write_atomic(out / TOKENS_FILE, lambda path: np.save(path, tokens))
+    write_json(out / STATS_FILE, stats)
+    totals = stats["totals"]
+    print(f"{num_images} images in {out} ({generated} generated now, {num_images - generated} kept); "
+          f"{totals['seconds_per_image']:.2f} s/image, {totals['target_forwards_per_image']:.1f} target forwards/image, "
+          f"MAL {totals['mean_accepted_length']:.2f}")
+    return 0
+
+
+def method_options(args: argparse.Namespace) -> MethodOptions:
+    """``--method`` and the method flags the user set -> validated :class:`MethodOptions`."""
+    given = {field: getattr(args, flag) for flag, field in METHOD_FLAGS.items() if getattr(args, flag) is not None}
+    return MethodOptions(method=args.method, **given)
+
+
+def load_conditions(args: argparse.Namespace, model: Transformer) -> tuple[torch.Tensor, torch.Tensor | None, dict]:
+    """Class ids ``[N]`` (c2i) or caption features ``[N, C, caption_dim]`` and mask ``[N, C]`` (t2i),
+    validated against the model, plus what ``stats.json`` records about them."""
+    config = model.config
+    if config.model_type == "c2i":
+        if args.caption_features or args.caption_mask:
+            raise RelaxspecError("this is a class-conditional (c2i) model: give --classes, not --caption-features")
+        classes = parse_classes(args.classes if args.classes is not None else DEFAULT_CLASSES, model.class_names)
+        bad = [c for c in classes if not 0 <= c < config.num_classes]
+        if bad:
+            raise RelaxspecError(f"class id {bad[0]} is out of range: this model has classes 0..{config.num_classes - 1}")
+        return torch.tensor(classes, dtype=torch.long), None, {"classes": classes}
+    if args.classes is not None:
+        raise RelaxspecError("this is a text-to-image (t2i) model: give --caption-features, not --classes")
+    if not args.caption_features:
+        raise RelaxspecError(f"this is a text-to-image (t2i) model: give --caption-features PATH.npy (caption "
+                             f"features [N, {config.cls_token_num}, {config.caption_dim}], e.g. Flan-T5-XL outputs)")
+    features, mask = load_caption_features(args.caption_features, args.caption_mask)
+    expected = (config.cls_token_num, config.caption_dim)
+    if tuple(features.shape[1:]) != expected:
+        raise RelaxspecError(f"--caption-features {args.caption_features}: shape {tuple(features.shape)}, but this "
+                             f"model needs [N, {expected[0]}, {expected[1]}]")
+    if mask is not None and tuple(mask.shape) != tuple(features.shape[:2]):
+        raise RelaxspecError(f"caption mask shape {tuple(mask.shape)} does not match the features' {tuple(features.shape[:2])}")
+    return features, mask, {"caption_features": str(Path(args.caption_features).resolve()),
+                            "captions": int(features.shape[0]), "caption_mask": mask is not None}
+
+
+def condition_record(cond_settings: dict, index: int) -> dict:
+    if "classes" in cond_settings:
+        return {"class": cond_settings["classes"][index]}
+    return {"caption": index}
+
+
+def previous_run(out: Path, settings: dict, settings_hash: str, num_images: int, num_tokens: int,
+                 overwrite: bool) -> tuple[dict[int, dict], np.ndarray]:
+    """The images of an earlier run with the same settings that are finished (PNG on disk, tokens
+    saved), and the token array to continue. Tokens of unfinished images are -1."""
+    tokens = np.full((num_images, num_tokens), -1, dtype=np.int64)
+    stats_path = out / STATS_FILE
+    if not stats_path.exists():
+        return {}, tokens
+    try:
+        old = json.loads(stats_path.read_text())
+        old_hash, old_images = old["settings_hash"], old["images"]
+        if not isinstance(old_images, list) or not all(isinstance(r, dict) for r in old_images):
+            raise TypeError
+    except (json.JSONDecodeError, KeyError, TypeError):
+        old = old_hash = None
+    if old_hash != settings_hash:
+        if not overwrite:
+            if old is None:
+                raise RelaxspecError(f"--out {out}: {stats_path.name} there is not from relaxspec; "
+                                     "choose another folder or pass --overwrite")
+            old_settings = old.get("settings", {}) if isinstance(old.get("settings"), dict) else {}
+            settings = json.loads(json.dumps(settings))  # tuples -> lists, as stored
+            changed = sorted(k for k in set(settings) | set(old_settings) if settings.get(k) != old_settings.get(k))
+            raise RelaxspecError(f"--out {out} holds a run with different settings (changed: {', '.join(changed) or '?'}); "
+                                 "choose another folder or pass --overwrite")
+        for record in old_images if old is not None else []:
+            stale = out / str(record.get("file", ""))
+            if stale.parent == out and stale.suffix == ".png" and stale.is_file():
+                stale.unlink()
+        return {}, tokens
+    try:
+        saved = np.load(out / TOKENS_FILE, allow_pickle=False)
+    except (OSError, ValueError, EOFError):
+        return {}, tokens
+    if saved.shape != tokens.shape:
+        return {}, tokens
+    records = {}
+    for record in old_images:
+        i = record.get("index")
+        if (isinstance(i, int) and 0 <= i < num_images and (out / str(record.get("file"))).is_file()
+                and (saved[i] >= 0).all()):
+            records[i] = record
+            tokens[i] = saved[i]
+    return records, tokens

@@ -1,0 +1,120 @@
+"""What the commands share: option helpers over config dataclasses, integer lists, class lists,
+model specs, the device option and upstream LlamaGen's sampling defaults."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+
+from relaxspec.devices import resolve_device
+from relaxspec.errors import RelaxspecError
+from relaxspec.models.gpt import GPT_SIZES
+from relaxspec.models.vq import VQ_CONFIGS
+
+#: Upstream LlamaGen's c2i demo classes (sample_c2i.py), used when --classes is not given.
+DEFAULT_CLASSES = "207,360,387,974,88,979,417,279"
+#: Upstream LlamaGen's demo sampling (sample_c2i.py), for a user's own checkpoint.
+UPSTREAM_SAMPLING = {"cfg_scale": 4.0, "temperature": 1.0, "top_k": 2000, "top_p": 1.0}
+
+
+class UsageError(Exception):
+    """A command-line parsing error (argparse's message, printed on one line)."""
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, but a usage mistake raises :class:`UsageError` instead of exiting, so ``main``
+    prints every user error the same way (one line, exit 2)."""
+
+    def error(self, message: str):  # noqa: D401 - argparse hook
+        raise UsageError(f"{message} (see '{self.prog} --help')")
+
+
+def device_option(name: str) -> torch.device:
+    """``--device NAME`` as a device (refused with one line when torch cannot use it here)."""
+    return resolve_device(name, "--device")
+
+
+def int_list(text: str) -> tuple[int, ...]:
+    """An argparse type: integers separated by commas or spaces, e.g. ``1,2,2``."""
+    try:
+        return tuple(int(part) for part in text.replace(",", " ").split())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected integers like 1,2,2, got {text!r}") from None
+
+
+def spec_id(spec: str | None) -> str | None:
+    """A model name as given, a JSON config as its resolved path (for the settings hash)."""
+    return str(Path(spec).resolve()) if spec and spec not in GPT_SIZES and spec not in VQ_CONFIGS else spec
+
+
+def parse_classes(text: str, names: list[str] | None = None) -> list[int]:
+    """Comma-separated class ids, or names when the model names its classes."""
+    if names is not None:
+        from relaxspec.data.emoji import resolve_classes
+
+        return resolve_classes(text, names)
+    try:
+        classes = [int(item) for item in text.split(",") if item.strip()]
+    except ValueError:
+        raise RelaxspecError(f"--classes must be comma-separated integer class ids (this model does not name its "
+                             f"classes), got {text!r}") from None
+    if not classes:
+        raise RelaxspecError("--classes is empty")
+    return classes
+
+
+def config_from_args(args: argparse.Namespace, config_cls, read_saved) -> tuple[object, bool]:
+    """The config the command line asks for: the given options over the defaults or, with
+    ``--resume``, over the saved run's config (``read_saved(out) -> state dict``)."""
+    given = {k: v for k, v in vars(args).items() if k in config_cls.__dataclass_fields__}
+    resume = bool(getattr(args, "resume", False))
+    base = dict(read_saved(given.get("out", config_cls.out))["config"]) if resume else {}
+    return config_cls.from_dict({**base, **given}), resume
+
+
+def add_run_options(parser: argparse.ArgumentParser, defaults, *, unit: str, seed_help: str,
+                    cosine: bool = True, extra=None) -> None:
+    """The options every recipe shares (optimiser, seed, precision, device, threads, intervals,
+    resume, progress); each overrides the ``defaults`` dataclass field of the same name.
+    ``extra(option)`` adds recipe-specific ones after the evaluation interval."""
+    option = Options(parser, defaults)
+    option.section("training")
+
+    option("--steps", "optimizer steps (the cosine's length)" if cosine else "optimizer steps", type=int)
+    option("--batch-size", f"{unit} per step", type=int)
+    option("--lr", "peak AdamW learning rate", type=float)
+    option("--min-lr", "learning rate at the end of the cosine", type=float)
+    option("--weight-decay", "AdamW weight decay" + (" (matrices only)" if cosine else ""), type=float)
+    option("--warmup-steps", "linear learning-rate warm-up", type=int)
+    option("--grad-clip", "gradient-norm clip (0 = off)", type=float)
+    option("--seed", seed_help, type=int)
+    option.group.add_argument("--no-bf16", dest="bf16", action="store_false", help="train in fp32 (default: bf16 autocast)")
+    option("--device", "cpu, cuda, cuda:1, or auto")
+    option("--threads", "torch CPU threads (1 is steadiest on a busy machine)", type=int)
+    option("--eval-interval", "steps between evaluations", type=int)
+    if extra is not None:
+        extra(option)
+    option("--checkpoint-interval", "steps between checkpoints", type=int)
+    parser.add_argument("--resume", action="store_true", default=False, help="continue the run saved in --out")
+    parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+
+
+class Options:
+    """Adds ``--flag`` options whose help shows the config dataclass's default; ``section(title)``
+    starts an argument group. One definition for every recipe's parser."""
+
+    def __init__(self, parser: argparse.ArgumentParser, defaults) -> None:
+        self.parser, self.defaults, self.group = parser, defaults, parser
+
+    def section(self, title: str) -> None:
+        self.group = self.parser.add_argument_group(title)
+
+    def __call__(self, flag: str, help: str, **kwargs) -> None:
+        name = kwargs.get("dest", flag.lstrip("-").replace("-", "_"))
+        default = getattr(self.defaults, name, None)
+        if isinstance(default, tuple):
+            default = ",".join(str(v) for v in default)
+        shown = default is not None and default is not False and default != []
+        self.group.add_argument(flag, help=f"{help} (default: {default})" if shown else help, **kwargs)

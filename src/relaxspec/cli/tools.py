@@ -1,0 +1,235 @@
+"""``relaxspec info`` (what a checkpoint is), ``relaxspec build-tree`` (a static draft tree from
+measured acceptance rates) and ``relaxspec make-test-checkpoints`` (random-weight files in the
+official LlamaGen layout, for users without the released weights, the README demo and the tests)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from pathlib import Path
+
+import torch
+
+from relaxspec.checkpoints import describe, load_gpt, load_vq
+from relaxspec.cli.options import device_option
+from relaxspec.drafting.eagle import load_drafter
+from relaxspec.errors import RelaxspecError
+from relaxspec.models.gpt import GPT_SIZES, GPTConfig, Transformer, gpt_config
+from relaxspec.models.vq import VQ_CONFIGS, VQConfig, VQModel
+from relaxspec.sampling import SamplingConfig
+
+#: Random-weight sizes for ``make-test-checkpoints`` (official layout, unnamed sizes, so a JSON
+#: config travels with them). "small" is VQ-16-shaped at 256 px; "tiny" is for unit tests (16 px).
+TEST_PRESETS: dict[str, dict] = {
+    "small": dict(
+        gpt=dict(dim=128, n_layer=2, n_head=2, vocab_size=16384, num_classes=1000),
+        t2i=dict(cls_token_num=120, caption_dim=2048),
+        vq=dict(codebook_size=16384, codebook_embed_dim=8, z_channels=64, ch=16, ch_mult=(1, 1, 2, 2, 4),
+                num_res_blocks=1, norm_groups=8),
+        image_size=256,
+    ),
+    "tiny": dict(
+        gpt=dict(dim=64, n_layer=2, n_head=4, vocab_size=64, num_classes=10),
+        t2i=dict(cls_token_num=6, caption_dim=32),
+        vq=dict(codebook_size=64, codebook_embed_dim=8, z_channels=16, ch=32, ch_mult=(1, 2, 2),
+                num_res_blocks=1, norm_groups=8),
+        image_size=16,
+    ),
+}
+
+LAYOUTS = {
+    "model": 'official LlamaGen file {"model": state_dict}', "module": '{"module": state_dict}',
+    "state_dict": '{"state_dict": state_dict}', "raw": "raw state dict (like upstream XXL / 3B / FSDP files)",
+    "safetensors": "safetensors file", "relaxspec": "relaxspec folder (config.json + model.safetensors)",
+}
+
+
+def add_info_parser(subparsers) -> None:
+    info = subparsers.add_parser("info", help="describe a checkpoint",
+                               description="Print a checkpoint's layout, inferred config and parameter count.")
+    info.set_defaults(handler=cmd_info)
+    info.add_argument("ckpt", metavar="CKPT")
+    info.add_argument("--json", action="store_true", help="print JSON")
+
+
+def add_build_tree_parser(subparsers) -> None:
+    tree = subparsers.add_parser("build-tree", help="choose a static draft tree from measured acceptance rates",
+                               description=(
+        "Pick the static tree with the largest expected accepted length for a node budget from the per-depth, "
+        "per-rank acceptance counts that `relaxspec generate` stores in stats.json (measure with a wide tree, "
+        "e.g. --draft static --tree probe6x8)."))
+    tree.set_defaults(handler=cmd_build_tree)
+    tree.add_argument("--stats", required=True, action="append", metavar="STATS_JSON",
+                      help="stats.json of one or more generate runs (repeatable; counts are summed)")
+    tree.add_argument("--budget", default="57", metavar="N|auto",
+                      help="drafted nodes (default 57), or 'auto': time the target and drafter of the stats' run on "
+                           "this machine and pick the size that commits the most tokens per second")
+    tree.add_argument("--max-budget", type=int, default=64, help="largest size --budget auto considers (default 64)")
+    tree.add_argument("--threads", type=int, default=None,
+                      help="torch CPU threads while timing (--budget auto; default: 1 on CPU)")
+    tree.add_argument("--max-depth", type=int, default=None, help="deepest level (default: as measured)")
+    tree.add_argument("--max-children", type=int, default=None, help="children per node (default: as measured)")
+    tree.add_argument("--min-tests", type=int, default=20,
+                      help="rates measured on fewer tests are treated as 0 (default 20)")
+    tree.add_argument("--out", required=True, metavar="TREE_JSON", help="where to write the tree")
+
+
+def add_make_test_checkpoints_parser(subparsers) -> None:
+    make = subparsers.add_parser("make-test-checkpoints", help="write random-weight checkpoints", description=(
+        "Write random-weight GPT and VQ checkpoints in the official LlamaGen layout ({'model': state_dict}, "
+        "upstream key names and shapes): gpt.pt and vq.pt, plus gpt.json / vq.json configs for unnamed sizes."))
+    make.set_defaults(handler=cmd_make_test_checkpoints)
+    make.add_argument("--out", required=True, metavar="DIR")
+    make.add_argument("--preset", choices=tuple(TEST_PRESETS), default="small",
+                      help="small: fast 256 px demo (default); tiny: 16 px, for unit tests")
+    make.add_argument("--gpt-model", choices=tuple(GPT_SIZES), help="write this named size instead of the preset's GPT")
+    make.add_argument("--vq-model", choices=tuple(VQ_CONFIGS), help="write this named tokenizer instead of the preset's")
+    make.add_argument("--model-type", choices=("c2i", "t2i"), default="c2i")
+    make.add_argument("--image-size", type=int,
+                      help="resolution the GPT config is written for (default: the preset's; 256 with --vq-model)")
+    make.add_argument("--seed", type=int, default=0)
+
+
+def cmd_build_tree(args: argparse.Namespace) -> int:
+    from relaxspec.drafting.trees import build_tree, expected_accept_length
+
+    tests = accepts = None
+    for path in args.stats:
+        try:
+            data = json.loads(Path(path).read_text())
+        except json.JSONDecodeError as err:
+            raise RelaxspecError(f"{path}: not JSON ({err})") from None
+        counts = data.get("acceptance_counts") if isinstance(data, dict) else None
+        if not counts or not counts.get("tests"):
+            raise RelaxspecError(f"{path}: no acceptance_counts (run relaxspec generate with a drafter method first)")
+        t, a = torch.tensor(counts["tests"], dtype=torch.float64), torch.tensor(counts["accepts"], dtype=torch.float64)
+        if tests is None:
+            tests, accepts = t, a
+        else:
+            rows, cols = max(tests.shape[0], t.shape[0]), max(tests.shape[1], t.shape[1])
+            grow = lambda x: torch.nn.functional.pad(x, (0, cols - x.shape[1], 0, rows - x.shape[0]))  # noqa: E731
+            tests, accepts = grow(tests) + grow(t), grow(accepts) + grow(a)
+    auto = str(args.budget).strip().lower() == "auto"
+    if not auto:
+        try:
+            args.budget = int(args.budget)
+        except ValueError:
+            raise RelaxspecError(f"--budget must be a number of nodes or 'auto', got {args.budget!r}") from None
+    if (not auto and args.budget < 1) or args.min_tests < 0 or args.max_budget < 1:
+        raise RelaxspecError("--budget and --max-budget must be >= 1 and --min-tests >= 0")
+    rates = torch.where(tests >= max(args.min_tests, 1), accepts / tests.clamp(min=1), torch.zeros_like(tests))
+    record = {"rates": rates.tolist(), "tests": tests.tolist()}
+    if auto:
+        spec, record["costs"], record["curve"] = _tree_for_this_machine(args, rates)
+    else:
+        spec = build_tree(rates, args.budget, args.max_depth, args.max_children)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    record = {"paths": [list(p) for p in spec.paths], "expected_mal": 1 + expected_accept_length(spec, rates), **record}
+    out.write_text(json.dumps(record) + "\n")
+    print(f"{out}: {len(spec.paths)} nodes, depth {spec.depth}, per level {spec.level_sizes()}, "
+          f"expected MAL {record['expected_mal']:.3f} (use --draft {out})")
+    return 0
+
+
+def _tree_for_this_machine(args: argparse.Namespace, rates: torch.Tensor):
+    """``--budget auto``: time the stats' own target and drafter here, then pick the tree size
+    with the most expected tokens per second. Returns the tree, the costs and the whole curve."""
+    from relaxspec.bench.cost import measure_forward_costs
+    from relaxspec.drafting.trees import best_tree_for_cost
+
+    settings = json.loads(Path(args.stats[0]).read_text()).get("settings", {})
+    if not settings.get("gpt_ckpt") or not settings.get("drafter_ckpt"):
+        raise RelaxspecError(f"{args.stats[0]}: --budget auto needs a run that names its GPT and drafter checkpoints "
+                             "(a relaxspec generate run with a drafter method)")
+    device = device_option(settings.get("device", "cpu"))
+    threads = args.threads if args.threads is not None else (1 if device.type == "cpu" else None)
+    if threads is not None:
+        if threads < 1:
+            raise RelaxspecError(f"--threads must be >= 1, got {threads}")
+        torch.set_num_threads(threads)
+    if settings.get("vq_config"):  # the run recorded its tokenizer: no need to load it for its grid
+        downsample = VQConfig(**{**settings["vq_config"], "ch_mult": tuple(settings["vq_config"]["ch_mult"])}).downsample_factor
+    else:
+        downsample = load_vq(settings["vq_ckpt"], settings.get("vq_model")).config.downsample_factor
+    model = load_gpt(settings["gpt_ckpt"], settings.get("gpt_model"), image_size=settings.get("image_size"),
+                     downsample=downsample, precision=settings.get("precision", "fp32"), device=device)
+    drafter = load_drafter(settings["drafter_ckpt"], model)
+    sampling = SamplingConfig(**settings.get("sampling", {}))
+    costs = measure_forward_costs(model, drafter, sampling=sampling,
+                                  target_sizes=sorted({1, 2, 4, 8, 12, 16, 24, 32, 48, 64, args.max_budget + 1}))
+    spec, curve = best_tree_for_cost(rates, costs.step_seconds, args.max_budget, args.max_depth, args.max_children)
+    ar = costs.target_seconds(1)
+    print("nodes  depth  expected MAL  step ms  tokens/s  est. speed-up vs AR (forwards only)")
+    for row in curve:
+        mark = " <-" if row["nodes"] == len(spec.paths) else ""
+        print(f"{row['nodes']:5d}  {row['depth']:5d}  {row['expected_mal']:12.3f}  {1000 * row['step_seconds']:7.2f}  "
+              f"{row['tokens_per_second']:8.1f}  {row['tokens_per_second'] * ar:5.2f}x{mark}")
+    return spec, costs.to_dict(), curve
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    info = describe(args.ckpt)
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    print(f"path:       {info['path']}")
+    print(f"layout:     {LAYOUTS.get(info['layout'], info['layout'])}")
+    kind = info["kind"]
+    if kind == "gpt" and isinstance(info.get("config"), dict) and "model_type" in info["config"]:
+        kind = f"gpt ({info['config']['model_type']})"
+    print(f"kind:       {kind}")
+    if info.get("config"):
+        print("config:     " + ", ".join(f"{k}={v}" for k, v in info["config"].items()))
+    if info.get("kind") == "gpt" and info.get("layout") != "relaxspec":
+        looks = info.get("looks_like")
+        print(f"looks like: {looks or 'no named size (load it with --gpt-model CONFIG.json)'}"
+              + ("" if not looks else f" (pass --gpt-model {looks})"))
+    print(f"parameters: {info['parameters']:,} ({info['parameters'] / 1e6:.1f}M)")
+    print(f"tensors:    {info['tensors']} ({', '.join(info['dtypes'])})")
+    return 0
+
+
+def cmd_make_test_checkpoints(args: argparse.Namespace) -> int:
+    preset = TEST_PRESETS[args.preset]
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise RelaxspecError(f"--out {out}: exists and is not a folder")
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(args.seed)
+    if args.vq_model:
+        vq_config, vq_spec = VQ_CONFIGS[args.vq_model], args.vq_model
+    else:
+        vq_config, vq_spec = VQConfig(**preset["vq"]), str(out / "vq.json")
+    image_size = args.image_size or (256 if args.vq_model else preset["image_size"])
+    downsample = vq_config.downsample_factor
+    if image_size % downsample:
+        raise RelaxspecError(f"--image-size {image_size} is not a multiple of the tokenizer's downsampling {downsample}")
+    conditioning = dict(preset["t2i"]) if args.model_type == "t2i" else {}
+    if args.gpt_model:
+        extra = {} if args.model_type == "c2i" else {"caption_dim": 2048}
+        gpt = gpt_config(args.gpt_model, image_size=image_size, downsample=downsample, model_type=args.model_type,
+                         vocab_size=vq_config.codebook_size, **extra)
+        gpt_spec = args.gpt_model
+    else:
+        grid = image_size // downsample
+        gpt = GPTConfig(**preset["gpt"], **conditioning, model_type=args.model_type, block_size=grid * grid)
+        if gpt.vocab_size != vq_config.codebook_size:
+            gpt = dataclasses.replace(gpt, vocab_size=vq_config.codebook_size)
+        gpt_spec = str(out / "gpt.json")
+    target = Transformer(gpt)
+    vq = VQModel(vq_config)
+    torch.save({"model": target.state_dict()}, out / "gpt.pt")
+    torch.save({"model": vq.state_dict()}, out / "vq.pt")
+    if not args.gpt_model:
+        (out / "gpt.json").write_text(json.dumps(gpt.to_dict(), indent=2) + "\n")
+    if not args.vq_model:
+        (out / "vq.json").write_text(json.dumps(dataclasses.asdict(vq_config), indent=2) + "\n")
+    condition = "--classes 207,360" if args.model_type == "c2i" and gpt.num_classes > 360 else (
+        "--classes 1,2" if args.model_type == "c2i" else "--caption-features CAPTIONS.npy")
+    print(f"wrote random-weight checkpoints (official layout) to {out}: gpt.pt "
+          f"({target.num_parameters() / 1e6:.1f}M parameters), vq.pt")
+    print(f"try: relaxspec generate --gpt-ckpt {out / 'gpt.pt'} --gpt-model {gpt_spec} --vq-ckpt {out / 'vq.pt'} "
+          f"--vq-model {vq_spec} --image-size {image_size} {condition} --out out")
+    return 0

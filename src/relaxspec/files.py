@@ -1,0 +1,121 @@
+"""Files: atomic writes (a reader never sees half a file; an interrupted job leaves the last
+good copy), PNGs and grids, checkpoint identities, and NumPy array inputs read without pickles."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from relaxspec.errors import RelaxspecError
+
+GRID_FILE = "grid.png"
+
+
+def write_atomic(path: Path, write) -> None:
+    """``write(temp_path)`` then rename over ``path``: readers never see a half-written file."""
+    temp = path.with_name(f".{path.name}.{os.getpid()}.tmp{path.suffix}")
+    try:
+        write(temp)
+        os.replace(temp, path)
+    finally:
+        if temp.exists():
+            temp.unlink()
+
+
+def write_json(path: Path, data: dict) -> None:
+    write_atomic(path, lambda temp: temp.write_text(json.dumps(data, indent=2) + "\n"))
+
+
+def write_png(path: Path, pixels: np.ndarray) -> None:
+    """``pixels [H, W, 3]`` uint8."""
+    from PIL import Image
+
+    write_atomic(path, lambda temp: Image.fromarray(pixels).save(temp, format="PNG"))
+
+
+def write_grid(out: Path, files: list[str], padding: int = 2, name: str = GRID_FILE) -> None:
+    """``out/name``: a near-square grid of the PNGs ``out/files`` with black padding (like
+    torchvision's save_image)."""
+    from PIL import Image
+
+    if not files:
+        return
+    images = []
+    for file in files:
+        with Image.open(out / file) as image:
+            images.append(np.asarray(image.convert("RGB")))
+    height, width = images[0].shape[:2]
+    cols = math.ceil(math.sqrt(len(images)))
+    rows = math.ceil(len(images) / cols)
+    grid = np.zeros((rows * (height + padding) + padding, cols * (width + padding) + padding, 3), dtype=np.uint8)
+    for n, image in enumerate(images):
+        r, c = divmod(n, cols)
+        top, left = padding + r * (height + padding), padding + c * (width + padding)
+        grid[top : top + height, left : left + width] = image[:height, :width]
+    write_png(out / name, grid)
+
+
+def file_identity(path: str) -> dict:
+    """Enough to notice that a checkpoint was replaced: resolved path, size and mtime (per file
+    for a model folder)."""
+    path_ = Path(path)
+    files = sorted(p for p in path_.iterdir() if p.is_file()) if path_.is_dir() else [path_]
+    return {p.name: [p.stat().st_size, p.stat().st_mtime_ns] for p in files}
+
+
+def load_array(path: str) -> np.ndarray | dict:
+    """A ``.npy`` array or an ``.npz``'s arrays as a dict, refusing pickles (object arrays) and
+    anything that is not a NumPy array file, each with one clear message."""
+    if not Path(path).is_file():
+        raise RelaxspecError(f"{path}: no such file")
+    with open(path, "rb") as handle:
+        magic = handle.read(6)
+    if magic != b"\x93NUMPY" and not magic.startswith(b"PK"):
+        raise RelaxspecError(f"{path}: not a .npy / .npz array file")
+    try:
+        loaded = np.load(path, allow_pickle=False)
+        if isinstance(loaded, np.lib.npyio.NpzFile):
+            with loaded:
+                return {key: loaded[key] for key in loaded.files}
+        return loaded
+    except ValueError as err:
+        if "allow_pickle" in str(err):  # object arrays are pickles: refused, as everywhere else
+            raise RelaxspecError(f"{path}: refusing to load: the array holds Python objects (a pickle); "
+                                 "save plain float / bool arrays") from None
+        raise RelaxspecError(f"{path}: not a readable .npy / .npz file ({err})") from None
+    except (OSError, EOFError, zipfile.BadZipFile) as err:
+        raise RelaxspecError(f"{path}: not a readable .npy / .npz file ({err})") from None
+
+
+def load_caption_features(path: str, mask_path: str | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``.npy`` features ``[N, C, D]`` (+ optional ``.npy`` mask ``[N, C]``), or ``.npz`` with
+    ``features`` and optional ``mask``."""
+    data = load_array(path)
+    mask = None
+    if isinstance(data, dict):
+        if "features" not in data:
+            raise RelaxspecError(f"{path}: an .npz of captions needs an array named 'features' (and optionally 'mask')")
+        features, mask = data["features"], data.get("mask")
+    else:
+        features = data
+    if mask_path:
+        mask = load_array(mask_path)
+        if isinstance(mask, dict):
+            raise RelaxspecError(f"{mask_path}: expected a .npy array [N, tokens]")
+    if features.ndim != 3 or not np.issubdtype(features.dtype, np.floating):
+        raise RelaxspecError(f"{path}: caption features must be a float array [N, tokens, dim], "
+                             f"got {features.dtype} {features.shape}")
+    if features.shape[0] == 0:
+        raise RelaxspecError(f"{path}: no captions in the file")
+    mask_t = None
+    if mask is not None:
+        if mask.ndim != 2 or not (mask.dtype == bool or np.issubdtype(mask.dtype, np.integer)):
+            raise RelaxspecError(f"caption mask must be a bool or integer array [N, tokens], got {mask.dtype} {mask.shape}")
+        mask_t = torch.from_numpy(np.ascontiguousarray(mask != 0))
+    return torch.from_numpy(np.ascontiguousarray(features, dtype=np.float32)), mask_t
