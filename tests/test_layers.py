@@ -1,0 +1,72 @@
+"""The architecture (pyproject.toml's import-linter contracts), checked with import-linter:
+commands above the library, each library layer importing only the layers below it, no import
+circles in any package, no argument parsing in the library.
+
+Each contract is also shown to fail: a copy of the package with one planted violation must
+break exactly the contract it violates (a contract that cannot fail proves nothing)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "src" / "relaxspec"
+LAYERS = "Layers: the commands above the library"
+CIRCLES = "No import circles"
+ARGPARSE = "Argument parsing belongs to the commands"
+
+
+def lint(src: Path) -> tuple[int, str]:
+    """``lint-imports`` on the package under ``src`` with the repo's contracts; no cache files."""
+    command = [sys.executable, "-c", "import sys; from importlinter.cli import lint_imports_command; "
+               "sys.exit(lint_imports_command())", "--config", str(ROOT / "pyproject.toml"), "--no-cache", "--no-logo"]
+    proc = subprocess.run(command, cwd=src, capture_output=True, text=True, timeout=300,
+                          env={"PYTHONPATH": str(src), "PATH": "/usr/bin:/bin"})
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def verdicts(output: str) -> dict[str, bool]:
+    """Contract name prefix -> kept, from lint-imports' report."""
+    lines = " ".join(output.split())
+    found = {}
+    for name in (LAYERS, CIRCLES, ARGPARSE):
+        at = lines.find(name)
+        assert at >= 0, f"contract {name!r} not reported:\n{output}"
+        rest = lines[at:]
+        kept, broken = rest.find("KEPT"), rest.find("BROKEN")
+        found[name] = broken < 0 or 0 <= kept < broken
+    return found
+
+
+def test_the_tree_keeps_every_contract():
+    code, output = lint(ROOT / "src")
+    assert code == 0, output
+    assert verdicts(output) == {LAYERS: True, CIRCLES: True, ARGPARSE: True}
+
+
+@pytest.mark.parametrize("module, line, broken", [
+    # the engine reaching up into the command line, which imports the engine (a circle) and
+    # brings argparse along
+    ("decoding/engine.py", "import relaxspec.cli.generate", {LAYERS, CIRCLES, ARGPARSE}),
+    # a model importing a method: a lower layer reaching up
+    ("models/gpt.py", "import relaxspec.acceptance.exact", {LAYERS}),
+    # two modules of one package importing each other (the engine imports verify)
+    ("decoding/verify.py", "import relaxspec.decoding.engine", {CIRCLES}),
+    # argparse in a training recipe
+    ("training/common.py", "import argparse", {ARGPARSE}),
+])
+def test_a_planted_violation_breaks_its_contract(tmp_path, module, line, broken):
+    copy = tmp_path / "src" / "relaxspec"
+    shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__", "*.safetensors"))
+    target = copy / module
+    target.write_text(target.read_text() + f"\n{line}  # planted by tests/test_layers.py\n")
+    if CIRCLES in broken:  # the other direction is already there
+        assert "from relaxspec.decoding.verify import" in (copy / "decoding" / "engine.py").read_text()
+    code, output = lint(tmp_path / "src")
+    assert code != 0, output
+    assert {name for name, kept in verdicts(output).items() if not kept} == broken, output
