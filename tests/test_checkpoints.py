@@ -234,3 +234,38 @@ def test_describe(tiny_gpt, tiny_vq, tmp_path):
     vq_path = tmp_path / "vq.pt"
     torch.save({"model": official_state(tiny_vq)}, vq_path)
     assert describe(vq_path)["config"] == {"codebook_size": 64, "codebook_embed_dim": 8}
+
+
+def test_class_names_survive_a_save(tiny_gpt, tmp_path):
+    named = tmp_path / "named"
+    save_model(tiny_gpt, named)
+    assert load_gpt(named).class_names is None  # an unnamed model stays unnamed
+    tiny_gpt.class_names = [f"class-{i}" for i in range(tiny_gpt.config.num_classes)]
+    try:
+        save_model(tiny_gpt, named)
+        assert load_gpt(named).class_names == tiny_gpt.class_names
+    finally:
+        tiny_gpt.class_names = None
+
+
+@pytest.mark.parametrize("content, says", [
+    (b"hello, these are my notes\n", "it is a text file (starting 'hello, these are my notes')"),
+    ("h\u00e9llo w\u00f6rld ".encode() * 100, "it is a text file"),
+    (bytes([0x33, 0x9D, 0x4F, 0x58]) + bytes(range(256)), "its bytes (starting 33 9d 4f 58) are no known format"),
+])
+def test_a_file_that_is_no_checkpoint_is_named_for_what_it_is(content, says, tmp_path):
+    path = tmp_path / "weights.pt"
+    path.write_bytes(content)
+    with pytest.raises(RelaxspecError) as err:
+        read_state(path)
+    message = str(err.value)
+    assert says in message and "not a PyTorch file" in message
+    assert "refusing" not in message and "safely" not in message  # nothing unsafe about it
+
+
+def test_safetensors_are_recognised_by_their_bytes(tiny_gpt, tmp_path):
+    folder = save_model(tiny_gpt, tmp_path / "gpt")
+    renamed = tmp_path / "weights.bin"
+    renamed.write_bytes((folder / "model.safetensors").read_bytes())
+    loaded = read_state(renamed)
+    assert loaded.layout == "safetensors" and set(loaded.state_dict) == set(tiny_gpt.state_dict())

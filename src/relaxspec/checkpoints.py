@@ -78,6 +78,30 @@ def _torch_load(path: Path) -> object:
         raise RelaxspecError(f"{path}: not a readable PyTorch checkpoint ({type(err).__name__}: {err})") from None
 
 
+ZIP_MAGIC = b"PK\x03\x04"  # torch.save's default format since torch 1.6
+PICKLE_PROTO = b"\x80"  # the PROTO opcode every pickle of protocol >= 2 (legacy torch.save) starts with
+
+
+def _looks_like_safetensors(head: bytes, size: int) -> bool:
+    """safetensors: an 8-byte little-endian header length, then the JSON header."""
+    return len(head) > 9 and 0 < int.from_bytes(head[:8], "little") <= size - 8 and head[8:9] == b"{"
+
+
+def _what_it_is(head: bytes) -> str:
+    """A few words on what a file that no loader recognises is, from its first bytes."""
+    text = None
+    for cut in range(4):  # the sample may end inside a multi-byte character
+        try:
+            text = head[: len(head) - cut].decode("utf-8")
+            break
+        except UnicodeDecodeError:
+            continue
+    if text is not None and all(c.isprintable() or c in "\t\r\n" for c in text):
+        start = " ".join(text.split())[:32]
+        return f"it is a text file (starting {start!r})" if start else "it is a text file (blank)"
+    return f"its bytes (starting {head[:4].hex(' ')}) are no known format"
+
+
 def _is_state_dict(obj: object) -> bool:
     return isinstance(obj, dict) and len(obj) > 0 and all(
         isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in obj.items()
@@ -106,13 +130,16 @@ def read_state(path: str | Path) -> LoadedState:
         raise RelaxspecError(f"{path}: not a regular file")
     try:
         with open(path, "rb") as handle:
-            head = handle.read(8)
+            head = handle.read(512)
     except OSError as err:
         raise RelaxspecError(f"{path}: cannot read ({err.strerror})") from None
-    if path.suffix == ".safetensors":
+    if path.suffix == ".safetensors" or _looks_like_safetensors(head, path.stat().st_size):
         return LoadedState(_load_safetensors(path), "safetensors")
     if not head:
         raise RelaxspecError(f"{path}: the file is empty")
+    if not (head.startswith(ZIP_MAGIC) or head[:1] == PICKLE_PROTO):
+        raise RelaxspecError(f"{path}: not a readable checkpoint: {_what_it_is(head)}, not a PyTorch file (a zip "
+                             "archive or a pickle), a .safetensors file or a relaxspec model folder")
     obj = _torch_load(path)
     if isinstance(obj, dict):
         for key in CONTAINER_KEYS:
@@ -376,7 +403,9 @@ def save_model(model: torch.nn.Module, folder: str | Path, *, kind: str | None =
              for k, v in model.state_dict().items()}
     config = model.config.to_dict() if hasattr(model.config, "to_dict") else dataclasses.asdict(model.config)
     save_file(state, str(folder / "model.safetensors"))
-    meta = {"format_version": FORMAT_VERSION, "kind": kind, "config": config, **(extra or {})}
+    names = getattr(model, "class_names", None)  # a named model stays named when saved again
+    meta = {"format_version": FORMAT_VERSION, "kind": kind, "config": config,
+            **({"class_names": list(names)} if names else {}), **(extra or {})}
     (folder / "config.json").write_text(json.dumps(meta, indent=2) + "\n")
     return folder
 
