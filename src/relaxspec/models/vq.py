@@ -359,10 +359,13 @@ class VQModel(nn.Module):
         grid = self._as_grid(tokens)
         return self.codebook[grid].permute(0, 3, 1, 2).contiguous()
 
+    @torch.no_grad()
     def decode(self, tokens: torch.Tensor) -> torch.Tensor:
         """Tokens ``[B, h*w]`` (square grid) or ``[B, h, w]`` -> images ``[B, 3, h*f, w*f]``.
 
         Output is roughly in ``[-1, 1]`` and not clamped (as upstream); see :func:`to_uint8`.
+        Never tracks gradients (tokens are not differentiable anyway); training code that needs
+        them calls ``decoder(post_quant_conv(latents))`` itself.
         """
         return self.decoder(self.post_quant_conv(self.codes_to_latents(tokens)))
 
