@@ -154,6 +154,31 @@ def test_info(tiny_ckpts, capsys):
     assert info["kind"] == "vq" and info["layout"] == "model" and info["parameters"] > 0
 
 
+def test_info_embedded(capsys):
+    code, out, err = run(["info", "embedded"], capsys)
+    assert code == 0, err
+    for part in ("gpt", "vq", "drafter", "classifier"):
+        assert f"== {part}" in out
+    assert "class_names=[99 items]" in out and "method:     method=" in out and "MODEL_CARD.md" in out
+    code, out, _ = run(["info", "embedded", "--json"], capsys)
+    info = json.loads(out)
+    assert info["parts"]["gpt"]["config"]["n_layer"] == 12 and info["defaults"]["method"]["method"]
+
+
+def test_upscale(tiny_ckpts, tmp_path, capsys):
+    small, big = tmp_path / "small", tmp_path / "big"
+    for out, extra in ((small, []), (big, ["--upscale", "3"])):
+        code, _, err = run(generate_args(tiny_ckpts["c2i"], out, "--classes", "1,2", *extra), capsys)
+        assert code == 0, err
+    assert np.array_equal(np.load(small / "tokens.npy"), np.load(big / "tokens.npy"))
+    pixels, bigger = (np.asarray(Image.open(folder / "0001.png")) for folder in (small, big))
+    assert bigger.shape == (3 * pixels.shape[0], 3 * pixels.shape[1], 3)
+    assert np.array_equal(bigger[1::3, 2::3], pixels)
+    assert Image.open(big / "grid.png").size[0] > 2 * Image.open(small / "grid.png").size[0]
+    assert_one_line_error(*run(generate_args(tiny_ckpts["c2i"], tmp_path / "x", "--upscale", "0"), capsys),
+                          "--upscale must be >= 1")
+
+
 # ------------------------------------------------------------------------------------ resuming
 
 

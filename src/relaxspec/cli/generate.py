@@ -113,6 +113,9 @@ def add_generate_parser(subparsers) -> argparse.ArgumentParser:
     output = gen.add_argument_group("output")
     output.add_argument("--out", required=True, metavar="DIR", help="output folder")
     output.add_argument("--batch-size", type=int, default=1, help="images per decoding batch (default 1)")
+    output.add_argument("--upscale", type=int, default=1, metavar="N",
+                        help="enlarge every PNG (and so the grid) N times, nearest neighbour, so small images "
+                             "are viewable (tokens and stats are unchanged; default 1)")
     output.add_argument("--grid-max", type=int, default=64, help="images in grid.png (the first N; default 64)")
     output.add_argument("--overwrite", action="store_true",
                         help="replace a previous run in --out made with different settings")
@@ -165,6 +168,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     for name in ("image_size", "batch_size"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise RelaxspecError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.upscale < 1:
+        raise RelaxspecError(f"--upscale must be >= 1, got {args.upscale}")
     if args.seed < 0 or args.grid_max < 0:
         raise RelaxspecError("--seed and --grid-max must be >= 0")
     device = device_option(args.device)
@@ -202,7 +207,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         "sampling": sampling.to_dict(), "method": options.to_dict(),
         "drafter_ckpt": None if args.drafter_ckpt is None else str(Path(args.drafter_ckpt).resolve()),
         "seed": args.seed, "seeding": "batch b: torch.Generator().manual_seed(seed * 1000003 + b)",
-        "batch_size": args.batch_size, "precision": args.precision, "device": str(device),
+        "batch_size": args.batch_size, "upscale": args.upscale, "precision": args.precision, "device": str(device),
         "files": {key: file_identity(path) for key, path in (
             ("gpt_ckpt", args.gpt_ckpt), ("vq_ckpt", args.vq_ckpt), ("drafter_ckpt", args.drafter_ckpt),
             ("caption_features", args.caption_features), ("caption_mask", args.caption_mask)) if path},
@@ -236,7 +241,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         accumulate_rank_counts(stats, result)
         for row, i in enumerate(index):
             name = f"{i:04d}.png"
-            write_png(out / name, pixels[row])
+            write_png(out / name, upscale(pixels[row], args.upscale))
             tokens[i] = result.tokens[row].numpy()
             records[i] = {
                 "index": i, "file": name, **condition_record(cond_settings, i), "batch": batch, "batch_seed": seed,
@@ -370,3 +375,8 @@ def previous_run(out: Path, settings: dict, settings_hash: str, num_images: int,
             records[i] = record
             tokens[i] = saved[i]
     return records, tokens
+
+
+def upscale(pixels: np.ndarray, factor: int) -> np.ndarray:
+    """``[H, W, 3]`` -> ``[factor * H, factor * W, 3]``, each pixel a ``factor`` x ``factor`` block."""
+    return pixels if factor == 1 else pixels.repeat(factor, axis=0).repeat(factor, axis=1)

@@ -38,6 +38,8 @@ TEST_PRESETS: dict[str, dict] = {
     ),
 }
 
+#: ``relaxspec info embedded`` describes the shipped model (unless a file of that name is there).
+EMBEDDED = "embedded"
 LAYOUTS = {
     "model": 'official LlamaGen file {"model": state_dict}', "module": '{"module": state_dict}',
     "state_dict": '{"state_dict": state_dict}', "raw": "raw state dict (like upstream XXL / 3B / FSDP files)",
@@ -49,7 +51,8 @@ def add_info_parser(subparsers) -> None:
     info = subparsers.add_parser("info", help="describe a checkpoint",
                                description="Print a checkpoint's layout, inferred config and parameter count.")
     info.set_defaults(handler=cmd_info)
-    info.add_argument("ckpt", metavar="CKPT")
+    info.add_argument("ckpt", metavar="CKPT", help="a checkpoint file or relaxspec folder, or 'embedded' for the "
+                                                   "shipped emoji model")
     info.add_argument("--json", action="store_true", help="print JSON")
 
 
@@ -170,10 +173,51 @@ def _tree_for_this_machine(args: argparse.Namespace, rates: torch.Tensor):
 
 
 def cmd_info(args: argparse.Namespace) -> int:
+    if args.ckpt == EMBEDDED and not Path(args.ckpt).exists():
+        return _info_embedded(args)
     info = describe(args.ckpt)
     if args.json:
         print(json.dumps(info, indent=2))
         return 0
+    _print_info(info)
+    return 0
+
+
+def _info_embedded(args: argparse.Namespace) -> int:
+    """``relaxspec info embedded``: every shipped part, the defaults and where the model card is."""
+    from relaxspec import embedded
+
+    parts = {part: describe(folder) for part, folder in embedded.PARTS.items() if embedded.available(part)}
+    if not parts:
+        raise RelaxspecError("the embedded model is not in this installation")
+    card = embedded.ROOT / "MODEL_CARD.md"
+    if args.json:
+        print(json.dumps({"parts": parts, "defaults": embedded.defaults(), "model_card": str(card)}, indent=2))
+        return 0
+    for part, info in parts.items():
+        print(f"== {part}")
+        _print_info(info)
+    defaults = embedded.defaults()
+    print("== defaults (relaxspec generate / bench with no checkpoint options)")
+    for key in ("sampling", "method"):
+        if key in defaults:
+            print(f"{key + ':':11s} " + ", ".join(f"{k}={v}" for k, v in defaults[key].items()))
+    if "classes" in defaults:
+        print(f"classes:    {defaults['classes']}")
+    print(f"model card: {card}")
+    return 0
+
+
+def _short(value):
+    """A config value for one line: long lists and nested configs as their size (--json has all)."""
+    if isinstance(value, (list, tuple)) and len(value) > 8:
+        return f"[{len(value)} items]"
+    if isinstance(value, dict):
+        return f"{{{len(value)} fields}}"
+    return value
+
+
+def _print_info(info: dict) -> None:
     print(f"path:       {info['path']}")
     print(f"layout:     {LAYOUTS.get(info['layout'], info['layout'])}")
     kind = info["kind"]
@@ -181,14 +225,13 @@ def cmd_info(args: argparse.Namespace) -> int:
         kind = f"gpt ({info['config']['model_type']})"
     print(f"kind:       {kind}")
     if info.get("config"):
-        print("config:     " + ", ".join(f"{k}={v}" for k, v in info["config"].items()))
+        print("config:     " + ", ".join(f"{k}={_short(v)}" for k, v in info["config"].items()))
     if info.get("kind") == "gpt" and info.get("layout") != "relaxspec":
         looks = info.get("looks_like")
         print(f"looks like: {looks or 'no named size (load it with --gpt-model CONFIG.json)'}"
               + ("" if not looks else f" (pass --gpt-model {looks})"))
     print(f"parameters: {info['parameters']:,} ({info['parameters'] / 1e6:.1f}M)")
     print(f"tensors:    {info['tensors']} ({', '.join(info['dtypes'])})")
-    return 0
 
 
 def cmd_make_test_checkpoints(args: argparse.Namespace) -> int:
