@@ -390,6 +390,24 @@ def test_bench_command_errors(models, tmp_path, extra, message):
         run_cli(argv)
 
 
+def test_quality_inputs_are_checked_before_any_decoding(models, tmp_path, monkeypatch):
+    from relaxspec import embedded
+
+    def no_decoding(*args, **kwargs):
+        raise AssertionError("decoding started before the quality inputs were checked")
+
+    monkeypatch.setattr(bench_run, "run_bench", no_decoding)
+    junk, other = tmp_path / "junk.npz", tmp_path / "other.npz"
+    junk.write_bytes(b"not an array file")
+    np.savez(other, images=np.zeros((2, 16, 16, 3), np.uint8), labels=np.array([7, 8]))
+    argv = ["bench", *models["args"], "--classes", "1,2", "--methods", "ar", "--out", str(tmp_path / "b"),
+            "--classifier", str(embedded.path("classifier"))]
+    with pytest.raises(RelaxspecError, match="not a .npy / .npz array file"):
+        run_cli(argv + ["--real-data", str(junk)])
+    with pytest.raises(RelaxspecError, match="no real images of the benchmarked classes"):
+        run_cli(argv + ["--real-data", str(other)])
+
+
 def test_bench_command_usage_errors():
     with pytest.raises(UsageError, match="not allowed with argument"):
         run_cli(["bench", "--images-per-class", "2", "--num-images", "3", "--out", "X"])

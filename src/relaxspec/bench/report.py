@@ -523,8 +523,13 @@ def make_plots(plot_data: dict, out_dir: str | Path) -> list[Path]:
         for ax, label in zip(axes, labels):
             image = ax.imshow(np.asarray(maps[label]), vmin=0.0, vmax=1.0, cmap="viridis", interpolation="nearest")
             ax.set_title(label, fontsize=8)
-            ax.set_xticks([])
-            ax.set_yticks([])
+            side = len(maps[label])
+            ticks = sorted({0, side // 2, side - 1})
+            ax.set_xticks(ticks)
+            ax.set_yticks(ticks)
+            ax.tick_params(labelsize=6)
+            ax.set_xlabel("token column", fontsize=7)
+            ax.set_ylabel("token row", fontsize=7)
         for ax in axes[len(labels):]:
             ax.axis("off")
         fig.colorbar(image, ax=list(axes), shrink=0.8, label="share of images: token was an accepted draft")

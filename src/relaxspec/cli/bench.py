@@ -142,6 +142,17 @@ def image_classes(args: argparse.Namespace, num_classes: int, class_names: list[
     return [classes[i % len(classes)] for i in range(total)]
 
 
+def check_quality_inputs(classifier, real_data: str, classes: list[int], num_classes: int) -> None:
+    """The classifier covers the model's classes and ``real_data`` is a readable image set with
+    images of the benchmarked classes (:func:`relaxspec.bench.report.load_real_images`)."""
+    from relaxspec.bench.report import load_real_images
+
+    if classifier.config.num_classes < num_classes:
+        raise RelaxspecError(f"--classifier knows {classifier.config.num_classes} classes but the model has "
+                             f"{num_classes}: it is not this model's classifier")
+    load_real_images(real_data, classes)
+
+
 def run_bench_cli(args: argparse.Namespace) -> int:
     import torch
 
@@ -210,6 +221,8 @@ def run_bench_cli(args: argparse.Namespace) -> int:
     drafter = load_drafter(args.drafter_ckpt, target) if drafting else None
     args.image_size = target.config.grid_size * downsample
     classes = image_classes(args, target.config.num_classes, target.class_names)
+    if classifier is not None:  # every quality input checked now, not after an hour of decoding
+        check_quality_inputs(classifier, args.real_data, classes, target.config.num_classes)
     identity = {
         "gpt_ckpt": str(Path(args.gpt_ckpt).resolve()), "gpt_model": spec_id(args.gpt_model),
         "vq_ckpt": str(Path(args.vq_ckpt).resolve()), "vq_model": spec_id(args.vq_model),

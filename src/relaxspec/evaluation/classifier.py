@@ -42,6 +42,7 @@ from tqdm.auto import tqdm
 
 from relaxspec.checkpoints import load_strict, save_model
 from relaxspec.errors import RelaxspecError
+from relaxspec.files import load_array
 from relaxspec.devices import resolve_device
 from relaxspec.training.common import RecipeConfig
 from relaxspec.evaluation.metrics import topk_hits
@@ -100,19 +101,14 @@ def load_split(path: str | Path) -> ImageSet:
     """Read one ``.npz`` split (``images`` uint8 ``[n, H, W, 3]``, ``labels`` int ``[n]``,
     optional ``class_names``)."""
     path = Path(path)
-    if not path.is_file():
-        raise RelaxspecError(f"{path}: no such file")
-    try:
-        with np.load(path, allow_pickle=False) as archive:
-            missing = [key for key in ("images", "labels") if key not in archive]
-            if missing:
-                raise RelaxspecError(f"{path}: needs arrays 'images' and 'labels' (has {', '.join(archive.files)})")
-            images, labels = archive["images"], archive["labels"]
-            names = [str(n) for n in archive["class_names"]] if "class_names" in archive else None
-    except RelaxspecError:
-        raise
-    except (OSError, ValueError) as err:
-        raise RelaxspecError(f"{path}: not a readable .npz file ({err})") from None
+    archive = load_array(str(path))
+    if not isinstance(archive, dict):
+        raise RelaxspecError(f"{path}: expected an .npz with arrays 'images' and 'labels', got a single .npy array")
+    missing = [key for key in ("images", "labels") if key not in archive]
+    if missing:
+        raise RelaxspecError(f"{path}: needs arrays 'images' and 'labels' (has {', '.join(archive) or 'none'})")
+    images, labels = archive["images"], archive["labels"]
+    names = [str(n) for n in archive["class_names"]] if "class_names" in archive else None
     return check_image_set(ImageSet(images, labels, names), str(path))
 
 
