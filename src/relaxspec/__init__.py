@@ -16,6 +16,8 @@ The public API (see docs/API.md)::
 __version__ = "0.1.0"
 
 _EXPORTS = {
+    "generate": "relaxspec.api",
+    "Generation": "relaxspec.api",
     "SamplingConfig": "relaxspec.sampling",
     "process_logits": "relaxspec.sampling",
     "MethodOptions": "relaxspec.decoding.options",

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from relaxspec.api import UPSTREAM_SAMPLING
 from relaxspec.devices import resolve_device
 from relaxspec.errors import RelaxspecError
 from relaxspec.models.gpt import GPT_SIZES
@@ -15,8 +16,6 @@ from relaxspec.models.vq import VQ_CONFIGS
 
 #: Upstream LlamaGen's c2i demo classes (sample_c2i.py), used when --classes is not given.
 DEFAULT_CLASSES = "207,360,387,974,88,979,417,279"
-#: Upstream LlamaGen's demo sampling (sample_c2i.py), for a user's own checkpoint.
-UPSTREAM_SAMPLING = {"cfg_scale": 4.0, "temperature": 1.0, "top_k": 2000, "top_p": 1.0}
 
 
 class UsageError(Exception):

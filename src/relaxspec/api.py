@@ -1,0 +1,126 @@
+"""``relaxspec.generate``: images from class ids or names in one call.
+
+It is ``relaxspec generate`` without files: the same defaults (the embedded emoji model with its
+documented sampling and method when no model is given, upstream LlamaGen's sampling otherwise),
+the same seeding (all conditions form batch 0 of a run seeded ``seed``, so the tokens equal
+``relaxspec generate --batch-size N --seed S`` for the same N conditions), and the same checks.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple, Sequence
+
+import torch
+
+from relaxspec.decoding import DecodeResult, MethodOptions, decode
+from relaxspec.devices import resolve_device
+from relaxspec.errors import RelaxspecError
+from relaxspec.sampling import SamplingConfig, batch_seed
+
+#: Upstream LlamaGen's demo sampling (sample_c2i.py), for a model that brings no defaults.
+UPSTREAM_SAMPLING = {"cfg_scale": 4.0, "temperature": 1.0, "top_k": 2000, "top_p": 1.0}
+
+
+class Generation(NamedTuple):
+    """What :func:`generate` returns: ``images`` (one ``PIL.Image`` per condition, in order) and
+    the decode's ``result`` (tokens, accepted lengths, forwards, TV record, timings)."""
+
+    images: list
+    result: DecodeResult
+
+
+@functools.lru_cache(maxsize=2)
+def _embedded(device: str, precision: str):
+    from relaxspec import embedded
+
+    return embedded.load(device=device, precision=precision)
+
+
+def generate(classes: str | Sequence[int | str] | None = None, method: str | MethodOptions | None = None, *,
+             model: tuple | None = None, sampling: SamplingConfig | dict | None = None, seed: int = 0,
+             device: str | torch.device = "cpu", precision: str = "fp32", upscale: int = 1,
+             progress: bool = False, **method_fields) -> Generation:
+    """Generate one image per class.
+
+    ``classes``: class ids, or names for a model that names its classes (``"heart,animal-mammal"``
+    or a list); default: the embedded model's demo classes. ``method``: a method name (``"ar"``,
+    ``"lantern"``, ``"lantern++"``, ``"cool"``, ``"sd"``, ``"sjd"``, ``"scd"``, ``"eagle2"``) or a
+    :class:`MethodOptions`; ``method_fields`` set its fields (``delta=0.2``, ``compile=True``).
+    With no model and no method, the embedded model's documented default method (its
+    ``defaults.json``). ``model``: ``(target, vq, drafter)`` (``drafter`` may be ``None`` for
+    drafter-free methods); default: the embedded model, loaded once per device. ``sampling``: a
+    :class:`SamplingConfig` or a dict of its fields over the model's defaults. ``upscale``: enlarge
+    each image that many times (nearest neighbour).
+    """
+    from PIL import Image
+
+    from relaxspec.models.vq import to_uint8
+
+    if upscale < 1:
+        raise RelaxspecError(f"upscale must be >= 1, got {upscale}")
+    defaults = {}
+    if model is None:
+        from relaxspec import embedded
+
+        target, vq, drafter = _embedded(str(resolve_device(str(device))), precision)
+        defaults = embedded.defaults()
+    else:
+        if not isinstance(model, (tuple, list)) or len(model) != 3:
+            raise RelaxspecError("model must be (target, vq, drafter); drafter may be None")
+        target, vq, drafter = model
+    sampling = _sampling(sampling, defaults)
+    options = _options(method, method_fields, defaults)
+    if options.needs_drafter and drafter is None:
+        raise RelaxspecError(f"method {options.method!r} drafts with an EAGLE drafter: pass model=(target, vq, drafter)")
+    cond = torch.tensor(_class_ids(classes, target, defaults), dtype=torch.long)
+    run_device = target.output.weight.device
+    generator = torch.Generator(device=run_device).manual_seed(batch_seed(seed, 0))
+    result = decode(target, cond, sampling, options, generator=generator, drafter=drafter, vq=vq, progress=progress)
+    pixels = to_uint8(vq.decode(result.tokens.to(run_device))).cpu().numpy()
+    images = [Image.fromarray(p) for p in pixels]
+    if upscale > 1:
+        images = [im.resize((im.width * upscale, im.height * upscale), Image.NEAREST) for im in images]
+    return Generation(images, result)
+
+
+def _sampling(sampling: SamplingConfig | dict | None, defaults: dict) -> SamplingConfig:
+    if isinstance(sampling, SamplingConfig):
+        return sampling
+    fields = {**UPSTREAM_SAMPLING, **defaults.get("sampling", {}), **(sampling or {})}
+    return SamplingConfig(**fields)
+
+
+def _options(method: str | MethodOptions | None, fields: dict, defaults: dict) -> MethodOptions:
+    if isinstance(method, MethodOptions):
+        if fields:
+            raise RelaxspecError("give method fields either in the MethodOptions or as keywords, not both")
+        return method
+    if method is None and "method" in defaults:
+        return MethodOptions(**{**defaults["method"], **fields})
+    return MethodOptions(method or "ar", **fields)
+
+
+def _class_ids(classes, target, defaults: dict) -> list[int]:
+    names = target.class_names
+    if classes is None:
+        classes = defaults.get("classes")
+        if classes is None:
+            raise RelaxspecError("give the classes to draw (this model has no demo classes)")
+    if names is not None:
+        from relaxspec.data.emoji import resolve_classes
+
+        ids = resolve_classes(classes, names)
+    else:
+        parts = classes.split(",") if isinstance(classes, str) else list(classes)
+        try:
+            ids = [int(c) for c in parts if str(c).strip()]
+        except ValueError:
+            raise RelaxspecError(f"this model does not name its classes: give class ids, got {classes!r}") from None
+    num = target.config.num_classes
+    bad = [c for c in ids if not 0 <= c < num]
+    if bad:
+        raise RelaxspecError(f"class id {bad[0]} is out of range: this model has classes 0..{num - 1}")
+    if not ids:
+        raise RelaxspecError("no classes given")
+    return ids
