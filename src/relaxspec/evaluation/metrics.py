@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -267,37 +268,97 @@ def bootstrap_ci(metric_fn: Callable[..., float], *arrays, n_boot: int = 200, al
 # ------------------------------------------------------------------------------------------
 
 
+FEATURE_NETWORK = "relaxspec classifier (NOT Inception: the FID-like distance is not comparable to FID)"
+
+
+def _unit_interval(interval: tuple[float, float, float]) -> tuple[float, float, float]:
+    value, lo, hi = interval
+    return value, min(max(lo, 0.0), 1.0), min(max(hi, 0.0), 1.0)
+
+
+@dataclass
+class Measured:
+    """One set of generated images measured against a :class:`QualityReference`: the ``report``
+    (see :meth:`QualityReference.measure`) and the per-image ``features`` and top-1 ``hits`` that
+    paired comparisons between sets resample."""
+
+    report: dict
+    features: np.ndarray
+    hits: np.ndarray | None
+
+
+class QualityReference:
+    """Held-out real images on ``classifier``'s features, computed once for any number of
+    generated sets: their features, k-NN radii and the Fréchet distance to them (whose square
+    root is taken once, so each bootstrap resample costs one symmetric eigendecomposition)."""
+
+    def __init__(self, classifier, real_images, *, k: int = 3, batch_size: int = 512) -> None:
+        self.classifier, self.k, self.batch_size = classifier, k, batch_size
+        self.real = classifier.features(real_images, batch_size).double()
+        self.fid = frechet_distance_to(self.real.numpy())
+        self.radii = knn_radii(self.real, k) if len(self.real) > k else None
+
+    def precision(self, feats: np.ndarray) -> float:
+        return manifold_coverage(self.real, self.radii, torch.from_numpy(feats))
+
+    def recall(self, feats: np.ndarray) -> float:
+        feats_t = torch.from_numpy(feats)
+        return manifold_coverage(feats_t, knn_radii(feats_t, self.k), self.real)
+
+    def measure(self, images, labels=None, *, n_boot: int = 200, alpha: float = 0.05, seed: int = 0) -> Measured:
+        """The quality table of generated ``images`` (uint8 ``[n, H, W, 3]``) conditioned on
+        ``labels`` ``[n]`` (optional). Report keys: ``fid_like`` ``(value, lo, hi)`` (None below
+        2 images), ``precision`` / ``recall`` point values with ``precision_interval`` /
+        ``recall_interval`` ``(value, lo, hi)`` (None when either set has at most ``k``
+        images), ``class_accuracy`` / ``top5_accuracy`` ``(value, lo, hi)`` and
+        ``class_accuracy_by_class`` ``{class: [hits, images]}`` (None without labels), ``n_real``,
+        ``n_fake``, ``feature_network``.
+
+        Intervals are percentile bootstraps over the *generated* images (``n_boot`` draws; the
+        real images are the fixed reference, as FID's precomputed statistics are). The set-level
+        metrics are biased under resampling with repeats (duplicates shrink k-NN radii and grow
+        the Fréchet distance), so their intervals are shifted by the bootstrap bias
+        (:func:`bootstrap_ci`), and precision / recall intervals are clipped to [0, 1]. With
+        ``n_boot = 0`` every interval is ``(value, None, None)``."""
+        feats = self.classifier.features(images, self.batch_size).double().numpy()
+
+        def interval(fn, *arrays, bias_correct=False):
+            if n_boot < 1:
+                return float(fn(*arrays)), None, None
+            return bootstrap_ci(fn, *arrays, n_boot=n_boot, alpha=alpha, seed=seed, bias_correct=bias_correct)
+
+        report = {"feature_network": FEATURE_NETWORK, "n_real": len(self.real), "n_fake": len(feats),
+                  "fid_like": interval(self.fid, feats, bias_correct=True) if len(feats) >= 2 else None,
+                  "precision": None, "recall": None, "precision_interval": None, "recall_interval": None,
+                  "class_accuracy": None, "top5_accuracy": None, "class_accuracy_by_class": None}
+        if self.radii is not None and len(feats) > self.k:
+            for name, fn in (("precision", self.precision), ("recall", self.recall)):
+                measured = interval(fn, feats, bias_correct=True)
+                report[name] = measured[0]
+                report[f"{name}_interval"] = measured if measured[1] is None else _unit_interval(measured)
+        hits = None
+        if labels is not None:
+            labels = np.asarray(labels)
+            logits = self.classifier.logits(images, self.batch_size)
+            hits = topk_hits(logits, labels, 1).astype(np.float64)
+            report["class_accuracy"] = interval(np.mean, hits)
+            report["top5_accuracy"] = interval(np.mean, topk_hits(logits, labels, 5).astype(np.float64))
+            report["class_accuracy_by_class"] = {int(c): [int(hits[labels == c].sum()), int((labels == c).sum())]
+                                                 for c in np.unique(labels)}
+        return Measured(report, feats, hits)
+
+
 def quality_report(classifier, real_images, fake_images, fake_labels=None, *, k: int = 3, n_boot: int = 200,
                    alpha: float = 0.05, seed: int = 0, batch_size: int = 512) -> dict:
-    """The offline quality table for generated images, on ``classifier``'s features and logits.
-
-    Returns ``{"fid_like": (value, lo, hi), "precision": p, "recall": r, "class_accuracy":
-    (value, lo, hi) or None, "top5_accuracy": (value, lo, hi) or None, "n_real", "n_fake",
-    "feature_network"}``. Intervals are percentile bootstraps over the *generated* images
-    (``n_boot`` draws; the real images are the fixed reference, as FID's precomputed statistics
-    are), bias-corrected for the FID-like distance; precision/recall are point estimates (see
-    :func:`bootstrap_ci` on why). Compare FID-like values only at equal ``n_fake``.
-    """
-    real = classifier.features(real_images, batch_size).double().numpy()
-    fake = classifier.features(fake_images, batch_size).double().numpy()
-    report = {
-        "feature_network": "relaxspec classifier (NOT Inception: the FID-like distance is not comparable to FID)",
-        "n_real": len(real), "n_fake": len(fake),
-        "fid_like": bootstrap_ci(frechet_distance_to(real), fake, n_boot=n_boot, alpha=alpha, seed=seed,
-                                 bias_correct=True),
-    }
-    report["precision"], report["recall"] = precision_recall(real, fake, k=k)
-    report["class_accuracy"] = report["top5_accuracy"] = None
-    if fake_labels is not None:
-        fake_logits = classifier.logits(fake_images, batch_size)
-        for key, top in (("class_accuracy", 1), ("top5_accuracy", 5)):
-            hits = topk_hits(fake_logits, fake_labels, top).astype(np.float64)
-            report[key] = bootstrap_ci(np.mean, hits, n_boot=n_boot, alpha=alpha, seed=seed)
-    return report
+    """The offline quality table for generated images, on ``classifier``'s features and logits:
+    :meth:`QualityReference.measure`'s report (``relaxspec bench`` and ``relaxspec eval`` use the
+    same). Compare FID-like values only at equal ``n_fake``."""
+    reference = QualityReference(classifier, real_images, k=k, batch_size=batch_size)
+    return reference.measure(fake_images, fake_labels, n_boot=n_boot, alpha=alpha, seed=seed).report
 
 
 __all__ = [
     "FID_EPS", "bootstrap_ci", "class_accuracy", "classifier_frechet_distance", "feature_statistics",
     "frechet_distance", "frechet_distance_from_statistics", "frechet_distance_to", "knn_radii", "manifold_coverage", "precision_recall",
-    "quality_report", "topk_hits",
+    "FEATURE_NETWORK", "Measured", "QualityReference", "quality_report", "topk_hits",
 ]
