@@ -35,6 +35,8 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import types
+
 import torch
 from scipy import stats
 
@@ -811,3 +813,17 @@ def test_drafter_cache_matches_fresh_forward(markov, structure, cfg, temperature
     result = generate_speculative(model, cond, sampling, MethodOptions(method="sd"), source=source,
                                   generator=torch.Generator().manual_seed(0))
     assert source.checked >= 10 and float(result.mean_accepted_length.mean()) > 1.5
+
+
+def test_rank_counts_add_with_padding():
+    from relaxspec.decoding.result import accumulate_rank_counts, add_counts
+
+    a = torch.tensor([[1, 2], [3, 4]])
+    b = torch.tensor([[10], [20], [30]])
+    assert add_counts(None, a).tolist() == a.tolist()
+    assert add_counts(a, a).tolist() == [[2, 4], [6, 8]]
+    assert add_counts(a, b).tolist() == add_counts(b, a).tolist() == [[11, 2], [23, 4], [30, 0]]
+    stats: dict = {}
+    for tests in (a, b):
+        accumulate_rank_counts(stats, types.SimpleNamespace(rank_tests=tests, rank_accepts=tests // 2))
+    assert stats["acceptance_counts"] == {"tests": [[11, 2], [23, 4], [30, 0]], "accepts": [[5, 1], [11, 2], [15, 0]]}

@@ -12,7 +12,8 @@ import sys
 from pathlib import Path
 
 from relaxspec.bench.config import BASELINE, METHOD_SPECS, SPEC_ALIASES, expand_methods, parse_methods
-from relaxspec.cli.options import UPSTREAM_SAMPLING, device_option, parse_classes, spec_id
+from relaxspec.api import UPSTREAM_SAMPLING
+from relaxspec.cli.options import device_option, parse_classes, spec_id
 from relaxspec.errors import RelaxspecError
 
 

@@ -19,7 +19,8 @@ from tqdm.auto import tqdm
 
 from relaxspec import __version__
 from relaxspec.checkpoints import PRECISIONS, load_gpt, load_vq
-from relaxspec.cli.options import DEFAULT_CLASSES, UPSTREAM_SAMPLING, device_option, parse_classes, spec_id
+from relaxspec.api import UPSTREAM_SAMPLING
+from relaxspec.cli.options import DEFAULT_CLASSES, device_option, parse_classes, spec_id
 from relaxspec.decoding import MethodOptions, decode
 from relaxspec.decoding.options import ALIASES, DRAFTS, METHODS
 from relaxspec.decoding.result import accumulate_rank_counts, certified_tv, record_tv_sum

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import torch
 
-from relaxspec.api import UPSTREAM_SAMPLING
 from relaxspec.devices import resolve_device
 from relaxspec.errors import RelaxspecError
 from relaxspec.models.gpt import GPT_SIZES

@@ -13,6 +13,7 @@ import torch
 
 from relaxspec.checkpoints import describe, load_gpt, load_vq
 from relaxspec.cli.options import device_option
+from relaxspec.decoding.result import add_counts
 from relaxspec.drafting.eagle import load_drafter
 from relaxspec.errors import RelaxspecError
 from relaxspec.models.gpt import GPT_SIZES, GPTConfig, Transformer, gpt_config
@@ -107,12 +108,7 @@ def cmd_build_tree(args: argparse.Namespace) -> int:
         if not counts or not counts.get("tests"):
             raise RelaxspecError(f"{path}: no acceptance_counts (run relaxspec generate with a drafter method first)")
         t, a = torch.tensor(counts["tests"], dtype=torch.float64), torch.tensor(counts["accepts"], dtype=torch.float64)
-        if tests is None:
-            tests, accepts = t, a
-        else:
-            rows, cols = max(tests.shape[0], t.shape[0]), max(tests.shape[1], t.shape[1])
-            grow = lambda x: torch.nn.functional.pad(x, (0, cols - x.shape[1], 0, rows - x.shape[0]))  # noqa: E731
-            tests, accepts = grow(tests) + grow(t), grow(accepts) + grow(a)
+        tests, accepts = add_counts(tests, t), add_counts(accepts, a)
     auto = str(args.budget).strip().lower() == "auto"
     if not auto:
         try:

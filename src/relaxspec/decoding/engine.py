@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 
 from relaxspec.acceptance import AcceptanceRule, CoolRule, ExactRule, LanternRule, cached_neighbour_table, cool_weights
 from relaxspec.decoding.options import MethodOptions
-from relaxspec.decoding.result import DecodeResult
+from relaxspec.decoding.result import DecodeResult, add_counts
 from relaxspec.decoding.target import GuidedTarget
 from relaxspec.compiling import compiled
 from relaxspec.decoding.verify import verify_tree, walk_tree
@@ -132,10 +132,8 @@ def generate_speculative(model, cond, sampling: SamplingConfig, options: MethodO
                                  children=tree.children, level_widths=tree.level_widths, point_mass=tree.point_mass,
                                  check=False, walk=walk)
             count = torch.where(active, result.num_accepted + 1, torch.zeros_like(n))
-            if rank_tests is None:
-                rank_tests, rank_accepts = result.rank_tests, result.rank_accepts
-            else:
-                rank_tests, rank_accepts = _accumulate(rank_tests, rank_accepts, result.rank_tests, result.rank_accepts)
+            rank_tests = add_counts(rank_tests, result.rank_tests)
+            rank_accepts = add_counts(rank_accepts, result.rank_accepts)
             # Commit: tokens n .. n + count - 1 of each row (the rest of the span goes to a
             # scratch column past the image).
             span = result.committed.shape[1]
@@ -177,21 +175,6 @@ def generate_speculative(model, cond, sampling: SamplingConfig, options: MethodO
                         drafter_forward_seconds=_watched(source),
                         rank_tests=rank_tests.cpu(), rank_accepts=rank_accepts.cpu(),
                         tv_recorded=record_tv or rule.lossless)
-
-
-def _accumulate(total_tests, total_accepts, tests, accepts):
-    """Add one step's ``[depth, rank]`` counts into running totals (the same shape every step
-    for a source that declares its structure; grown as needed for one that does not)."""
-    if tests.shape == total_tests.shape:
-        return total_tests + tests, total_accepts + accepts
-    rows = max(total_tests.shape[0], tests.shape[0])
-    cols = max(total_tests.shape[1], tests.shape[1])
-    grown_t = total_tests.new_zeros(rows, cols)
-    grown_a = grown_t.clone()
-    for dst, parts in ((grown_t, (total_tests, tests)), (grown_a, (total_accepts, accepts))):
-        for part in parts:
-            dst[: part.shape[0], : part.shape[1]] += part
-    return grown_t, grown_a
 
 
 def _watched(source) -> float:

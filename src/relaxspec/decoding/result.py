@@ -91,19 +91,25 @@ def record_tv_sum(record: dict) -> float:
     return float("nan") if value is None else float(value)
 
 
+def add_counts(total: torch.Tensor | None, counts: torch.Tensor) -> torch.Tensor:
+    """``[depth, rank]`` count tables added, the smaller padded with zeros: the one way running
+    acceptance counts are summed (per step in the engine, per batch in stats.json, per file in
+    ``relaxspec build-tree``). No device sync: shapes are Python numbers."""
+    if total is None or total.numel() == 0:
+        return counts.clone()
+    if total.shape == counts.shape:
+        return total + counts
+    rows, cols = max(total.shape[0], counts.shape[0]), max(total.shape[1], counts.shape[1])
+    grown = torch.nn.functional.pad(total, (0, cols - total.shape[1], 0, rows - total.shape[0]))
+    return grown + torch.nn.functional.pad(counts, (0, cols - counts.shape[1], 0, rows - counts.shape[0]))
+
+
 def accumulate_rank_counts(stats: dict, result) -> None:
     """Keep running ``[depth, rank]`` test / accept counts in stats.json (``relaxspec build-tree``
     reads them)."""
     if result.rank_tests is None:
         return
     counts = stats.setdefault("acceptance_counts", {"tests": [], "accepts": []})
-    for key, new in (("tests", result.rank_tests.tolist()), ("accepts", result.rank_accepts.tolist())):
-        old = counts[key]
-        rows = max(len(old), len(new))
-        cols = max([len(r) for r in old + new] or [0])
-        merged = [[0] * cols for _ in range(rows)]
-        for table in (old, new):
-            for i, row in enumerate(table):
-                for j, value in enumerate(row):
-                    merged[i][j] += int(value)
-        counts[key] = merged
+    for key, new in (("tests", result.rank_tests), ("accepts", result.rank_accepts)):
+        old = torch.tensor(counts[key], dtype=torch.long) if counts[key] else None
+        counts[key] = add_counts(old, new.long().cpu()).tolist()
