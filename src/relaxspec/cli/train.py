@@ -89,7 +89,7 @@ def add_train_vq_parser(subparsers) -> argparse.ArgumentParser:
     option("--max-shift", "augmentation: largest translation in px", type=int)
     option.group.add_argument("--no-flip", dest="flip", action="store_false", help="augmentation: no mirror flips")
     add_run_options(parser, defaults, unit="images", seed_help="seed (init, data order, augmentation, restarts)",
-                           cosine=False)
+                    cosine=False)
     parser.set_defaults(handler=run_train_vq)
     return parser
 
@@ -133,8 +133,8 @@ def add_train_gpt_parser(subparsers) -> argparse.ArgumentParser:
     option.group.add_argument("--no-flip", dest="flip", action="store_false", help="augmentation: no mirror flips")
     option("--class-dropout", "probability of training a sequence under the null class", type=float)
     add_run_options(parser, defaults, unit="sequences", seed_help="seed (init, augmentation, data order, class dropout)",
-                           extra=lambda option: option("--patience", "evaluations without a better val NLL before "
-                                                       "stopping (0 = never)", type=int))
+                    extra=lambda option: option("--patience", "evaluations without a better val NLL before "
+                                                "stopping (0 = never)", type=int))
     parser.set_defaults(handler=run_train_gpt)
     return parser
 
