@@ -45,7 +45,12 @@ from relaxspec.decoding import DecodeResult, MethodOptions, decode
 from relaxspec.decoding.ar import generate_ar
 from relaxspec.decoding.engine import build_rule, generate_speculative
 from relaxspec.drafting.eagle import EagleDrafter
-from relaxspec.drafting.sources import DraftTree, DynamicTree, EagleSource, JacobiSource, StaticTree, ancestor_matrix
+from relaxspec.drafting.base import DraftTree
+from relaxspec.drafting.dynamic_tree import DynamicTree
+from relaxspec.drafting.eagle_source import EagleSource
+from relaxspec.drafting.jacobi import JacobiSource
+from relaxspec.drafting.static_tree import StaticTree
+from relaxspec.drafting.tree_tables import ancestor_matrix
 from relaxspec.drafting.trees import EAGLE25, TreeSpec, load_tree
 from relaxspec.errors import RelaxspecError
 from relaxspec.models.gpt import GPTConfig, Transformer
@@ -827,3 +832,20 @@ def test_rank_counts_add_with_padding():
     for tests in (a, b):
         accumulate_rank_counts(stats, types.SimpleNamespace(rank_tests=tests, rank_accepts=tests // 2))
     assert stats["acceptance_counts"] == {"tests": [[11, 2], [23, 4], [30, 0]], "accepts": [[5, 1], [11, 2], [15, 0]]}
+
+
+def test_every_source_and_structure_declares_the_seam(markov):
+    from relaxspec.drafting.base import DraftSource, DraftStructure, FeatureDrafter
+    from relaxspec.drafting.trees import TreeSpec
+
+    model, drafter = markov
+    structures = [StaticTree(TreeSpec.chain(3)), DynamicTree(top_k=2, depth=2, total_tokens=5)]
+    assert all(isinstance(s, DraftStructure) for s in structures)
+    assert isinstance(JacobiSource(window=4), DraftSource)
+    eagle = EagleSource(drafter, structures[0], SamplingConfig(cfg_scale=1.0))
+    assert isinstance(eagle, DraftSource)
+    first = torch.zeros(1, dtype=torch.long)
+    eagle.start(first, torch.full((1, model.config.vocab_size), 1.0 / model.config.vocab_size),
+                torch.zeros(1, 1, model.config.dim), 1, 4, None, True)
+    assert isinstance(eagle, FeatureDrafter)  # root law, root feature and cache exist once started
+    assert not isinstance(object(), DraftSource)

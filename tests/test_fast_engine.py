@@ -19,7 +19,9 @@ from relaxspec.bench.counting import StepCounter, is_sync
 from relaxspec.decoding import MethodOptions, decode
 from relaxspec.decoding.target import GuidedTarget, guided_step
 from relaxspec.decoding.verify import walk_tree
-from relaxspec.drafting.sources import StaticTree, drafter_step, tree_attention_mask
+from relaxspec.drafting.eagle_source import drafter_step
+from relaxspec.drafting.static_tree import StaticTree
+from relaxspec.drafting.tree_tables import tree_attention_mask
 from relaxspec.drafting.trees import TreeSpec
 from relaxspec.sampling import SamplingConfig
 from test_engine import SMALL_TREE, fake_vq, markov_pair

@@ -9,7 +9,6 @@ its mean, and the TV certificate is reported under names that say what it is.
 
 from __future__ import annotations
 
-import itertools
 
 import pytest
 import torch

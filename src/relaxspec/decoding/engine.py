@@ -1,7 +1,7 @@
 """The speculative decoding loop: draft -> one target forward over the tree -> accept -> commit.
 
 It composes three independent pieces and knows none of their internals:
-a draft source (:mod:`relaxspec.drafting.sources`), an acceptance rule
+a draft source (:class:`relaxspec.drafting.base.DraftSource`), an acceptance rule
 (:mod:`relaxspec.acceptance`) and the tree walk (:func:`relaxspec.decoding.verify.verify_tree`).
 Each row of the batch accepts its own length: row ``b`` has committed ``n[b]`` tokens, its root
 (the last committed token, not yet in the target's cache) sits at slot ``C + n[b] - 1``, and its
@@ -23,7 +23,11 @@ from relaxspec.decoding.result import DecodeResult, add_counts
 from relaxspec.decoding.target import GuidedTarget
 from relaxspec.compiling import compiled
 from relaxspec.decoding.verify import verify_tree, walk_tree
-from relaxspec.drafting.sources import DynamicTree, EagleSource, JacobiSource, StaticTree, tree_attention_mask
+from relaxspec.drafting.dynamic_tree import DynamicTree
+from relaxspec.drafting.eagle_source import EagleSource
+from relaxspec.drafting.jacobi import JacobiSource
+from relaxspec.drafting.static_tree import StaticTree
+from relaxspec.drafting.tree_tables import tree_attention_mask
 from relaxspec.drafting.trees import TreeSpec, load_tree
 from relaxspec.errors import RelaxspecError
 from relaxspec.sampling import SamplingConfig, sample_from

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from relaxspec.acceptance.base import AcceptanceRule
-from relaxspec.drafting.sources import children_table
+from relaxspec.drafting.tree_tables import children_table
 from relaxspec.sampling import exponential_clocks, sample_from
 
 __all__ = ["VerifyResult", "children_table", "verify_tree", "walk_tree"]
@@ -123,7 +123,7 @@ def verify_tree(
             greedy mode the record of a committed token is 1 where it differs from its node
             target's argmax (a departure from greedy AR) and 0 elsewhere.
         children, level_widths, point_mass: the tree's static structure, when the caller knows
-            it (:class:`relaxspec.drafting.sources.DraftTree` carries it): ``children [B or 1,
+            it (:class:`relaxspec.drafting.base.DraftTree` carries it): ``children [B or 1,
             T, C]`` node ids of each node's children in sibling order (-1 padded; invalid ones
             are skipped), ``level_widths[d]`` the most children of any node at depth ``d`` (its
             length is the number of levels that hold drafts), ``point_mass`` whether every

@@ -1,0 +1,113 @@
+"""The drafting seam: what the engine and the drafting structures know of a draft source.
+
+A speculative step asks its :class:`DraftSource` for a :class:`DraftTree` (node 0 = the root, the
+last committed token), verifies it with one target forward, and tells the source the outcome.
+The engine knows nothing else about a source. Implementations: :class:`~relaxspec.drafting.
+eagle_source.EagleSource` (an EAGLE drafter laid out by a :class:`DraftStructure`: the fixed
+shapes of :mod:`~relaxspec.drafting.static_tree`, chains included, or EAGLE-2's
+:mod:`~relaxspec.drafting.dynamic_tree`) and :class:`~relaxspec.drafting.jacobi.JacobiSource`
+(no drafter: SJD / SCD). Tree tables (ancestors, children, masks) live in
+:mod:`relaxspec.drafting.tree_tables`, shared with verification.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+
+
+@dataclass
+class DraftTree:
+    """One step's drafts for a batch; all ``[B, T]`` unless noted.
+
+    ``tokens`` (node 0 = root), ``parents`` (-1 for the root, parent < child), ``depth`` (root 0),
+    ``proposals [B, T, V]`` the law each token was drawn from, ``valid`` (False = never test),
+    ``ancestors [B, T, T]`` node i may attend to node j (self included).
+    """
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    depth: torch.Tensor
+    proposals: torch.Tensor
+    valid: torch.Tensor
+    ancestors: torch.Tensor
+    #: Static structure (optional; a source that knows it lets the walk run without host syncs):
+    #: ``children [B or 1, T, C]`` each node's children in sibling order (-1 padded),
+    #: ``level_widths[d]`` the most children of a node at depth ``d`` (one entry per level that
+    #: holds drafts), ``point_mass`` whether every proposal is one-hot.
+    children: torch.Tensor | None = None
+    level_widths: tuple[int, ...] | None = None
+    point_mass: bool | None = None
+
+    @property
+    def num_nodes(self) -> int:
+        return self.tokens.shape[1]
+
+
+@runtime_checkable
+class DraftSource(Protocol):
+    """A source of draft trees. Shapes: ``B`` images, ``S`` CFG streams (rows ``[S*B, ...]``),
+    ``V`` the vocabulary, ``d`` the target's width, ``T`` nodes of a tree.
+
+    ``max_nodes`` (the most nodes a tree has, root included) and ``max_depth`` size the engine's
+    buffers; ``forwards`` counts the source's own model calls in the current decode. A source may
+    keep a :class:`relaxspec.timing.Stopwatch` as ``watch`` around its model calls; the engine
+    then reports that time as ``drafter_forward_seconds``.
+    """
+
+    max_nodes: int
+    max_depth: int
+    forwards: int
+
+    def start(self, first_tokens: torch.Tensor, first_probs: torch.Tensor, first_hidden: torch.Tensor,
+              streams: int, num_tokens: int, generator: torch.Generator | None, greedy: bool) -> None:
+        """Once, after the target's prefill: image token 0 ``first_tokens [B]``, the law it was
+        drawn from ``first_probs [B, V]``, the hidden state that predicted it ``first_hidden
+        [S*B, 1, d]``; ``num_tokens`` image tokens will be decoded."""
+
+    def propose(self, roots: torch.Tensor, root_index: torch.Tensor, generator: torch.Generator | None,
+                greedy: bool) -> DraftTree:
+        """The drafts after the last committed tokens ``roots [B]`` (image index ``root_index
+        [B]``)."""
+
+    def update(self, committed: torch.Tensor, path: torch.Tensor, count: torch.Tensor, root_index: torch.Tensor,
+               target_probs: torch.Tensor, target_hidden: torch.Tensor, generator: torch.Generator | None = None) -> None:
+        """After verification: ``committed [B, W]`` tokens (``count [B]`` of them real) along tree
+        nodes ``path [B, W]``; the target's laws ``target_probs [B, T, V]`` and hidden states
+        ``target_hidden [S*B, T, d]`` at every node."""
+
+    def close(self) -> None:
+        """The decode is over (caches may be kept for the next one of the same shape)."""
+
+
+@runtime_checkable
+class FeatureDrafter(Protocol):
+    """What a :class:`DraftStructure` needs from a feature-level drafter (EAGLE): the root's
+    draft law ``root_q [B, V]`` and predicted feature ``root_feature [S*B, d]``, the drafter
+    cache's length, the per-stream row expansion ``rows(x [B, ...]) -> [S*B, ...]`` and one
+    forward ``expand(features [S*B, M, d], tokens [B, M], positions [B, M], slots [B, M],
+    mask [B, M, cache_length] or None) -> (features [S*B, M, d], q [B, M, V])``."""
+
+    root_q: torch.Tensor
+    root_feature: torch.Tensor
+    cache_length: int
+
+    def rows(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def expand(self, features: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+               mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+@runtime_checkable
+class DraftStructure(Protocol):
+    """How a feature drafter's guesses are laid out as a tree: at most ``max_nodes`` nodes,
+    ``depth`` levels, ``drafter_slots`` drafter-cache slots per step."""
+
+    max_nodes: int
+    depth: int
+    drafter_slots: int
+
+    def draft(self, source: FeatureDrafter, roots: torch.Tensor, root_index: torch.Tensor,
+              generator: torch.Generator | None, greedy: bool) -> DraftTree: ...

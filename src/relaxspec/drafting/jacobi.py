@@ -1,0 +1,94 @@
+"""The drafter-free Jacobi window: SJD (arXiv 2410.01699) and its coupled variant (SCD-style,
+arXiv 2510.24211)."""
+
+from __future__ import annotations
+
+import torch
+
+from relaxspec.acceptance.base import one_hot
+from relaxspec.drafting.base import DraftTree
+from relaxspec.drafting.static_tree import StaticTree
+from relaxspec.drafting.trees import TreeSpec
+from relaxspec.sampling import sample_from
+
+
+class JacobiSource:
+    """Speculative Jacobi decoding (arXiv 2410.01699): the draft is a window of ``window``
+    future tokens, each drawn from the distribution the target gave for it in the previous
+    iteration (uniform for fresh positions); verification is exact against those laws.
+
+    ``coupled=True`` (SCD-style, arXiv 2510.24211): a redraw keeps the previous draft at its
+    position with probability ``min(1, p_new/p_old)`` and otherwise samples
+    ``norm(max(p_new - p_old, 0))`` — a maximal coupling, so the redraw still has law ``p_new``
+    (exactness is untouched) while unchanged drafts survive.
+    """
+
+    def __init__(self, window: int = 16, coupled: bool = False):
+        self.window, self.coupled = window, coupled
+        self.max_nodes, self.max_depth = window + 1, window
+        self.depth = window
+        self.forwards = 0
+        self._chain = StaticTree(TreeSpec.chain(window), "topk")
+
+    def start(self, first_tokens, first_probs, first_hidden, streams: int, num_tokens: int, generator,
+              greedy: bool) -> None:
+        """Called once after the target's prefill; the first window is uniform random."""
+        self.greedy = greedy
+        batch, self.vocab = first_tokens.shape[0], first_probs.shape[-1]
+        uniform = torch.full((batch, self.window, self.vocab), 1.0 / self.vocab, device=first_tokens.device)
+        self.drafts = self._draw(uniform, generator)
+        self.laws = self._as_proposal(uniform, self.drafts)
+
+    def _draw(self, laws: torch.Tensor, generator) -> torch.Tensor:
+        return sample_from(laws, generator, greedy=self.greedy)
+
+    def _as_proposal(self, laws: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
+        # Greedy drafts are point masses: the proposal is the one-hot of the draft.
+        if not self.greedy:
+            return laws
+        return one_hot(drafts.reshape(-1), self.vocab, laws.dtype).view_as(laws)
+
+    def close(self) -> None:
+        pass
+
+    def propose(self, roots, root_index, generator, greedy: bool) -> DraftTree:
+        batch, device = roots.shape[0], roots.device
+        tokens = torch.cat([roots[:, None], self.drafts], dim=1)
+        # The root is never tested; a one-hot row keeps it a distribution.
+        proposals = torch.cat([one_hot(roots, self.vocab, self.laws.dtype)[:, None], self.laws], dim=1)
+        n = self.window + 1
+        tab = self._chain.tables(device)
+        return DraftTree(tokens, tab["parents"].expand(batch, n), tab["depths"].expand(batch, n), proposals,
+                         torch.ones(batch, n, dtype=torch.bool, device=device), tab["ancestors"].expand(batch, n, n),
+                         children=tab["children"], level_widths=tab["level_widths"], point_mass=self.greedy)
+
+    def update(self, committed, path, count, root_index, target_probs, target_hidden, generator=None) -> None:
+        """New window after committing ``count = a + 1`` tokens: position ``j`` of the new window
+        was predicted by chain node ``a + j`` (conditioned on the old, possibly rejected
+        drafts); positions past the old window start uniform."""
+        batch, L = self.drafts.shape
+        device = self.drafts.device
+        a = count - 1
+        src = a[:, None] + 1 + torch.arange(L, device=device)  # chain node whose output predicts it
+        have = src <= L
+        new_laws = target_probs.gather(1, src.clamp(max=L)[:, :, None].expand(-1, -1, target_probs.shape[-1]))
+        uniform = torch.full_like(new_laws, 1.0 / self.vocab)
+        new_laws = torch.where(have[:, :, None], new_laws, uniform)
+        fresh = self._draw(new_laws, generator)
+        if self.coupled and not self.greedy:
+            # The old draft at the same image position sits at window index a + 1 + j.
+            old_idx = src + 1  # window index (1-based chain node) of the old draft at that position
+            old_have = old_idx <= L
+            old_tok = self.drafts.gather(1, (old_idx - 1).clamp(max=L - 1))
+            old_law = self.laws.gather(1, (old_idx - 1).clamp(max=L - 1)[:, :, None].expand(-1, -1, self.vocab))
+            p_new = new_laws.gather(2, old_tok[:, :, None]).squeeze(2)
+            p_old = old_law.gather(2, old_tok[:, :, None]).squeeze(2).clamp(min=1e-30)
+            keep = torch.rand(p_new.shape, generator=generator, device=device) < (p_new / p_old).clamp(max=1.0)
+            residual = (new_laws - old_law).clamp(min=0)
+            mass = residual.sum(-1, keepdim=True)
+            residual = torch.where(mass > 0, residual / mass.clamp(min=1e-30), new_laws)
+            redraw = sample_from(residual, generator)
+            coupled = torch.where(keep, old_tok, redraw)
+            fresh = torch.where(old_have & have, coupled, fresh)
+        self.drafts = fresh
+        self.laws = self._as_proposal(new_laws, fresh)

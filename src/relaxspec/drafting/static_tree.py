@@ -1,0 +1,90 @@
+"""Fixed tree shapes for an EAGLE drafter (chains are the one-path case): siblings sampled from
+the drafter's law without replacement, or its top-k (LANTERN++, arXiv 2502.06352)."""
+
+from __future__ import annotations
+
+import torch
+
+from relaxspec.drafting.base import DraftTree, FeatureDrafter
+from relaxspec.drafting.siblings import sample_siblings, topk_siblings
+from relaxspec.drafting.tree_tables import ancestor_matrix, static_children, tree_attention_mask
+from relaxspec.drafting.trees import TreeSpec
+
+
+class StaticTree:
+    """A fixed tree shape (:class:`TreeSpec`); siblings "sampled" from ``q`` without replacement
+    or deterministic "topk". A chain is ``TreeSpec.chain(L)``. Every table the step needs
+    (parents, depths, ancestors, children, per-level slots and ranks) is built once per device."""
+
+    def __init__(self, spec: TreeSpec, siblings: str = "sampled"):
+        self.spec, self.siblings = spec, siblings
+        self.max_nodes, self.depth = spec.num_nodes, spec.depth
+        self.drafter_slots = spec.num_nodes
+        self._tables: dict[torch.device, dict] = {}
+
+    def tables(self, device: torch.device) -> dict:
+        """The shape's index tables on ``device`` (copied there once)."""
+        if device not in self._tables:
+            spec = self.spec
+            children, widths = static_children(spec)
+            levels = []
+            # Per level: its nodes, the parents that have children there, each child's (parent
+            # slot, rank), the width of the sibling draw and the nodes whose q the drafter computes.
+            for d in range(1, spec.depth + 1):
+                nodes = spec.level(d)
+                parents = spec.parents[nodes]
+                parent_list = torch.unique(parents)
+                slot = torch.searchsorted(parent_list, parents)
+                expand = nodes[spec.num_children[nodes] > 0]
+                levels.append(dict(nodes=nodes, node_parents=parents, parent_list=parent_list, slot=slot,
+                                   ranks=spec.ranks[nodes], width=int(spec.num_children[parent_list].max()),
+                                   expand=expand, expand_parents=spec.parents[expand]))
+            host = dict(parents=spec.parents[None], depths=spec.depths[None],
+                        ancestors=ancestor_matrix(spec.parents[None], spec.depth), children=children)
+            moved = {k: v.to(device) for k, v in host.items()}
+            moved["levels"] = [{k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in lv.items()}
+                               for lv in levels]
+            moved["level_widths"] = widths
+            self._tables[device] = moved
+        return self._tables[device]
+
+    def draft(self, source: FeatureDrafter, roots, root_index, generator, greedy: bool) -> DraftTree:
+        spec, batch = self.spec, roots.shape[0]
+        device = roots.device
+        tab = self.tables(device)
+        vocab = source.root_q.shape[-1]
+        nodes_n = spec.num_nodes
+        tokens = torch.zeros(batch, nodes_n, dtype=torch.long, device=device)
+        tokens[:, 0] = roots
+        proposals = torch.zeros(batch, nodes_n, vocab, device=device)
+        valid = torch.ones(batch, nodes_n, dtype=torch.bool, device=device)
+        q_at = torch.zeros(batch, nodes_n, vocab, device=device)
+        q_at[:, 0] = source.root_q
+        feats = source.root_feature.new_zeros(source.root_feature.shape[0], nodes_n, source.root_feature.shape[-1])
+        feats[:, 0] = source.root_feature
+        ancestors = tab["ancestors"].expand(batch, nodes_n, nodes_n)
+        depths = tab["depths"][0]
+        base = root_index  # drafter slot of node i is root_index + i
+        point_mass = greedy or self.siblings == "topk"
+        for level in tab["levels"]:
+            nodes, width, expand = level["nodes"], level["width"], level["expand"]
+            q_parents = q_at[:, level["parent_list"]].reshape(-1, vocab)  # [B*P, V]
+            if point_mass:
+                sib_tok, sib_prop, sib_valid = topk_siblings(q_parents, width)
+            else:
+                sib_tok, sib_prop, sib_valid = sample_siblings(q_parents, width, generator)
+            P = level["parent_list"].shape[0]
+            pick = (level["slot"], level["ranks"])
+            tokens[:, nodes] = sib_tok.view(batch, P, width)[:, pick[0], pick[1]]
+            proposals[:, nodes] = sib_prop.view(batch, P, width, vocab)[:, pick[0], pick[1]]
+            valid[:, nodes] = sib_valid.view(batch, P, width)[:, pick[0], pick[1]] & valid[:, level["node_parents"]]
+            if expand.shape[0]:
+                queries = expand.expand(batch, -1)
+                mask = tree_attention_mask(base, ancestors, source.cache_length, queries)
+                out, q = source.expand(feats[:, level["expand_parents"]], tokens[:, expand],
+                                       root_index[:, None] + depths[expand], base[:, None] + expand, mask)
+                feats[:, expand] = out
+                q_at[:, expand] = q
+        return DraftTree(tokens, tab["parents"].expand(batch, -1), tab["depths"].expand(batch, -1), proposals,
+                         valid, ancestors, children=tab["children"], level_widths=tab["level_widths"],
+                         point_mass=point_mass)
