@@ -415,6 +415,13 @@ def test_bench_command_usage_errors():
         run_cli(["bench", "--threads", "two", "--out", "X"])
 
 
+def test_eval_refuses_upscaled_images(models, tmp_path):
+    generate = [*models["args"], "--classes", "1", "--upscale", "2", "--out", str(tmp_path / "eval")]
+    with pytest.raises(RelaxspecError, match="--upscale has no place in relaxspec eval"):
+        run_cli(["eval", "--", *generate])
+    assert not (tmp_path / "eval").exists()
+
+
 def test_eval_generates_sharded_and_resumable(models, tmp_path, monkeypatch, capsys):
     out = tmp_path / "eval"
     generate = [*models["args"], "--classes", "1,2", "--threads", "1", "--no-progress", "--out", str(out)]

@@ -175,6 +175,8 @@ def test_upscale(tiny_ckpts, tmp_path, capsys):
     assert bigger.shape == (3 * pixels.shape[0], 3 * pixels.shape[1], 3)
     assert np.array_equal(bigger[1::3, 2::3], pixels)
     assert Image.open(big / "grid.png").size[0] > 2 * Image.open(small / "grid.png").size[0]
+    settings = [json.loads((folder / "stats.json").read_text())["settings"] for folder in (small, big)]
+    assert "upscale" not in settings[0] and settings[1]["upscale"] == 3  # runs from before the flag resume
     assert_one_line_error(*run(generate_args(tiny_ckpts["c2i"], tmp_path / "x", "--upscale", "0"), capsys),
                           "--upscale must be >= 1")
 

@@ -345,3 +345,8 @@ def test_bench_eval_and_quality_report_share_one_assembly(trained):
         assert row[name] == [value, lo, hi] and value == report[name]
         assert 0.0 <= lo <= hi <= 1.0
     assert sum(n for _, n in report["class_accuracy_by_class"].values()) == len(fake)
+    # the point values, against the metrics computed on their own
+    real_f, fake_f = model.features(real).double(), model.features(fake).double()
+    assert (report["precision"], report["recall"]) == pytest.approx(precision_recall(real_f, fake_f, k=3))
+    assert report["fid_like"][0] == pytest.approx(frechet_distance(real_f, fake_f))
+    assert report["class_accuracy"][0] == pytest.approx(class_accuracy(model, fake, fake_labels))

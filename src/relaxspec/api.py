@@ -39,7 +39,7 @@ def _embedded(device: str, precision: str):
 
 def generate(classes: str | Sequence[int | str] | None = None, method: str | MethodOptions | None = None, *,
              model: tuple | None = None, sampling: SamplingConfig | dict | None = None, seed: int = 0,
-             device: str | torch.device = "cpu", precision: str = "fp32", upscale: int = 1,
+             device: str | torch.device | None = None, precision: str | None = None, upscale: int = 1,
              progress: bool = False, **method_fields) -> Generation:
     """Generate one image per class.
 
@@ -49,7 +49,8 @@ def generate(classes: str | Sequence[int | str] | None = None, method: str | Met
     :class:`MethodOptions`; ``method_fields`` set its fields (``delta=0.2``, ``compile=True``).
     With no model and no method, the embedded model's documented default method (its
     ``defaults.json``). ``model``: ``(target, vq, drafter)`` (``drafter`` may be ``None`` for
-    drafter-free methods); default: the embedded model, loaded once per device. ``sampling``: a
+    drafter-free methods); default: the embedded model, loaded once per ``device`` (default cpu) and ``precision``
+    (default fp32), which only apply to it. ``sampling``: a
     :class:`SamplingConfig` or a dict of its fields over the model's defaults. ``upscale``: enlarge
     each image that many times (nearest neighbour).
     """
@@ -63,9 +64,12 @@ def generate(classes: str | Sequence[int | str] | None = None, method: str | Met
     if model is None:
         from relaxspec import embedded
 
-        target, vq, drafter = _embedded(str(resolve_device(str(device))), precision)
+        target, vq, drafter = _embedded(str(resolve_device(str(device or "cpu"))), precision or "fp32")
         defaults = embedded.defaults()
     else:
+        if device is not None or precision is not None:
+            raise RelaxspecError("device and precision apply to the embedded model; load your own model on the "
+                                 "device and in the precision you want")
         if not isinstance(model, (tuple, list)) or len(model) != 3:
             raise RelaxspecError("model must be (target, vq, drafter); drafter may be None")
         target, vq, drafter = model

@@ -188,6 +188,9 @@ def run_bench_cli(args: argparse.Namespace) -> int:
             from relaxspec.checkpoints import load_vq
 
             vq = load_vq(args.vq_ckpt, args.vq_model, device=device_option(args.device))
+            from relaxspec.bench.report import load_real_images
+
+            load_real_images(args.real_data)  # checked before any image is decoded
         return _report(write_report, args.out, vq, classifier, args, progress)
 
     from relaxspec.checkpoints import load_gpt, load_vq

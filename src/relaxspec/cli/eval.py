@@ -244,6 +244,8 @@ def run_eval(args: argparse.Namespace) -> int:
     if (args.classifier is None) != (args.real_data is None):
         raise RelaxspecError("offline scores need both --classifier and --real-data")
     gen = parse_generate_args(args.generate_args)
+    if gen.upscale != 1:
+        raise RelaxspecError("--upscale has no place in relaxspec eval: the scores must see the images as generated")
     out = Path(gen.out)
     progress = not gen.no_progress
     rank, world, local = distributed()

@@ -208,11 +208,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
         "sampling": sampling.to_dict(), "method": options.to_dict(),
         "drafter_ckpt": None if args.drafter_ckpt is None else str(Path(args.drafter_ckpt).resolve()),
         "seed": args.seed, "seeding": "batch b: torch.Generator().manual_seed(seed * 1000003 + b)",
-        "batch_size": args.batch_size, "upscale": args.upscale, "precision": args.precision, "device": str(device),
+        "batch_size": args.batch_size, "precision": args.precision, "device": str(device),
         "files": {key: file_identity(path) for key, path in (
             ("gpt_ckpt", args.gpt_ckpt), ("vq_ckpt", args.vq_ckpt), ("drafter_ckpt", args.drafter_ckpt),
             ("caption_features", args.caption_features), ("caption_mask", args.caption_mask)) if path},
     }
+    if args.upscale != 1:  # recorded only when used, so runs from before the flag still resume
+        settings["upscale"] = args.upscale
     settings_hash = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
     num_images, num_tokens = conditions.shape[0], model.config.block_size
     out.mkdir(parents=True, exist_ok=True)

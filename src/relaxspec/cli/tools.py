@@ -194,7 +194,7 @@ def _info_embedded(args: argparse.Namespace) -> int:
         print(f"== {part}")
         _print_info(info)
     defaults = embedded.defaults()
-    print("== defaults (relaxspec generate / bench with no checkpoint options)")
+    print("== defaults (relaxspec generate with no checkpoint options; bench uses the sampling)")
     for key in ("sampling", "method"):
         if key in defaults:
             print(f"{key + ':':11s} " + ", ".join(f"{k}={v}" for k, v in defaults[key].items()))

@@ -352,7 +352,8 @@ def quality_report(classifier, real_images, fake_images, fake_labels=None, *, k:
                    alpha: float = 0.05, seed: int = 0, batch_size: int = 512) -> dict:
     """The offline quality table for generated images, on ``classifier``'s features and logits:
     :meth:`QualityReference.measure`'s report (``relaxspec bench`` and ``relaxspec eval`` use the
-    same). Compare FID-like values only at equal ``n_fake``."""
+    same). Compare FID-like values only at equal ``n_fake``. The precision / recall intervals cost
+    ``n_boot`` k-NN passes over the generated set; ``n_boot = 0`` skips every interval."""
     reference = QualityReference(classifier, real_images, k=k, batch_size=batch_size)
     return reference.measure(fake_images, fake_labels, n_boot=n_boot, alpha=alpha, seed=seed).report
 

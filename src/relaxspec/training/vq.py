@@ -21,7 +21,7 @@ the target's tokens are made with. Randomness is a pure function of ``(seed, ste
 resumed from ``out/train_state.pt`` continues bit for bit. Reported on the val split (unseen
 emoji): PSNR of the uint8 reconstructions, and codebook usage (share of codes used, perplexity).
 
-One command: ``relaxspec train-vq --data data/emoji --out out/vq`` (see :func:`add_train_vq_parser`).
+One command: ``relaxspec train-vq --data data/emoji --out out/vq`` (options: :mod:`relaxspec.cli.train`).
 """
 
 from __future__ import annotations
