@@ -49,6 +49,7 @@ def test_upscale_ids_options_and_sampling(tmp_path):
     (dict(classes="heart", method="sd", model="embedded"), "model must be"),
     (dict(classes="heart", method=MethodOptions("lantern"), delta=0.1), "not both"),
     (dict(classes="heart", method="lantern", delta=-1.0), "delta"),
+    (dict(classes="heart", method="ar", tree="eagle25"), "--tree is not used by --method ar"),
     (dict(classes="heart", model=(None, None, None), device="cpu"), "apply to the embedded model"),
 ])
 def test_bad_inputs_are_one_clear_error(kwargs, message):

@@ -381,6 +381,7 @@ def test_bench_command(models, tmp_path, capsys):
     (["MODELS", "--classifier", "C", "--out", "X"], "both --classifier and --real-data"),
     (["MODELS", "--methods", "ar", "--sweep", "lantern:delta=2", "--out", "X"], "additive TV budget"),
     (["MODELS", "--methods", "ar"], "--out DIR is required"),
+    (["MODELS", "--methods", "ar", "--sweep", "sjd:tree=eagle25", "--out", "X"], "--tree is not used by --method sjd"),
 ])
 def test_bench_command_errors(models, tmp_path, extra, message):
     argv = ["bench"]

@@ -100,9 +100,11 @@ def _options(method: str | MethodOptions | None, fields: dict, defaults: dict) -
         if fields:
             raise RelaxspecError("give method fields either in the MethodOptions or as keywords, not both")
         return method
-    if method is None and "method" in defaults:
-        return MethodOptions(**{**defaults["method"], **fields})
-    return MethodOptions(method or "ar", **fields)
+    given = {**defaults["method"], **fields} if method is None and "method" in defaults else \
+        {"method": method or "ar", **fields}
+    options = MethodOptions(**given)
+    options.check_given(given)
+    return options
 
 
 def _class_ids(classes, target, defaults: dict) -> list[int]:

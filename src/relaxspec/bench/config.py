@@ -77,7 +77,9 @@ class MethodSpec:
         self.family = self.family or self.label
 
     def method_options(self) -> MethodOptions:
-        return MethodOptions(**self.options)
+        options = MethodOptions(**self.options)
+        options.check_given(self.options)
+        return options
 
     def sampling_config(self, base: SamplingConfig) -> SamplingConfig:
         return dataclasses.replace(base, **self.sampling) if self.sampling else base

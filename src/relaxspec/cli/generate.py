@@ -297,7 +297,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def method_options(args: argparse.Namespace) -> MethodOptions:
     """``--method`` and the method flags the user set -> validated :class:`MethodOptions`."""
     given = {field: getattr(args, flag) for flag, field in METHOD_FLAGS.items() if getattr(args, flag) is not None}
-    return MethodOptions(method=args.method, **given)
+    options = MethodOptions(method=args.method, **given)
+    options.check_given(given)
+    return options
 
 
 def load_conditions(args: argparse.Namespace, model: Transformer) -> tuple[torch.Tensor, torch.Tensor | None, dict]:

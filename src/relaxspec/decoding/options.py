@@ -12,6 +12,11 @@ METHODS = ("ar", "sd", "lantern", "cool", "sjd", "scd")
 ALIASES = {"lantern++": dict(method="lantern", draft="static"), "eagle2": dict(method="sd", draft="dynamic")}
 DRAFTS = ("chain", "static", "dynamic")
 DRAFTER_METHODS = ("sd", "lantern", "cool")
+#: Command-line spelling of fields whose flag is not ``--field-name``.
+FLAGS = {"record_tv": "--no-tv-record"}
+#: The fields each draft structure reads; a JSON tree file given as ``draft`` reads ``siblings``.
+STRUCTURE_FIELDS = {"chain": ("depth", "siblings"), "static": ("tree", "siblings"),
+                    "dynamic": ("depth", "dynamic_top_k", "total_tokens")}
 
 
 @dataclass
@@ -79,8 +84,9 @@ class MethodOptions:
         for name in ("depth", "dynamic_top_k", "total_tokens", "window"):
             if int(getattr(self, name)) < 1:
                 raise RelaxspecError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.k is not None and self.k < 0:
-            raise RelaxspecError(f"k (neighbours) must be >= 0, got {self.k}")
+        if self.k is not None and self.k < 1:
+            raise RelaxspecError(f"k (latent neighbours) must be >= 1, got {self.k} (k = 0 relaxes nothing: "
+                                 "use --method sd for exact decoding)")
         if self.method == "lantern":
             if self.delta is not None and self.lam is not None:
                 raise RelaxspecError("give LANTERN either --delta (additive budget) or --lam (multiplicative, LANTERN++), not both")
@@ -107,6 +113,33 @@ class MethodOptions:
             raise RelaxspecError(f"COOL-SD delta must be > 0, got {self.cool_delta}")
         if self.normalisation not in ("mean", "none"):
             raise RelaxspecError(f"normalisation must be 'mean' or 'none', got {self.normalisation!r}")
+
+    def used_fields(self) -> frozenset[str]:
+        """The fields this method (with its draft structure) actually reads."""
+        used = {"method", "compile"}
+        if self.method in ("sjd", "scd"):
+            return frozenset(used | {"window"})
+        if self.method == "ar":
+            return frozenset(used)
+        used |= {"draft", *STRUCTURE_FIELDS.get(self.draft, ("siblings",))}
+        if self.method == "lantern":
+            used |= {"k", "residual", "geometry", "anneal", "record_tv", "delta" if self.delta is not None else "lam"}
+            if self.anneal:
+                used |= {"nu", "normalisation"}
+        elif self.method == "cool":
+            used |= {"cool_delta", "nu", "normalisation", "record_tv"}
+        return frozenset(used)
+
+    def check_given(self, given) -> None:
+        """Refuse a setting this method would silently ignore: ``given`` names the fields the
+        user set (``--tree`` without ``--draft static``, ``--lam`` with ``ar``, ...)."""
+        unused = sorted(set(given) - self.used_fields())
+        if unused:
+            where = f"--method {self.method}" + ("" if self.method in ("ar", "sjd", "scd") else f" --draft {self.draft}")
+            users = [d for d, fields in STRUCTURE_FIELDS.items() if unused[0] in fields]
+            hint = f" (it belongs to --draft {' / '.join(users)})" if users and self.method in DRAFTER_METHODS else ""
+            flag = FLAGS.get(unused[0], "--" + unused[0].replace("_", "-"))
+            raise RelaxspecError(f"{flag} is not used by {where}{hint}")
 
     @property
     def needs_drafter(self) -> bool:
