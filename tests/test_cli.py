@@ -154,6 +154,18 @@ def test_info(tiny_ckpts, capsys):
     assert info["kind"] == "vq" and info["layout"] == "model" and info["parameters"] > 0
 
 
+def test_only_the_settings_a_method_reads_are_printed_and_recorded(tiny_ckpts, tmp_path, capsys):
+    code, _, err = run(generate_args(tiny_ckpts["c2i"], tmp_path / "ar", "--classes", "1", "--method", "ar"), capsys)
+    assert code == 0, err
+    assert json.loads((tmp_path / "ar" / "stats.json").read_text())["settings"]["method"] == {"method": "ar", "compile": False}
+    assert "relaxspec: ar compile=False" in err
+    code, _, err = run(generate_args(tiny_ckpts["c2i"], tmp_path / "sjd", "--classes", "1", "--method", "sjd",
+                                     "--window", "3"), capsys)
+    assert code == 0, err
+    recorded = json.loads((tmp_path / "sjd" / "stats.json").read_text())["settings"]["method"]
+    assert recorded == {"method": "sjd", "window": 3, "compile": False} and "relaxspec: sjd window=3 compile=False" in err
+
+
 def test_info_embedded(capsys):
     code, out, err = run(["info", "embedded"], capsys)
     assert code == 0, err

@@ -220,6 +220,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     records, tokens = previous_run(out, settings, settings_hash, num_images, num_tokens, args.overwrite)
 
+    print(f"relaxspec: {options.describe()}", file=sys.stderr)  # the settings in use, and only those
     stats = {"relaxspec_version": __version__, "settings_hash": settings_hash, "settings": settings,
              "complete": False, "images": [], "totals": {}}
     load_seconds = time.perf_counter() - wall

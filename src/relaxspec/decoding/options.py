@@ -146,4 +146,11 @@ class MethodOptions:
         return self.method in DRAFTER_METHODS
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """The settings this method reads (:meth:`used_fields`), and only those: what stats.json
+        and bench records say was used."""
+        used = self.used_fields()
+        return {name: value for name, value in asdict(self).items() if name in used}
+
+    def describe(self) -> str:
+        """One line: the method and every setting it reads, e.g. ``lantern draft=static ...``."""
+        return " ".join([self.method] + [f"{k}={v}" for k, v in self.to_dict().items() if k != "method"])
