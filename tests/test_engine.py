@@ -35,7 +35,6 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-import types
 
 import torch
 from scipy import stats
@@ -821,17 +820,16 @@ def test_drafter_cache_matches_fresh_forward(markov, structure, cfg, temperature
 
 
 def test_rank_counts_add_with_padding():
-    from relaxspec.decoding.result import accumulate_rank_counts, add_counts
+    from relaxspec.decoding.result import add_counts, total_rank_counts
 
     a = torch.tensor([[1, 2], [3, 4]])
     b = torch.tensor([[10], [20], [30]])
     assert add_counts(None, a).tolist() == a.tolist()
     assert add_counts(a, a).tolist() == [[2, 4], [6, 8]]
     assert add_counts(a, b).tolist() == add_counts(b, a).tolist() == [[11, 2], [23, 4], [30, 0]]
-    stats: dict = {}
-    for tests in (a, b):
-        accumulate_rank_counts(stats, types.SimpleNamespace(rank_tests=tests, rank_accepts=tests // 2))
-    assert stats["acceptance_counts"] == {"tests": [[11, 2], [23, 4], [30, 0]], "accepts": [[5, 1], [11, 2], [15, 0]]}
+    tables = [{"tests": x.tolist(), "accepts": (x // 2).tolist()} for x in (a, b)]
+    assert total_rank_counts(tables) == {"tests": [[11, 2], [23, 4], [30, 0]], "accepts": [[5, 1], [11, 2], [15, 0]]}
+    assert total_rank_counts([]) == {"tests": [], "accepts": []}
 
 
 def test_every_source_and_structure_declares_the_seam(markov):

@@ -142,3 +142,24 @@ def test_cli_build_tree_fixed_and_auto(tmp_path, tiny_ckpts, capsys) -> None:
     assert len(chosen["paths"]) == best["nodes"]
     assert TreeSpec.from_paths(chosen["paths"])  # loadable as --draft FILE
     assert main(["build-tree", "--stats", str(stats), "--budget", "many", "--out", str(tmp_path / "x.json")]) == 2
+
+
+def test_resumed_generate_keeps_the_finished_batches_acceptance_counts(tmp_path, tiny_ckpts) -> None:
+    """The counts build-tree reads cover every batch of a resumed run once: kept batches keep
+    theirs, a redone batch replaces its own."""
+    from relaxspec.checkpoints import load_gpt, load_vq
+
+    entry = tiny_ckpts["c2i"]
+    vq = load_vq(entry["vq"], entry["vq_json"])
+    target = load_gpt(entry["gpt"], entry["gpt_json"], image_size=16, downsample=vq.config.downsample_factor)
+    drafter_dir = save_model(EagleDrafter.for_target(target), tmp_path / "drafter", kind="drafter")
+    argv = ["generate", *entry["args"], "--drafter-ckpt", str(drafter_dir), "--method", "sd", "--draft", "static",
+            "--tree", "probe3x3", "--classes", "0,1,2,3", "--batch-size", "2", "--no-progress", "--threads", "1"]
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    assert main([*argv, "--out", str(whole)]) == 0
+    assert main([*argv, "--out", str(resumed)]) == 0
+    (resumed / "0003.png").unlink()  # batch 1 is redone, batch 0 is kept
+    assert main([*argv, "--out", str(resumed)]) == 0
+    counts = [json.loads((folder / "stats.json").read_text()) for folder in (whole, resumed)]
+    assert counts[0]["acceptance_counts"]["tests"] and sorted(counts[0]["acceptance_counts_by_batch"]) == ["0", "1"]
+    assert counts[1]["acceptance_counts"] == counts[0]["acceptance_counts"]

@@ -23,7 +23,7 @@ from relaxspec.api import UPSTREAM_SAMPLING
 from relaxspec.cli.options import DEFAULT_CLASSES, device_option, parse_classes, spec_id
 from relaxspec.decoding import MethodOptions, decode
 from relaxspec.decoding.options import ALIASES, DRAFTS, METHODS
-from relaxspec.decoding.result import accumulate_rank_counts, certified_tv, record_tv_sum
+from relaxspec.decoding.result import certified_tv, record_tv_sum, total_rank_counts
 from relaxspec.drafting.eagle import load_drafter
 from relaxspec.errors import RelaxspecError
 from relaxspec.files import load_caption_features, file_identity, write_atomic, write_grid, write_json, write_png
@@ -219,6 +219,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     num_images, num_tokens = conditions.shape[0], model.config.block_size
     out.mkdir(parents=True, exist_ok=True)
     records, tokens = previous_run(out, settings, settings_hash, num_images, num_tokens, args.overwrite)
+    batch_counts = kept_batch_counts(out, records, args.batch_size, num_images)
 
     print(f"relaxspec: {options.describe()}", file=sys.stderr)  # the settings in use, and only those
     stats = {"relaxspec_version": __version__, "settings_hash": settings_hash, "settings": settings,
@@ -242,7 +243,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
             pixels = to_uint8(vq.decode(result.tokens.to(device))).cpu().numpy()
         vq_seconds = time.perf_counter() - began
         mal = result.mean_accepted_length
-        accumulate_rank_counts(stats, result)
+        if result.rank_tests is not None:  # per batch, so a resumed run keeps the finished batches' counts
+            batch_counts[str(batch)] = {"tests": result.rank_tests.tolist(), "accepts": result.rank_accepts.tolist()}
+        if batch_counts:
+            stats["acceptance_counts"] = total_rank_counts(batch_counts.values())
+            stats["acceptance_counts_by_batch"] = batch_counts
         for row, i in enumerate(index):
             name = f"{i:04d}.png"
             write_png(out / name, upscale(pixels[row], args.upscale))
@@ -335,6 +340,26 @@ def condition_record(cond_settings: dict, index: int) -> dict:
     if "classes" in cond_settings:
         return {"class": cond_settings["classes"][index]}
     return {"caption": index}
+
+
+def kept_batch_counts(out: Path, records: dict[int, dict], batch_size: int, num_images: int) -> dict[str, dict]:
+    """The ``[depth, rank]`` acceptance counts of the earlier run's batches that are kept whole
+    (every image of the batch finished), by batch index; a batch that is redone drops its old
+    counts, so nothing is counted twice."""
+    if not records:
+        return {}
+    try:
+        old = json.loads((out / STATS_FILE).read_text()).get("acceptance_counts_by_batch") or {}
+    except (OSError, json.JSONDecodeError, AttributeError):
+        return {}
+    kept = {}
+    for key, table in old.items() if isinstance(old, dict) else ():
+        if not (key.isdigit() and isinstance(table, dict) and {"tests", "accepts"} <= set(table)):
+            continue
+        first = int(key) * batch_size
+        if all(i in records for i in range(first, min(first + batch_size, num_images))):
+            kept[key] = table
+    return kept
 
 
 def previous_run(out: Path, settings: dict, settings_hash: str, num_images: int, num_tokens: int,

@@ -104,12 +104,15 @@ def add_counts(total: torch.Tensor | None, counts: torch.Tensor) -> torch.Tensor
     return grown + torch.nn.functional.pad(counts, (0, cols - counts.shape[1], 0, rows - counts.shape[0]))
 
 
-def accumulate_rank_counts(stats: dict, result) -> None:
-    """Keep running ``[depth, rank]`` test / accept counts in stats.json (``relaxspec build-tree``
-    reads them)."""
-    if result.rank_tests is None:
-        return
-    counts = stats.setdefault("acceptance_counts", {"tests": [], "accepts": []})
-    for key, new in (("tests", result.rank_tests), ("accepts", result.rank_accepts)):
-        old = torch.tensor(counts[key], dtype=torch.long) if counts[key] else None
-        counts[key] = add_counts(old, new.long().cpu()).tolist()
+def total_rank_counts(tables) -> dict:
+    """The sum of ``{"tests": [[...]], "accepts": [[...]]}`` ``[depth, rank]`` count tables (as
+    stats.json keeps them, one per batch) with :func:`add_counts`: what ``relaxspec build-tree``
+    reads."""
+    total: dict = {"tests": [], "accepts": []}
+    for key in total:
+        summed = None
+        for table in tables:
+            if table[key]:
+                summed = add_counts(summed, torch.tensor(table[key], dtype=torch.long))
+        total[key] = [] if summed is None else summed.tolist()
+    return total
