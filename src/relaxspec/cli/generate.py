@@ -218,8 +218,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     settings_hash = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
     num_images, num_tokens = conditions.shape[0], model.config.block_size
     out.mkdir(parents=True, exist_ok=True)
-    records, tokens = previous_run(out, settings, settings_hash, num_images, num_tokens, args.overwrite)
-    batch_counts = kept_batch_counts(out, records, args.batch_size, num_images)
+    records, tokens, old_counts = previous_run(out, settings, settings_hash, num_images, num_tokens, args.overwrite)
+    batch_counts = kept_batch_counts(old_counts, records, args.batch_size, num_images)
 
     print(f"relaxspec: {options.describe()}", file=sys.stderr)  # the settings in use, and only those
     stats = {"relaxspec_version": __version__, "settings_hash": settings_hash, "settings": settings,
@@ -342,16 +342,10 @@ def condition_record(cond_settings: dict, index: int) -> dict:
     return {"caption": index}
 
 
-def kept_batch_counts(out: Path, records: dict[int, dict], batch_size: int, num_images: int) -> dict[str, dict]:
-    """The ``[depth, rank]`` acceptance counts of the earlier run's batches that are kept whole
-    (every image of the batch finished), by batch index; a batch that is redone drops its old
-    counts, so nothing is counted twice."""
-    if not records:
-        return {}
-    try:
-        old = json.loads((out / STATS_FILE).read_text()).get("acceptance_counts_by_batch") or {}
-    except (OSError, json.JSONDecodeError, AttributeError):
-        return {}
+def kept_batch_counts(old: dict, records: dict[int, dict], batch_size: int, num_images: int) -> dict[str, dict]:
+    """Of the earlier run's per-batch ``[depth, rank]`` acceptance counts ``old``, those of the
+    batches kept whole (every image finished), by batch index; a batch that is redone drops its
+    old counts, so nothing is counted twice."""
     kept = {}
     for key, table in old.items() if isinstance(old, dict) else ():
         if not (key.isdigit() and isinstance(table, dict) and {"tests", "accepts"} <= set(table)):
@@ -363,13 +357,14 @@ def kept_batch_counts(out: Path, records: dict[int, dict], batch_size: int, num_
 
 
 def previous_run(out: Path, settings: dict, settings_hash: str, num_images: int, num_tokens: int,
-                 overwrite: bool) -> tuple[dict[int, dict], np.ndarray]:
+                 overwrite: bool) -> tuple[dict[int, dict], np.ndarray, dict]:
     """The images of an earlier run with the same settings that are finished (PNG on disk, tokens
-    saved), and the token array to continue. Tokens of unfinished images are -1."""
+    saved), the token array to continue (tokens of unfinished images are -1) and that run's
+    per-batch acceptance counts."""
     tokens = np.full((num_images, num_tokens), -1, dtype=np.int64)
     stats_path = out / STATS_FILE
     if not stats_path.exists():
-        return {}, tokens
+        return {}, tokens, {}
     try:
         old = json.loads(stats_path.read_text())
         old_hash, old_images = old["settings_hash"], old["images"]
@@ -391,13 +386,13 @@ def previous_run(out: Path, settings: dict, settings_hash: str, num_images: int,
             stale = out / str(record.get("file", ""))
             if stale.parent == out and stale.suffix == ".png" and stale.is_file():
                 stale.unlink()
-        return {}, tokens
+        return {}, tokens, {}
     try:
         saved = np.load(out / TOKENS_FILE, allow_pickle=False)
     except (OSError, ValueError, EOFError):
-        return {}, tokens
+        return {}, tokens, {}
     if saved.shape != tokens.shape:
-        return {}, tokens
+        return {}, tokens, {}
     records = {}
     for record in old_images:
         i = record.get("index")
@@ -405,7 +400,7 @@ def previous_run(out: Path, settings: dict, settings_hash: str, num_images: int,
                 and (saved[i] >= 0).all()):
             records[i] = record
             tokens[i] = saved[i]
-    return records, tokens
+    return records, tokens, old.get("acceptance_counts_by_batch") or {}
 
 
 def upscale(pixels: np.ndarray, factor: int) -> np.ndarray:
