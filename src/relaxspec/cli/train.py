@@ -12,9 +12,9 @@ from pathlib import Path
 
 from relaxspec.checkpoints import PRECISIONS
 from relaxspec.cli.options import Options, add_run_options, config_from_args, int_list
-from relaxspec.data.emoji import INSTALL_COMMAND, PACKAGE, VERSION, build_emoji_dataset
+from relaxspec.data.emoji import INSTALL_COMMAND, PACKAGE, VERSION, build_emoji_dataset, load_data
 from relaxspec.errors import RelaxspecError
-from relaxspec.evaluation.classifier import ClassifierTrainConfig, load_data, save_classifier, train_classifier
+from relaxspec.evaluation.classifier import ClassifierTrainConfig, save_classifier, train_classifier
 from relaxspec.training.drafter import DrafterTrainConfig, train_drafter
 from relaxspec.training.drafter import read_train_state as read_drafter_state
 from relaxspec.training.gpt import GPTTrainConfig, train_gpt

@@ -17,6 +17,10 @@ the 90/10 train/val split is drawn per class *by base emoji*, so an emoji and it
 land in the same split and the validation set measures generalisation to unseen emoji, not to
 recoloured copies of training images. Everything is a pure function of the package and
 ``(size, val_fraction, seed)``: the same inputs give byte-identical files.
+
+Every recipe reads the splits the same way: :func:`load_split` / :func:`load_data` return an
+:class:`ImageSet`, and :func:`augment` (random shifts and mirror flips) is the one augmentation,
+each recipe passing its padding and draw conventions explicitly.
 """
 
 from __future__ import annotations
@@ -30,13 +34,17 @@ import os
 import shutil
 import subprocess
 import zipfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 from tqdm.auto import tqdm
 
 from relaxspec.errors import RelaxspecError
+
+if TYPE_CHECKING:
+    import torch
 
 PACKAGE = "emoji-datasource-google"
 VERSION = "16.0.0"
@@ -274,29 +282,103 @@ their base) go to validation, drawn with seed {meta['seed']}.
 
 
 @dataclass
-class EmojiSplit:
-    """One split: ``images`` uint8 ``[n, H, W, 3]``, ``labels`` int64 ``[n]``, and the emoji's
-    ``names`` / ``bases`` (str ``[n]``)."""
+class ImageSet:
+    """A labelled image set, the one type every recipe reads (tokenizer, target, classifier).
 
-    images: np.ndarray
-    labels: np.ndarray
-    names: np.ndarray
-    bases: np.ndarray
+    ``images`` uint8 ``[n, S, S, 3]``, ``labels`` int64 ``[n]`` (class ids), ``class_names`` (id ->
+    name) when known, and for a ``relaxspec data`` split the emoji's ``names`` / ``bases`` (str
+    ``[n]``). The arrays are NumPy as :func:`load_split` returns them; :meth:`tensors` gives the same
+    set as torch tensors (sharing memory), which is what the training recipes index.
+    """
+
+    images: np.ndarray | torch.Tensor
+    labels: np.ndarray | torch.Tensor
+    class_names: list[str] | None = None
+    names: np.ndarray | None = None
+    bases: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.labels)
 
+    @property
+    def may_flip(self) -> np.ndarray | torch.Tensor:
+        """bool ``[n]``, of the labels' kind: may each image be mirrored? By class name (see
+        :data:`NO_FLIP`); every image when the class names are unknown."""
+        if isinstance(self.labels, np.ndarray):
+            if self.class_names is None:
+                return np.ones(len(self.labels), dtype=bool)
+            return flippable(list(self.class_names))[self.labels]
+        import torch
 
-def load_split(folder: str | Path, split: str) -> EmojiSplit:
-    """``folder/{split}.npz`` as written by :func:`build_emoji_dataset`."""
-    path = Path(folder) / f"{split}.npz"
+        if self.class_names is None:
+            return torch.ones(len(self.labels), dtype=torch.bool)
+        return torch.from_numpy(flippable(list(self.class_names)))[self.labels]
+
+    def tensors(self) -> ImageSet:
+        """The same set with ``images`` and ``labels`` as torch tensors (no copy)."""
+        import torch
+
+        return replace(self, images=torch.as_tensor(self.images), labels=torch.as_tensor(self.labels))
+
+
+def check_image_set(data: ImageSet, source: str = "data") -> ImageSet:
+    """Validate shapes and dtypes (``images`` uint8 ``[n, S, S, 3]``, integer ``labels [n] >= 0``,
+    a name for every class id used); labels become int64, arrays NumPy."""
+    images, labels = np.asarray(data.images), np.asarray(data.labels)
+    if images.dtype != np.uint8 or images.ndim != 4 or images.shape[-1] != 3:
+        raise RelaxspecError(f"{source}: images must be uint8 [n, H, W, 3], got {images.dtype} {images.shape}")
+    if images.shape[1] != images.shape[2]:
+        raise RelaxspecError(f"{source}: images must be square, got {images.shape[1]}x{images.shape[2]}")
+    if labels.ndim != 1 or labels.shape[0] != images.shape[0] or not np.issubdtype(labels.dtype, np.integer):
+        raise RelaxspecError(f"{source}: labels must be integers [n] with n = {images.shape[0]}, got {labels.dtype} {labels.shape}")
+    if len(labels) and labels.min() < 0:
+        raise RelaxspecError(f"{source}: class ids must be >= 0, got {labels.min()}")
+    names = data.class_names
+    if names is not None and len(labels) and labels.max() >= len(names):
+        raise RelaxspecError(f"{source}: {len(names)} class names but labels go up to {labels.max()}")
+    return replace(data, images=images, labels=labels.astype(np.int64))
+
+
+def load_split(source: str | Path, split: str | None = None) -> ImageSet:
+    """One split of a data set: ``source/{split}.npz`` (a folder ``relaxspec data`` wrote), or the
+    ``.npz`` file ``source`` itself when ``split`` is None.
+
+    The file holds ``images`` uint8 ``[n, S, S, 3]`` and ``labels`` int ``[n]``, and optionally
+    ``class_names``, ``names`` and ``bases`` (:func:`build_emoji_dataset` writes the last two).
+    Class names come from the ``classes.json`` beside the file when there is one (see
+    :func:`load_classes`), else from its ``class_names`` array. Validated by
+    :func:`check_image_set`."""
+    from relaxspec.files import load_array  # imports torch: not at module level
+
+    path = Path(source) if split is None else Path(source) / f"{split}.npz"
     if not path.is_file():
-        raise RelaxspecError(f"{path}: no such file; build the data set with `relaxspec data --out {folder}`")
-    try:
-        with np.load(path, allow_pickle=False) as archive:
-            return EmojiSplit(archive["images"], archive["labels"].astype(np.int64), archive["names"], archive["bases"])
-    except (OSError, KeyError, ValueError) as err:
-        raise RelaxspecError(f"{path}: not an emoji data file ({err})") from None
+        raise RelaxspecError(f"{path}: no such file; build the data set with `relaxspec data --out {path.parent}`")
+    archive = load_array(str(path))
+    if not isinstance(archive, dict):
+        raise RelaxspecError(f"{path}: expected an .npz with arrays 'images' and 'labels', got a single .npy array")
+    missing = [key for key in ("images", "labels") if key not in archive]
+    if missing:
+        raise RelaxspecError(f"{path}: needs arrays 'images' and 'labels' (has {', '.join(archive) or 'none'})")
+    if (path.parent / "classes.json").is_file():
+        class_names = load_classes(path.parent / "classes.json")
+    elif "class_names" in archive:
+        class_names = [str(n) for n in archive["class_names"]]
+    else:
+        class_names = None
+    data = ImageSet(archive["images"], archive["labels"], class_names, archive.get("names"), archive.get("bases"))
+    return check_image_set(data, str(path))
+
+
+def load_data(folder: str | Path) -> tuple[ImageSet, ImageSet]:
+    """The ``train`` and ``val`` splits of ``folder`` (:func:`load_split`), checked to hold images
+    of one size."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise RelaxspecError(f"{folder}: no such data folder (expected train.npz and val.npz in it)")
+    train, val = (load_split(folder, split) for split in SPLITS)
+    if train.images.shape[1:] != val.images.shape[1:]:
+        raise RelaxspecError(f"{folder}: train images are {train.images.shape[1:]} but val images {val.images.shape[1:]}")
+    return train, val
 
 
 def load_classes(path: str | Path | None = None) -> list[str]:
@@ -366,22 +448,46 @@ def flippable(names: list[str]) -> np.ndarray:
     return np.array([name not in NO_FLIP for name in names], dtype=bool)
 
 
-def augment(images, may_flip, generator, max_shift: int = 2):
-    """Random translations by up to ``max_shift`` px (the uncovered border is white, the
-    background of every emoji) and, where ``may_flip``, horizontal flips with probability 1/2.
+#: How :func:`augment` fills the border a shift uncovers: ``"white"`` (the background of every
+#: emoji: 255, or 1.0 for float images in [-1, 1]) or ``"replicate"`` (the edge pixels extend).
+PADDINGS = ("white", "replicate")
 
-    ``images`` uint8 ``[B, H, W, 3]`` (torch), ``may_flip`` bool ``[B]``, ``generator`` a
-    ``torch.Generator``; returns uint8 ``[B, H, W, 3]``. The draws (x shift, y shift, flip, in
-    that order) depend only on the generator, so a seeded generator gives the same batch."""
+
+def augment(images, may_flip, generator, max_shift: int = 2, *, padding: str = "white", shift_order: str = "xy",
+            draw_unused: bool = True):
+    """Random translations by up to ``max_shift`` px and, where ``may_flip``, horizontal flips with
+    probability 1/2: the one augmentation of every recipe.
+
+    ``images`` ``[B, H, W, C]`` (torch; uint8, or float in [-1, 1]), ``may_flip`` bool ``[B]`` (or
+    one bool for the batch), ``generator`` a ``torch.Generator``; returns ``[B, H, W, C]`` of the
+    same dtype. ``padding`` (one of :data:`PADDINGS`) fills the uncovered border.
+
+    The draws depend only on the generator, so a seeded generator gives the same batch: ``B``
+    shifts per axis (the x axis first for ``shift_order="xy"``, the y axis first for ``"yx"``),
+    then ``B`` flip coins. With ``draw_unused`` they are drawn whatever the settings (3 ``B`` draws
+    per call); without it the shifts are not drawn when ``max_shift`` is 0, nor the coins when
+    ``may_flip`` is ``False``. Each recipe passes the convention its seeded runs were made with."""
     import torch
 
+    if padding not in PADDINGS:
+        raise RelaxspecError(f"padding must be one of {', '.join(PADDINGS)}, got {padding!r}")
+    if shift_order not in ("xy", "yx"):
+        raise RelaxspecError(f"shift_order must be 'xy' or 'yx', got {shift_order!r}")
     b, h, w, _ = images.shape
-    dx = torch.randint(0, 2 * max_shift + 1, (b,), generator=generator)
-    dy = torch.randint(0, 2 * max_shift + 1, (b,), generator=generator)
-    flip = (torch.rand(b, generator=generator) < 0.5) & torch.as_tensor(may_flip, dtype=torch.bool)
+    if max_shift or draw_unused:
+        first, second = (torch.randint(0, 2 * max_shift + 1, (b,), generator=generator) for _ in range(2))
+        dx, dy = (first, second) if shift_order == "xy" else (second, first)
+    flip = None
+    if may_flip is not False or draw_unused:
+        flip = (torch.rand(b, generator=generator) < 0.5) & torch.as_tensor(may_flip, dtype=torch.bool)
     if max_shift:
-        padded = torch.nn.functional.pad(images.permute(0, 3, 1, 2), (max_shift,) * 4, value=255).permute(0, 2, 3, 1)
-        rows = (dy[:, None] + torch.arange(h))[:, :, None]
-        cols = (dx[:, None] + torch.arange(w))[:, None, :]
-        images = padded[torch.arange(b)[:, None, None], rows, cols]
+        rows = (dy[:, None] + torch.arange(h) - max_shift)[:, :, None]  # [B, H, 1] in the unpadded image
+        cols = (dx[:, None] + torch.arange(w) - max_shift)[:, None, :]  # [B, 1, W]
+        shifted = images[torch.arange(b)[:, None, None], rows.clamp(0, h - 1), cols.clamp(0, w - 1)]
+        if padding == "white":
+            outside = (rows < 0) | (rows >= h) | (cols < 0) | (cols >= w)  # [B, H, W]
+            shifted.masked_fill_(outside[..., None], 255 if images.dtype == torch.uint8 else 1.0)
+        images = shifted
+    if flip is None:
+        return images
     return torch.where(flip[:, None, None, None], images.flip(2), images)

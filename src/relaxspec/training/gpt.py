@@ -45,13 +45,13 @@ import torch
 import torch.nn.functional as F
 
 from relaxspec.checkpoints import load_gpt, load_strict, load_vq, read_state, save_model
-from relaxspec.data.emoji import augment, load_classes
+from relaxspec.data.emoji import ImageSet, augment, load_classes
 from relaxspec.devices import resolve_device
 from relaxspec.errors import RelaxspecError
 from relaxspec.models.gpt import GPTConfig, Transformer
 from relaxspec.models.vq import VQModel
 from relaxspec.training import common
-from relaxspec.training.vq import ImageSet, load_images, to_pixels
+from relaxspec.training.vq import AUGMENT, load_images, to_pixels
 
 STATE_VERSION = 1
 RECIPE = "gpt"
@@ -165,7 +165,7 @@ def tokenise(vq: VQModel, train: ImageSet, val: ImageSet, config: GPTTrainConfig
     parts, labels = [clean], [train.labels]
     for copy in range(1, config.copies):
         generator = torch.Generator().manual_seed(common.mix(config.seed + 2, copy))
-        images = augment(train.images, train.may_flip & config.flip, generator, config.max_shift)
+        images = augment(train.images, train.may_flip & config.flip, generator, config.max_shift, **AUGMENT)
         parts.append(encode(vq, images))
         labels.append(train.labels)
     return TokenData(TokenSet(torch.cat(parts), torch.cat(labels)), TokenSet(clean, train.labels),
@@ -328,8 +328,8 @@ def train_gpt(config: GPTTrainConfig, *, vq: VQModel | None = None, train: Image
     device = resolve_device(config.device)
     vq = vq if vq is not None else load_vq(config.vq_ckpt, device="cpu")
     vq.eval().requires_grad_(False)
-    train = train if train is not None else load_images(config.data, "train")
-    val = val if val is not None else load_images(config.data, "val")
+    train = (train if train is not None else load_images(config.data, "train")).tensors()
+    val = (val if val is not None else load_images(config.data, "val")).tensors()
     num_classes = num_classes if num_classes is not None else len(load_classes(config.data))
     if len(train) == 0:
         raise RelaxspecError("no training images")

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from relaxspec.checkpoints import load_strict, save_model
-from relaxspec.data.emoji import augment, flippable, load_classes, load_split
+from relaxspec.data.emoji import ImageSet, augment, load_split
 from relaxspec.devices import resolve_device
 from relaxspec.errors import RelaxspecError
 from relaxspec.models.vq import VQConfig, VQModel, to_uint8
@@ -131,23 +131,19 @@ def to_pixels(images: torch.Tensor) -> torch.Tensor:
     return images.permute(0, 3, 1, 2).float().div(127.5).sub(1.0)
 
 
-@dataclass
-class ImageSet:
-    """Images uint8 ``[n, H, W, 3]``, their classes ``[n]`` and whether each may be mirrored ``[n]``."""
-
-    images: torch.Tensor
-    labels: torch.Tensor
-    may_flip: torch.Tensor
-
-    def __len__(self) -> int:
-        return self.images.shape[0]
+#: The augmentation of the tokenizer and the target (:func:`relaxspec.data.emoji.augment`): the
+#: uncovered border is white (every emoji's background), x shifts drawn before y, every draw made.
+AUGMENT = {"padding": "white", "shift_order": "xy", "draw_unused": True}
 
 
 def load_images(folder: str | Path, split: str) -> ImageSet:
-    """A split of the emoji data set (:func:`relaxspec.data.emoji.load_split`) as tensors."""
+    """A split of the emoji data set (:func:`relaxspec.data.emoji.load_split`) as tensors. The
+    recipes mirror images only where their class allows it, so the class names must be known."""
     data = load_split(folder, split)
-    may_flip = flippable(load_classes(folder))[data.labels]
-    return ImageSet(torch.from_numpy(data.images), torch.from_numpy(data.labels), torch.from_numpy(may_flip))
+    if data.class_names is None:
+        raise RelaxspecError(f"{Path(folder) / 'classes.json'}: no such file, and {split}.npz names no classes; "
+                             f"which images may be mirrored depends on them (`relaxspec data --out {folder}` writes it)")
+    return data.tensors()
 
 
 # ------------------------------------------------------------------------------------------
@@ -279,8 +275,8 @@ def train_vq(config: VQTrainConfig, *, train: ImageSet | None = None, val: Image
     if config.threads:
         torch.set_num_threads(config.threads)
     device = resolve_device(config.device)
-    train = train if train is not None else load_images(config.data, "train")
-    val = val if val is not None else load_images(config.data, "val")
+    train = (train if train is not None else load_images(config.data, "train")).tensors()
+    val = (val if val is not None else load_images(config.data, "val")).tensors()
     if len(train) == 0:
         raise RelaxspecError("no training images")
     size = train.images.shape[1]
@@ -324,6 +320,7 @@ def train_vq(config: VQTrainConfig, *, train: ImageSet | None = None, val: Image
     seconds, seen = 0.0, 0
     bar = common.step_bar(first, config.steps, "train-vq", config.progress)
     order, order_epoch = None, -1
+    train_may_flip = train.may_flip & config.flip
     for step in bar:
         epoch, slot = divmod(step, steps_per_epoch)
         if epoch != order_epoch:
@@ -336,8 +333,8 @@ def train_vq(config: VQTrainConfig, *, train: ImageSet | None = None, val: Image
 
         start = time.perf_counter()
         generator = torch.Generator().manual_seed(common.mix(config.seed + 1, step))
-        may_flip = train.may_flip[index] & config.flip
-        pixels = to_pixels(augment(train.images[index], may_flip, generator, config.max_shift)).to(device)
+        pixels = to_pixels(augment(train.images[index], train_may_flip[index], generator, config.max_shift,
+                                   **AUGMENT)).to(device)
         losses = vq_loss(vq, pixels, config)
         optimizer.zero_grad(set_to_none=True)
         losses["loss"].backward()
