@@ -296,7 +296,7 @@ ERRORS = {
                                     "--tree is not used by --method sd --draft chain (it belongs to --draft static)"),
     "lam with ar": (lambda a, f: a + ["--method", "ar", "--lam", "5"], "--lam is not used by --method ar"),
     "window with a drafter method": (lambda a, f: a + ["--method", "lantern", "--window", "8"],
-                                     "--window is not used by --method lantern --draft chain"),
+                                     "--window is not used by --method lantern --draft dynamic"),
     "no tv record with an exact method": (lambda a, f: a + ["--method", "sjd", "--no-tv-record"],
                                           "--no-tv-record is not used by --method sjd"),
     "no neighbours": (lambda a, f: a + ["--method", "lantern", "--k", "0"], "k (latent neighbours) must be >= 1"),

@@ -20,7 +20,7 @@ _EXPORTS = {
     "Generation": "relaxspec.api",
     "SamplingConfig": "relaxspec.sampling",
     "process_logits": "relaxspec.sampling",
-    "MethodOptions": "relaxspec.decoding.options",
+    "MethodOptions": "relaxspec.methods",
     "DecodeResult": "relaxspec.decoding.result",
     "decode": "relaxspec.decoding",
     "generate_ar": "relaxspec.decoding.ar",

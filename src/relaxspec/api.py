@@ -13,7 +13,9 @@ from typing import NamedTuple, Sequence
 
 import torch
 
-from relaxspec.decoding import DecodeResult, MethodOptions, decode
+from relaxspec import methods
+from relaxspec.decoding import DecodeResult, decode
+from relaxspec.methods import MethodOptions
 from relaxspec.devices import resolve_device
 from relaxspec.errors import RelaxspecError
 from relaxspec.sampling import SamplingConfig, batch_seed
@@ -100,11 +102,9 @@ def _options(method: str | MethodOptions | None, fields: dict, defaults: dict) -
         if fields:
             raise RelaxspecError("give method fields either in the MethodOptions or as keywords, not both")
         return method
-    given = {**defaults["method"], **fields} if method is None and "method" in defaults else \
-        {"method": method or "ar", **fields}
-    options = MethodOptions(**given)
-    options.check_given(given)
-    return options
+    if method is None:
+        method = defaults.get("method", {}).get("method", "ar")
+    return methods.resolve(method, fields, defaults.get("presets"))
 
 
 def _class_ids(classes, target, defaults: dict) -> list[int]:

@@ -100,6 +100,12 @@ def codebook_key(codebook: Tensor, geometry: Geometry) -> str:
     return digest.hexdigest()[:24]
 
 
+def default_cache_dir() -> Path:
+    """Where neighbour tables are cached: ``$RELAXSPEC_CACHE/neighbours``, by default
+    ``~/.cache/relaxspec/neighbours``."""
+    return Path(os.environ.get("RELAXSPEC_CACHE", Path.home() / ".cache" / "relaxspec")) / "neighbours"
+
+
 def cached_neighbour_table(
     codebook: Tensor, k: int, geometry: Geometry = "raw", cache_dir: str | os.PathLike = "."
 ) -> Tensor:

@@ -1,9 +1,11 @@
 """What ``relaxspec bench`` runs: named method specs, ``--methods`` lists and ``--sweep`` variants.
 
-A :class:`MethodSpec` is a label plus the :class:`~relaxspec.decoding.options.MethodOptions`
-keyword arguments (and any :class:`~relaxspec.sampling.SamplingConfig` overrides) that make the
-method. The named specs pair each relaxed rule with the exact method on the same draft structure,
-so a speed-up can be read as "what the relaxation buys":
+A :class:`MethodSpec` is a label plus a method or preset name of the registry
+(:mod:`relaxspec.methods`), the model's own preset of that name, the fields set over them and any
+:class:`~relaxspec.sampling.SamplingConfig` overrides: a name means in ``bench`` exactly what it
+means in ``generate`` and the Python API on the same model. Without model presets the named specs
+pair each relaxed rule with the exact method on the same draft structure, so a speed-up can be
+read as "what the relaxation buys":
 
 * ``eagle2`` (exact, EAGLE-2 dynamic tree) <-> ``lantern`` (LANTERN applies its additive budget to
   EAGLE-2's dynamic tree, arXiv 2410.03355);
@@ -23,48 +25,33 @@ import dataclasses
 import itertools
 from dataclasses import dataclass, field
 
-from relaxspec.decoding.options import MethodOptions
+from relaxspec import methods
+from relaxspec.methods import MethodOptions
 from relaxspec.errors import RelaxspecError
 from relaxspec.sampling import SamplingConfig
 
 #: The plain-AR baseline every speed-up is measured against.
 BASELINE = "ar"
 
-#: name -> (MethodOptions kwargs, one-line description).
-METHOD_SPECS: dict[str, tuple[dict, str]] = {
-    "ar": (dict(method="ar"), "plain autoregressive sampling (the baseline, MAL 1.0)"),
-    "ar-compiled": (dict(method="ar", compile=True),
-                    "plain AR with its step compiled (CUDA graphs on a GPU): the baseline a method must beat"),
-    "sd-chain": (dict(method="sd", draft="chain", depth=4), "exact speculative decoding, EAGLE drafter, chain of 4"),
-    "sd-static": (dict(method="sd", draft="static", tree="lantern57", siblings="sampled"),
-                  "exact speculative decoding, static 57-node tree, sampled siblings (EAGLE-1 style)"),
-    "eagle2": (dict(method="sd", draft="dynamic", dynamic_top_k=10, depth=5, total_tokens=59),
-               "exact speculative decoding, EAGLE-2 dynamic tree (top-k 10, depth 5, 59 nodes)"),
-    # k is left to MethodOptions' defaults (1000 with delta, 10 with lam), as in the official code.
-    "lantern": (dict(method="lantern", draft="dynamic", dynamic_top_k=10, depth=5, total_tokens=59, delta=0.1),
-                "LANTERN: additive budget delta=0.1 over k=1000 latent neighbours, on EAGLE-2's dynamic tree"),
-    "lantern++": (dict(method="lantern++", tree="lantern57", siblings="sampled", lam=5.0),
-                  "LANTERN++: multiplicative lam=5 over k=10 neighbours, static 57-node tree"),
-    "cool": (dict(method="cool", draft="static", tree="lantern57", siblings="sampled", cool_delta=1.1),
-             "COOL-SD: annealed w_i = delta exp(-nu i - mu), delta=1.1, static 57-node tree"),
-    "sjd": (dict(method="sjd", window=16), "speculative Jacobi decoding, window 16, no drafter"),
-    "scd": (dict(method="scd", window=16), "SJD with maximally coupled redraws (SCD-style), window 16, no drafter"),
-}
+#: The named specs are the registry's presets (:mod:`relaxspec.methods`), so a name means in
+#: ``bench`` what it means in ``generate``: name -> (the fields that name it, description).
+METHOD_SPECS: dict[str, tuple[dict, str]] = {name: ({"method": name}, preset.description)
+                                             for name, (_, preset) in methods.presets().items()}
 #: Other names for the same specs.
-SPEC_ALIASES = {"sd-dynamic": "eagle2", "eagle-2": "eagle2", "cool-sd": "cool", "lanternpp": "lantern++"}
-#: Every named spec but the compiled baseline (its compilation costs minutes on a CPU): ask for it.
-DEFAULT_METHODS = tuple(name for name in METHOD_SPECS if name != "ar-compiled")
+SPEC_ALIASES = methods.registry.spellings()
+#: What a plain ``relaxspec bench`` runs on a model with no presets of its own (the compiled
+#: baseline is left out: its compilation costs minutes on a CPU; ask for it).
+DEFAULT_METHODS = methods.bench_defaults()
 
 SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingConfig))
-OPTION_FIELDS = tuple(f.name for f in dataclasses.fields(MethodOptions) if f.name != "method")
-#: LANTERN's two bounds are alternatives: sweeping one drops the other from the base spec.
-EXCLUSIVE = {"delta": "lam", "lam": "delta"}
 
 
 @dataclass
 class MethodSpec:
-    """One benchmarked method: ``label`` (unique in a run), the ``MethodOptions`` kwargs, sampling
-    overrides, the named spec it derives from (``family``) and the swept values (``sweep``)."""
+    """One benchmarked method: ``label`` (unique in a run), ``options`` (``{"method": NAME}`` and
+    the fields set over that name's preset: a sweep's values, ``--compile``), the model's own
+    preset of that name (``preset``), sampling overrides, the named spec it derives from
+    (``family``) and the swept values (``sweep``)."""
 
     label: str
     options: dict
@@ -72,14 +59,14 @@ class MethodSpec:
     family: str = ""
     sweep: dict = field(default_factory=dict)
     description: str = ""
+    preset: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.family = self.family or self.label
 
     def method_options(self) -> MethodOptions:
-        options = MethodOptions(**self.options)
-        options.check_given(self.options)
-        return options
+        given = {k: v for k, v in self.options.items() if k != "method"}
+        return methods.resolve(self.options["method"], given, {self.options["method"]: self.preset})
 
     def sampling_config(self, base: SamplingConfig) -> SamplingConfig:
         return dataclasses.replace(base, **self.sampling) if self.sampling else base
@@ -96,24 +83,25 @@ class MethodSpec:
 
 
 def canonical_name(name: str) -> str:
-    name = name.strip().lower()
-    name = SPEC_ALIASES.get(name, name)
-    if name not in METHOD_SPECS:
-        raise RelaxspecError(f"unknown method {name!r}; choose from {', '.join(METHOD_SPECS)}"
-                             f" (aliases: {', '.join(SPEC_ALIASES)})")
-    return name
+    return methods.canonical(name)
 
 
-def named_spec(name: str) -> MethodSpec:
+def named_spec(name: str, model_presets: dict | None = None) -> MethodSpec:
+    """The spec ``name`` means on a model with ``model_presets`` (preset name -> fields, e.g. the
+    embedded model's tuned LANTERN): the same settings ``relaxspec generate --method NAME`` uses."""
     name = canonical_name(name)
-    options, description = METHOD_SPECS[name]
-    return MethodSpec(label=name, options=dict(options), family=name, description=description)
+    own = dict((model_presets or {}).get(name, {}))
+    description = methods.presets()[name][1].description
+    if own:
+        description = f"{description}; this model's preset: " + ", ".join(f"{k}={v}" for k, v in own.items())
+    return MethodSpec(label=name, options={"method": name}, family=name, description=description, preset=own)
 
 
-def parse_methods(text: str | None) -> list[str]:
-    """``"ar,sd-chain,lantern"`` -> canonical names (``None``: every named spec)."""
+def parse_methods(text: str | None, default: tuple[str, ...] | list[str] | None = None) -> list[str]:
+    """``"ar,sd-chain,lantern"`` -> canonical names (``None``: ``default``, or every named spec
+    the registry benchmarks by default)."""
     if text is None:
-        return list(DEFAULT_METHODS)
+        return [canonical_name(n) for n in default] if default else list(DEFAULT_METHODS)
     names = [canonical_name(item) for item in text.split(",") if item.strip()]
     if not names:
         raise RelaxspecError("--methods is empty")
@@ -126,10 +114,9 @@ def parse_methods(text: str | None) -> list[str]:
 def _convert(field_name: str, text: str):
     """Parse one sweep value with the type of the field it sets."""
     if field_name in SAMPLING_FIELDS:
-        kind = {f.name: f.type for f in dataclasses.fields(SamplingConfig)}[field_name]
+        kind = str({f.name: f.type for f in dataclasses.fields(SamplingConfig)}[field_name])
     else:
-        kind = {f.name: f.type for f in dataclasses.fields(MethodOptions)}[field_name]
-    kind = str(kind)
+        kind = methods.settings()[field_name].kind.__name__
     try:
         if "bool" in kind:
             lowered = text.lower()
@@ -157,8 +144,8 @@ def parse_sweep(text: str) -> tuple[str, str, list]:
         raise RelaxspecError(f"--sweep {text!r}: {BASELINE} is the speed-up baseline; it is not swept")
     if field_name == "method":
         raise RelaxspecError(f"--sweep {text!r}: sweep a method's settings, not its method (list methods in --methods)")
-    if field_name not in OPTION_FIELDS and field_name not in SAMPLING_FIELDS:
-        raise RelaxspecError(f"--sweep {text!r}: unknown field {field_name!r}; method fields: {', '.join(OPTION_FIELDS)}; "
+    if field_name not in methods.settings() and field_name not in SAMPLING_FIELDS:
+        raise RelaxspecError(f"--sweep {text!r}: unknown field {field_name!r}; method fields: {', '.join(methods.settings())}; "
                              f"sampling fields: {', '.join(SAMPLING_FIELDS)}")
     items = [item.strip() for item in values.split(",") if item.strip()]
     if not items:
@@ -177,13 +164,10 @@ def variant(base: MethodSpec, assignment: dict) -> MethodSpec:
     """``base`` with the swept fields set, validated (a bad combination raises with its label)."""
     options, sampling = dict(base.options), dict(base.sampling)
     for name, value in assignment.items():
-        target = sampling if name in SAMPLING_FIELDS else options
-        target[name] = value
-        if name in EXCLUSIVE and EXCLUSIVE[name] not in assignment:
-            options.pop(EXCLUSIVE[name], None)
+        (sampling if name in SAMPLING_FIELDS else options)[name] = value
     label = f"{base.family}[{','.join(f'{k}={format_value(v)}' for k, v in assignment.items())}]"
     spec = MethodSpec(label=label, options=options, sampling=sampling, family=base.family, sweep=dict(assignment),
-                      description=base.description)
+                      description=base.description, preset=dict(base.preset))
     check_spec(spec)
     return spec
 
@@ -191,24 +175,18 @@ def variant(base: MethodSpec, assignment: dict) -> MethodSpec:
 def check_spec(spec: MethodSpec, base: SamplingConfig | None = None) -> None:
     """Raise a :class:`RelaxspecError` naming ``spec.label`` if its options or sampling are invalid."""
     try:
-        options = spec.method_options()
+        spec.method_options()
         spec.sampling_config(base or SamplingConfig())
-        # MethodOptions checks these ranges only when k is left to its default; a swept k must
-        # not let an out-of-range budget through.
-        if options.delta is not None and not 0 <= options.delta <= 1:
-            raise RelaxspecError(f"--delta is an additive TV budget in [0, 1], got {options.delta}")
-        if options.lam is not None and options.lam < 1:
-            raise RelaxspecError(f"--lam is a multiplicative bound >= 1, got {options.lam}")
-    except RelaxspecError as err:
-        raise RelaxspecError(f"{spec.label}: {err}") from None
-    except TypeError as err:  # an unknown keyword in a hand-made spec
+    except (RelaxspecError, TypeError) as err:  # TypeError: an unknown keyword in a hand-made spec
         raise RelaxspecError(f"{spec.label}: {err}") from None
 
 
-def expand_methods(names: list[str] | None = None, sweeps: list[str] | None = None) -> list[MethodSpec]:
+def expand_methods(names: list[str] | None = None, sweeps: list[str] | None = None,
+                   model_presets: dict | None = None) -> list[MethodSpec]:
     """The benchmarked methods, in order: ``names`` (default: every named spec), each swept name
     replaced by its variants (a swept name missing from ``names`` is appended). The baseline
-    ``ar`` is always included (first, if it was not listed)."""
+    ``ar`` is always included (first, if it was not listed). ``model_presets``: the model's own
+    presets, so each name means what ``generate --method NAME`` means on that model."""
     names = list(DEFAULT_METHODS) if names is None else [canonical_name(n) for n in names]
     grid: dict[str, dict[str, list]] = {}
     for text in sweeps or []:
@@ -222,7 +200,7 @@ def expand_methods(names: list[str] | None = None, sweeps: list[str] | None = No
     names += [name for name in grid if name not in names]
     specs: list[MethodSpec] = []
     for name in names:
-        base = named_spec(name)
+        base = named_spec(name, model_presets)
         if name not in grid:
             check_spec(base)
             specs.append(base)
@@ -238,7 +216,7 @@ def expand_methods(names: list[str] | None = None, sweeps: list[str] | None = No
 
 def describe_methods() -> str:
     """For ``--help``: one line per named spec."""
-    return "; ".join(f"{name}: {description}" for name, (_, description) in METHOD_SPECS.items())
+    return "; ".join(f"{name}: {preset.description}" for name, (_, preset) in methods.presets().items())
 
 
 __all__ = [

@@ -11,7 +11,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from relaxspec.bench.config import BASELINE, METHOD_SPECS, SPEC_ALIASES, expand_methods, parse_methods
+from relaxspec.bench.config import BASELINE, DEFAULT_METHODS, expand_methods, parse_methods
 from relaxspec.api import UPSTREAM_SAMPLING
 from relaxspec.cli.options import device_option, parse_classes, spec_id
 from relaxspec.errors import RelaxspecError
@@ -24,6 +24,22 @@ def default_models() -> dict:
     return {"gpt_ckpt": str(embedded.path("gpt")), "gpt_model": None, "vq_ckpt": str(embedded.path("vq")),
             "vq_model": None, "drafter_ckpt": str(embedded.path("drafter")) if embedded.available("drafter") else None,
             "image_size": None}
+
+
+#: Where a benchmark of the embedded model goes when no --out is given.
+EMBEDDED_OUT = "bench-embedded"
+
+
+def embedded_bench_defaults(args: argparse.Namespace) -> tuple[dict, dict]:
+    """The embedded model's own presets and benchmark settings (``defaults.json``: which methods a
+    plain ``relaxspec bench`` runs, on how many images) when no --gpt-ckpt is given; empty for a
+    user's model."""
+    if args.gpt_ckpt is not None:
+        return {}, {}
+    from relaxspec import embedded
+
+    defaults = embedded.defaults()
+    return defaults.get("presets", {}), defaults.get("bench", {})
 
 
 def add_bench_parser(subparsers) -> argparse.ArgumentParser:
@@ -55,8 +71,10 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
 
     methods = bench.add_argument_group("methods")
     methods.add_argument("--methods", metavar="LIST", help=(
-        f"comma-separated named methods (default: all: {','.join(METHOD_SPECS)}; {BASELINE} is always added "
-        "as the speed-up baseline); --list-methods describes them"))
+        "comma-separated method or preset names (default: the embedded model's benchmark list, its tuned presets; "
+        f"for other models {','.join(DEFAULT_METHODS)}); {BASELINE} is "
+        "always added as the speed-up baseline; a name means what generate --method NAME means on the same model; "
+        "--list-methods describes them"))
     methods.add_argument("--sweep", action="append", default=[], metavar="NAME:FIELD=V1,V2,...", help=(
         "run NAME once per value instead of once with its default, e.g. lantern:delta=0.05,0.1,0.2,0.4, "
         "lantern++:lam=2,5,10, cool:cool_delta=1.1,2,4 (repeatable; sweeps of one name multiply)"))
@@ -87,7 +105,8 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     quality.add_argument("--n-boot", type=int, default=200, help="bootstrap resamplings per interval (default 200)")
 
     output = bench.add_argument_group("output")
-    output.add_argument("--out", metavar="DIR", help="output folder (required unless --list-methods)")
+    output.add_argument("--out", metavar="DIR", help=f"output folder (default {EMBEDDED_OUT} for the embedded model; "
+                                                     "required with --gpt-ckpt)")
     output.add_argument("--overwrite", action="store_true", help="replace a benchmark with other settings in --out")
     output.add_argument("--report-only", action="store_true",
                         help="decode nothing: rebuild the summaries and plots of --out (e.g. to add quality)")
@@ -99,8 +118,10 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def list_methods() -> str:
-    lines = [f"{name:10s} {description}" for name, (_, description) in METHOD_SPECS.items()]
-    lines.append("aliases: " + ", ".join(f"{a} = {n}" for a, n in SPEC_ALIASES.items()))
+    from relaxspec import methods
+
+    lines = [f"{name:12s} {preset.description}" for name, (_, preset) in methods.presets().items()]
+    lines.append("aliases: " + ", ".join(f"{a} = {n}" for a, n in methods.registry.spellings().items()))
     return "\n".join(lines)
 
 
@@ -163,8 +184,13 @@ def run_bench_cli(args: argparse.Namespace) -> int:
     if args.list_methods:
         print(list_methods())
         return 0
+    model_presets, bench_defaults = embedded_bench_defaults(args)
     if not args.out:
-        raise RelaxspecError("--out DIR is required")
+        if args.gpt_ckpt is not None:
+            raise RelaxspecError("--out DIR is required")
+        args.out = EMBEDDED_OUT
+    if args.num_images is None and args.images_per_class is None and args.classes is None:
+        args.num_images = bench_defaults.get("num_images")
     _positive(args, "images_per_class", "num_images", "threads", "batch_size", "image_size", "n_boot")
     if args.warmup < 0 or args.seed < 0:
         raise RelaxspecError("--warmup and --seed must be >= 0")
@@ -198,7 +224,7 @@ def run_bench_cli(args: argparse.Namespace) -> int:
     from relaxspec.files import file_identity
     from relaxspec.sampling import SamplingConfig
 
-    specs = expand_methods(parse_methods(args.methods), args.sweep)
+    specs = expand_methods(parse_methods(args.methods, bench_defaults.get("methods")), args.sweep, model_presets)
     if args.compile:
         for spec in specs:
             if spec.label != BASELINE:

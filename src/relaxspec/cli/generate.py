@@ -21,8 +21,9 @@ from relaxspec import __version__
 from relaxspec.checkpoints import PRECISIONS, load_gpt, load_vq
 from relaxspec.api import UPSTREAM_SAMPLING
 from relaxspec.cli.options import DEFAULT_CLASSES, device_option, parse_classes, spec_id
-from relaxspec.decoding import MethodOptions, decode
-from relaxspec.decoding.options import ALIASES, DRAFTS, METHODS
+from relaxspec import methods
+from relaxspec.decoding import decode
+from relaxspec.methods import MethodOptions
 from relaxspec.decoding.result import certified_tv, record_tv_sum, total_rank_counts
 from relaxspec.drafting.eagle import load_drafter
 from relaxspec.errors import RelaxspecError
@@ -32,17 +33,6 @@ from relaxspec.models.vq import VQ_CONFIGS, to_uint8
 from relaxspec.sampling import SamplingConfig, batch_seed
 
 STATS_FILE, TOKENS_FILE = "stats.json", "tokens.npy"
-#: ``generate`` flag -> MethodOptions field. Flags left unset keep MethodOptions' defaults, so a
-#: method's own defaults (e.g. LANTERN++'s multiplicative ``lam``) still apply.
-METHOD_FLAGS = {
-    "draft": "draft", "depth": "depth", "tree": "tree", "siblings": "siblings",
-    "dynamic_top_k": "dynamic_top_k", "total_tokens": "total_tokens", "k": "k", "delta": "delta",
-    "lam": "lam", "residual": "residual", "geometry": "geometry", "cool_delta": "cool_delta",
-    "nu": "nu", "normalisation": "normalisation", "window": "window", "anneal": "anneal",
-    "compile": "compile", "record_tv": "record_tv",
-}
-
-
 def add_generate_parser(subparsers) -> argparse.ArgumentParser:
     gen = subparsers.add_parser("generate", help="generate images", description=(
         "Generate images with a LlamaGen checkpoint. Writes NNNN.png per image, grid.png, tokens.npy "
@@ -84,32 +74,14 @@ def add_generate_parser(subparsers) -> argparse.ArgumentParser:
     sampling.add_argument("--seed", type=int, default=0,
                           help="batch b samples with a generator seeded seed * 1000003 + b (default 0)")
 
-    method = gen.add_argument_group("decoding method")
-    method.add_argument("--method", choices=METHODS + tuple(ALIASES),
-                        help="default: ar, or the embedded model's documented default method (MODEL_CARD.md)")
-    method.add_argument("--draft", help=f"{' | '.join(DRAFTS)} | a JSON static tree")
-    method.add_argument("--drafter-ckpt", metavar="PATH", help="EAGLE drafter (methods sd, lantern, cool)")
-    method.add_argument("--depth", type=int, help="chain length / dynamic-tree depth")
-    method.add_argument("--tree", help="name of a shipped static tree")
-    method.add_argument("--siblings", choices=("sampled", "topk"))
-    method.add_argument("--dynamic-top-k", type=int, help="EAGLE-2 dynamic tree: children per beam")
-    method.add_argument("--total-tokens", type=int, help="EAGLE-2 dynamic tree: nodes per step")
-    method.add_argument("--k", type=int, help="LANTERN: latent neighbours per token")
-    method.add_argument("--delta", type=float, help="LANTERN: additive TV budget in [0, 1]")
-    method.add_argument("--lam", type=float, help="LANTERN++: multiplicative bound >= 1")
-    method.add_argument("--residual", choices=("relaxed", "plain"))
-    method.add_argument("--geometry", choices=("raw", "normalised"), help="LANTERN neighbour geometry")
-    method.add_argument("--cool-delta", type=float, help="COOL-SD relaxation strength")
-    method.add_argument("--nu", type=float, help="COOL-SD annealing rate")
-    method.add_argument("--normalisation", choices=("mean", "none"), help="COOL-SD schedule normalisation")
-    method.add_argument("--window", type=int, help="SJD / SCD Jacobi window")
-    method.add_argument("--anneal", action="store_true", default=None,
-                        help="LANTERN: anneal the additive budget over draft depth (COOL-SD's schedule)")
-    method.add_argument("--compile", action="store_true", default=None,
-                        help="compile the model steps and the tree walk (torch.compile; CUDA graphs on a GPU): "
-                             "the first batch pays the compilation, later ones run faster")
-    method.add_argument("--no-tv-record", dest="record_tv", action="store_false", default=None,
-                        help="relaxed methods: skip the per-token TV record (faster; no TV certificate)")
+    method = gen.add_argument_group("decoding method (each flag is a setting of the methods in relaxspec.methods; a "
+                                    "flag the chosen method does not read is an error)")
+    method.add_argument("--method", choices=methods.names(), metavar="NAME",
+                        help=f"{' | '.join(methods.names())} (default: ar, or the embedded model's documented default "
+                             "method, MODEL_CARD.md); a model's own presets tune a name (the embedded model's "
+                             "--method lantern is its tuned LANTERN)")
+    method.add_argument("--drafter-ckpt", metavar="PATH", help="EAGLE drafter (methods that draft with it)")
+    add_setting_flags(method)
 
     output = gen.add_argument_group("output")
     output.add_argument("--out", required=True, metavar="DIR", help="output folder")
@@ -122,6 +94,18 @@ def add_generate_parser(subparsers) -> argparse.ArgumentParser:
                         help="replace a previous run in --out made with different settings")
     output.add_argument("--no-progress", action="store_true", help="no progress bars")
     return gen
+
+
+def add_setting_flags(group) -> None:
+    """One flag per method setting of the registry (unset flags stay ``None``: the method's
+    preset and defaults apply)."""
+    for setting in methods.settings().values():
+        kwargs = dict(dest=setting.name, default=None, help=setting.help)
+        if setting.kind is bool:
+            kwargs["action"] = "store_false" if setting.off_switch else "store_true"
+        else:
+            kwargs.update(type=setting.kind, choices=setting.choices)
+        group.add_argument(setting.cli_flag, **kwargs)
 
 
 def use_embedded_defaults(args: argparse.Namespace) -> bool:
@@ -142,9 +126,7 @@ def use_embedded_defaults(args: argparse.Namespace) -> bool:
             setattr(args, key, value)
     if args.method is None and "method" in defaults:
         args.method = defaults["method"].get("method", "ar")
-        for key, value in defaults["method"].items():
-            if key != "method" and getattr(args, key, None) is None:
-                setattr(args, key, value)
+    args.model_presets = defaults.get("presets", {})
     if args.classes is None and "classes" in defaults:
         args.classes = defaults["classes"]
     if args.drafter_ckpt is None and embedded.available("drafter"):
@@ -301,11 +283,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def method_options(args: argparse.Namespace) -> MethodOptions:
-    """``--method`` and the method flags the user set -> validated :class:`MethodOptions`."""
-    given = {field: getattr(args, flag) for flag, field in METHOD_FLAGS.items() if getattr(args, flag) is not None}
-    options = MethodOptions(method=args.method, **given)
-    options.check_given(given)
-    return options
+    """``--method``, the model's preset of that name and the method flags the user set ->
+    validated :class:`MethodOptions` (a flag the method does not read is an error)."""
+    given = {name: getattr(args, name) for name in methods.settings() if getattr(args, name, None) is not None}
+    return methods.resolve(args.method, given, getattr(args, "model_presets", None))
 
 
 def load_conditions(args: argparse.Namespace, model: Transformer) -> tuple[torch.Tensor, torch.Tensor | None, dict]:

@@ -1,6 +1,6 @@
 """Decoding: plain AR sampling, tree verification and the speculative engine."""
 
-from relaxspec.decoding.options import MethodOptions
+from relaxspec.methods import MethodOptions
 from relaxspec.decoding.result import DecodeResult, certified_tv
 
 __all__ = ["DecodeResult", "MethodOptions", "certified_tv", "decode"]

@@ -17,60 +17,25 @@ import time
 import torch
 from tqdm.auto import tqdm
 
-from relaxspec.acceptance import AcceptanceRule, CoolRule, ExactRule, LanternRule, cached_neighbour_table, cool_weights
-from relaxspec.decoding.options import MethodOptions
+from relaxspec.acceptance import AcceptanceRule
+from relaxspec.compiling import compiled
 from relaxspec.decoding.result import DecodeResult, add_counts
 from relaxspec.decoding.target import GuidedTarget
-from relaxspec.compiling import compiled
 from relaxspec.decoding.verify import verify_tree, walk_tree
-from relaxspec.drafting.dynamic_tree import DynamicTree
-from relaxspec.drafting.eagle_source import EagleSource
-from relaxspec.drafting.jacobi import JacobiSource
-from relaxspec.drafting.static_tree import StaticTree
 from relaxspec.drafting.tree_tables import tree_attention_mask
-from relaxspec.drafting.trees import TreeSpec, load_tree
-from relaxspec.errors import RelaxspecError
+from relaxspec.methods import MethodOptions
 from relaxspec.sampling import SamplingConfig, sample_from
-
-
-def neighbour_cache_dir():
-    from pathlib import Path
-    import os
-
-    return Path(os.environ.get("RELAXSPEC_CACHE", Path.home() / ".cache" / "relaxspec")) / "neighbours"
 
 
 def build_source(options: MethodOptions, drafter, sampling: SamplingConfig, compile: bool = False):
     """The draft source an options object describes (``compile``: the drafter's step compiled)."""
-    if options.method in ("sjd", "scd"):
-        return JacobiSource(options.window, coupled=options.method == "scd")
-    if drafter is None:
-        raise RelaxspecError(f"method {options.method!r} needs a trained drafter (--drafter-ckpt)")
-    if options.draft == "dynamic":
-        structure = DynamicTree(options.dynamic_top_k, options.depth, options.total_tokens)
-    else:
-        spec = TreeSpec.chain(options.depth) if options.draft == "chain" else load_tree(
-            options.tree if options.draft == "static" else options.draft)
-        structure = StaticTree(spec, options.siblings)
-    return EagleSource(drafter, structure, sampling, compile=compile)
+    return options.family.source(options, drafter, sampling, compile=compile)
 
 
-def build_rule(options: MethodOptions, vq=None, horizon: int = 5) -> AcceptanceRule:
-    """The acceptance rule an options object describes (LANTERN needs the VQ codebook)."""
-    if options.method == "lantern":
-        if vq is None:
-            raise RelaxspecError("LANTERN needs the VQ tokenizer (its codebook defines the latent neighbours)")
-        codebook = vq.raw_codebook if options.geometry == "raw" else vq.codebook
-        k = min(options.k, codebook.shape[0] - 1)
-        table = cached_neighbour_table(codebook.detach().float().cpu(), k, options.geometry, neighbour_cache_dir())
-        if options.anneal:
-            # Budgets are TV masses (<= 1): capped, with the mean kept at delta (docs/METHODS.md).
-            schedule = cool_weights(options.delta, options.nu, options.normalisation, horizon, cap=1.0)
-            return LanternRule(table, k, delta_schedule=schedule, residual=options.residual)
-        return LanternRule(table, k, delta=options.delta, lam=options.lam, residual=options.residual)
-    if options.method == "cool":
-        return CoolRule(delta=options.cool_delta, nu=options.nu, normalisation=options.normalisation, horizon=horizon)
-    return ExactRule()
+def build_rule(options: MethodOptions, vq=None, horizon: int = 5, target=None) -> AcceptanceRule:
+    """The acceptance rule an options object describes (LANTERN reads the VQ codebook; a rule
+    may read the ``target`` model's token embeddings)."""
+    return options.family.rule(options, vq=vq, horizon=horizon, target=target)
 
 
 @torch.no_grad()
@@ -88,7 +53,7 @@ def generate_speculative(model, cond, sampling: SamplingConfig, options: MethodO
     start = time.perf_counter()
     compile, record_tv = options.compile, options.record_tv
     source = source or build_source(options, drafter, sampling, compile=compile)
-    rule = rule or build_rule(options, vq, horizon=source.max_depth)
+    rule = rule or build_rule(options, vq, horizon=source.max_depth, target=model)
     greedy = sampling.greedy
     target = GuidedTarget(model, cond, sampling, cond_mask=cond_mask, scratch=source.max_nodes, compile=compile)
     batch, n_tok, cls, device = target.batch, target.num_tokens, target.cls, target.device

@@ -1,0 +1,194 @@
+"""What a decoding method is to the rest of relaxspec: a :class:`Method` with typed
+:class:`Setting` s (which are also its command-line flags), the draft structures it accepts, how
+it builds its ``(draft source, acceptance rule)`` pair, and its named :class:`Preset` s.
+
+One file per method family (``methods/ar.py``, ``exact.py``, ``lantern.py``, ...) declares its
+methods; ``methods/registry.py`` lists the files. ``generate``, ``bench``, the Python API and a
+model's shipped presets all read that one registry, so a method name means one thing everywhere.
+
+The draft structures are shared by every method that drafts:
+
+* ``chain`` (``depth`` drafts), ``static`` (a shipped ``tree`` or a JSON tree file given as the
+  draft itself; ``siblings`` sampled or top-k) and ``dynamic`` (EAGLE-2: ``dynamic_top_k``,
+  ``depth``, ``total_tokens``) draft with the EAGLE drafter;
+* ``jacobi`` is the drafter-free window of ``window`` future tokens (SJD, arXiv 2410.01699).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from relaxspec.errors import RelaxspecError
+
+#: Draft structures that use the EAGLE drafter, and the drafter-free one.
+EAGLE_DRAFTS = ("chain", "static", "dynamic")
+JACOBI = "jacobi"
+#: The settings each draft structure reads; a JSON tree file given as ``draft`` reads ``siblings``.
+STRUCTURE_FIELDS = {"chain": ("depth", "siblings"), "static": ("tree", "siblings"),
+                    "dynamic": ("depth", "dynamic_top_k", "total_tokens"), JACOBI: ("window",)}
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One typed setting of a method, and its command-line flag.
+
+    ``kind``: int, float, str or bool; ``default``: its value when neither a preset nor the user
+    sets it (``None``: the method chooses in :meth:`Method.resolve`); ``choices``: the values a
+    string may take; ``flag``: the command-line spelling (default ``--name-with-dashes``); a
+    bool setting is a switch that turns on (``--anneal``) or, with ``off_switch``, off
+    (``--no-tv-record`` sets ``record_tv`` to False).
+    """
+
+    name: str
+    kind: type
+    default: Any
+    help: str
+    choices: tuple | None = None
+    flag: str | None = None
+    off_switch: bool = False
+    minimum: float | None = None  # ints and floats: the smallest valid value
+
+    @property
+    def cli_flag(self) -> str:
+        return self.flag or "--" + self.name.replace("_", "-")
+
+    def check(self, value) -> None:
+        """Raise a one-line :class:`RelaxspecError` if ``value`` is not valid for this setting."""
+        if value is None:
+            return
+        if self.choices is not None and value not in self.choices:
+            raise RelaxspecError(f"{self.name} must be one of {', '.join(map(repr, self.choices))}, got {value!r}")
+        if self.minimum is not None and value < self.minimum:
+            raise RelaxspecError(f"{self.name} must be >= {self.minimum:g}, got {value}")
+
+
+# The settings every method shares (draft structures, compilation, the TV record).
+DRAFT = Setting("draft", str, None, f"{' | '.join(EAGLE_DRAFTS)} | {JACOBI} | a JSON static tree file "
+                                     "(default: the method's own)")
+DEPTH = Setting("depth", int, None, "chain length / dynamic-tree depth (default 4 for a chain, 5 for EAGLE-2's tree)",
+                minimum=1)
+TREE = Setting("tree", str, "lantern57", "name of a shipped static tree (default lantern57)")
+SIBLINGS = Setting("siblings", str, "sampled", "static trees: sibling drafts sampled from q without replacement, "
+                                               "or the top-k", choices=("sampled", "topk"))
+DYNAMIC_TOP_K = Setting("dynamic_top_k", int, 10, "EAGLE-2 dynamic tree: children per beam (default 10)", minimum=1)
+TOTAL_TOKENS = Setting("total_tokens", int, 59, "EAGLE-2 dynamic tree: nodes per step (default 59)", minimum=1)
+WINDOW = Setting("window", int, 16, "Jacobi window: future tokens drafted per step (default 16)", minimum=1)
+COMPILE = Setting("compile", bool, False, "compile the model steps and the tree walk (torch.compile; CUDA graphs on "
+                                          "a GPU): the first batch pays the compilation, later ones run faster")
+RECORD_TV = Setting("record_tv", bool, True, "relaxed methods: skip the per-token TV record (faster; no TV "
+                                             "certificate)", flag="--no-tv-record", off_switch=True)
+SHARED_SETTINGS = (DRAFT, DEPTH, TREE, SIBLINGS, DYNAMIC_TOP_K, TOTAL_TOKENS, WINDOW, COMPILE, RECORD_TV)
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A named setting of a method: ``fields`` over the method's defaults.
+
+    ``bench``: run by a plain ``relaxspec bench`` on a model without presets of its own.
+    ``fixed``: fields the name implies, which the user may not change (``--method eagle2`` is
+    the dynamic tree); ``refuse``: field -> why the name cannot take it. ``spellings``: other
+    names accepted for it.
+    """
+
+    fields: dict
+    description: str
+    bench: bool = True
+    fixed: tuple[str, ...] = ()
+    refuse: dict = field(default_factory=dict)
+    spellings: tuple[str, ...] = ()
+
+
+class Method:
+    """A decoding method: subclass it in a family file and list the file in the registry.
+
+    Class attributes: ``name``; ``summary`` (one line, for help texts); ``settings`` (its own
+    settings beyond :data:`SHARED_SETTINGS`); ``drafts`` (the draft structures it accepts, the
+    first being its default; ``()`` for plain AR); ``relaxed`` (its output law may differ from
+    the model's: it reads ``record_tv``); ``exclusive`` (pairs of settings that are
+    alternatives: setting one in a later layer drops the other from earlier ones); ``presets``.
+    """
+
+    name: ClassVar[str]
+    summary: ClassVar[str]
+    settings: ClassVar[tuple[Setting, ...]] = ()
+    drafts: ClassVar[tuple[str, ...]] = EAGLE_DRAFTS
+    relaxed: ClassVar[bool] = False
+    exclusive: ClassVar[dict[str, str]] = {}
+    presets: ClassVar[dict[str, Preset]] = {}
+
+    # ---------------------------------------------------------------- settings
+    def resolve(self, options) -> None:
+        """Fill the settings left to the method (``None``) and validate; ``options`` is the
+        :class:`~relaxspec.methods.options.MethodOptions` being built. Override and call this."""
+        if not self.drafts:
+            return
+        if options.draft is None:
+            options.draft = self.drafts[0]
+        draft = options.draft
+        if draft not in STRUCTURE_FIELDS and not ("static" in self.drafts and str(draft).endswith(".json")):
+            raise RelaxspecError(f"--draft {draft!r} is not a draft of --method {self.name}; it drafts with "
+                                 f"{' / '.join(self.drafts)}" + (" or a JSON tree file" if "static" in self.drafts
+                                                                 else ""))
+        if draft in STRUCTURE_FIELDS and draft not in self.drafts:
+            raise RelaxspecError(f"--method {self.name} does not draft with --draft {draft}; it drafts with "
+                                 f"{' / '.join(self.drafts)}")
+        if options.depth is None:
+            options.depth = 5 if draft == "dynamic" else 4
+
+    def used(self, options) -> set[str]:
+        """The settings this method reads with ``options`` (its own ones; the draft structure's
+        and the shared ones are added by :meth:`used_fields`). Override for conditional ones."""
+        return {s.name for s in self.settings}
+
+    def used_fields(self, options) -> frozenset[str]:
+        used = {"method", "compile"} | self.used(options)
+        if self.drafts:
+            if len(self.drafts) > 1:
+                used.add("draft")
+            used |= set(STRUCTURE_FIELDS.get(options.draft, ("siblings",)))
+        if self.relaxed:
+            used.add("record_tv")
+        return frozenset(used)
+
+    def where(self, options) -> str:
+        """How the user named this method and structure, for messages: ``--method sd --draft chain``."""
+        return f"--method {self.name}" + (f" --draft {options.draft}" if len(self.drafts) > 1 else "")
+
+    # ---------------------------------------------------------------- building
+    def needs_drafter(self, options) -> bool:
+        return options.draft in EAGLE_DRAFTS or str(options.draft).endswith(".json")
+
+    def source(self, options, drafter, sampling, compile: bool = False):
+        """The draft source (:class:`relaxspec.drafting.base.DraftSource`) ``options`` describe."""
+        return draft_source(self, options, drafter, sampling, compile=compile)
+
+    def rule(self, options, *, vq=None, horizon: int = 5, target=None):
+        """The acceptance rule (:class:`relaxspec.acceptance.AcceptanceRule`); ``horizon``: the
+        deepest draft the source proposes; ``vq``: the tokenizer (for rules that read the
+        codebook); ``target``: the model (for rules that read its token embeddings)."""
+        from relaxspec.acceptance import ExactRule
+
+        return ExactRule()
+
+
+def draft_source(method: Method, options, drafter, sampling, compile: bool = False, coupled: bool = False):
+    """The shared draft structures: an EAGLE source over a chain / static / dynamic tree, or the
+    Jacobi window (``coupled``: SCD's maximally coupled redraws)."""
+    from relaxspec.drafting.dynamic_tree import DynamicTree
+    from relaxspec.drafting.eagle_source import EagleSource
+    from relaxspec.drafting.jacobi import JacobiSource
+    from relaxspec.drafting.static_tree import StaticTree
+    from relaxspec.drafting.trees import TreeSpec, load_tree
+
+    if options.draft == JACOBI:
+        return JacobiSource(options.window, coupled=coupled)
+    if drafter is None:
+        raise RelaxspecError(f"method {method.name!r} needs a trained drafter (--drafter-ckpt)")
+    if options.draft == "dynamic":
+        structure = DynamicTree(options.dynamic_top_k, options.depth, options.total_tokens)
+    else:
+        spec = TreeSpec.chain(options.depth) if options.draft == "chain" else load_tree(
+            options.tree if options.draft == "static" else options.draft)
+        structure = StaticTree(spec, options.siblings)
+    return EagleSource(drafter, structure, sampling, compile=compile)

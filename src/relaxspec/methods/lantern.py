@@ -1,0 +1,86 @@
+"""LANTERN (arXiv 2410.03355) and LANTERN++ (arXiv 2502.06352): relaxed acceptance over the
+``k`` nearest codes of the VQ codebook, with an additive TV budget ``delta`` or a
+multiplicative bound ``lam``."""
+
+from __future__ import annotations
+
+from relaxspec.errors import RelaxspecError
+from relaxspec.methods.base import Method, Preset, Setting
+from relaxspec.methods.cool import NORMALISATION, NU
+
+K = Setting("k", int, None, "LANTERN: latent neighbours per token (default 1000, 10 with --lam)")
+DELTA = Setting("delta", float, None, "LANTERN: additive TV budget in [0, 1] (default 0.1)")
+LAM = Setting("lam", float, None, "LANTERN++: multiplicative bound >= 1 (default 5 on a static tree)")
+RESIDUAL = Setting("residual", str, "relaxed", "LANTERN: resample from the relaxed or the plain residual",
+                   choices=("relaxed", "plain"))
+GEOMETRY = Setting("geometry", str, "raw", "LANTERN neighbour geometry: raw codebook or L2-normalised",
+                   choices=("raw", "normalised"))
+ANNEAL = Setting("anneal", bool, False, "LANTERN: anneal the additive budget over draft depth (COOL-SD's schedule, "
+                                        "--nu / --normalisation)")
+
+
+class Lantern(Method):
+    name = "lantern"
+    summary = "LANTERN relaxed acceptance over latent neighbours (additive delta or multiplicative lam)"
+    settings = (K, DELTA, LAM, RESIDUAL, GEOMETRY, ANNEAL, NU, NORMALISATION)
+    drafts = ("dynamic", "chain", "static")
+    relaxed = True
+    exclusive = {"delta": "lam", "lam": "delta"}
+    # k is left to the method's defaults (1000 with delta, 10 with lam), as in the official code.
+    presets = {
+        "lantern": Preset({"draft": "dynamic", "dynamic_top_k": 10, "depth": 5, "total_tokens": 59, "delta": 0.1},
+                          "LANTERN: additive budget delta=0.1 over k=1000 latent neighbours, on EAGLE-2's dynamic tree"),
+        "lantern++": Preset({"draft": "static", "tree": "lantern57", "siblings": "sampled", "lam": 5.0},
+                            "LANTERN++: multiplicative lam=5 over k=10 neighbours, static 57-node tree",
+                            fixed=("draft",), spellings=("lanternpp",),
+                            refuse={"delta": "--method lantern++ is the multiplicative rule (--lam); for an additive "
+                                             "budget use --method lantern --draft static --delta D"}),
+    }
+
+    def resolve(self, options) -> None:
+        super().resolve(options)
+        if options.k is not None and options.k < 1:
+            raise RelaxspecError(f"k (latent neighbours) must be >= 1, got {options.k} (k = 0 relaxes nothing: "
+                                 "use --method sd for exact decoding)")
+        if options.delta is not None and options.lam is not None:
+            raise RelaxspecError("give LANTERN either --delta (additive budget) or --lam (multiplicative, LANTERN++), "
+                                 "not both")
+        if options.delta is None and options.lam is None:
+            # Defaults of the official code: LANTERN++'s run script uses (k, lam) = (10, 5) on a
+            # static tree; LANTERN's CLI default is (k, delta) = (1000, 0.1).
+            if options.draft == "static":
+                options.lam = 5.0
+            else:
+                options.delta = 0.1
+        if options.delta is not None and not 0 <= options.delta <= 1:
+            raise RelaxspecError(f"--delta is an additive TV budget in [0, 1], got {options.delta}")
+        if options.lam is not None and options.lam < 1:
+            raise RelaxspecError(f"--lam is a multiplicative bound >= 1, got {options.lam}")
+        if options.k is None:
+            options.k = 10 if options.lam is not None else 1000
+        if options.anneal and options.delta is None:
+            raise RelaxspecError("--anneal applies to LANTERN's additive budget: use it with --method lantern --delta D")
+
+    def used(self, options) -> set[str]:
+        used = {"k", "residual", "geometry", "anneal", "delta" if options.delta is not None else "lam"}
+        if options.anneal:
+            used |= {"nu", "normalisation"}
+        return used
+
+    def rule(self, options, *, vq=None, horizon: int = 5, target=None):
+        from relaxspec.acceptance import LanternRule, cached_neighbour_table, cool_weights
+        from relaxspec.acceptance.neighbours import default_cache_dir
+
+        if vq is None:
+            raise RelaxspecError("LANTERN needs the VQ tokenizer (its codebook defines the latent neighbours)")
+        codebook = vq.raw_codebook if options.geometry == "raw" else vq.codebook
+        k = min(options.k, codebook.shape[0] - 1)
+        table = cached_neighbour_table(codebook.detach().float().cpu(), k, options.geometry, default_cache_dir())
+        if options.anneal:
+            # Budgets are TV masses (<= 1): capped, with the mean kept at delta (docs/METHODS.md).
+            schedule = cool_weights(options.delta, options.nu, options.normalisation, horizon, cap=1.0)
+            return LanternRule(table, k, delta_schedule=schedule, residual=options.residual)
+        return LanternRule(table, k, delta=options.delta, lam=options.lam, residual=options.residual)
+
+
+METHODS = (Lantern(),)

@@ -1,0 +1,121 @@
+"""The typed, validated settings of one decoding method: :class:`MethodOptions`."""
+
+from __future__ import annotations
+
+from relaxspec.errors import RelaxspecError
+from relaxspec.methods import registry
+
+
+class MethodOptions:
+    """A method and every setting it can be told (the settings are declared by the method
+    families in :mod:`relaxspec.methods`; ``MethodOptions.settings()`` lists them).
+
+    ``MethodOptions("lantern", delta=0.2)``: ``method`` is a method or preset name (``"ar"``,
+    ``"sd"``, ``"eagle2"``, ``"lantern"``, ``"lantern++"``, ``"cool"``, ``"sjd"``, ``"scd"``, ...);
+    the preset's fields come first, then the given ones. Settings left ``None`` are chosen by the
+    method (``draft``: its own structure; ``depth``: 4 for a chain, 5 for a dynamic tree;
+    LANTERN's ``delta`` / ``lam`` / ``k``), and everything is validated. After construction
+    ``method`` is the method's name (``"lantern"`` for ``"lantern++"``) and every setting is an
+    attribute (``options.delta``). Use :func:`relaxspec.methods.resolve` to put a model's own
+    presets in between and refuse settings the method would ignore.
+    """
+
+    def __init__(self, method: str = "ar", **fields):
+        self._build(method, [fields])
+
+    @classmethod
+    def from_layers(cls, name: str, layers: list[dict]) -> "MethodOptions":
+        """``name``'s registry preset, then each layer in order (e.g. a model's preset, then what
+        the user gave); a setting of a later layer replaces the earlier value, and also drops
+        the alternative it excludes (LANTERN's ``lam`` drops a preset's ``delta``)."""
+        options = cls.__new__(cls)
+        options._build(name, layers)
+        return options
+
+    def _build(self, name: str, layers: list[dict]) -> None:
+        method, key, preset = registry.lookup(name)
+        known = registry.settings()
+        values = {s.name: s.default for s in known.values()}
+        for layer in [preset.fields, *layers]:
+            unknown = sorted(set(layer) - set(known) - {"method"})
+            if unknown:
+                raise RelaxspecError(f"unknown method setting {unknown[0]!r}; settings: {', '.join(known)}")
+            if layer is not preset.fields:
+                self._check_preset(method, key, preset, layer)
+            for field, value in layer.items():
+                if field == "method":
+                    continue
+                values[field] = value
+                other = method.exclusive.get(field)
+                if other is not None and other not in layer:
+                    values[other] = known[other].default
+        object.__setattr__(self, "_values", values)
+        object.__setattr__(self, "method", method.name)
+        object.__setattr__(self, "family", method)
+        for field, value in values.items():
+            known[field].check(value)
+        method.resolve(self)
+
+    @staticmethod
+    def _check_preset(method, key: str, preset, layer: dict) -> None:
+        for field, value in layer.items():
+            if field in preset.refuse:
+                raise RelaxspecError(preset.refuse[field])
+            if field in preset.fixed and value != preset.fields[field]:
+                flag = registry.settings()[field].cli_flag
+                raise RelaxspecError(f"--method {key} means {flag} {preset.fields[field]}; for another value use "
+                                     f"--method {method.name} {flag} {value}")
+
+    # ------------------------------------------------------------------ attribute access
+    def __getattr__(self, name: str):
+        values = self.__dict__.get("_values")
+        if values is not None and name in values:
+            return values[name]
+        raise AttributeError(f"MethodOptions has no setting {name!r}")
+
+    def __setattr__(self, name: str, value) -> None:
+        if name not in self._values:
+            raise AttributeError(f"MethodOptions has no setting {name!r}")
+        self._values[name] = value
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, MethodOptions) and (self.method, self._values) == (other.method, other._values)
+
+    def __repr__(self) -> str:
+        return f"MethodOptions({self.describe()})"
+
+    @staticmethod
+    def settings():
+        """Every setting a method can have: name -> :class:`~relaxspec.methods.base.Setting`."""
+        return registry.settings()
+
+    # ------------------------------------------------------------------ what is used
+    def used_fields(self) -> frozenset[str]:
+        """The settings this method (with its draft structure) actually reads."""
+        return self.family.used_fields(self)
+
+    def check_given(self, given) -> None:
+        """Refuse a setting this method would silently ignore: ``given`` names the fields the
+        user set (``--tree`` without ``--draft static``, ``--lam`` with ``ar``, ...)."""
+        unused = sorted(set(given) - self.used_fields() - {"method"})
+        if unused:
+            from relaxspec.methods.base import STRUCTURE_FIELDS
+
+            users = [d for d, fields in STRUCTURE_FIELDS.items() if unused[0] in fields and d in self.family.drafts]
+            hint = f" (it belongs to --draft {' / '.join(users)})" if users and len(self.family.drafts) > 1 else ""
+            flag = registry.settings()[unused[0]].cli_flag
+            raise RelaxspecError(f"{flag} is not used by {self.family.where(self)}{hint}")
+
+    @property
+    def needs_drafter(self) -> bool:
+        return self.family.needs_drafter(self)
+
+    def to_dict(self) -> dict:
+        """The settings this method reads (:meth:`used_fields`), and only those: what stats.json
+        and bench records say was used."""
+        used = self.used_fields()
+        return {"method": self.method, **{name: value for name, value in self._values.items() if name in used}}
+
+    def describe(self) -> str:
+        """One line: the method and every setting it reads, e.g. ``lantern draft=static ...``."""
+        return " ".join([self.method] + [f"{k}={v}" for k, v in self.to_dict().items() if k != "method"])

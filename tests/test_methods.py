@@ -1,0 +1,99 @@
+"""The method registry: one meaning per method name in generate, bench and the Python API, on a
+model with presets (the embedded one) and without; a new family plugs in with its file and one
+registry entry."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+
+from relaxspec import embedded, methods
+from relaxspec.api import _options
+from relaxspec.bench.config import expand_methods
+from relaxspec.cli import build_parser
+from relaxspec.cli.generate import method_options, use_embedded_defaults
+from relaxspec.errors import RelaxspecError
+from relaxspec.methods import registry
+from relaxspec.methods.base import Method, Preset, Setting
+
+NAMES = [name for name in methods.presets()]
+
+
+def generate_settings(name: str, user_model: bool, *flags: str) -> dict:
+    argv = ["generate", "--out", "x", "--method", name, *flags]
+    if user_model:
+        argv += ["--gpt-ckpt", "gpt.pt", "--vq-ckpt", "vq.pt"]
+    args = build_parser().parse_args(argv)
+    use_embedded_defaults(args)
+    return method_options(args).to_dict()
+
+
+@pytest.mark.parametrize("user_model", [False, True], ids=["embedded", "user-model"])
+@pytest.mark.parametrize("name", NAMES)
+def test_a_name_means_the_same_settings_everywhere(name, user_model):
+    presets = {} if user_model else embedded.defaults()["presets"]
+    from_generate = generate_settings(name, user_model)
+    [spec] = [s for s in expand_methods([name], None, presets) if s.label == name]
+    assert spec.to_dict()["options"] == from_generate
+    defaults = {} if user_model else embedded.defaults()
+    assert _options(name, {}, defaults).to_dict() == from_generate
+
+
+def test_the_embedded_model_tunes_its_method_names():
+    tuned = generate_settings("lantern", False)
+    assert (tuned["draft"], tuned["tree"], tuned["k"], tuned["delta"]) == ("static", "emoji-relaxed", 64, 0.3)
+    plain = generate_settings("lantern", True)  # the paper's setting: EAGLE-2's tree, k 1000, delta 0.1
+    assert (plain["draft"], plain["k"], plain["delta"]) == ("dynamic", 1000, 0.1)
+    # Flags win over the preset, and a flag that replaces the preset's alternative drops it.
+    assert generate_settings("lantern", False, "--lam", "3")["lam"] == 3.0
+    assert "delta" not in generate_settings("lantern", False, "--lam", "3")
+    chain = generate_settings("lantern", False, "--draft", "chain", "--depth", "2")
+    assert (chain["draft"], chain["depth"], chain["k"]) == ("chain", 2, 64) and "tree" not in chain
+    with pytest.raises(RelaxspecError, match="--window is not used by --method lantern"):
+        generate_settings("lantern", False, "--window", "4")
+
+
+def test_a_plain_bench_of_the_embedded_model_runs_its_presets():
+    bench = embedded.defaults()["bench"]
+    specs = expand_methods(bench["methods"], None, embedded.defaults()["presets"])
+    assert [s.label for s in specs] == bench["methods"]
+    by_label = {s.label: s.to_dict()["options"] for s in specs}
+    assert by_label["sd"]["tree"] == "emoji-exact" and by_label["lantern"]["delta"] == 0.3
+
+
+class Toy(Method):
+    name = "toy"
+    summary = "a method added by one file and one registry entry"
+    settings = (Setting("toy_strength", float, 0.5, "how strong", minimum=0),)
+    drafts = ("jacobi",)
+    relaxed = True
+    presets = {"toy-strong": Preset({"toy_strength": 2.0}, "a strong toy")}
+
+
+@pytest.fixture
+def toy_family(monkeypatch):
+    module = types.ModuleType("relaxspec.methods.toy")
+    module.METHODS = (Toy(),)
+    monkeypatch.setitem(sys.modules, "relaxspec.methods.toy", module)
+    monkeypatch.setattr(registry, "FAMILIES", registry.FAMILIES + ("toy",))
+    for cached in (registry.methods, registry.settings, registry.presets, registry.spellings):
+        cached.cache_clear()
+    yield
+    monkeypatch.undo()
+    for cached in (registry.methods, registry.settings, registry.presets, registry.spellings):
+        cached.cache_clear()
+
+
+def test_a_new_family_needs_only_its_file_and_a_registry_entry(toy_family):
+    options = methods.resolve("toy-strong", {"window": 4})
+    assert options.to_dict() == {"method": "toy", "window": 4, "compile": False, "record_tv": True,
+                                 "toy_strength": 2.0}
+    args = build_parser().parse_args(["generate", "--out", "x", "--method", "toy", "--toy-strength", "0.25"])
+    use_embedded_defaults(args)
+    assert method_options(args).toy_strength == 0.25
+    [_, spec] = expand_methods(["toy"], ["toy:toy_strength=1,3"])[:2]
+    assert spec.label == "toy[toy_strength=1]" and spec.method_options().toy_strength == 1.0
+    with pytest.raises(RelaxspecError, match="toy_strength must be >= 0"):
+        methods.resolve("toy", {"toy_strength": -1.0})
