@@ -10,7 +10,8 @@ def decode(model, cond, sampling, options: MethodOptions | None = None, *, gener
            vq=None, cond_mask=None, progress: bool = False) -> DecodeResult:
     """Generate ``[B, N]`` image tokens for ``cond`` with the method ``options`` names.
 
-    ``model``: the target :class:`~relaxspec.models.gpt.Transformer`; ``drafter``: an EAGLE
+    ``model``: the target, any :class:`~relaxspec.models.base.TargetModel` (LlamaGen's
+    :class:`~relaxspec.models.gpt.Transformer`); ``drafter``: an EAGLE
     drafter (methods sd / lantern / cool); ``vq``: the tokenizer whose codebook defines LANTERN's
     latent neighbours. ``options.compile`` runs the steps compiled, ``options.record_tv=False``
     skips the TV record of relaxed rules.

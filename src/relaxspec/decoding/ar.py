@@ -9,12 +9,12 @@ from tqdm.auto import tqdm
 
 from relaxspec.decoding.result import DecodeResult
 from relaxspec.decoding.target import GuidedTarget
-from relaxspec.models.gpt import Transformer
+from relaxspec.models.base import TargetModel
 from relaxspec.sampling import SamplingConfig, sample_from
 
 
 @torch.no_grad()
-def generate_ar(model: Transformer, cond: torch.Tensor, sampling: SamplingConfig, *,
+def generate_ar(model: TargetModel, cond: torch.Tensor, sampling: SamplingConfig, *,
                 generator: torch.Generator | None = None, cond_mask: torch.Tensor | None = None,
                 progress: bool = False, compile: bool = False) -> DecodeResult:
     """Sample ``[B, N]`` image tokens one target forward at a time (the baseline, MAL 1.0).

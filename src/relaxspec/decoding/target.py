@@ -16,7 +16,7 @@ import torch
 
 from relaxspec.compiling import compiled
 from relaxspec.timing import Stopwatch
-from relaxspec.models.gpt import Transformer
+from relaxspec.models.base import TargetModel
 from relaxspec.sampling import SamplingConfig, process_logits, stream_rows
 
 
@@ -34,7 +34,7 @@ def attention_mask(slots: torch.Tensor, mask: torch.Tensor | None, key_valid: to
     return (mask & key_valid[:, None, :]) | (keys == slots[:, :, None])
 
 
-def guided_step(model: Transformer, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+def guided_step(model: TargetModel, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                 mask: torch.Tensor | None, key_valid: torch.Tensor | None, sampling: SamplingConfig,
                 streams: int) -> tuple[torch.Tensor, torch.Tensor]:
     """One target forward for ``B`` images over ``tokens [B, T]`` (repeated for each CFG
@@ -43,13 +43,13 @@ def guided_step(model: Transformer, tokens: torch.Tensor, positions: torch.Tenso
     ``[S*B, T, dim]``. This is what ``--compile`` compiles."""
     slots = stream_rows(slots, streams)
     attn_mask = attention_mask(slots, stream_rows(mask, streams), key_valid, model.max_seq)
-    logits, hidden = model(stream_rows(tokens, streams), stream_rows(positions, streams), cache_slots=slots,
-                           attn_mask=attn_mask, return_hidden=True, check=False)
+    logits, hidden = model.step(stream_rows(tokens, streams), stream_rows(positions, streams), slots, attn_mask)
     return process_logits(logits, sampling), hidden
 
 
 class GuidedTarget:
-    """Drive ``model`` for ``B`` images (``2B`` rows with CFG).
+    """Drive ``model`` (any :class:`~relaxspec.models.base.TargetModel`) for ``B`` images
+    (``2B`` rows with CFG).
 
     ``cond``: class ids ``[B]`` or caption features ``[B, C, caption_dim]``; ``cond_mask [B, C]``
     (t2i only) marks real caption tokens — padded ones are hidden from every query, as upstream.
@@ -60,7 +60,7 @@ class GuidedTarget:
     decodes, and every forward attends over the whole cache through a mask built from slots.
     """
 
-    def __init__(self, model: Transformer, cond: torch.Tensor, sampling: SamplingConfig, *,
+    def __init__(self, model: TargetModel, cond: torch.Tensor, sampling: SamplingConfig, *,
                  cond_mask: torch.Tensor | None = None, scratch: int = 0, compile: bool = False):
         self.model, self.sampling = model, sampling
         config = model.config
@@ -68,7 +68,7 @@ class GuidedTarget:
         self.streams = 2 if sampling.use_cfg else 1
         self.cls = config.cls_token_num
         self.num_tokens = config.block_size
-        self.device = model.output.weight.device
+        self.device = model.device
         cond = cond.to(self.device)
         self.cond = torch.cat([cond, model.null_condition(cond)]) if self.streams == 2 else cond
         self.max_seq = self.cls + self.num_tokens + scratch
@@ -88,9 +88,8 @@ class GuidedTarget:
         hidden state at the last condition position ``[S*B, 1, dim]`` (all streams)."""
         slots = torch.arange(self.cls, device=self.device).expand(self.batch * self.streams, -1)
         with self.watch:
-            logits, hidden = self.model(cond=self.cond, positions=slots, cache_slots=slots,
-                                        attn_mask=attention_mask(slots, None, self.key_valid, self.max_seq),
-                                        return_hidden=True, check=False)
+            logits, hidden = self.model.prefill(self.cond, slots, slots,
+                                                attention_mask(slots, None, self.key_valid, self.max_seq))
         self.forwards += 1
         return process_logits(logits[:, -1], self.sampling), hidden[:, -1:]
 

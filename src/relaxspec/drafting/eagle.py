@@ -23,7 +23,8 @@ import torch.nn as nn
 
 from relaxspec.checkpoints import load_strict, read_state
 from relaxspec.errors import RelaxspecError
-from relaxspec.models.gpt import (GPTConfig, Transformer, TransformerBlock, allocate_kv_store, release_kv_store,
+from relaxspec.models.base import TargetModel
+from relaxspec.models.gpt import (GPTConfig, TransformerBlock, allocate_kv_store, release_kv_store,
                                   rope_table_2d, run_blocks)
 
 
@@ -59,7 +60,7 @@ class EagleDrafter(nn.Module):
         self.fc = nn.Linear(2 * tcfg.dim, tcfg.dim, bias=True)
         self.layers = nn.ModuleList(TransformerBlock(tcfg) for _ in range(config.n_layer))
         self.register_buffer("rope", rope_table_2d(tcfg.grid_size, tcfg.head_dim, tcfg.rope_base, 0), persistent=False)
-        self._target: tuple[Transformer] | None = None  # a tuple so the target is not a submodule
+        self._target: tuple[TargetModel] | None = None  # a tuple so the target is not a submodule
         self._kv_store: torch.Tensor | None = None
         for module in self.modules():
             if isinstance(module, nn.Linear):
@@ -68,11 +69,11 @@ class EagleDrafter(nn.Module):
                     nn.init.zeros_(module.bias)
 
     @classmethod
-    def for_target(cls, target: Transformer, n_layer: int = 1) -> "EagleDrafter":
+    def for_target(cls, target: TargetModel, n_layer: int = 1) -> "EagleDrafter":
         drafter = cls(DrafterConfig(target=target.config.to_dict(), n_layer=n_layer))
-        return drafter.to(target.output.weight.dtype).attach(target)
+        return drafter.to(target.dtype).attach(target)
 
-    def attach(self, target: Transformer) -> "EagleDrafter":
+    def attach(self, target: TargetModel) -> "EagleDrafter":
         tcfg, mine = target.config, self.config.target_config
         if (tcfg.dim, tcfg.vocab_size, tcfg.block_size, tcfg.n_head) != (mine.dim, mine.vocab_size, mine.block_size, mine.n_head):
             raise RelaxspecError(
@@ -83,7 +84,7 @@ class EagleDrafter(nn.Module):
         return self
 
     @property
-    def target(self) -> Transformer:
+    def target(self) -> TargetModel:
         if self._target is None:
             raise RuntimeError("call drafter.attach(target) first")
         return self._target[0]
@@ -109,16 +110,16 @@ class EagleDrafter(nn.Module):
         [R, T]``, ``positions [R, T]`` image-token indices. Returns the predicted next features
         ``[R, T, dim]`` and their draft logits ``[R, T, vocab]`` (fp32, unprocessed)."""
         target = self.target
-        emb = target.tok_embeddings(tokens).to(self.fc.weight.dtype)
+        emb = target.embed_tokens(tokens).to(self.fc.weight.dtype)
         h = self.fc(torch.cat([emb, features.to(self.fc.weight.dtype)], dim=-1))
         h = run_blocks(self.layers, h, self.rope[positions], cache_slots, attn_mask, kv_len)
-        return h, target.output(h.to(target.output.weight.dtype)).float()
+        return h, target.head(h)
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
 
-def load_drafter(path: str | Path, target: Transformer) -> EagleDrafter:
+def load_drafter(path: str | Path, target: TargetModel) -> EagleDrafter:
     """Read a drafter folder written by ``relaxspec train-drafter``
     (:func:`relaxspec.training.drafter.train_drafter`) (``kind == "drafter"``) and attach it
     to ``target`` (its dtype and device)."""
@@ -138,5 +139,4 @@ def load_drafter(path: str | Path, target: Transformer) -> EagleDrafter:
     except TypeError as err:
         raise RelaxspecError(f"{path}: bad drafter config ({err})") from None
     load_strict(drafter, loaded.state_dict, str(path))
-    weight = target.output.weight
-    return drafter.to(device=weight.device, dtype=weight.dtype).eval().attach(target)
+    return drafter.to(device=target.device, dtype=target.dtype).eval().attach(target)

@@ -399,6 +399,34 @@ class Transformer(nn.Module):
         """Copy KV slots ``src [B, n]`` to ``dst [B, n]`` in every layer (two ops in all)."""
         move_kv(self._kv_store, src, dst)
 
+    # ---------------------------------------------------------------- TargetModel (relaxspec.models.base)
+    @property
+    def device(self) -> torch.device:
+        return self.output.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.output.weight.dtype
+
+    @property
+    def token_embeddings(self) -> torch.Tensor:
+        return self.tok_embeddings.weight[: self.config.vocab_size]
+
+    def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.tok_embeddings(tokens)
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.output(hidden.to(self.output.weight.dtype)).float()
+
+    def prefill(self, cond: torch.Tensor, positions: torch.Tensor, cache_slots: torch.Tensor,
+                attn_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self(cond=cond, positions=positions, cache_slots=cache_slots, attn_mask=attn_mask, return_hidden=True,
+                    check=False)
+
+    def step(self, tokens: torch.Tensor, positions: torch.Tensor, cache_slots: torch.Tensor,
+             attn_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self(tokens, positions, cache_slots=cache_slots, attn_mask=attn_mask, return_hidden=True, check=False)
+
     # ---------------------------------------------------------------- embeddings
     def null_condition(self, cond: torch.Tensor) -> torch.Tensor:
         """The unconditional counterpart of ``cond`` (null class id, or the uncond caption)."""

@@ -1,0 +1,101 @@
+"""What decoding needs from a model family: :class:`TargetModel` (the autoregressive
+transformer) and :class:`ImageTokenizer` (tokens <-> pixels, and the codebook).
+
+The engine (:mod:`relaxspec.decoding`), the draft sources and the acceptance rules' builders use
+only these members; LlamaGen (:class:`relaxspec.models.gpt.Transformer`,
+:class:`relaxspec.models.vq.VQModel`) is the first implementation. A family that brings its own
+conditioning, positions or caches implements the same members.
+
+Conventions. ``B`` images, ``S`` CFG streams (2 with guidance: rows ``0..B-1`` conditional,
+``B..2B-1`` unconditional), ``R = S*B`` rows, ``T`` tokens per call, ``V`` vocabulary, ``D``
+hidden size, ``C = config.cls_token_num`` condition slots. The condition occupies cache slots and
+positions ``0..C-1``; image token ``k`` is at slot ``C + k`` once committed; speculative drafts
+sit in scratch slots past the image and are compacted with :meth:`TargetModel.move_cache`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+from torch import Tensor
+
+
+@runtime_checkable
+class TargetModel(Protocol):
+    """An autoregressive image-token model, as decoding drives it.
+
+    ``config`` has at least ``vocab_size`` (``V``), ``block_size`` (image tokens ``N``),
+    ``grid_size`` (``N = grid_size**2``), ``cls_token_num`` (``C``), ``dim`` (``D``),
+    ``num_classes`` and ``model_type`` (``"c2i"`` / ``"t2i"``). ``class_names``: the class names
+    when the checkpoint carries them, else ``None``. ``max_seq``: slots of the current cache.
+    """
+
+    config: Any
+    class_names: list[str] | None
+    max_seq: int
+
+    @property
+    def device(self) -> torch.device:
+        """Where the weights live (and decoding runs)."""
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The weights' dtype (drafters are cast to it)."""
+
+    @property
+    def token_embeddings(self) -> Tensor:
+        """``[V, D]`` input embedding of every image token (GSD's latent distance reads it)."""
+
+    def null_condition(self, cond: Tensor) -> Tensor:
+        """The unconditional counterpart of ``cond`` (same shape), for classifier-free guidance."""
+
+    def setup_caches(self, rows: int, max_seq: int, dtype: torch.dtype | None = None) -> None:
+        """Allocate static KV caches of ``rows`` rows and ``max_seq`` slots (kept between decodes
+        of the same shape)."""
+
+    def clear_caches(self) -> None:
+        """Free the caches."""
+
+    def move_cache(self, src: Tensor, dst: Tensor) -> None:
+        """Copy cache slots ``src [R, n]`` onto ``dst [R, n]`` in every layer (KV compaction after
+        a speculative step; a slot copied onto itself is a no-op)."""
+
+    def prefill(self, cond: Tensor, positions: Tensor, cache_slots: Tensor, attn_mask: Tensor) -> tuple[Tensor, Tensor]:
+        """Encode conditions ``cond`` (class ids ``[R]`` or features ``[R, C, ...]``) at
+        ``positions [R, C]`` into ``cache_slots [R, C]``, attending by ``attn_mask [R, C,
+        max_seq]`` (True = may attend). Returns fp32 logits ``[R, C, V]`` (the last predicts image
+        token 0) and the final hidden states ``[R, C, D]``."""
+
+    def step(self, tokens: Tensor, positions: Tensor, cache_slots: Tensor, attn_mask: Tensor) -> tuple[Tensor, Tensor]:
+        """One forward over image tokens ``tokens [R, T]`` at RoPE / position ids ``positions
+        [R, T]``, writing ``cache_slots [R, T]`` and attending by the tree mask ``attn_mask [R, T,
+        max_seq]``. Returns fp32 logits ``[R, T, V]`` (what each input predicts next) and the final
+        hidden states ``[R, T, D]`` (what the output head sees; EAGLE drafts from them). No host
+        syncs: this is what ``--compile`` compiles."""
+
+    def embed_tokens(self, tokens: Tensor) -> Tensor:
+        """``tokens [..]`` -> input embeddings ``[.., D]`` (the drafter's token input)."""
+
+    def head(self, hidden: Tensor) -> Tensor:
+        """Final hidden states ``[.., D]`` -> fp32 logits ``[.., V]`` (the drafter's output head)."""
+
+
+@runtime_checkable
+class ImageTokenizer(Protocol):
+    """The image tokenizer of a model family: ``config.codebook_size`` (``V``),
+    ``config.downsample_factor`` (pixels per token side)."""
+
+    config: Any
+
+    @property
+    def codebook(self) -> Tensor:
+        """``[V, d]`` the code vectors the decoder reads (LANTERN's normalised geometry, GSD's
+        codebook latent)."""
+
+    @property
+    def raw_codebook(self) -> Tensor:
+        """``[V, d]`` the stored code vectors (LANTERN's raw geometry)."""
+
+    def decode(self, tokens: Tensor) -> Tensor:
+        """Image tokens ``[B, N]`` -> pixels ``[B, 3, H, W]`` in ``[-1, 1]`` (no grad)."""
