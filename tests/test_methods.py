@@ -51,8 +51,10 @@ def test_the_embedded_model_tunes_its_method_names():
     assert "delta" not in generate_settings("lantern", False, "--lam", "3")
     chain = generate_settings("lantern", False, "--draft", "chain", "--depth", "2")
     assert (chain["draft"], chain["depth"], chain["k"]) == ("chain", 2, 64) and "tree" not in chain
-    with pytest.raises(RelaxspecError, match="--window is not used by --method lantern"):
-        generate_settings("lantern", False, "--window", "4")
+    with pytest.raises(RelaxspecError, match="--group-p-gap is not used by --method lantern"):
+        generate_settings("lantern", False, "--group-p-gap", "0.1")
+    with pytest.raises(RelaxspecError, match="--k is not used by --method gsd --draft jacobi"):
+        generate_settings("gsd", False, "--k", "5")
 
 
 def test_a_plain_bench_of_the_embedded_model_runs_its_presets():
