@@ -487,3 +487,22 @@ def test_models_and_sampling_default_to_the_embedded_model_or_upstream(tmp_path)
     resolve_models(args)
     assert (args.cfg_scale, args.temperature, args.top_k, args.top_p) == (2.0, 1.0, 2000, 1.0)
     assert args.image_size == 256 and args.vq_model == "VQ-16"
+
+
+def test_verdict_names_the_fastest_method_within_ar_quality():
+    from relaxspec.bench.report import verdict
+
+    def row(label, speedup, acc=None, fid=None):
+        quality = None if acc is None else {"class_accuracy_diff_vs_ar": acc, "fid_like_diff_vs_ar": fid}
+        return {"label": label, "speedup": speedup, "speedup_lo": speedup - 0.1, "speedup_hi": speedup + 0.1,
+                "quality": quality}
+
+    timed = [row("ar", 1.0), row("sd", 1.2), row("lantern", 2.0), row("cool", 1.7)]
+    assert verdict(timed) == "verdict: fastest is lantern, 2.00x ar [1.90, 2.10] (quality not measured)"
+    judged = [row("ar", 1.0, [0, 0, 0], [0, 0, 0]), row("sd", 1.2, [0.0, -0.1, 0.1], [0.1, -1, 1]),
+              row("lantern", 2.0, [-0.2, -0.3, -0.1], [5, 1, 9]),  # measurably worse on both
+              row("cool", 1.7, [-0.05, -0.2, 0.1], [1, -2, 3])]
+    assert verdict(judged) == "verdict: fastest within ar's quality is cool, 1.70x ar [1.60, 1.80]"
+    judged[3]["quality"]["fid_like_diff_vs_ar"] = [3, 1, 5]  # FID-like measurably worse
+    judged[1]["quality"]["class_accuracy_diff_vs_ar"] = [-0.2, -0.3, -0.05]
+    assert verdict(judged) == "verdict: no method keeps quality within ar's intervals; fastest overall is lantern"

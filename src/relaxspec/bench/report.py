@@ -349,6 +349,36 @@ def _split(row: dict) -> str:
     return " / ".join(f"{100 * row[k]:.0f}%" for k in ("target_share", "drafter_forward_share", "overhead_share"))
 
 
+def within_baseline_quality(row: dict) -> bool | None:
+    """Whether a method's quality is not measurably worse than the baseline's: the 95 % paired
+    intervals of its class-accuracy difference reach 0 or above and of its FID-like difference
+    reach 0 or below (``None`` when its quality was not measured against the baseline)."""
+    quality = row.get("quality") or {}
+    accuracy, fid = quality.get("class_accuracy_diff_vs_ar"), quality.get("fid_like_diff_vs_ar")
+    if accuracy is None and fid is None:
+        return None
+    return (accuracy is None or accuracy[2] >= 0) and (fid is None or fid[1] <= 0)
+
+
+def verdict(rows: Sequence[dict], baseline: str = BASELINE) -> str:
+    """One line: the fastest method (median speed-up) whose quality stays within the baseline's
+    intervals, or the fastest overall when quality was not measured."""
+    timed = [row for row in rows if row["label"] != baseline and row.get("speedup") is not None]
+    if not timed:
+        return f"verdict: no method has a speed-up against {baseline}"
+    judged = {row["label"]: within_baseline_quality(row) for row in timed}
+    fastest = max(timed, key=lambda row: row["speedup"])
+    if all(v is None for v in judged.values()):
+        return (f"verdict: fastest is {fastest['label']}, {fastest['speedup']:.2f}x {baseline} "
+                f"[{fastest['speedup_lo']:.2f}, {fastest['speedup_hi']:.2f}] (quality not measured)")
+    good = [row for row in timed if judged[row["label"]]]
+    if not good:
+        return f"verdict: no method keeps quality within {baseline}'s intervals; fastest overall is {fastest['label']}"
+    best = max(good, key=lambda row: row["speedup"])
+    return (f"verdict: fastest within {baseline}'s quality is {best['label']}, {best['speedup']:.2f}x {baseline} "
+            f"[{best['speedup_lo']:.2f}, {best['speedup_hi']:.2f}]")
+
+
 def markdown_table(rows: Sequence[dict], baseline: str = BASELINE) -> str:
     """One row per method: speed, certificate and (when measured) quality."""
     quality = any(row.get("quality") for row in rows)
@@ -631,6 +661,7 @@ def write_report(out_dir: str | Path, *, vq=None, classifier=None, real_data: st
             notes.append(f"plots not drawn: matplotlib is not installed (pip install 'relaxspec[plots]'); "
                          f"their numbers are in {PLOT_DATA}")
     summary = {"settings": settings, "methods": rows, "notes": notes, "quality_measured": quality_done,
+               "verdict": verdict(rows, baseline),
                "definitions": {
                    "latency": "DecodeResult.seconds per image: decoding from the condition prefill to the last token, "
                               "before VQ decoding (median and quartiles over images)",
@@ -650,7 +681,7 @@ def write_report(out_dir: str | Path, *, vq=None, classifier=None, real_data: st
     write_atomic(out / SUMMARY_CSV, lambda temp: temp.write_text(csv_text(rows)))
     write_atomic(out / SUMMARY_MD, lambda temp: temp.write_text(markdown_report(rows, settings, notes, baseline)))
     write_json(out / PLOT_DATA, data)
-    return {"rows": rows, "files": written, "notes": notes}
+    return {"rows": rows, "files": written, "notes": notes, "verdict": summary["verdict"]}
 
 
 def markdown_report(rows: Sequence[dict], settings: dict, notes: Sequence[str], baseline: str = BASELINE) -> str:
@@ -669,12 +700,15 @@ def markdown_report(rows: Sequence[dict], settings: dict, notes: Sequence[str], 
     if vs_ar:
         text += ["Quality relative to AR (method − AR; an interval holding 0: indistinguishable at this sample size):",
                  "", vs_ar]
+    text += [verdict(rows, baseline).replace("verdict: ", "**Verdict:** ", 1), ""]
     if notes:
         text += ["Notes:", ""] + [f"- {n}" for n in notes] + [""]
     return "\n".join(text)
 
 
 __all__ = [
+    "verdict",
+    "within_baseline_quality",
     "accept_length_histogram",
     "acceptance_map",
     "accepted_flags",

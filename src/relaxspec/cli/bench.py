@@ -280,6 +280,7 @@ def _report(write_report, out: str, vq, classifier, args: argparse.Namespace, pr
     for note in result["notes"]:
         print(f"note: {note}")
     print(f"wrote {', '.join(p.name for p in result['files'])} in {out} (table: {Path(out) / SUMMARY_MD})")
+    print(result["verdict"])
     return 0
 
 
