@@ -506,3 +506,14 @@ def test_verdict_names_the_fastest_method_within_ar_quality():
     judged[3]["quality"]["fid_like_diff_vs_ar"] = [3, 1, 5]  # FID-like measurably worse
     judged[1]["quality"]["class_accuracy_diff_vs_ar"] = [-0.2, -0.3, -0.05]
     assert verdict(judged) == "verdict: no method keeps quality within ar's intervals; fastest overall is lantern"
+
+
+def test_gsd_is_benchmarked_like_decode(models):
+    """GSD's rule reads the target's token embeddings: the bench hands it the target."""
+    cond = torch.tensor([3])
+    [_, spec] = expand_methods(["gsd"], ["gsd:window=4"])
+    method = PreparedMethod.build(spec, SAMPLING, None, models["vq"], models["target"])
+    mine = bench_run.decode_method(method, models["target"], cond, torch.Generator().manual_seed(0))
+    theirs = decode(models["target"], cond, SAMPLING, spec.method_options(), vq=models["vq"],
+                    generator=torch.Generator().manual_seed(0))
+    assert torch.equal(mine.tokens, theirs.tokens) and mine.accept_lengths == theirs.accept_lengths

@@ -80,7 +80,7 @@ def generate(classes: str | Sequence[int | str] | None = None, method: str | Met
     if options.needs_drafter and drafter is None:
         raise RelaxspecError(f"method {options.method!r} drafts with an EAGLE drafter: pass model=(target, vq, drafter)")
     cond = torch.tensor(_class_ids(classes, target, defaults), dtype=torch.long)
-    run_device = target.output.weight.device
+    run_device = target.device
     generator = torch.Generator(device=run_device).manual_seed(batch_seed(seed, 0))
     result = decode(target, cond, sampling, options, generator=generator, drafter=drafter, vq=vq, progress=progress)
     pixels = to_uint8(vq.decode(result.tokens.to(run_device))).cpu().numpy()

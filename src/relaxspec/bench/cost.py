@@ -103,7 +103,7 @@ def measure_forward_costs(target_model, drafter=None, *, sampling: SamplingConfi
     config = target_model.config
     if config.model_type != "c2i":
         raise RelaxspecError("forward costs are measured on class-conditional (c2i) targets")
-    device = target_model.output.weight.device
+    device = target_model.device
     context = config.block_size // 2  # a KV cache half full: the average step of an image
     largest = max(target_sizes)
     target = GuidedTarget(target_model, torch.zeros(1, dtype=torch.long, device=device), sampling, scratch=largest)

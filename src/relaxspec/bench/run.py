@@ -57,7 +57,7 @@ class PreparedMethod:
     rule: object = None
 
     @classmethod
-    def build(cls, spec: MethodSpec, sampling: SamplingConfig, drafter=None, vq=None) -> PreparedMethod:
+    def build(cls, spec: MethodSpec, sampling: SamplingConfig, drafter=None, vq=None, target=None) -> PreparedMethod:
         options = spec.method_options()
         sampling = spec.sampling_config(sampling)
         if options.method == "ar":
@@ -65,7 +65,7 @@ class PreparedMethod:
         if options.needs_drafter and drafter is None:
             raise RelaxspecError(f"{spec.label} needs a trained drafter (--drafter-ckpt)")
         source = build_source(options, drafter, sampling, compile=options.compile)
-        return cls(spec, sampling, options, source, build_rule(options, vq, horizon=source.max_depth))
+        return cls(spec, sampling, options, source, build_rule(options, vq, horizon=source.max_depth, target=target))
 
 
 def decode_method(method: PreparedMethod, target, cond: torch.Tensor, generator: torch.Generator) -> DecodeResult:
@@ -176,7 +176,7 @@ def _sync(device: torch.device) -> None:
 def timed_decode(method: PreparedMethod, target, cond: torch.Tensor, seed: int) -> tuple[DecodeResult, float]:
     """``(result, wall seconds)``; the garbage collector is off during the call (as ``timeit``
     does) so a collection never lands inside one method's timing."""
-    device = target.output.weight.device
+    device = target.device
     generator = torch.Generator(device=device).manual_seed(seed)
     _sync(device)
     gc_was_enabled = gc.isenabled()
@@ -256,8 +256,8 @@ def run_bench(target, vq, drafter, classes: Sequence[int], methods: Sequence[Met
         stack.callback(torch.set_num_threads, torch.get_num_threads())
         if threads is not None:
             torch.set_num_threads(threads)
-        prepared = {m.label: PreparedMethod.build(m, sampling, drafter, vq) for m in methods}
-        device = target.output.weight.device
+        prepared = {m.label: PreparedMethod.build(m, sampling, drafter, vq, target) for m in methods}
+        device = target.device
         first = torch.tensor([int(c) for c in classes[: len(units[0])]], device=device)
         pending = {m.label for _, m in todo}
         for w in range(warmup):
