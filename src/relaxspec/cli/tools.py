@@ -194,10 +194,14 @@ def _info_embedded(args: argparse.Namespace) -> int:
         print(f"== {part}")
         _print_info(info)
     defaults = embedded.defaults()
-    print("== defaults (relaxspec generate with no checkpoint options; bench uses the sampling)")
+    print("== defaults (relaxspec generate / bench / relaxspec.generate with no checkpoint options)")
     for key in ("sampling", "method"):
         if key in defaults:
             print(f"{key + ':':11s} " + ", ".join(f"{k}={v}" for k, v in defaults[key].items()))
+    for name, fields in defaults.get("presets", {}).items():
+        print(f"{'preset:':11s} {name}: " + ", ".join(f"{k}={v}" for k, v in fields.items()))
+    if "bench" in defaults:
+        print(f"{'bench:':11s} " + ", ".join(f"{k}={v}" for k, v in defaults["bench"].items()))
     if "classes" in defaults:
         print(f"classes:    {defaults['classes']}")
     print(f"model card: {card}")
