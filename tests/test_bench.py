@@ -506,6 +506,8 @@ def test_verdict_names_the_fastest_method_within_ar_quality():
     judged[3]["quality"]["fid_like_diff_vs_ar"] = [3, 1, 5]  # FID-like measurably worse
     judged[1]["quality"]["class_accuracy_diff_vs_ar"] = [-0.2, -0.3, -0.05]
     assert verdict(judged) == "verdict: no method keeps quality within ar's intervals; fastest overall is lantern"
+    one_image = [row("ar", 1.0), {**row("sd", 1.3), "speedup_lo": None, "speedup_hi": None}]
+    assert verdict(one_image) == "verdict: fastest is sd, 1.30x ar (quality not measured)"
 
 
 def test_gsd_is_benchmarked_like_decode(models):

@@ -367,16 +367,19 @@ def verdict(rows: Sequence[dict], baseline: str = BASELINE) -> str:
     if not timed:
         return f"verdict: no method has a speed-up against {baseline}"
     judged = {row["label"]: within_baseline_quality(row) for row in timed}
+
+    def speed(row: dict) -> str:
+        interval = "" if row.get("speedup_lo") is None else f" [{row['speedup_lo']:.2f}, {row['speedup_hi']:.2f}]"
+        return f"{row['speedup']:.2f}x {baseline}{interval}"
+
     fastest = max(timed, key=lambda row: row["speedup"])
     if all(v is None for v in judged.values()):
-        return (f"verdict: fastest is {fastest['label']}, {fastest['speedup']:.2f}x {baseline} "
-                f"[{fastest['speedup_lo']:.2f}, {fastest['speedup_hi']:.2f}] (quality not measured)")
+        return f"verdict: fastest is {fastest['label']}, {speed(fastest)} (quality not measured)"
     good = [row for row in timed if judged[row["label"]]]
     if not good:
         return f"verdict: no method keeps quality within {baseline}'s intervals; fastest overall is {fastest['label']}"
     best = max(good, key=lambda row: row["speedup"])
-    return (f"verdict: fastest within {baseline}'s quality is {best['label']}, {best['speedup']:.2f}x {baseline} "
-            f"[{best['speedup_lo']:.2f}, {best['speedup_hi']:.2f}]")
+    return f"verdict: fastest within {baseline}'s quality is {best['label']}, {speed(best)}"
 
 
 def markdown_table(rows: Sequence[dict], baseline: str = BASELINE) -> str:
