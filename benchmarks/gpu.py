@@ -28,7 +28,7 @@ from relaxspec import embedded
 from relaxspec.bench.cost import measure_forward_costs
 from relaxspec.decoding import MethodOptions, decode
 from relaxspec.drafting.eagle import EagleDrafter
-from relaxspec.models.gpt import Transformer, gpt_config
+from relaxspec.models.llamagen.gpt import Transformer, gpt_config
 from relaxspec.sampling import SamplingConfig
 
 METHODS = {

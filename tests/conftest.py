@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from relaxspec.models.gpt import GPTConfig, Transformer
-from relaxspec.models.vq import VQConfig, VQModel
+from relaxspec.models.llamagen.gpt import GPTConfig, Transformer
+from relaxspec.models.llamagen.vq import VQConfig, VQModel
 
 
 #: 64-d, 2 layers, 4 heads (head dim 16), 64 codes, 10 classes, 4x4 token grid.

@@ -4,7 +4,7 @@ import torch
 
 from relaxspec.bench.ambiguity import ambiguity_report, processed_distributions
 from relaxspec.decoding.ar import generate_ar
-from relaxspec.models.gpt import GPTConfig, Transformer
+from relaxspec.models.llamagen.gpt import GPTConfig, Transformer
 from relaxspec.sampling import SamplingConfig
 
 

@@ -25,7 +25,7 @@ from relaxspec.bench.report import (
     write_report,
 )
 from relaxspec.bench.run import PreparedMethod, read_records, run_bench
-from relaxspec.checkpoints import load_gpt, load_vq, save_model
+from relaxspec.models.llamagen.checkpoints import load_gpt, load_vq, save_model
 from relaxspec.cli.options import Parser, UsageError
 from relaxspec.decoding import decode
 from relaxspec.drafting.eagle import EagleDrafter

@@ -11,10 +11,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from relaxspec.checkpoints import describe, infer_gpt_fields, load_gpt, load_vq, read_state, save_model
+from relaxspec.models.llamagen.checkpoints import describe, infer_gpt_fields, load_gpt, load_vq, read_state, save_model
 from relaxspec.errors import RelaxspecError
-from relaxspec.models.gpt import rope_table_2d
-from relaxspec.models.vq import VQ_CONFIGS, VQModel
+from relaxspec.models.llamagen.gpt import rope_table_2d
+from relaxspec.models.llamagen.vq import VQ_CONFIGS, VQModel
 
 from test_gpt import gpt_b_expected_shapes
 

@@ -17,12 +17,12 @@ import torch
 from PIL import Image
 
 import relaxspec.cli.generate as cli
-from relaxspec.checkpoints import load_gpt, load_vq, read_state
+from relaxspec.models.llamagen.checkpoints import load_gpt, load_vq, read_state
 from relaxspec.cli import main
 from relaxspec.sampling import batch_seed
 from relaxspec.decoding import decode
-from relaxspec.models.gpt import GPTConfig, Transformer, rope_table_2d
-from relaxspec.models.vq import VQConfig, VQModel, to_uint8
+from relaxspec.models.llamagen.gpt import GPTConfig, Transformer, rope_table_2d
+from relaxspec.models.llamagen.vq import VQConfig, VQModel, to_uint8
 from relaxspec.sampling import SamplingConfig
 
 from conftest import TINY_VQ

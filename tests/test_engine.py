@@ -52,7 +52,7 @@ from relaxspec.drafting.static_tree import StaticTree
 from relaxspec.drafting.tree_tables import ancestor_matrix
 from relaxspec.drafting.trees import EAGLE25, TreeSpec, load_tree
 from relaxspec.errors import RelaxspecError
-from relaxspec.models.gpt import GPTConfig, Transformer
+from relaxspec.models.llamagen.gpt import GPTConfig, Transformer
 from relaxspec.sampling import SamplingConfig, process_logits
 
 ALPHA = 1e-3

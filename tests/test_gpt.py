@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from relaxspec.models.gpt import GPT_SIZES, GPTConfig, Transformer, apply_rope, gpt_config, rope_table_2d
+from relaxspec.models.llamagen.gpt import GPT_SIZES, GPTConfig, Transformer, apply_rope, gpt_config, rope_table_2d
 
 ATOL = 1e-4
 

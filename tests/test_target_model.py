@@ -13,8 +13,8 @@ from relaxspec import methods
 from relaxspec.decoding import decode
 from relaxspec.decoding.ar import generate_ar
 from relaxspec.models.base import ImageTokenizer, TargetModel
-from relaxspec.models.gpt import GPTConfig, Transformer
-from relaxspec.models.vq import VQConfig, VQModel
+from relaxspec.models.llamagen.gpt import GPTConfig, Transformer
+from relaxspec.models.llamagen.vq import VQConfig, VQModel
 from relaxspec.sampling import SamplingConfig
 
 

@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from relaxspec.cli.train import add_train_drafter_parser, run_train_drafter
-from relaxspec.checkpoints import save_model
+from relaxspec.models.llamagen.checkpoints import save_model
 from relaxspec.drafting.eagle import EagleDrafter
 from relaxspec.errors import RelaxspecError
-from relaxspec.models.gpt import GPTConfig, Transformer
-from relaxspec.models.vq import VQConfig, VQModel
+from relaxspec.models.llamagen.gpt import GPTConfig, Transformer
+from relaxspec.models.llamagen.vq import VQConfig, VQModel
 from relaxspec.sampling import SamplingConfig
 from relaxspec.training.drafter import (
     TRAIN_STATE,

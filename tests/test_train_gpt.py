@@ -13,9 +13,9 @@ from safetensors.torch import load_file
 from test_data_emoji import build_fake_dataset
 
 from relaxspec.cli.train import add_train_gpt_parser
-from relaxspec.checkpoints import load_gpt, save_model
+from relaxspec.models.llamagen.checkpoints import load_gpt, save_model
 from relaxspec.errors import RelaxspecError
-from relaxspec.models.vq import VQConfig, VQModel
+from relaxspec.models.llamagen.vq import VQConfig, VQModel
 from relaxspec.training import common
 from relaxspec.training import gpt as gpt_recipe
 from relaxspec.training.gpt import (
@@ -53,7 +53,7 @@ def quick(out, data, vq, **overrides) -> GPTTrainConfig:
 
 
 def test_tokenise_keeps_copy_zero_clean_and_augments_the_rest(data, vq) -> None:
-    from relaxspec.checkpoints import load_vq
+    from relaxspec.models.llamagen.checkpoints import load_vq
 
     model = load_vq(vq)
     train, val = load_images(data, "train"), load_images(data, "val")

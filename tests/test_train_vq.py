@@ -13,9 +13,9 @@ from safetensors.torch import load_file
 from test_data_emoji import build_fake_dataset
 
 from relaxspec.cli.train import add_train_vq_parser
-from relaxspec.checkpoints import load_vq
+from relaxspec.models.llamagen.checkpoints import load_vq
 from relaxspec.errors import RelaxspecError
-from relaxspec.models.vq import VQModel
+from relaxspec.models.llamagen.vq import VQModel
 from relaxspec.training import common
 from relaxspec.training.vq import (
     VQTrainConfig,

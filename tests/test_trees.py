@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from relaxspec.bench.cost import ForwardCosts, measure_forward_costs
-from relaxspec.checkpoints import save_model
+from relaxspec.models.llamagen.checkpoints import save_model
 from relaxspec.cli import main
 from relaxspec.drafting.eagle import EagleDrafter
 from relaxspec.drafting.trees import TreeSpec, best_tree_for_cost, build_tree, expected_accept_length
@@ -116,7 +116,7 @@ def test_measure_forward_costs_on_a_tiny_pair(tiny_gpt) -> None:
 
 
 def test_cli_build_tree_fixed_and_auto(tmp_path, tiny_ckpts, capsys) -> None:
-    from relaxspec.checkpoints import load_gpt, load_vq
+    from relaxspec.models.llamagen.checkpoints import load_gpt, load_vq
 
     entry = tiny_ckpts["c2i"]
     vq = load_vq(entry["vq"], entry["vq_json"])
@@ -147,7 +147,7 @@ def test_cli_build_tree_fixed_and_auto(tmp_path, tiny_ckpts, capsys) -> None:
 def test_resumed_generate_keeps_the_finished_batches_acceptance_counts(tmp_path, tiny_ckpts) -> None:
     """The counts build-tree reads cover every batch of a resumed run once: kept batches keep
     theirs, a redone batch replaces its own."""
-    from relaxspec.checkpoints import load_gpt, load_vq
+    from relaxspec.models.llamagen.checkpoints import load_gpt, load_vq
 
     entry = tiny_ckpts["c2i"]
     vq = load_vq(entry["vq"], entry["vq_json"])

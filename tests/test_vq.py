@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from relaxspec.errors import RelaxspecError
-from relaxspec.models.vq import VQ_CONFIGS, VQConfig, VQModel, to_uint8
+from relaxspec.models.llamagen.vq import VQ_CONFIGS, VQConfig, VQModel, to_uint8
 
 TINY = VQConfig(
     codebook_size=64, codebook_embed_dim=8, z_channels=16, ch=32, ch_mult=(1, 2),

@@ -58,7 +58,7 @@ def generate(classes: str | Sequence[int | str] | None = None, method: str | Met
     """
     from PIL import Image
 
-    from relaxspec.models.vq import to_uint8
+    from relaxspec.models.llamagen.vq import to_uint8
 
     if upscale < 1:
         raise RelaxspecError(f"upscale must be >= 1, got {upscale}")

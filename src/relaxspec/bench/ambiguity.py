@@ -12,14 +12,14 @@ from __future__ import annotations
 import torch
 
 from relaxspec.decoding.ar import generate_ar
-from relaxspec.models.gpt import Transformer
+from relaxspec.models.base import TeacherForcedTarget
 from relaxspec.sampling import SamplingConfig, process_logits
 
 QUANTILES = (0.05, 0.25, 0.5, 0.75, 0.95)
 
 
 @torch.no_grad()
-def processed_distributions(model: Transformer, cond: torch.Tensor, tokens: torch.Tensor,
+def processed_distributions(model: TeacherForcedTarget, cond: torch.Tensor, tokens: torch.Tensor,
                             sampling: SamplingConfig) -> torch.Tensor:
     """Teacher-forced processed next-token laws ``[B, N, V]`` for ``tokens [B, N]`` under ``cond``."""
     if sampling.use_cfg:
@@ -30,7 +30,7 @@ def processed_distributions(model: Transformer, cond: torch.Tensor, tokens: torc
 
 
 @torch.no_grad()
-def ambiguity_report(model: Transformer, classes: list[int], sampling: SamplingConfig, *, samples_per_class: int = 4,
+def ambiguity_report(model: TeacherForcedTarget, classes: list[int], sampling: SamplingConfig, *, samples_per_class: int = 4,
                      seed: int = 0, batch_size: int = 32) -> dict:
     """Sample from the model, then summarise top-1 probability and entropy (nats) per token.
 

@@ -211,7 +211,7 @@ def run_bench_cli(args: argparse.Namespace) -> int:
         vq = None
         if classifier is not None:
             resolve_models(args)
-            from relaxspec.checkpoints import load_vq
+            from relaxspec.models.llamagen.checkpoints import load_vq
 
             vq = load_vq(args.vq_ckpt, args.vq_model, device=device_option(args.device))
             from relaxspec.bench.report import load_real_images
@@ -219,7 +219,7 @@ def run_bench_cli(args: argparse.Namespace) -> int:
             load_real_images(args.real_data)  # checked before any image is decoded
         return _report(write_report, args.out, vq, classifier, args, progress)
 
-    from relaxspec.checkpoints import load_gpt, load_vq
+    from relaxspec.models.llamagen.checkpoints import load_gpt, load_vq
     from relaxspec.drafting.eagle import load_drafter
     from relaxspec.files import file_identity
     from relaxspec.sampling import SamplingConfig

@@ -18,7 +18,7 @@ import torch
 from tqdm.auto import tqdm
 
 from relaxspec import __version__
-from relaxspec.checkpoints import PRECISIONS, load_gpt, load_vq
+from relaxspec.models.llamagen.checkpoints import PRECISIONS, load_gpt, load_vq
 from relaxspec.api import UPSTREAM_SAMPLING
 from relaxspec.cli.options import DEFAULT_CLASSES, device_option, parse_classes, spec_id
 from relaxspec import methods
@@ -28,8 +28,8 @@ from relaxspec.decoding.result import certified_tv, record_tv_sum, total_rank_co
 from relaxspec.drafting.eagle import load_drafter
 from relaxspec.errors import RelaxspecError
 from relaxspec.files import load_caption_features, file_identity, write_atomic, write_grid, write_json, write_png
-from relaxspec.models.gpt import GPT_SIZES, Transformer
-from relaxspec.models.vq import VQ_CONFIGS, to_uint8
+from relaxspec.models.llamagen.gpt import GPT_SIZES, Transformer
+from relaxspec.models.llamagen.vq import VQ_CONFIGS, to_uint8
 from relaxspec.sampling import SamplingConfig, batch_seed
 
 STATS_FILE, TOKENS_FILE = "stats.json", "tokens.npy"

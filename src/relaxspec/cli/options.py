@@ -10,8 +10,8 @@ import torch
 
 from relaxspec.devices import resolve_device
 from relaxspec.errors import RelaxspecError
-from relaxspec.models.gpt import GPT_SIZES
-from relaxspec.models.vq import VQ_CONFIGS
+from relaxspec.models.llamagen.gpt import GPT_SIZES
+from relaxspec.models.llamagen.vq import VQ_CONFIGS
 
 #: Upstream LlamaGen's c2i demo classes (sample_c2i.py), used when --classes is not given.
 DEFAULT_CLASSES = "207,360,387,974,88,979,417,279"

@@ -11,13 +11,13 @@ from pathlib import Path
 
 import torch
 
-from relaxspec.checkpoints import describe, load_gpt, load_vq
+from relaxspec.models.llamagen.checkpoints import describe, load_gpt, load_vq
 from relaxspec.cli.options import device_option
 from relaxspec.decoding.result import add_counts
 from relaxspec.drafting.eagle import load_drafter
 from relaxspec.errors import RelaxspecError
-from relaxspec.models.gpt import GPT_SIZES, GPTConfig, Transformer, gpt_config
-from relaxspec.models.vq import VQ_CONFIGS, VQConfig, VQModel
+from relaxspec.models.llamagen.gpt import GPT_SIZES, GPTConfig, Transformer, gpt_config
+from relaxspec.models.llamagen.vq import VQ_CONFIGS, VQConfig, VQModel
 from relaxspec.sampling import SamplingConfig
 
 #: Random-weight sizes for ``make-test-checkpoints`` (official layout, unnamed sizes, so a JSON

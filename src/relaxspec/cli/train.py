@@ -10,7 +10,7 @@ import argparse
 import json
 from pathlib import Path
 
-from relaxspec.checkpoints import PRECISIONS
+from relaxspec.models.llamagen.checkpoints import PRECISIONS
 from relaxspec.cli.options import Options, add_run_options, config_from_args, int_list
 from relaxspec.data.emoji import INSTALL_COMMAND, PACKAGE, VERSION, build_emoji_dataset, load_data
 from relaxspec.errors import RelaxspecError

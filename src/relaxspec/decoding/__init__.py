@@ -11,7 +11,7 @@ def decode(model, cond, sampling, options: MethodOptions | None = None, *, gener
     """Generate ``[B, N]`` image tokens for ``cond`` with the method ``options`` names.
 
     ``model``: the target, any :class:`~relaxspec.models.base.TargetModel` (LlamaGen's
-    :class:`~relaxspec.models.gpt.Transformer`); ``drafter``: an EAGLE
+    :class:`~relaxspec.models.llamagen.gpt.Transformer`); ``drafter``: an EAGLE
     drafter (methods sd / lantern / cool); ``vq``: the tokenizer whose codebook defines LANTERN's
     latent neighbours. ``options.compile`` runs the steps compiled, ``options.record_tv=False``
     skips the TV record of relaxed rules.

@@ -21,10 +21,10 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from relaxspec.checkpoints import load_strict, read_state
+from relaxspec.models.llamagen.checkpoints import load_strict, read_state
 from relaxspec.errors import RelaxspecError
 from relaxspec.models.base import TargetModel
-from relaxspec.models.gpt import (GPTConfig, TransformerBlock, allocate_kv_store, release_kv_store,
+from relaxspec.models.llamagen.gpt import (GPTConfig, TransformerBlock, allocate_kv_store, release_kv_store,
                                   rope_table_2d, run_blocks)
 
 

@@ -45,7 +45,7 @@ def defaults() -> dict:
 
 def load(device="cpu", precision: str = "fp32", with_drafter: bool = True):
     """``(target, vq, drafter)``; the drafter is ``None`` if not shipped or not asked for."""
-    from relaxspec.checkpoints import load_gpt, load_vq
+    from relaxspec.models.llamagen.checkpoints import load_gpt, load_vq
     from relaxspec.drafting.eagle import load_drafter
 
     target = load_gpt(path("gpt"), precision=precision, device=device)

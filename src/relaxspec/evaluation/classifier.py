@@ -14,7 +14,7 @@ augmentation by small random translations (replicate padding, then a random crop
 flips, AdamW with linear warm-up and cosine decay, label smoothing, top-1 / top-5 on the
 validation split after every epoch. Seeded: the same config and data give the same weights on
 the same machine. Saved in our format (``model.safetensors`` + ``config.json``, kind
-"classifier") with :func:`relaxspec.checkpoints.save_model`; :func:`load_classifier` reads it.
+"classifier") with :func:`relaxspec.models.llamagen.checkpoints.save_model`; :func:`load_classifier` reads it.
 
 Data: a folder with ``train.npz`` and ``val.npz``, each holding ``images`` (uint8
 ``[n, H, W, 3]``) and ``labels`` (int ``[n]``), as ``relaxspec data`` writes them, read into the
@@ -41,7 +41,7 @@ from safetensors.torch import load_file
 from torch import nn
 from tqdm.auto import tqdm
 
-from relaxspec.checkpoints import load_strict, save_model
+from relaxspec.models.llamagen.checkpoints import load_strict, save_model
 from relaxspec.data.emoji import ImageSet, check_image_set, flippable, load_data, load_split
 from relaxspec.data.emoji import augment as data_augment
 from relaxspec.errors import RelaxspecError
@@ -59,7 +59,7 @@ KIND = "classifier"
 def to_model_input(images: np.ndarray | torch.Tensor, size: int | None = None) -> torch.Tensor:
     """Either image convention -> float32 ``[n, 3, H, W]`` in ``[-1, 1]`` (CPU).
 
-    * uint8 ``[n, H, W, 3]`` (PNG pixels, :func:`relaxspec.models.vq.to_uint8`'s output):
+    * uint8 ``[n, H, W, 3]`` (PNG pixels, :func:`relaxspec.models.llamagen.vq.to_uint8`'s output):
       ``x / 127.5 - 1``;
     * float ``[n, 3, H, W]`` in ``[-1, 1]`` (VQ decoder output): clamped to ``[-1, 1]``, as
       saving to PNG would. A float batch reaching past 2 is taken for 0..255 pixels and refused.

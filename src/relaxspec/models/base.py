@@ -2,8 +2,8 @@
 transformer) and :class:`ImageTokenizer` (tokens <-> pixels, and the codebook).
 
 The engine (:mod:`relaxspec.decoding`), the draft sources and the acceptance rules' builders use
-only these members; LlamaGen (:class:`relaxspec.models.gpt.Transformer`,
-:class:`relaxspec.models.vq.VQModel`) is the first implementation. A family that brings its own
+only these members; LlamaGen (:class:`relaxspec.models.llamagen.gpt.Transformer`,
+:class:`relaxspec.models.llamagen.vq.VQModel`) is the first implementation. A family that brings its own
 conditioning, positions or caches implements the same members.
 
 Conventions. ``B`` images, ``S`` CFG streams (2 with guidance: rows ``0..B-1`` conditional,
@@ -79,6 +79,16 @@ class TargetModel(Protocol):
 
     def head(self, hidden: Tensor) -> Tensor:
         """Final hidden states ``[.., D]`` -> fp32 logits ``[.., V]`` (the drafter's output head)."""
+
+
+@runtime_checkable
+class TeacherForcedTarget(TargetModel, Protocol):
+    """A target the training recipes can run teacher-forced (the EAGLE drafter's features)."""
+
+    def forward_train(self, cond: Tensor, tokens: Tensor, return_hidden: bool = False):
+        """Whole images ``tokens [R, N]`` under conditions ``cond`` -> fp32 logits ``[R, N, V]``
+        (row ``k`` predicts image token ``k``) and, with ``return_hidden``, hidden states
+        ``[R, N, D]``."""
 
 
 @runtime_checkable

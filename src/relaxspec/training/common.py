@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from relaxspec.checkpoints import save_model
+from relaxspec.models.llamagen.checkpoints import save_model
 from relaxspec.errors import RelaxspecError
 
 TRAIN_STATE = "train_state.pt"

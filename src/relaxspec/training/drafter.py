@@ -35,11 +35,11 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from relaxspec.checkpoints import PRECISIONS, load_gpt, load_strict, load_vq
+from relaxspec.models.llamagen.checkpoints import PRECISIONS, load_gpt, load_strict, load_vq
 from relaxspec.drafting.eagle import DrafterConfig, EagleDrafter, load_drafter
 from relaxspec.errors import RelaxspecError
-from relaxspec.models.gpt import Transformer
-from relaxspec.models.vq import VQModel
+from relaxspec.models.base import TeacherForcedTarget
+from relaxspec.models.llamagen.vq import VQModel
 from relaxspec.sampling import SamplingConfig
 from relaxspec.training import common
 from relaxspec.training.common import TRAIN_STATE, step_bar
@@ -186,7 +186,7 @@ class DrafterDataset:
             raise RelaxspecError(f"data sources have different sequence lengths {sorted(lengths)}")
         return cls(torch.cat([p.tokens for p in parts]), torch.cat([p.labels for p in parts]))
 
-    def check_for(self, target: Transformer) -> None:
+    def check_for(self, target: TeacherForcedTarget) -> None:
         """Raise unless every sequence is a full image of ``target``'s grid, vocabulary and classes."""
         config = target.config
         if len(self) == 0:
@@ -274,7 +274,7 @@ def _generate_labels(stats: Path) -> tuple[list[int] | None, list[int] | None]:
 
 
 @torch.no_grad()
-def sample_from_target(target: Transformer, count: int, *, classes: list[int] | None = None,
+def sample_from_target(target: TeacherForcedTarget, count: int, *, classes: list[int] | None = None,
                        sampling: SamplingConfig | None = None, seed: int = 0, batch_size: int = 16,
                        progress: bool = False) -> DrafterDataset:
     """``count`` images sampled from the target itself with :func:`generate_ar` (classes cycled
@@ -288,7 +288,7 @@ def sample_from_target(target: Transformer, count: int, *, classes: list[int] | 
         labels = torch.tensor(classes)[torch.arange(count) % len(classes)]
     else:
         labels = torch.randint(target.config.num_classes, (count,), generator=torch.Generator().manual_seed(seed))
-    device = target.output.weight.device
+    device = target.device
     generator = torch.Generator(device=device).manual_seed(seed)
     chunks = []
     for start in tqdm(range(0, count, batch_size), desc="self-samples", disable=not progress, leave=False):
@@ -362,14 +362,14 @@ def encode_images(folder: str | Path, vq: VQModel, image_size: int, *, label: in
     return DrafterDataset(torch.cat(chunks), torch.tensor(labels))
 
 
-def build_dataset(config: DrafterTrainConfig, target: Transformer) -> DrafterDataset:
+def build_dataset(config: DrafterTrainConfig, target: TeacherForcedTarget) -> DrafterDataset:
     """All the sources ``config`` names, concatenated (token files, then self-samples, then images)."""
     parts = [load_token_file(path, config.label) for path in config.data]
     if config.self_samples:
         parts.append(sample_from_target(target, config.self_samples, classes=config.classes, sampling=config.sampling,
                                         seed=config.seed, batch_size=config.batch_size, progress=config.progress))
     if config.images is not None:
-        vq = load_vq(config.vq_ckpt, config.vq_model, device=target.output.weight.device)
+        vq = load_vq(config.vq_ckpt, config.vq_model, device=target.device)
         size = target.config.grid_size * vq.config.downsample_factor
         parts.append(encode_images(config.images, vq, size, label=config.label, batch_size=config.batch_size,
                                    progress=config.progress))
@@ -384,7 +384,7 @@ def build_dataset(config: DrafterTrainConfig, target: Transformer) -> DrafterDat
 
 
 @torch.no_grad()
-def target_features(target: Transformer, tokens: torch.Tensor, labels: torch.Tensor,
+def target_features(target: TeacherForcedTarget, tokens: torch.Tensor, labels: torch.Tensor,
                     null_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The frozen target's teacher-forced pass over ``tokens [B, N]``, under each sequence's class
     and, for the first ``null_rows`` sequences, also under the null condition.
@@ -433,7 +433,7 @@ def batch_loss(drafter: EagleDrafter, tokens: torch.Tensor, labels: torch.Tensor
                noise_generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
     """Target features for one batch, the drafter on the (noised) pairs, the loss."""
     target = drafter.target
-    device = target.output.weight.device
+    device = target.device
     tokens, labels = tokens.to(device), labels.to(device)
     null_rows = round(config.null_fraction * tokens.shape[0])
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=config.bf16):
@@ -509,7 +509,7 @@ class DrafterTrainResult:
     sequences_per_second: float
 
 
-def train_drafter(config: DrafterTrainConfig, *, target: Transformer | None = None,
+def train_drafter(config: DrafterTrainConfig, *, target: TeacherForcedTarget | None = None,
                   dataset: DrafterDataset | None = None, resume: bool = False) -> DrafterTrainResult:
     """Train (or, with ``resume``, continue training) an EAGLE drafter for ``target``.
 
@@ -527,7 +527,7 @@ def train_drafter(config: DrafterTrainConfig, *, target: Transformer | None = No
             raise RelaxspecError("no target: give --gpt-ckpt (and --gpt-model for an official file)")
         target = load_gpt(config.gpt_ckpt, config.gpt_model, image_size=config.image_size,
                           downsample=config.downsample, precision=config.precision, device=device)
-    device = target.output.weight.device
+    device = target.device
     if target.config.model_type != "c2i":
         raise RelaxspecError("train-drafter trains on class-conditional (c2i) targets; this target is t2i")
     target.eval().requires_grad_(False)

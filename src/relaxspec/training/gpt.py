@@ -1,6 +1,6 @@
 """Train a small LlamaGen class-to-image target on VQ tokens of the emoji data (arXiv 2406.06525).
 
-The model is :class:`~relaxspec.models.gpt.Transformer` unchanged (c2i, 2D RoPE, SwiGLU, RMSNorm,
+The model is :class:`~relaxspec.models.llamagen.gpt.Transformer` unchanged (c2i, 2D RoPE, SwiGLU, RMSNorm,
 head dim 64 as every LlamaGen size), scaled down: an 8x8 token grid (32 px through a 4x VQ),
 the VQ's 1024 codes as vocabulary, one class per emoji subcategory plus the null class.
 
@@ -44,12 +44,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from relaxspec.checkpoints import load_gpt, load_strict, load_vq, read_state, save_model
+from relaxspec.models.llamagen.checkpoints import load_gpt, load_strict, load_vq, read_state, save_model
 from relaxspec.data.emoji import ImageSet, augment, load_classes
 from relaxspec.devices import resolve_device
 from relaxspec.errors import RelaxspecError
-from relaxspec.models.gpt import GPTConfig, Transformer
-from relaxspec.models.vq import VQModel
+from relaxspec.models.llamagen.gpt import GPTConfig, Transformer
+from relaxspec.models.llamagen.vq import VQModel
 from relaxspec.training import common
 from relaxspec.training.vq import AUGMENT, load_images, to_pixels
 

@@ -1,6 +1,6 @@
 """Train a small LlamaGen VQ tokenizer on the emoji data (arXiv 2406.06525, REFERENCE §2.3).
 
-The architecture is :class:`~relaxspec.models.vq.VQModel` unchanged, scaled down (32 px, ch_mult
+The architecture is :class:`~relaxspec.models.llamagen.vq.VQModel` unchanged, scaled down (32 px, ch_mult
 (1, 2, 2): 4x downsampling, an 8x8 = 64-token grid; a 1024 x 8 codebook, L2-normalised at lookup
 as upstream). The training-time parts of upstream's ``VectorQuantizer`` live here, not in the
 model, so inference stays exactly what the official checkpoints run:
@@ -34,11 +34,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from relaxspec.checkpoints import load_strict, save_model
+from relaxspec.models.llamagen.checkpoints import load_strict, save_model
 from relaxspec.data.emoji import ImageSet, augment, load_split
 from relaxspec.devices import resolve_device
 from relaxspec.errors import RelaxspecError
-from relaxspec.models.vq import VQConfig, VQModel, to_uint8
+from relaxspec.models.llamagen.vq import VQConfig, VQModel, to_uint8
 from relaxspec.training import common
 
 STATE_VERSION = 1
@@ -127,7 +127,7 @@ class VQTrainConfig(common.RecipeConfig):
 
 def to_pixels(images: torch.Tensor) -> torch.Tensor:
     """uint8 ``[B, H, W, 3]`` -> float ``[B, 3, H, W]`` in ``[-1, 1]`` (the inverse of
-    :func:`~relaxspec.models.vq.to_uint8`: ``to_uint8(to_pixels(x)) == x``)."""
+    :func:`~relaxspec.models.llamagen.vq.to_uint8`: ``to_uint8(to_pixels(x)) == x``)."""
     return images.permute(0, 3, 1, 2).float().div(127.5).sub(1.0)
 
 

@@ -20,8 +20,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from relaxspec.errors import RelaxspecError
-from relaxspec.models.gpt import GPT_SIZES, GPTConfig, Transformer, gpt_config
-from relaxspec.models.vq import VQ_CONFIGS, VQConfig, VQModel
+from relaxspec.models.llamagen.gpt import GPT_SIZES, GPTConfig, Transformer, gpt_config
+from relaxspec.models.llamagen.vq import VQ_CONFIGS, VQConfig, VQModel
 
 #: Keys some official files carry that are derived buffers, not weights.
 IGNORED_KEY = re.compile(r"(^|\.)(freqs_cis|kv_cache\..*|k_cache|v_cache)$")
