@@ -175,3 +175,25 @@ def test_gsd_reads_the_codebook_when_asked(markov):
     options = methods.resolve("gsd")
     rule = options.family.rule(options, target=model)
     assert rule.embeddings.shape == (model.config.vocab_size, model.config.dim)
+
+
+def test_gsd_from_the_command_line(tmp_path):
+    """``relaxspec generate --method gsd`` on the embedded model: drafter-free, its settings and
+    only those recorded, a TV record kept."""
+    import json
+
+    from relaxspec.cli import main
+
+    out = tmp_path / "gsd"
+    assert main(["generate", "--method", "gsd", "--window", "4", "--group-ranks", "3", "--classes", "heart,time",
+                 "--out", str(out), "--no-progress"]) == 0
+    stats = json.loads((out / "stats.json").read_text())
+    assert stats["settings"]["method"] == {"method": "gsd", "draft": "jacobi", "window": 4, "compile": False,
+                                           "record_tv": True, "group_ranks": 3, "group_p_gap": 0.15,
+                                           "group_distance": 0.5, "group_latent": "embedding"}
+    assert stats["settings"]["drafter_ckpt"] is None and stats["totals"]["mean_accepted_length"] > 1.0
+    assert stats["totals"]["tv_sum_mean"] > 0.0
+    from relaxspec import embedded
+
+    assert main(["generate", "--method", "gsd", "--drafter-ckpt", str(embedded.path("drafter")), "--classes", "heart",
+                 "--out", str(tmp_path / "no")]) == 2  # a drafter GSD's Jacobi window would not read

@@ -140,6 +140,7 @@ def use_embedded_defaults(args: argparse.Namespace) -> bool:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     wall = time.perf_counter()
+    drafter_given = args.drafter_ckpt is not None
     use_embedded_defaults(args)
     for key, value in UPSTREAM_SAMPLING.items():
         if getattr(args, key) is None:
@@ -148,6 +149,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         args.method = "ar"
     sampling = SamplingConfig(cfg_scale=args.cfg_scale, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     options = method_options(args)
+    if drafter_given and not options.needs_drafter:
+        raise RelaxspecError(f"--drafter-ckpt is not used by {options.family.where(options)}")
     for name in ("image_size", "batch_size"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise RelaxspecError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -180,6 +183,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise RelaxspecError("--drafter-ckpt is required: this method drafts with an EAGLE drafter trained for the "
                              "target (train one with relaxspec train-drafter)")
     drafter = load_drafter(args.drafter_ckpt, model) if options.needs_drafter else None
+    if not options.needs_drafter:
+        args.drafter_ckpt = None  # not read, so not recorded (the embedded model's stands in by default)
 
     settings = {
         "gpt_ckpt": str(Path(args.gpt_ckpt).resolve()), "gpt_model": spec_id(args.gpt_model),
