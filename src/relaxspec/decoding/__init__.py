@@ -7,22 +7,23 @@ __all__ = ["DecodeResult", "MethodOptions", "certified_tv", "decode"]
 
 
 def decode(model, cond, sampling, options: MethodOptions | None = None, *, generator=None, drafter=None,
-           vq=None, cond_mask=None, progress: bool = False) -> DecodeResult:
+           vq=None, cond_mask=None, progress: bool = False, on_step=None) -> DecodeResult:
     """Generate ``[B, N]`` image tokens for ``cond`` with the method ``options`` names.
 
     ``model``: the target, any :class:`~relaxspec.models.base.TargetModel` (LlamaGen's
     :class:`~relaxspec.models.llamagen.gpt.Transformer`); ``drafter``: an EAGLE
     drafter (methods sd / lantern / cool); ``vq``: the tokenizer whose codebook defines LANTERN's
     latent neighbours. ``options.compile`` runs the steps compiled, ``options.record_tv=False``
-    skips the TV record of relaxed rules.
+    skips the TV record of relaxed rules. ``on_step(tokens, done)`` is called as tokens are
+    committed (:func:`relaxspec.decoding.engine.generate_speculative`).
     """
     options = options or MethodOptions()
     if options.method == "ar":
         from relaxspec.decoding.ar import generate_ar
 
         return generate_ar(model, cond, sampling, generator=generator, cond_mask=cond_mask, progress=progress,
-                           compile=options.compile)
+                           compile=options.compile, on_step=on_step)
     from relaxspec.decoding.engine import generate_speculative
 
     return generate_speculative(model, cond, sampling, options, generator=generator, drafter=drafter, vq=vq,
-                                cond_mask=cond_mask, progress=progress)
+                                cond_mask=cond_mask, progress=progress, on_step=on_step)

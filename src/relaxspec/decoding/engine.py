@@ -41,7 +41,7 @@ def build_rule(options: MethodOptions, vq=None, horizon: int = 5, target=None) -
 @torch.no_grad()
 def generate_speculative(model, cond, sampling: SamplingConfig, options: MethodOptions, *, generator=None,
                          drafter=None, vq=None, cond_mask=None, progress: bool = False, rule: AcceptanceRule | None = None,
-                         source=None) -> DecodeResult:
+                         source=None, on_step=None) -> DecodeResult:
     """Generate ``[B, N]`` tokens speculatively. ``rule`` / ``source`` override what ``options``
     would build (the Python API composes them freely). ``options.record_tv=False`` skips the TV
     record of relaxed rules (``step_tv`` is then zero); ``options.compile`` runs the target's
@@ -49,7 +49,11 @@ def generate_speculative(model, cond, sampling: SamplingConfig, options: MethodO
 
     Every step makes the same sequence of ops on tensors of fixed shapes and reads the device
     once, for whether every row has finished and how many tokens are done; counters, accept
-    lengths and rank statistics stay on the device until the decode ends."""
+    lengths and rank statistics stay on the device until the decode ends. ``on_step(tokens,
+    done)``, if given, is called after the first token and after every step with the token buffer
+    ``[B, N]`` (on the device; positions at or past ``done[b]`` are not yet committed) and the
+    committed counts ``done [B]`` (what ``relaxspec demo`` draws from; its time counts in
+    ``seconds``)."""
     start = time.perf_counter()
     compile, record_tv = options.compile, options.record_tv
     source = source or build_source(options, drafter, sampling, compile=compile)
@@ -76,6 +80,8 @@ def generate_speculative(model, cond, sampling: SamplingConfig, options: MethodO
         probs0, hidden0 = target.prefill()
         tokens[:, 0] = sample_from(probs0, generator, greedy)
         bar.update(batch)
+        if on_step is not None:
+            on_step(tokens[:, :n_tok], n)
         t0 = time.perf_counter()
         source.start(tokens[:, 0], probs0, hidden0, target.streams, n_tok, generator, greedy)
         drafter_seconds += time.perf_counter() - t0
@@ -128,6 +134,8 @@ def generate_speculative(model, cond, sampling: SamplingConfig, options: MethodO
             now = int(n.clamp(max=n_tok).sum())  # the step's one read from the device
             bar.update(now - done)
             done = now
+            if on_step is not None:
+                on_step(tokens[:, :n_tok], n.clamp(max=n_tok))
     finally:
         bar.close()
         target.close()
