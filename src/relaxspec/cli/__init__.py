@@ -7,6 +7,7 @@ Subcommands (one module each; every module only calls library functions):
 * ``info``, ``build-tree``, ``make-test-checkpoints`` (:mod:`.tools`).
 * ``data``, ``train-vq``, ``train-gpt``, ``train-drafter``, ``train-classifier`` (:mod:`.train`).
 * ``bench`` (:mod:`.bench`) and ``eval`` (:mod:`.eval`).
+* ``demo`` (:mod:`.demo`): the web page of :mod:`relaxspec.demo`.
 
 Every mistake a user can make ends in one line ``relaxspec: error: ...`` on stderr and exit code 2.
 An unexpected exception still shows its traceback: that is a bug to fix, not to hide. Nothing in
@@ -22,11 +23,11 @@ from relaxspec import __version__
 from relaxspec.cli.options import Parser, UsageError
 from relaxspec.errors import RelaxspecError
 
-COMMANDS = "generate,info,data,train-vq,train-gpt,train-drafter,train-classifier,build-tree,bench,eval,make-test-checkpoints"
+COMMANDS = "generate,info,data,train-vq,train-gpt,train-drafter,train-classifier,build-tree,bench,eval,demo,make-test-checkpoints"
 
 
 def build_parser() -> Parser:
-    from relaxspec.cli import bench, eval, generate, tools, train
+    from relaxspec.cli import bench, demo, eval, generate, tools, train
 
     parser = Parser(prog="relaxspec", description="Exact and relaxed speculative decoding for LlamaGen.")
     parser.add_argument("--version", action="version", version=f"relaxspec {__version__}")
@@ -39,6 +40,7 @@ def build_parser() -> Parser:
     train.add_train_drafter_parser(commands)
     bench.add_bench_parser(commands)
     eval.add_eval_parser(commands)
+    demo.add_demo_parser(commands)
     train.add_train_classifier_parser(commands)
     tools.add_build_tree_parser(commands)
     tools.add_make_test_checkpoints_parser(commands)

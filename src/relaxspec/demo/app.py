@@ -1,0 +1,122 @@
+"""The demo's web page (gradio): choose a class, a method and its knob, press *Race*, and watch
+the same image decoded plainly and speculatively, token by token, with the numbers that explain
+the speed-up. :func:`build_app` returns the page; :func:`race_handler` is its one event."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import gradio as gr
+
+from relaxspec import methods
+from relaxspec.demo.race import KNOBS, DemoModel, RaceRequest, describe_lane, heat_map, resolve_request, run_lane, save_run
+from relaxspec.errors import RelaxspecError
+
+#: Runs kept in the page's gallery (newest first).
+GALLERY_SIZE = 8
+#: System fonts only: the page asks nothing from the internet.
+THEME = gr.themes.Default(font=["ui-sans-serif", "system-ui", "sans-serif"], font_mono=["ui-monospace", "monospace"])
+INTRO = """# relaxspec: plain vs speculative decoding
+The same image, the same seed, decoded twice on this machine: plainly (one target forward per
+token) and with the method you choose (several tokens per forward). Grey cells are not decoded
+yet. Times are measured live, while the page draws (`relaxspec bench` measures without drawing).
+"""
+
+
+def speculative_names() -> list[str]:
+    return [name for name in methods.presets() if name not in ("ar", "ar-compiled")]
+
+
+def race_handler(model: DemoModel, out: Path, history: list, lock: threading.Lock, condition, method, knob, seed,
+                 cfg_scale):
+    """Validate the inputs (a bad one becomes the page's status line, never a traceback), then
+    stream both lanes: ``(ar image, ar text, method image, method text, heat map, gallery, status)``."""
+    blank = gr.update()
+    try:
+        knob = None if knob is None or not str(knob).strip() else str(knob).strip()
+        try:
+            knob = None if knob is None else float(knob)
+        except ValueError:
+            raise RelaxspecError(f"the knob must be a number (or empty for the preset's), got {knob!r}") from None
+        request = RaceRequest(condition=condition or "", method=method or "", knob=knob,
+                              seed=0 if seed in (None, "") else seed,
+                              cfg_scale=None if cfg_scale in (None, "") else float(cfg_scale))
+        cls, options, sampling = resolve_request(model, request)
+    except (RelaxspecError, ValueError, TypeError) as err:
+        yield blank, blank, blank, blank, blank, blank, f"**Not run:** {err}"
+        return
+    seed = int(request.seed)
+    status = f"racing `{options.describe()}` against AR, seed {seed}, cfg {sampling.cfg_scale:g}"
+    ar_options = methods.resolve("ar")
+    ar = None
+    for ar in run_lane(model, cls, ar_options, sampling, seed, request.upscale, "AR"):
+        yield ar.image, describe_lane(ar), None, "", None, blank, status
+    mine = None
+    for mine in run_lane(model, cls, options, sampling, seed, request.upscale, request.method):
+        yield ar.image, describe_lane(ar), mine.image, describe_lane(mine, ar), None, blank, status
+    heat = heat_map(mine.result.accept_lengths[0], model.grid, cell=max(1, ar.image.shape[0] // model.grid))
+    with lock:
+        path = save_run(out, len(history), ar, mine, request)
+        caption = f"{condition} · {request.method} · seed {seed}: {ar.seconds / mine.seconds:.2f}x"
+        history.insert(0, (str(path), caption))
+        del history[GALLERY_SIZE:]
+        gallery = list(history)
+    yield (ar.image, describe_lane(ar), mine.image, describe_lane(mine, ar), heat, gallery,
+           f"done: {request.method} {ar.seconds / mine.seconds:.2f}x AR")
+
+
+def build_app(model: DemoModel, out: str | Path) -> gr.Blocks:
+    """The page, decoding with ``model`` and keeping its runs' images in ``out``."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    history: list = []
+    lock = threading.Lock()
+    names = model.class_names
+    default_class = model.default_class or (names[0] if names else "0")
+    with gr.Blocks(title="relaxspec demo") as app:
+        gr.Markdown(INTRO)
+        with gr.Row():
+            if names:
+                condition = gr.Dropdown(names, value=default_class, label="class", elem_id="condition")
+            else:
+                condition = gr.Textbox(value=default_class, label="class id", elem_id="condition")
+            method = gr.Dropdown(speculative_names(), value=model.default_method, label="method", elem_id="method")
+            knob = gr.Textbox(value="", label="knob: " + ", ".join(f"{m} {k}" for m, k in KNOBS.items()),
+                              placeholder="empty: the preset's value", elem_id="knob")
+            seed = gr.Number(value=0, precision=0, label="seed", elem_id="seed")
+            cfg = gr.Number(value=model.sampling.get("cfg_scale", 4.0), label="cfg scale", elem_id="cfg")
+        run = gr.Button("Race", variant="primary", elem_id="race")
+        status = gr.Markdown("", elem_id="status")
+        with gr.Row():
+            with gr.Column():
+                ar_image = gr.Image(label="AR", format="png", type="numpy", interactive=False, elem_id="ar-image")
+                ar_text = gr.Markdown(elem_id="ar-text")
+            with gr.Column():
+                my_image = gr.Image(label="speculative", format="png", type="numpy", interactive=False,
+                                    elem_id="method-image")
+                my_text = gr.Markdown(elem_id="method-text")
+            with gr.Column():
+                heat = gr.Image(label="tokens committed per step (blue 1 ... yellow most)", format="png", type="numpy",
+                                interactive=False, elem_id="heat")
+        gallery = gr.Gallery(label="last runs (AR | method)", columns=4, height=220, object_fit="contain",
+                             elem_id="gallery")
+
+        def handler(condition, method, knob, seed, cfg):
+            yield from race_handler(model, out, history, lock, condition, method, knob, seed, cfg)
+
+        run.click(handler, [condition, method, knob, seed, cfg], [ar_image, ar_text, my_image, my_text, heat, gallery,
+                                                                 status], api_name="race", concurrency_limit=1)
+    return app
+
+
+def launch(app: gr.Blocks, host: str = "127.0.0.1", port: int | None = None, block: bool = True,
+           quiet: bool = True):
+    """Serve ``app`` on ``host:port`` (loopback by default) without server-side rendering; returns
+    the URL. ``block=False`` returns at once (the caller closes the app with ``app.close()``)."""
+    _, url, _ = app.queue().launch(server_name=host, server_port=port, prevent_thread_lock=not block, ssr_mode=False,
+                                   theme=THEME, quiet=quiet, footer_links=[], show_error=False)
+    return url
+
+
+__all__ = ["build_app", "launch", "race_handler", "speculative_names"]

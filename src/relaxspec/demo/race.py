@@ -1,0 +1,231 @@
+"""The demo's work, without the web page: decode one image plainly and with a method, streaming
+partial images as tokens are committed, and the numbers and heat map that explain the speed-up.
+
+Nothing here imports gradio (:mod:`relaxspec.demo.app` does); every function is tested directly.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from relaxspec import methods
+from relaxspec.decoding import DecodeResult, decode
+from relaxspec.errors import RelaxspecError
+from relaxspec.files import write_png
+from relaxspec.sampling import SamplingConfig, batch_seed
+
+#: The setting the page's one knob sets, per method (other methods have no knob).
+KNOBS = {"lantern": "delta", "lantern++": "lam", "cool": "cool_delta", "gsd": "group_p_gap"}
+#: Pending (not yet committed) token cells are painted this grey.
+PENDING = np.array([40, 40, 46], dtype=np.uint8)
+#: Stream a partial image at most this often (seconds), so drawing stays a small share of the time.
+FRAME_SECONDS = 0.1
+
+
+@dataclass
+class DemoModel:
+    """What the demo decodes with: a target, its tokenizer, a drafter (or ``None``), the model's
+    method presets and sampling defaults, the method and class the page starts with."""
+
+    target: object
+    vq: object
+    drafter: object = None
+    presets: dict = field(default_factory=dict)
+    sampling: dict = field(default_factory=dict)
+    default_method: str = "lantern"
+    default_class: str | None = None
+
+    @property
+    def class_names(self) -> list[str] | None:
+        return self.target.class_names
+
+    @property
+    def grid(self) -> int:
+        return self.target.config.grid_size
+
+
+@dataclass
+class RaceRequest:
+    """One press of the button, as typed: validated by :func:`check_request`."""
+
+    condition: str
+    method: str
+    knob: float | None = None
+    seed: int = 0
+    cfg_scale: float | None = None
+    upscale: int = 8
+
+
+@dataclass
+class Lane:
+    """One side of the race as it stands: the image so far, committed tokens, and when done the
+    decode's result and its drawing-free seconds."""
+
+    label: str
+    image: np.ndarray
+    done: int = 0
+    result: DecodeResult | None = None
+    seconds: float | None = None
+
+
+def class_id(model: DemoModel, condition: str) -> int:
+    """A class name or id -> the id, with the CLI's message for an unknown or out-of-range one."""
+    from relaxspec.data.emoji import resolve_classes
+
+    text = str(condition).strip()
+    if not text:
+        raise RelaxspecError("choose a class")
+    names = model.class_names
+    if names is not None:
+        ids = resolve_classes(text, names)
+        if len(ids) != 1:
+            raise RelaxspecError(f"choose one class, got {len(ids)}")
+        value = ids[0]
+    else:
+        try:
+            value = int(text)
+        except ValueError:
+            raise RelaxspecError(f"this model does not name its classes: give a class id, got {text!r}") from None
+    num = model.target.config.num_classes
+    if not 0 <= value < num:
+        raise RelaxspecError(f"class id {value} is out of range: this model has classes 0..{num - 1}")
+    return value
+
+
+def resolve_request(model: DemoModel, request: RaceRequest) -> tuple[int, methods.MethodOptions, SamplingConfig]:
+    """The class id, the method's options and the sampling a request means, validated as
+    ``relaxspec generate`` validates them: a :class:`RelaxspecError` says what is wrong."""
+    cls = class_id(model, request.condition)
+    name = methods.canonical(request.method or "")
+    if name in ("ar", "ar-compiled"):
+        raise RelaxspecError("choose a speculative method: AR is the other side of the race")
+    given = {}
+    if request.knob is not None:
+        knob = KNOBS.get(name)
+        if knob is None:
+            raise RelaxspecError(f"--method {name} has no knob on this page: leave it empty")
+        given[knob] = float(request.knob)
+    options = methods.resolve(name, given, model.presets)
+    if options.needs_drafter and model.drafter is None:
+        raise RelaxspecError(f"--method {name} drafts with an EAGLE drafter and this model has none: "
+                             "choose sjd, scd or gsd")
+    if request.seed is None or int(request.seed) != request.seed or request.seed < 0:
+        raise RelaxspecError(f"seed must be a whole number >= 0, got {request.seed}")
+    if not 1 <= int(request.upscale) <= 32:
+        raise RelaxspecError(f"upscale must be 1..32, got {request.upscale}")
+    sampling = dict(model.sampling)
+    if request.cfg_scale is not None:
+        sampling["cfg_scale"] = float(request.cfg_scale)
+    return cls, options, SamplingConfig(**sampling)
+
+
+def partial_image(model: DemoModel, tokens: torch.Tensor, done: int, upscale: int = 1) -> np.ndarray:
+    """The image of ``tokens [N]`` with only the first ``done`` committed: the VQ decode of the
+    committed tokens (pending ones read as token 0) with every pending token's cell painted
+    grey, enlarged ``upscale`` times (nearest neighbour). uint8 ``[H, W, 3]``."""
+    from relaxspec.models.llamagen.vq import to_uint8
+
+    n = tokens.shape[0]
+    filled = torch.where(torch.arange(n) < done, tokens.cpu(), torch.zeros_like(tokens.cpu()))
+    device = model.target.device
+    pixels = to_uint8(model.vq.decode(filled[None].to(device))).cpu().numpy()[0]
+    grid = model.grid
+    cell = pixels.shape[0] // grid
+    pending = np.repeat(np.repeat((np.arange(n) >= done).reshape(grid, grid), cell, 0), cell, 1)
+    pixels[pending] = PENDING
+    return enlarge(pixels, upscale)
+
+
+def enlarge(image: np.ndarray, factor: int) -> np.ndarray:
+    return np.repeat(np.repeat(image, factor, 0), factor, 1) if factor > 1 else image
+
+
+def heat_map(accept_lengths: list[int], grid: int, cell: int = 8) -> np.ndarray:
+    """Each token's cell coloured by how many tokens the step that committed it committed
+    (1: dark blue ... longest: yellow): where the method ran fast. uint8 ``[grid*cell, grid*cell, 3]``."""
+    per_token = np.concatenate([np.full(k, k) for k in accept_lengths])[: grid * grid]
+    top = max(int(per_token.max()), 2)
+    t = (per_token - 1) / (top - 1)
+    stops = np.array([[38, 30, 120], [33, 145, 140], [253, 231, 37]], dtype=np.float64)  # viridis-like
+    lo = np.clip((t * 2).astype(int), 0, 1)
+    frac = (t * 2 - lo)[:, None]
+    colours = (stops[lo] * (1 - frac) + stops[lo + 1] * frac).astype(np.uint8)
+    return enlarge(colours.reshape(grid, grid, 3), cell)
+
+
+def run_lane(model: DemoModel, cls: int, options, sampling: SamplingConfig, seed: int, upscale: int,
+             label: str) -> Iterator[Lane]:
+    """Decode one image with ``options`` and yield the lane after each drawn frame (at most every
+    :data:`FRAME_SECONDS`) and once finished. Decoding runs in a worker thread; drawing happens
+    here, so its time is kept out of the lane's ``seconds``."""
+    frames: queue.Queue = queue.Queue()
+    last = [0.0]
+    n_tok = model.target.config.block_size
+
+    def on_step(tokens, done):
+        now = time.perf_counter()
+        if now - last[0] >= FRAME_SECONDS:
+            last[0] = now
+            frames.put(("frame", tokens[0].cpu().clone(), int(done[0])))
+
+    def work():
+        try:
+            generator = torch.Generator(device=model.target.device).manual_seed(batch_seed(seed, 0))
+            result = decode(model.target, torch.tensor([cls]), sampling, options, generator=generator,
+                            drafter=model.drafter, vq=model.vq, on_step=on_step)
+            frames.put(("done", result, None))
+        except Exception as err:  # re-raised in the caller's thread
+            frames.put(("error", err, None))
+
+    blank = enlarge(np.broadcast_to(PENDING, (model.grid * model.vq.config.downsample_factor,) * 2 + (3,)).copy(),
+                    upscale)
+    lane = Lane(label, blank)
+    yield lane
+    thread = threading.Thread(target=work, daemon=True)
+    thread.start()
+    while True:
+        kind, payload, done = frames.get()
+        if kind == "error":
+            raise payload
+        if kind == "done":
+            lane.result, lane.done = payload, n_tok
+            lane.seconds = payload.seconds
+            lane.image = partial_image(model, payload.tokens[0], n_tok, upscale)
+            thread.join()
+            yield lane
+            return
+        lane.done, lane.image = done, partial_image(model, payload, done, upscale)
+        yield lane
+
+
+def describe_lane(lane: Lane, baseline: Lane | None = None) -> str:
+    """The lane's numbers as one Markdown block."""
+    if lane.result is None:
+        return f"**{lane.label}** — {lane.done} tokens committed …"
+    result = lane.result
+    n_tok = result.tokens.shape[1]
+    lines = [f"**{lane.label}** — {n_tok} tokens in **{lane.seconds * 1000:.0f} ms**",
+             f"target forwards: {int(result.target_forwards[0])} · MAL {float(result.mean_accepted_length[0]):.2f}"]
+    if baseline is not None and baseline.seconds:
+        lines.append(f"speed-up vs AR: **{baseline.seconds / lane.seconds:.2f}x**")
+    if result.tv_recorded and float(result.tv_sum[0]) > 0:
+        lines.append(f"TV certificate: {float(result.tv_bound[0]):.3f} (sum of one-step TVs {float(result.tv_sum[0]):.2f})")
+    elif result.tv_recorded:
+        lines.append("TV certificate: 0 (exact: the model's own law)")
+    return "  \n".join(lines)
+
+
+def save_run(out: Path, number: int, ar: Lane, mine: Lane, request: RaceRequest) -> Path:
+    """Both final images side by side as ``out/NNNN.png`` (the gallery's file)."""
+    gap = np.full((ar.image.shape[0], max(4, ar.image.shape[1] // 32), 3), 255, dtype=np.uint8)
+    path = Path(out) / f"{number:04d}.png"
+    write_png(path, np.concatenate([ar.image, gap, mine.image], axis=1))
+    return path

@@ -1,0 +1,229 @@
+"""relaxspec demo: the race's functions directly, the served page through gradio's own client,
+and the page in a real headless Chromium (Debian's, which .ci/run installs)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+
+import relaxspec
+from relaxspec import embedded, methods
+from relaxspec.demo.race import (PENDING, DemoModel, RaceRequest, describe_lane, heat_map, partial_image,
+                                 resolve_request, run_lane)
+from relaxspec.errors import RelaxspecError
+
+gradio = pytest.importorskip("gradio", reason="the demo's tests need gradio (pip install -e '.[test]')")
+
+
+@pytest.fixture(scope="module")
+def model() -> DemoModel:
+    target, vq, drafter = embedded.load()
+    defaults = embedded.defaults()
+    return DemoModel(target, vq, drafter, defaults["presets"], defaults["sampling"], "lantern", "heart")
+
+
+@pytest.mark.parametrize("request_, message", [
+    (RaceRequest("no-such-class", "lantern"), "unknown class 'no-such-class'"),
+    (RaceRequest("heart,time", "lantern"), "choose one class"),
+    (RaceRequest("", "lantern"), "choose a class"),
+    (RaceRequest("heart", "magic"), "unknown method 'magic'"),
+    (RaceRequest("heart", "ar"), "choose a speculative method"),
+    (RaceRequest("heart", "lantern", knob=2.0), "--delta is an additive TV budget in [0, 1], got 2.0"),
+    (RaceRequest("heart", "lantern++", knob=0.5), "--lam is a multiplicative bound >= 1"),
+    (RaceRequest("heart", "sd", knob=0.3), "--method sd has no knob"),
+    (RaceRequest("heart", "lantern", seed=-1), "seed must be a whole number >= 0"),
+    (RaceRequest("heart", "lantern", cfg_scale=-1.0), "cfg scale"),
+])
+def test_bad_requests_are_one_line_messages(model, request_, message):
+    with pytest.raises(RelaxspecError) as err:
+        resolve_request(model, request_)
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_request_means_what_generate_means(model):
+    cls, options, sampling = resolve_request(model, RaceRequest("heart", "lantern", knob=0.2, seed=3, cfg_scale=2.0))
+    assert cls == model.class_names.index("heart")
+    assert options.to_dict() == methods.resolve("lantern", {"delta": 0.2}, model.presets).to_dict()
+    assert sampling.cfg_scale == 2.0 and sampling.top_k == model.sampling["top_k"]
+
+
+def test_partial_images_grey_out_pending_tokens(model):
+    tokens = relaxspec.generate("heart", "ar", seed=0).result.tokens[0]
+    cell = model.vq.config.downsample_factor
+    empty = partial_image(model, tokens, 0)
+    assert (empty == PENDING).all()
+    half = partial_image(model, tokens, 20, upscale=2)
+    grid = model.grid
+    assert half.shape == (grid * cell * 2, grid * cell * 2, 3)
+    row, col = divmod(20, grid)  # token 20 is the first pending one
+    assert (half[row * cell * 2, col * cell * 2] == PENDING).all()
+    full = partial_image(model, tokens, tokens.shape[0])
+    assert not (full == PENDING).all(axis=-1).all()
+
+
+def test_heat_map_colours_each_token_by_its_step():
+    image = heat_map([1, 3, 2, 1, 1, 1], grid=3, cell=2)
+    assert image.shape == (6, 6, 3)
+    cells = image[::2, ::2].reshape(9, 3)
+    assert (cells[1] == cells[2]).all() and (cells[1] == cells[3]).all()  # the three tokens of one step
+    assert (cells[0] == cells[6]).all() and not (cells[0] == cells[1]).all()
+
+
+def test_a_lane_streams_and_ends_with_generate_tokens(model, monkeypatch):
+    from relaxspec.demo import race
+
+    monkeypatch.setattr(race, "FRAME_SECONDS", 0.0)  # every step a frame
+    cls, options, sampling = resolve_request(model, RaceRequest("heart", "lantern", seed=5))
+    lanes = [(lane.done, lane.image.copy()) for lane in run_lane(model, cls, options, sampling, 5, 4, "LANTERN")]
+    done = [d for d, _ in lanes]
+    assert done == sorted(done) and done[0] == 0 and done[-1] == 64 and len(done) > 5
+    final = lane = None
+    for lane in run_lane(model, cls, options, sampling, 5, 4, "LANTERN"):
+        final = lane
+    expected = relaxspec.generate("heart", "lantern", seed=5)
+    assert torch.equal(final.result.tokens, expected.result.tokens)
+    assert "speed-up vs AR" in describe_lane(final, final) and "TV certificate" in describe_lane(final)
+
+
+def test_race_handler_streams_both_sides_and_keeps_the_run(model, tmp_path):
+    import threading
+
+    from relaxspec.demo.app import race_handler
+
+    history: list = []
+    updates = list(race_handler(model, tmp_path, history, threading.Lock(), "heart", "cool", None, 1, None))
+    ar_image, ar_text, my_image, my_text, heat, gallery, status = updates[-1]
+    assert ar_image.shape == my_image.shape and heat is not None
+    assert "speed-up vs AR" in my_text and "target forwards: 64" in ar_text and status.startswith("done: cool")
+    assert len(updates) > 3 and gallery == history and Path(history[0][0]).parent == tmp_path
+    assert sorted(os.listdir(tmp_path)) == ["0000.png"]
+    bad = list(race_handler(model, tmp_path, history, threading.Lock(), "heart", "lantern", "7", 1, None))
+    assert len(bad) == 1 and bad[0][-1].startswith("**Not run:** --delta is an additive TV budget")
+    word = list(race_handler(model, tmp_path, history, threading.Lock(), "heart", "lantern", "much", 1, None))
+    assert word[0][-1] == "**Not run:** the knob must be a number (or empty for the preset's), got 'much'"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def served(model, tmp_path, monkeypatch):
+    """The page on a free loopback port; always closed."""
+    from relaxspec.demo.app import build_app, launch
+
+    monkeypatch.setenv("GRADIO_TEMP_DIR", str(tmp_path / "gradio-tmp"))
+    monkeypatch.setenv("GRADIO_ANALYTICS_ENABLED", "False")
+    app = build_app(model, tmp_path / "out")
+    url = launch(app, "127.0.0.1", free_port(), block=False)
+    try:
+        yield url, tmp_path
+    finally:
+        app.close()
+
+
+def test_the_served_page_races_through_gradios_client(served):
+    from gradio_client import Client
+
+    url, folder = served
+    assert url.startswith("http://127.0.0.1:")
+    client = Client(url, verbose=False)
+    ar_image, ar_text, my_image, my_text, heat, gallery, status = client.predict(
+        "heart", "lantern", "", 0, 4.0, api_name="/race")
+    assert Path(ar_image).is_file() and Path(my_image).is_file() and Path(heat).is_file()
+    assert "speed-up vs AR" in my_text and status.startswith("done: lantern")
+    assert (folder / "out" / "0000.png").is_file()
+    *_, bad = client.predict("heart", "lantern", "3", 0, 4.0, api_name="/race")
+    assert bad.startswith("**Not run:**") and "additive TV budget" in bad
+
+
+CHROMIUM, DRIVER = shutil.which("chromium"), shutil.which("chromedriver")
+
+
+@pytest.mark.skipif(CHROMIUM is None or DRIVER is None,
+                    reason="no headless browser: install Debian's chromium and chromium-driver (.ci/run does)")
+def test_a_real_browser_presses_race_and_sees_both_images(served):
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    url, folder = served
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                 "--window-size=1400,1100", f"--user-data-dir={folder / 'chromium-profile'}"):
+        options.add_argument(flag)
+    browser = webdriver.Chrome(service=Service(DRIVER), options=options)
+    try:
+        browser.get(url)
+        wait = WebDriverWait(browser, 120)
+        wait.until(lambda b: b.find_elements(By.CSS_SELECTOR, "#race"))
+        browser.find_element(By.CSS_SELECTOR, "#race").click()
+        wait.until(lambda b: "done:" in b.find_element(By.CSS_SELECTOR, "#status").text)
+        assert "TV certificate: 1.000" in browser.find_element(By.CSS_SELECTOR, "#method-text").text  # the preset, relaxed
+        for side in ("#ar-image", "#method-image", "#heat"):
+            images = browser.find_elements(By.CSS_SELECTOR, f"{side} img")
+            assert images and images[0].get_attribute("src"), side
+            assert browser.execute_script("return arguments[0].naturalWidth", images[0]) > 0, side
+        assert "speed-up vs AR" in browser.find_element(By.CSS_SELECTOR, "#method-text").text
+        shot = Path(os.environ.get("RELAXSPEC_DEMO_SCREENSHOT", folder / "demo.png"))
+        assert browser.save_screenshot(str(shot)) and shot.stat().st_size > 10_000
+        # A bad value typed into the page: a message in the page, no traceback, nothing decoded.
+        knob = browser.find_element(By.CSS_SELECTOR, "#knob textarea, #knob input")
+        knob.send_keys("9")
+        browser.find_element(By.CSS_SELECTOR, "#race").click()
+        wait.until(lambda b: "Not run" in b.find_element(By.CSS_SELECTOR, "#status").text)
+        status = browser.find_element(By.CSS_SELECTOR, "#status").text
+        assert "--delta is an additive TV budget in [0, 1], got 9.0" in status and "Traceback" not in browser.page_source
+    finally:
+        browser.quit()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--port", "0"], "--port must be 1..65535"),
+    (["--out", "FILE"], "exists and is not a folder"),
+    (["--vq-ckpt", "vq.pt"], "--vq-ckpt / --gpt-model go with --gpt-ckpt"),
+])
+def test_demo_command_errors(tmp_path, capsys, argv, message):
+    from relaxspec.cli import main
+
+    (tmp_path / "FILE").write_text("x")
+    argv = [str(tmp_path / a) if a == "FILE" else a for a in argv]
+    assert main(["demo", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_the_demo_command_serves_the_page_on_loopback(tmp_path):
+    """``relaxspec demo`` as a user starts it: the page answers on 127.0.0.1, and the process is
+    always stopped."""
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    port = free_port()
+    process = subprocess.Popen([sys.executable, "-m", "relaxspec.cli", "demo", "--port", str(port), "--out",
+                                str(tmp_path / "out")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline, page = time.monotonic() + 120, None
+        while time.monotonic() < deadline and page is None:
+            try:
+                page = urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=5).read().decode()
+            except OSError:
+                assert process.poll() is None, process.stdout.read()
+                time.sleep(0.5)
+        assert page is not None and "relaxspec demo" in page
+    finally:
+        process.terminate()
+        output = process.communicate(timeout=30)[0]
+    assert f"relaxspec demo: http://127.0.0.1:{port}" in output
+    assert (tmp_path / "out").is_dir() and not any(p.name.startswith("gradio") for p in tmp_path.iterdir())
