@@ -13,7 +13,7 @@ from pathlib import Path
 
 from relaxspec.bench.config import BASELINE, DEFAULT_METHODS, expand_methods, parse_methods
 from relaxspec.api import UPSTREAM_SAMPLING
-from relaxspec.cli.options import device_option, parse_classes, spec_id
+from relaxspec.cli.options import add_model_options, device_option, parse_classes, spec_id
 from relaxspec.errors import RelaxspecError
 
 
@@ -52,14 +52,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
         "mal_hist.png and accept_heatmap.png into --out."))
     bench.set_defaults(handler=run_bench_cli)
     models = bench.add_argument_group("models (default: the embedded emoji model, its drafter and its sampling defaults)")
-    models.add_argument("--gpt-ckpt", metavar="PATH", help="target GPT weights (official .pt, .safetensors or a relaxspec folder)")
-    models.add_argument("--gpt-model", metavar="NAME|JSON", help="named size or JSON config (official files)")
-    models.add_argument("--vq-ckpt", metavar="PATH", help="VQ tokenizer weights")
-    models.add_argument("--vq-model", metavar="NAME|JSON", help="named tokenizer or JSON config (default VQ-16)")
-    models.add_argument("--drafter-ckpt", metavar="PATH", help="EAGLE drafter folder (methods that draft with it)")
-    models.add_argument("--image-size", type=int, help="pixels per side (default 256)")
-    models.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32", help="GPT weights dtype (default fp32)")
-    models.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:1, ...")
+    add_model_options(models, vq_model_default=None, drafter_help="EAGLE drafter folder (methods that draft with it)")
 
     images = bench.add_argument_group("images")
     images.add_argument("--classes", metavar="IDS", help="comma-separated class ids (default: all of the model's classes)")

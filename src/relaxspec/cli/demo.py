@@ -10,9 +10,8 @@ from pathlib import Path
 import torch
 
 from relaxspec.api import UPSTREAM_SAMPLING
-from relaxspec.cli.options import device_option
+from relaxspec.cli.options import add_model_options, device_option
 from relaxspec.errors import RelaxspecError
-from relaxspec.models.llamagen.checkpoints import PRECISIONS
 
 
 def add_demo_parser(subparsers) -> argparse.ArgumentParser:
@@ -22,14 +21,7 @@ def add_demo_parser(subparsers) -> argparse.ArgumentParser:
         "certificate and a heat map of accepted lengths. Binds to 127.0.0.1 unless --host says otherwise."))
     demo.set_defaults(handler=cmd_demo)
     models = demo.add_argument_group("models (default: the embedded emoji model, its drafter and presets)")
-    models.add_argument("--gpt-ckpt", metavar="PATH", help="GPT weights, as relaxspec generate takes them")
-    models.add_argument("--gpt-model", metavar="NAME|JSON", help="named size or JSON config (official files)")
-    models.add_argument("--vq-ckpt", metavar="PATH", help="VQ tokenizer weights (required with --gpt-ckpt)")
-    models.add_argument("--vq-model", default="VQ-16", metavar="NAME|JSON", help="named tokenizer or JSON config")
-    models.add_argument("--drafter-ckpt", metavar="PATH", help="EAGLE drafter (without one: sjd, scd, gsd only)")
-    models.add_argument("--image-size", type=int, help="pixels per side (official files; default 256)")
-    models.add_argument("--precision", choices=tuple(PRECISIONS), default="fp32", help="GPT weights dtype")
-    models.add_argument("--device", default="cpu", help="cpu (default), cuda, ...")
+    add_model_options(models, drafter_help="EAGLE drafter (without one: sjd, scd and gsd only)")
     models.add_argument("--threads", type=int, help="CPU threads for torch (default 1 for the embedded model)")
     page = demo.add_argument_group("page")
     page.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")

@@ -29,6 +29,24 @@ class Parser(argparse.ArgumentParser):
         raise UsageError(f"{message} (see '{self.prog} --help')")
 
 
+def add_model_options(group, *, vq_model_default: str | None = "VQ-16", drafter_help: str) -> None:
+    """The model flags ``bench`` and ``demo`` share with ``generate``: GPT, tokenizer, drafter,
+    image size, precision and device."""
+    from relaxspec.models.llamagen.checkpoints import PRECISIONS
+
+    group.add_argument("--gpt-ckpt", metavar="PATH",
+                       help="target GPT weights (official .pt, .safetensors or a relaxspec folder)")
+    group.add_argument("--gpt-model", metavar="NAME|JSON",
+                       help=f"named size ({', '.join(GPT_SIZES)}) or JSON config (official files)")
+    group.add_argument("--vq-ckpt", metavar="PATH", help="VQ tokenizer weights (required with --gpt-ckpt)")
+    group.add_argument("--vq-model", default=vq_model_default, metavar="NAME|JSON",
+                       help=f"named tokenizer ({', '.join(VQ_CONFIGS)}) or JSON config (default VQ-16)")
+    group.add_argument("--drafter-ckpt", metavar="PATH", help=drafter_help)
+    group.add_argument("--image-size", type=int, help="pixels per side (official files; default 256)")
+    group.add_argument("--precision", choices=tuple(PRECISIONS), default="fp32", help="GPT weights dtype (default fp32)")
+    group.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:1, ...")
+
+
 def device_option(name: str) -> torch.device:
     """``--device NAME`` as a device (refused with one line when torch cannot use it here)."""
     return resolve_device(name, "--device")
