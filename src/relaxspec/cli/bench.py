@@ -110,11 +110,13 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     return bench
 
 
-def list_methods() -> str:
+def list_methods(model_presets: dict | None = None) -> str:
     from relaxspec import methods
 
     lines = [f"{name:12s} {preset.description}" for name, (_, preset) in methods.presets().items()]
     lines.append("aliases: " + ", ".join(f"{a} = {n}" for a, n in methods.registry.spellings().items()))
+    for name, fields in (model_presets or {}).items():
+        lines.append(f"this model's {name}: " + ", ".join(f"{k}={v}" for k, v in fields.items()))
     return "\n".join(lines)
 
 
@@ -175,7 +177,7 @@ def run_bench_cli(args: argparse.Namespace) -> int:
     from relaxspec.bench.run import run_bench
 
     if args.list_methods:
-        print(list_methods())
+        print(list_methods(embedded_bench_defaults(args)[0]))
         return 0
     model_presets, bench_defaults = embedded_bench_defaults(args)
     if not args.out:
