@@ -49,12 +49,28 @@ def test_the_embedded_model_tunes_its_method_names():
     # Flags win over the preset, and a flag that replaces the preset's alternative drops it.
     assert generate_settings("lantern", False, "--lam", "3")["lam"] == 3.0
     assert "delta" not in generate_settings("lantern", False, "--lam", "3")
+    assert generate_settings("lantern", False, "--lam", "3")["k"] == 10  # k is tuned with the bound it goes with
+    assert generate_settings("lantern", False, "--draft", "static", "--lam", "5") == generate_settings("lantern++", False)
+    assert generate_settings("lantern", True, "--draft", "chain")["depth"] == 4  # a chain is 4 deep, any preset
     chain = generate_settings("lantern", False, "--draft", "chain", "--depth", "2")
     assert (chain["draft"], chain["depth"], chain["k"]) == ("chain", 2, 64) and "tree" not in chain
     with pytest.raises(RelaxspecError, match="--group-p-gap is not used by --method lantern"):
         generate_settings("lantern", False, "--group-p-gap", "0.1")
     with pytest.raises(RelaxspecError, match="--k is not used by --method gsd --draft jacobi"):
         generate_settings("gsd", False, "--k", "5")
+
+
+@pytest.mark.parametrize("name, given, message", [
+    ("gsd", {"group_ranks": 2.5}, "group_ranks must be an int, got 2.5"),
+    ("gsd", {"window": "8"}, "window must be an int, got '8'"),
+    ("sd", {"depth": True}, "depth must be an int, got True"),
+    ("ar-compiled", {"compile": False}, "--method ar-compiled means compile=True; use --method ar"),
+    ("lantern++", {"draft": "chain"}, "for another value use --method lantern --draft chain --lam 5.0"),
+])
+def test_settings_are_typed_and_names_explain_themselves(name, given, message):
+    with pytest.raises(RelaxspecError) as err:
+        methods.resolve(name, given)
+    assert message in str(err.value)
 
 
 def test_a_plain_bench_of_the_embedded_model_runs_its_presets():

@@ -54,9 +54,14 @@ class Setting:
         return self.flag or "--" + self.name.replace("_", "-")
 
     def check(self, value) -> None:
-        """Raise a one-line :class:`RelaxspecError` if ``value`` is not valid for this setting."""
+        """Raise a one-line :class:`RelaxspecError` if ``value`` is not valid for this setting
+        (its type: an int is a valid float, a bool is not a number)."""
         if value is None:
             return
+        kinds = {float: (int, float), int: (int,), bool: (bool,), str: (str,)}.get(self.kind, (self.kind,))
+        if not isinstance(value, kinds) or (self.kind is not bool and isinstance(value, bool)):
+            raise RelaxspecError(f"{self.name} must be {'a' if self.kind is not int else 'an'} {self.kind.__name__}, "
+                                 f"got {value!r}")
         if self.choices is not None and value not in self.choices:
             raise RelaxspecError(f"{self.name} must be one of {', '.join(map(repr, self.choices))}, got {value!r}")
         if self.minimum is not None and value < self.minimum:
@@ -114,7 +119,7 @@ class Method:
     settings: ClassVar[tuple[Setting, ...]] = ()
     drafts: ClassVar[tuple[str, ...]] = EAGLE_DRAFTS
     relaxed: ClassVar[bool] = False
-    exclusive: ClassVar[dict[str, str]] = {}
+    exclusive: ClassVar[dict[str, tuple[str, ...]]] = {}
     presets: ClassVar[dict[str, Preset]] = {}
 
     # ---------------------------------------------------------------- settings

@@ -25,10 +25,12 @@ class Lantern(Method):
     settings = (K, DELTA, LAM, RESIDUAL, GEOMETRY, ANNEAL, NU, NORMALISATION)
     drafts = ("dynamic", "chain", "static")
     relaxed = True
-    exclusive = {"delta": "lam", "lam": "delta"}
+    # The two bounds are alternatives, and k is tuned with the bound: setting one in a later layer
+    # drops the other and the earlier k (unless that layer sets k too).
+    exclusive = {"delta": ("lam", "k"), "lam": ("delta", "k")}
     # k is left to the method's defaults (1000 with delta, 10 with lam), as in the official code.
     presets = {
-        "lantern": Preset({"draft": "dynamic", "dynamic_top_k": 10, "depth": 5, "total_tokens": 59, "delta": 0.1},
+        "lantern": Preset({"draft": "dynamic", "delta": 0.1},
                           "LANTERN: additive budget delta=0.1 over k=1000 latent neighbours, on EAGLE-2's dynamic tree"),
         "lantern++": Preset({"draft": "static", "tree": "lantern57", "siblings": "sampled", "lam": 5.0},
                             "LANTERN++: multiplicative lam=5 over k=10 neighbours, static 57-node tree",

@@ -46,9 +46,9 @@ class MethodOptions:
                 if field == "method":
                     continue
                 values[field] = value
-                other = method.exclusive.get(field)
-                if other is not None and other not in layer:
-                    values[other] = known[other].default
+                for other in method.exclusive.get(field, ()):
+                    if other not in layer:
+                        values[other] = known[other].default
         object.__setattr__(self, "_values", values)
         object.__setattr__(self, "method", method.name)
         object.__setattr__(self, "family", method)
@@ -62,9 +62,19 @@ class MethodOptions:
             if field in preset.refuse:
                 raise RelaxspecError(preset.refuse[field])
             if field in preset.fixed and value != preset.fields[field]:
-                flag = registry.settings()[field].cli_flag
-                raise RelaxspecError(f"--method {key} means {flag} {preset.fields[field]}; for another value use "
-                                     f"--method {method.name} {flag} {value}")
+                setting = registry.settings()[field]
+                if setting.kind is bool:
+                    raise RelaxspecError(f"--method {key} means {setting.name}={preset.fields[field]}; "
+                                         f"use --method {method.name}")
+                # The way to say it otherwise: the family, the other value, and what else the
+                # name implies beyond its draft structure (LANTERN++'s multiplicative lam).
+                from relaxspec.methods.base import STRUCTURE_FIELDS
+
+                structural = {"draft", *(f for fields in STRUCTURE_FIELDS.values() for f in fields)}
+                rest = "".join(f" {registry.settings()[f].cli_flag} {v}" for f, v in preset.fields.items()
+                               if f not in structural and f != field)
+                raise RelaxspecError(f"--method {key} means {setting.cli_flag} {preset.fields[field]}; for another "
+                                     f"value use --method {method.name} {setting.cli_flag} {value}{rest}")
 
     # ------------------------------------------------------------------ attribute access
     def __getattr__(self, name: str):
@@ -76,7 +86,15 @@ class MethodOptions:
     def __setattr__(self, name: str, value) -> None:
         if name not in self._values:
             raise AttributeError(f"MethodOptions has no setting {name!r}")
+        registry.settings()[name].check(value)
         self._values[name] = value
+
+    def __copy__(self) -> "MethodOptions":
+        copy = MethodOptions.__new__(MethodOptions)
+        object.__setattr__(copy, "_values", dict(self._values))
+        object.__setattr__(copy, "method", self.method)
+        object.__setattr__(copy, "family", self.family)
+        return copy
 
     def __eq__(self, other) -> bool:
         return isinstance(other, MethodOptions) and (self.method, self._values) == (other.method, other._values)
