@@ -36,7 +36,8 @@ except ImportError:  # an older checkout: the counter of this one
 METHODS = {
     "ar": dict(method="ar"),
     "sd chain 4": dict(method="sd", draft="chain", depth=4),
-    "lantern (embedded default)": dict(embedded.defaults()["method"]),
+    # the embedded model's default method with its own preset (defaults.json), as generate uses it
+    "lantern (embedded default)": {"method": "lantern", **embedded.defaults()["presets"]["lantern"]},
     "lantern++ (57-node tree)": dict(method="lantern++", tree="lantern57", k=64),
     "eagle2": dict(method="eagle2"),
     "sjd": dict(method="sjd"),

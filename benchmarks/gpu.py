@@ -34,7 +34,8 @@ from relaxspec.sampling import SamplingConfig
 METHODS = {
     "ar": dict(method="ar"),
     "sd-chain": dict(method="sd", draft="chain", depth=4),
-    "lantern (embedded default)": dict(embedded.defaults().get("method", {"method": "lantern"})),
+    # the embedded model's default method with its own preset (defaults.json), as generate uses it
+    "lantern (embedded default)": {"method": "lantern", **embedded.defaults()["presets"]["lantern"]},
     "lantern++ (57 nodes)": dict(method="lantern++", tree="lantern57", k=64),
     "cool": dict(method="cool", draft="chain", depth=4),
     "eagle2": dict(method="eagle2"),
