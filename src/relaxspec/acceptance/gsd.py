@@ -32,6 +32,10 @@ from relaxspec.errors import RelaxspecError
 LAW_CHUNK_ELEMENTS = 1 << 22
 # The [V, V] table of which codes are close is built in row blocks of this many codes.
 CLOSE_BLOCK = 1024
+# Closeness tables of recent (embeddings, distance, device): every decode builds a new rule, and a
+# table costs seconds and V^2 bytes to build for a LlamaGen-sized vocabulary.
+_CLOSE_TABLES: dict[tuple, Tensor] = {}
+_CLOSE_TABLES_KEPT = 2
 
 
 class GroupRule(AcceptanceRule):
@@ -53,7 +57,8 @@ class GroupRule(AcceptanceRule):
             raise RelaxspecError(f"GSD's embeddings must be [vocab, dim], got shape {tuple(embeddings.shape)}")
         if ranks < 0 or p_gap < 0 or distance < 0:
             raise RelaxspecError(f"GSD's ranks, p_gap and distance must be >= 0, got {ranks}, {p_gap}, {distance}")
-        self.embeddings = embeddings.detach().float()
+        self._source = embeddings.detach()
+        self.embeddings = self._source.float()
         self.ranks, self.p_gap, self.distance = int(ranks), float(p_gap), float(distance)
         self.offsets = torch.arange(-self.ranks, max(self.ranks, 1))  # always holds 0: x itself
         self._close: Tensor | None = None
@@ -71,8 +76,15 @@ class GroupRule(AcceptanceRule):
     def close_table(self, device: torch.device) -> Tensor:
         """``[V, V]`` bool: ``||e_y - e_x||^2 < distance``. The distance test depends on the codes
         only, so it is computed once (in blocks; V^2 bytes, 268 MB for LlamaGen's 16384 codes) and
-        every test reads it by index instead of gathering ``[.., 2R, D]`` embeddings."""
-        if self._close is None or self._close.device != torch.device(device):
+        every test reads it by index instead of gathering ``[.., 2R, D]`` embeddings. Tables are
+        shared by rules over the same (unchanged) embedding tensor, distance and device."""
+        device = torch.device(device)
+        if self._close is not None and self._close.device == device:
+            return self._close
+        source = self._source
+        key = (source.data_ptr(), source._version, tuple(source.shape), source.dtype, self.distance, str(device))
+        table = _CLOSE_TABLES.get(key)
+        if table is None:
             e = self.embeddings.to(device)
             norms = e.square().sum(1)
             blocks = []
@@ -80,8 +92,12 @@ class GroupRule(AcceptanceRule):
                 part = e[i : i + CLOSE_BLOCK]
                 squared = norms[i : i + CLOSE_BLOCK, None] + norms[None, :] - 2.0 * part @ e.T
                 blocks.append(squared < self.distance)
-            self._close = torch.cat(blocks)
-        return self._close
+            table = torch.cat(blocks)
+            while len(_CLOSE_TABLES) >= _CLOSE_TABLES_KEPT:
+                _CLOSE_TABLES.pop(next(iter(_CLOSE_TABLES)))
+            _CLOSE_TABLES[key] = table
+        self._close = table
+        return table
 
     # ------------------------------------------------------------------ the group
     def _groups(self, target: Tensor, order: Tensor, rank: Tensor, tokens: Tensor) -> tuple[Tensor, Tensor]:
