@@ -508,6 +508,13 @@ def test_verdict_names_the_fastest_method_within_ar_quality():
     assert verdict(judged) == "verdict: no method keeps quality within ar's intervals; fastest overall is lantern"
     one_image = [row("ar", 1.0), {**row("sd", 1.3), "speedup_lo": None, "speedup_hi": None}]
     assert verdict(one_image) == "verdict: fastest is sd, 1.30x ar (quality not measured)"
+    slow = [row("ar", 1.0), row("sjd", 0.8)]
+    assert verdict(slow) == "verdict: no method is faster than ar (the fastest, sjd, is 0.80x ar [0.70, 0.90])"
+    judged[2]["quality"] = None  # only cool (now slower than ar) within quality
+    judged[3]["quality"] = {"class_accuracy_diff_vs_ar": [0, -0.1, 0.1], "fid_like_diff_vs_ar": [0, None, None]}
+    judged[3]["speedup"] = 0.9
+    assert verdict(judged) == ("verdict: no method within ar's quality is faster than ar (the fastest overall is "
+                               "lantern, 2.00x ar [1.90, 2.10])")
 
 
 def test_gsd_is_benchmarked_like_decode(models):

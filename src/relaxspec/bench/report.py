@@ -355,6 +355,8 @@ def within_baseline_quality(row: dict) -> bool | None:
     reach 0 or below (``None`` when its quality was not measured against the baseline)."""
     quality = row.get("quality") or {}
     accuracy, fid = quality.get("class_accuracy_diff_vs_ar"), quality.get("fid_like_diff_vs_ar")
+    accuracy = None if accuracy is None or accuracy[2] is None else accuracy  # no interval: not measured
+    fid = None if fid is None or fid[1] is None else fid
     if accuracy is None and fid is None:
         return None
     return (accuracy is None or accuracy[2] >= 0) and (fid is None or fid[1] <= 0)
@@ -373,12 +375,17 @@ def verdict(rows: Sequence[dict], baseline: str = BASELINE) -> str:
         return f"{row['speedup']:.2f}x {baseline}{interval}"
 
     fastest = max(timed, key=lambda row: row["speedup"])
+    if fastest["speedup"] <= 1.0:
+        return f"verdict: no method is faster than {baseline} (the fastest, {fastest['label']}, is {speed(fastest)})"
     if all(v is None for v in judged.values()):
         return f"verdict: fastest is {fastest['label']}, {speed(fastest)} (quality not measured)"
     good = [row for row in timed if judged[row["label"]]]
     if not good:
         return f"verdict: no method keeps quality within {baseline}'s intervals; fastest overall is {fastest['label']}"
     best = max(good, key=lambda row: row["speedup"])
+    if best["speedup"] <= 1.0:
+        return (f"verdict: no method within {baseline}'s quality is faster than {baseline} (the fastest overall "
+                f"is {fastest['label']}, {speed(fastest)})")
     return f"verdict: fastest within {baseline}'s quality is {best['label']}, {speed(best)}"
 
 
