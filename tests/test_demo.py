@@ -36,7 +36,8 @@ def model() -> DemoModel:
     (RaceRequest("heart", "lantern", knob=2.0), "--delta is an additive TV budget in [0, 1], got 2.0"),
     (RaceRequest("heart", "lantern++", knob=0.5), "--lam is a multiplicative bound >= 1"),
     (RaceRequest("heart", "sd", knob=0.3), "--method sd has no knob"),
-    (RaceRequest("heart", "lantern", seed=-1), "seed must be a whole number >= 0"),
+    (RaceRequest("heart", "lantern", seed=-1), "seed must be a whole number in [0, 2^40)"),
+    (RaceRequest("heart", "lantern", seed=10 ** 15), "seed must be a whole number in [0, 2^40)"),
     (RaceRequest("heart", "lantern", cfg_scale=-1.0), "cfg scale"),
 ])
 def test_bad_requests_are_one_line_messages(model, request_, message):
@@ -90,6 +91,23 @@ def test_a_lane_streams_and_ends_with_generate_tokens(model, monkeypatch):
     assert "speed-up vs AR" in describe_lane(final, final) and "TV certificate" in describe_lane(final)
 
 
+def test_an_abandoned_lane_stops_its_decode(model):
+    """A cancelled request (the page closed mid-race) stops the decode thread at its next step, so
+    no decode keeps running on the model's cache under the next race."""
+    import threading
+
+    cls, options, sampling = resolve_request(model, RaceRequest("heart", "sjd"))
+    lane = run_lane(model, cls, options, sampling, 0, 1, "SJD")
+    next(lane), next(lane)
+    before = threading.active_count()
+    lane.close()
+    assert threading.active_count() == before - 1
+    final = None
+    for final in run_lane(model, cls, options, sampling, 0, 1, "SJD"):
+        pass
+    assert torch.equal(final.result.tokens, relaxspec.generate("heart", "sjd", seed=0).result.tokens)
+
+
 def test_race_handler_streams_both_sides_and_keeps_the_run(model, tmp_path):
     import threading
 
@@ -102,6 +120,8 @@ def test_race_handler_streams_both_sides_and_keeps_the_run(model, tmp_path):
     assert "speed-up vs AR" in my_text and "target forwards: 64" in ar_text and status.startswith("done: cool")
     assert len(updates) > 3 and gallery == history and Path(history[0][0]).parent == tmp_path
     assert sorted(os.listdir(tmp_path)) == ["0000.png"]
+    again = list(race_handler(model, tmp_path, history, threading.Lock(), "heart", "sjd", None, 2, None))
+    assert again[-1][-1].startswith("done: sjd") and sorted(os.listdir(tmp_path)) == ["0000.png", "0001.png"]
     bad = list(race_handler(model, tmp_path, history, threading.Lock(), "heart", "lantern", "7", 1, None))
     assert len(bad) == 1 and bad[0][-1].startswith("**Not run:** --delta is an additive TV budget")
     word = list(race_handler(model, tmp_path, history, threading.Lock(), "heart", "lantern", "much", 1, None))

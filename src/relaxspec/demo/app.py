@@ -4,6 +4,8 @@ the speed-up. :func:`build_app` returns the page; :func:`race_handler` is its on
 
 from __future__ import annotations
 
+import logging
+import os
 import threading
 from pathlib import Path
 
@@ -13,6 +15,7 @@ from relaxspec import methods
 from relaxspec.demo.race import KNOBS, DemoModel, RaceRequest, describe_lane, heat_map, resolve_request, run_lane, save_run
 from relaxspec.errors import RelaxspecError
 
+LOG = logging.getLogger("relaxspec.demo")
 #: Runs kept in the page's gallery (newest first).
 GALLERY_SIZE = 8
 #: System fonts only: the page asks nothing from the internet.
@@ -48,16 +51,22 @@ def race_handler(model: DemoModel, out: Path, history: list, lock: threading.Loc
         return
     seed = int(request.seed)
     status = f"racing `{options.describe()}` against AR, seed {seed}, cfg {sampling.cfg_scale:g}"
-    ar_options = methods.resolve("ar")
-    ar = None
-    for ar in run_lane(model, cls, ar_options, sampling, seed, request.upscale, "AR"):
-        yield ar.image, describe_lane(ar), None, "", None, blank, status
-    mine = None
-    for mine in run_lane(model, cls, options, sampling, seed, request.upscale, request.method):
-        yield ar.image, describe_lane(ar), mine.image, describe_lane(mine, ar), None, blank, status
-    heat = heat_map(mine.result.accept_lengths[0], model.grid, cell=max(1, ar.image.shape[0] // model.grid))
+    try:
+        ar = mine = None
+        for ar in run_lane(model, cls, methods.resolve("ar"), sampling, seed, request.upscale, "AR"):
+            yield ar.image, describe_lane(ar), None, "", None, blank, status
+        for mine in run_lane(model, cls, options, sampling, seed, request.upscale, request.method):
+            yield ar.image, describe_lane(ar), mine.image, describe_lane(mine, ar), None, blank, status
+        heat = heat_map(mine.result.accept_lengths[0], model.grid, cell=max(1, ar.image.shape[0] // model.grid))
+    except RelaxspecError as err:
+        yield blank, blank, blank, blank, blank, blank, f"**Not run:** {err}"
+        return
+    except Exception as err:  # a bug: said in the page in one line, the traceback goes to the console
+        LOG.exception("relaxspec demo: the race failed")
+        yield blank, blank, blank, blank, blank, blank, f"**Failed:** {type(err).__name__}: {err} (see the console)"
+        return
     with lock:
-        path = save_run(out, len(history), ar, mine, request)
+        path = save_run(out, ar, mine)
         caption = f"{condition} · {request.method} · seed {seed}: {ar.seconds / mine.seconds:.2f}x"
         history.insert(0, (str(path), caption))
         del history[GALLERY_SIZE:]
@@ -70,11 +79,13 @@ def build_app(model: DemoModel, out: str | Path) -> gr.Blocks:
     """The page, decoding with ``model`` and keeping its runs' images in ``out``."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    # gradio keeps every image it serves in its temporary folder: inside ``out``, and pruned.
+    os.environ.setdefault("GRADIO_TEMP_DIR", str((out / "gradio-tmp").resolve()))
     history: list = []
     lock = threading.Lock()
     names = model.class_names
     default_class = model.default_class or (names[0] if names else "0")
-    with gr.Blocks(title="relaxspec demo") as app:
+    with gr.Blocks(title="relaxspec demo", delete_cache=(600, 1800)) as app:
         gr.Markdown(INTRO)
         with gr.Row():
             if names:

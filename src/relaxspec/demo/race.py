@@ -61,7 +61,7 @@ class RaceRequest:
     knob: float | None = None
     seed: int = 0
     cfg_scale: float | None = None
-    upscale: int = 8
+    upscale: int | None = None  # None: enough to show the image at about 256 px
 
 
 @dataclass
@@ -117,8 +117,10 @@ def resolve_request(model: DemoModel, request: RaceRequest) -> tuple[int, method
     if options.needs_drafter and model.drafter is None:
         raise RelaxspecError(f"--method {name} drafts with an EAGLE drafter and this model has none: "
                              "choose sjd, scd or gsd")
-    if request.seed is None or int(request.seed) != request.seed or request.seed < 0:
-        raise RelaxspecError(f"seed must be a whole number >= 0, got {request.seed}")
+    if request.seed is None or int(request.seed) != request.seed or not 0 <= request.seed < 2 ** 40:
+        raise RelaxspecError(f"seed must be a whole number in [0, 2^40), got {request.seed}")
+    if request.upscale is None:
+        request.upscale = max(1, 256 // (model.grid * model.vq.config.downsample_factor))
     if not 1 <= int(request.upscale) <= 32:
         raise RelaxspecError(f"upscale must be 1..32, got {request.upscale}")
     sampling = dict(model.sampling)
@@ -161,16 +163,32 @@ def heat_map(accept_lengths: list[int], grid: int, cell: int = 8) -> np.ndarray:
     return enlarge(colours.reshape(grid, grid, 3), cell)
 
 
+class Stopped(Exception):
+    """Raised inside a decode whose lane was abandoned (the page's request was cancelled)."""
+
+
+#: One decode at a time per model: the KV cache lives on the model.
+_MODEL_LOCKS: dict[int, threading.Lock] = {}
+
+
+def model_lock(model: DemoModel) -> threading.Lock:
+    return _MODEL_LOCKS.setdefault(id(model.target), threading.Lock())
+
+
 def run_lane(model: DemoModel, cls: int, options, sampling: SamplingConfig, seed: int, upscale: int,
              label: str) -> Iterator[Lane]:
     """Decode one image with ``options`` and yield the lane after each drawn frame (at most every
-    :data:`FRAME_SECONDS`) and once finished. Decoding runs in a worker thread; drawing happens
-    here, so its time is kept out of the lane's ``seconds``."""
+    :data:`FRAME_SECONDS`) and once finished. Decoding runs in a worker thread, one at a time per
+    model; drawing happens here. If the caller stops iterating (a cancelled request), the decode
+    is stopped at its next step and the thread joined before this generator closes."""
     frames: queue.Queue = queue.Queue()
     last = [0.0]
+    stop = threading.Event()
     n_tok = model.target.config.block_size
 
     def on_step(tokens, done):
+        if stop.is_set():
+            raise Stopped()
         now = time.perf_counter()
         if now - last[0] >= FRAME_SECONDS:
             last[0] = now
@@ -178,10 +196,13 @@ def run_lane(model: DemoModel, cls: int, options, sampling: SamplingConfig, seed
 
     def work():
         try:
-            generator = torch.Generator(device=model.target.device).manual_seed(batch_seed(seed, 0))
-            result = decode(model.target, torch.tensor([cls]), sampling, options, generator=generator,
-                            drafter=model.drafter, vq=model.vq, on_step=on_step)
+            with model_lock(model):
+                generator = torch.Generator(device=model.target.device).manual_seed(batch_seed(seed, 0))
+                result = decode(model.target, torch.tensor([cls]), sampling, options, generator=generator,
+                                drafter=model.drafter, vq=model.vq, on_step=on_step)
             frames.put(("done", result, None))
+        except Stopped:
+            frames.put(("stopped", None, None))
         except Exception as err:  # re-raised in the caller's thread
             frames.put(("error", err, None))
 
@@ -191,19 +212,22 @@ def run_lane(model: DemoModel, cls: int, options, sampling: SamplingConfig, seed
     yield lane
     thread = threading.Thread(target=work, daemon=True)
     thread.start()
-    while True:
-        kind, payload, done = frames.get()
-        if kind == "error":
-            raise payload
-        if kind == "done":
-            lane.result, lane.done = payload, n_tok
-            lane.seconds = payload.seconds
-            lane.image = partial_image(model, payload.tokens[0], n_tok, upscale)
-            thread.join()
+    try:
+        while True:
+            kind, payload, done = frames.get()
+            if kind == "error":
+                raise payload
+            if kind == "done":
+                lane.result, lane.done = payload, n_tok
+                lane.seconds = payload.seconds
+                lane.image = partial_image(model, payload.tokens[0], n_tok, upscale)
+                yield lane
+                return
+            lane.done, lane.image = done, partial_image(model, payload, done, upscale)
             yield lane
-            return
-        lane.done, lane.image = done, partial_image(model, payload, done, upscale)
-        yield lane
+    finally:
+        stop.set()
+        thread.join()
 
 
 def describe_lane(lane: Lane, baseline: Lane | None = None) -> str:
@@ -223,9 +247,11 @@ def describe_lane(lane: Lane, baseline: Lane | None = None) -> str:
     return "  \n".join(lines)
 
 
-def save_run(out: Path, number: int, ar: Lane, mine: Lane, request: RaceRequest) -> Path:
-    """Both final images side by side as ``out/NNNN.png`` (the gallery's file)."""
+def save_run(out: Path, ar: Lane, mine: Lane) -> Path:
+    """Both final images side by side as ``out/NNNN.png``, numbered after the runs already there
+    (a restarted demo keeps them)."""
     gap = np.full((ar.image.shape[0], max(4, ar.image.shape[1] // 32), 3), 255, dtype=np.uint8)
-    path = Path(out) / f"{number:04d}.png"
+    taken = [int(p.stem) for p in Path(out).glob("[0-9][0-9][0-9][0-9].png")]
+    path = Path(out) / f"{max(taken, default=-1) + 1:04d}.png"
     write_png(path, np.concatenate([ar.image, gap, mine.image], axis=1))
     return path
