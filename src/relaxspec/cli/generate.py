@@ -64,6 +64,12 @@ def add_generate_parser(subparsers) -> argparse.ArgumentParser:
                       help="t2i: .npy of caption features [N, tokens, dim] (T5, left-padded), or .npz with "
                            "'features' and optional 'mask'")
     cond.add_argument("--caption-mask", metavar="PATH", help="t2i: .npy [N, tokens] of 1 (real token) / 0 (padding)")
+    cond.add_argument("--prompt", action="append", metavar="TEXT",
+                      help="t2i: a text prompt (repeatable), encoded with --t5-path as upstream LlamaGen does")
+    cond.add_argument("--prompts-file", metavar="FILE", help="t2i: text prompts, one per line (blank lines skipped)")
+    cond.add_argument("--t5-path", metavar="DIR", help="t2i: a local Flan-T5 folder (save_pretrained layout, "
+                                                      "safetensors) that encodes --prompt / --prompts-file "
+                                                      "(needs relaxspec[transformers])")
 
     sampling = gen.add_argument_group("sampling (upstream order: CFG, temperature, top-k, top-p)")
     sampling.add_argument("--cfg-scale", type=float, help="classifier-free guidance (default 4.0, upstream's demo; "
@@ -198,7 +204,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         "batch_size": args.batch_size, "precision": args.precision, "device": str(device),
         "files": {key: file_identity(path) for key, path in (
             ("gpt_ckpt", args.gpt_ckpt), ("vq_ckpt", args.vq_ckpt), ("drafter_ckpt", args.drafter_ckpt),
-            ("caption_features", args.caption_features), ("caption_mask", args.caption_mask)) if path},
+            ("caption_features", args.caption_features), ("caption_mask", args.caption_mask),
+            ("t5_path", args.t5_path), ("prompts_file", args.prompts_file)) if path},
     }
     if args.upscale != 1:  # recorded only when used, so runs from before the flag still resume
         settings["upscale"] = args.upscale
@@ -301,16 +308,24 @@ def load_conditions(args: argparse.Namespace, model: Transformer) -> tuple[torch
     if config.model_type == "c2i":
         if args.caption_features or args.caption_mask:
             raise RelaxspecError("this is a class-conditional (c2i) model: give --classes, not --caption-features")
+        if args.prompt or args.prompts_file or args.t5_path:
+            raise RelaxspecError("this is a class-conditional (c2i) model: give --classes, not prompts")
         classes = parse_classes(args.classes if args.classes is not None else DEFAULT_CLASSES, model.class_names)
         bad = [c for c in classes if not 0 <= c < config.num_classes]
         if bad:
             raise RelaxspecError(f"class id {bad[0]} is out of range: this model has classes 0..{config.num_classes - 1}")
         return torch.tensor(classes, dtype=torch.long), None, {"classes": classes}
     if args.classes is not None:
-        raise RelaxspecError("this is a text-to-image (t2i) model: give --caption-features, not --classes")
+        raise RelaxspecError("this is a text-to-image (t2i) model: give --prompt / --caption-features, not --classes")
+    prompts = read_prompts(args)
+    if prompts:
+        return encode(args, model, prompts)
+    if args.t5_path:
+        raise RelaxspecError("--t5-path encodes prompts: give --prompt TEXT or --prompts-file FILE")
     if not args.caption_features:
-        raise RelaxspecError(f"this is a text-to-image (t2i) model: give --caption-features PATH.npy (caption "
-                             f"features [N, {config.cls_token_num}, {config.caption_dim}], e.g. Flan-T5-XL outputs)")
+        raise RelaxspecError(f"this is a text-to-image (t2i) model: give --prompt TEXT with --t5-path DIR, or "
+                             f"--caption-features PATH.npy (caption features [N, {config.cls_token_num}, "
+                             f"{config.caption_dim}], e.g. Flan-T5-XL outputs)")
     features, mask = load_caption_features(args.caption_features, args.caption_mask)
     expected = (config.cls_token_num, config.caption_dim)
     if tuple(features.shape[1:]) != expected:
@@ -322,9 +337,50 @@ def load_conditions(args: argparse.Namespace, model: Transformer) -> tuple[torch
                             "captions": int(features.shape[0]), "caption_mask": mask is not None}
 
 
+def read_prompts(args: argparse.Namespace) -> list[str]:
+    """``--prompt`` values, then the lines of ``--prompts-file`` (blank lines skipped)."""
+    prompts = list(args.prompt or [])
+    if args.prompts_file:
+        path = Path(args.prompts_file)
+        if not path.is_file():
+            raise RelaxspecError(f"--prompts-file {path}: no such file")
+        try:
+            lines = path.read_text(encoding="utf-8").splitlines()
+        except UnicodeDecodeError:
+            raise RelaxspecError(f"--prompts-file {path}: not UTF-8 text") from None
+        prompts += [line for line in lines if line.strip()]
+        if not prompts:
+            raise RelaxspecError(f"--prompts-file {path}: no prompts in the file")
+    if prompts and (args.caption_features or args.caption_mask):
+        raise RelaxspecError("give prompts or --caption-features, not both")
+    return prompts
+
+
+def encode(args: argparse.Namespace, model: Transformer, prompts: list[str]):
+    """Prompts -> left-padded T5 features and mask (models.llamagen.prompts), checked against the model."""
+    from relaxspec.models.llamagen.prompts import encode_prompts
+
+    if not args.t5_path:
+        raise RelaxspecError("encoding prompts needs --t5-path DIR (a local Flan-T5 folder, as upstream LlamaGen "
+                             "uses), or give precomputed --caption-features")
+    config = model.config
+    features, mask, lengths = encode_prompts(prompts, args.t5_path, max_length=config.cls_token_num,
+                                             device=model.device)
+    if features.shape[-1] != config.caption_dim:
+        raise RelaxspecError(f"--t5-path {args.t5_path}: its features have {features.shape[-1]} dimensions, but this "
+                             f"model reads {config.caption_dim}: not the text encoder it was trained with")
+    for i, length in enumerate(lengths):
+        if length > config.cls_token_num:
+            print(f"relaxspec: prompt {i + 1} has {length} tokens; the model reads {config.cls_token_num}, so it is "
+                  "cut (as upstream)", file=sys.stderr)
+    return features.cpu(), mask.cpu(), {"prompts": prompts, "t5_path": str(Path(args.t5_path).resolve())}
+
+
 def condition_record(cond_settings: dict, index: int) -> dict:
     if "classes" in cond_settings:
         return {"class": cond_settings["classes"][index]}
+    if "prompts" in cond_settings:
+        return {"prompt": cond_settings["prompts"][index]}
     return {"caption": index}
 
 

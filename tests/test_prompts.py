@@ -1,0 +1,120 @@
+"""Text prompts for LlamaGen t2i checkpoints: a local T5 folder (a tiny random T5 and a tokenizer
+built here, saved with save_pretrained) encodes them as upstream's sample_t2i.py does, and
+``generate --prompt --t5-path`` decodes exactly what the same features given as a file decode."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from relaxspec.cli import main
+from relaxspec.models.llamagen.prompts import encode_prompts, left_pad
+
+transformers = pytest.importorskip("transformers", reason="prompts need transformers (pip install -e '.[test]')")
+
+WORDS = ["<pad>", "</s>", "<unk>"] + "a an the red blue green cat dog heart on of in with small big , .".split()
+
+
+def make_t5(folder: Path, d_model: int, safetensors: bool = True) -> Path:
+    """A T5 encoder with random weights and a word-level tokenizer that appends </s>, in the
+    folder layout save_pretrained writes (what a user downloads)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast, T5Config, T5EncoderModel
+
+    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Punctuation()])
+    tokenizer.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", eos_token="</s>",
+                            unk_token="<unk>").save_pretrained(folder)
+    torch.manual_seed(0)
+    config = T5Config(vocab_size=len(WORDS), d_model=d_model, d_kv=8, d_ff=64, num_layers=2, num_heads=2,
+                      pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)
+    model = T5EncoderModel(config)
+    model.save_pretrained(folder)
+    if not safetensors:  # the older pickled layout (pytorch_model.bin), which relaxspec does not unpickle
+        for path in folder.glob("*.safetensors"):
+            path.unlink()
+        torch.save(model.state_dict(), folder / "pytorch_model.bin")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def t5(tmp_path_factory, tiny_ckpts) -> Path:
+    return make_t5(tmp_path_factory.mktemp("t5"), d_model=tiny_ckpts["t2i"]["config"]["caption_dim"])
+
+
+PROMPTS = ["A red cat", "  the big blue dog on a small heart .  ", "green"]
+
+
+def test_prompts_are_encoded_as_upstream_does(t5):
+    """Upstream (sample_t2i.py with T5Embedder): pad to max_length with the mask, encode, then move
+    each row's valid tokens to the end and flip the mask."""
+    from transformers import AutoTokenizer, T5EncoderModel
+
+    features, mask, lengths = encode_prompts(PROMPTS, t5, max_length=6)
+    tokenizer, encoder = AutoTokenizer.from_pretrained(t5), T5EncoderModel.from_pretrained(t5).eval()
+    texts = [p.lower().strip() for p in PROMPTS]
+    batch = tokenizer(texts, max_length=6, padding="max_length", truncation=True, return_attention_mask=True,
+                      add_special_tokens=True, return_tensors="pt")
+    with torch.no_grad():
+        embs = encoder(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
+    expected = []
+    for emb, emb_mask in zip(embs, batch["attention_mask"]):
+        valid = int(emb_mask.sum())
+        expected.append(torch.cat([emb[valid:], emb[:valid]]))
+    torch.testing.assert_close(features, torch.stack(expected))
+    assert torch.equal(mask, torch.flip(batch["attention_mask"], dims=[-1]).bool())
+    assert lengths == [4, 10, 2]  # words + </s>; the second is cut to 6
+    assert mask.sum(1).tolist() == [4, 6, 2] and not mask[0, :2].any()
+
+
+def test_left_pad_moves_valid_tokens_last():
+    x = torch.arange(8.0).view(2, 4, 1)
+    mask = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1]]).bool()
+    assert left_pad(x, mask)[:, :, 0].tolist() == [[2, 3, 0, 1], [4, 5, 6, 7]]
+
+
+def test_generate_with_prompts_equals_generate_with_their_features(t5, tiny_ckpts, tmp_path, capsys):
+    args = ["generate", *tiny_ckpts["t2i"]["args"], "--no-progress", "--seed", "3", "--batch-size", "2"]
+    prompts_file = tmp_path / "prompts.txt"
+    prompts_file.write_text("the big blue dog on a small heart .\n\n")
+    assert main(args + ["--out", str(tmp_path / "text"), "--prompt", PROMPTS[0], "--prompts-file", str(prompts_file),
+                        "--prompt", PROMPTS[2], "--t5-path", str(t5)]) == 0
+    assert "prompt 3 has 10 tokens" in capsys.readouterr().err  # --prompt values first, then the file
+    features, mask, _ = encode_prompts([PROMPTS[0], PROMPTS[2], "the big blue dog on a small heart ."], t5, max_length=6)
+    np.savez(tmp_path / "captions.npz", features=features.numpy(), mask=mask.numpy())
+    assert main(args + ["--out", str(tmp_path / "file"), "--caption-features", str(tmp_path / "captions.npz")]) == 0
+    assert np.array_equal(np.load(tmp_path / "text" / "tokens.npy"), np.load(tmp_path / "file" / "tokens.npy"))
+    stats = json.loads((tmp_path / "text" / "stats.json").read_text())
+    assert stats["settings"]["prompts"] == [PROMPTS[0], PROMPTS[2], "the big blue dog on a small heart ."]
+    assert [image["prompt"] for image in stats["images"]] == stats["settings"]["prompts"]
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--prompt", "a cat"], "needs --t5-path DIR"),
+    (["--prompt", "   ", "--t5-path", "T5"], "prompt 1 is empty"),
+    (["--t5-path", "T5"], "--t5-path encodes prompts"),
+    (["--prompt", "a cat", "--t5-path", "NOWHERE"], "not a folder"),
+    (["--prompt", "a cat", "--t5-path", "PICKLED"], "no .safetensors weights"),
+    (["--prompt", "a cat", "--t5-path", "NARROW"], "its features have 16 dimensions, but this model reads 32"),
+    (["--prompts-file", "NOWHERE"], "--prompts-file"),
+    (["--prompt", "a cat", "--caption-features", "NOWHERE"], "not both"),
+])
+def test_prompt_errors_are_one_line(t5, tiny_ckpts, tmp_path, capsys, extra, message):
+    paths = {"T5": t5, "NOWHERE": tmp_path / "nowhere",
+             "PICKLED": make_t5(tmp_path / "pickled", 32, safetensors=False),
+             "NARROW": make_t5(tmp_path / "narrow", 16)}
+    argv = ["generate", *tiny_ckpts["t2i"]["args"], "--out", str(tmp_path / "out"), "--no-progress",
+            *[str(paths.get(item, item)) for item in extra]]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_class_model_refuses_prompts(tiny_ckpts, t5, tmp_path, capsys):
+    argv = ["generate", *tiny_ckpts["c2i"]["args"], "--out", str(tmp_path), "--prompt", "a cat", "--t5-path", str(t5)]
+    assert main(argv) == 2 and "class-conditional (c2i) model: give --classes, not prompts" in capsys.readouterr().err
