@@ -12,7 +12,7 @@ from torch import nn
 from relaxspec import methods
 from relaxspec.decoding import decode
 from relaxspec.decoding.ar import generate_ar
-from relaxspec.models.base import ImageTokenizer, TargetModel
+from relaxspec.models.base import ImageTokenizer, TargetModel, TeacherForcedTarget
 from relaxspec.models.llamagen.gpt import GPTConfig, Transformer
 from relaxspec.models.llamagen.vq import VQConfig, VQModel
 from relaxspec.sampling import SamplingConfig
@@ -23,10 +23,10 @@ class AveragingTarget(nn.Module):
     slots it may attend to (the condition's and every token's embedding), so a wrong mask, slot or
     KV compaction changes the logits."""
 
-    def __init__(self, vocab: int = 12, tokens: int = 10, classes: int = 3, dim: int = 16, seed: int = 0):
+    def __init__(self, vocab: int = 12, grid: int = 3, classes: int = 3, dim: int = 16, seed: int = 0):
         super().__init__()
         torch.manual_seed(seed)
-        self.config = SimpleNamespace(vocab_size=vocab, block_size=tokens, grid_size=None, cls_token_num=1, dim=dim,
+        self.config = SimpleNamespace(vocab_size=vocab, block_size=grid * grid, grid_size=grid, cls_token_num=1, dim=dim,
                                       num_classes=classes, model_type="c2i")
         self.class_names = None
         self.embedding = nn.Embedding(vocab, dim)
@@ -79,6 +79,14 @@ class AveragingTarget(nn.Module):
     def head(self, hidden):
         return self.out(hidden).float()
 
+    def forward_train(self, cond, tokens, return_hidden=False):
+        """Teacher-forced: the hidden state before image token k is the mean over the condition
+        and tokens 0..k-1 (what decoding computes step by step)."""
+        vectors = torch.cat([self.classes(cond)[:, None], self.embed_tokens(tokens[:, :-1])], dim=1)
+        hidden = vectors.cumsum(1) / torch.arange(1, vectors.shape[1] + 1, device=vectors.device)[None, :, None]
+        logits = self.head(hidden)
+        return (logits, hidden) if return_hidden else logits
+
 
 def test_llamagen_implements_the_protocols():
     target = Transformer(GPTConfig(dim=32, n_layer=1, n_head=2, vocab_size=16, num_classes=3, block_size=4,
@@ -107,3 +115,38 @@ def test_the_engine_decodes_a_model_it_knows_only_by_the_protocol(name, given, c
     sampled = decode(model, cond, SamplingConfig(cfg_scale=cfg, top_k=0), methods.resolve(name, given),
                      generator=torch.Generator().manual_seed(0))
     assert [sum(a) for a in sampled.accept_lengths] == [model.config.block_size] * 3
+
+
+def test_teacher_forcing_matches_decoding():
+    model = AveragingTarget()
+    cond = torch.arange(3)
+    tokens = generate_ar(model, cond, SamplingConfig(cfg_scale=1.0, temperature=0.0, top_k=0)).tokens
+    logits = model.forward_train(cond, tokens)
+    assert torch.equal(logits.argmax(-1), tokens)  # greedy: each token is the argmax of its prefix
+    assert isinstance(model, TeacherForcedTarget)
+
+
+def test_an_eagle_drafter_for_a_model_it_knows_only_by_the_protocol(tmp_path, monkeypatch):
+    """The drafter is sized from the protocol's config and borrows the target's embeddings and
+    head; trained by the recipe on the target's own samples, every exact structure and LANTERN at
+    delta 0 give greedy AR's tokens."""
+    from relaxspec.drafting.eagle import EagleDrafter, load_drafter
+    from relaxspec.training.drafter import DrafterTrainConfig, train_drafter
+
+    monkeypatch.setenv("RELAXSPEC_CACHE", str(tmp_path))  # LANTERN's neighbour table
+    model = AveragingTarget()
+    drafter = EagleDrafter.for_target(model)
+    assert drafter.config.target_config.dim == model.config.dim and drafter.config.target_config.head_dim % 4 == 0
+    config = DrafterTrainConfig(out=str(tmp_path / "drafter"), self_samples=12, steps=4, batch_size=4, warmup_steps=1,
+                                eval_interval=2, checkpoint_interval=2, val_fraction=0.25, lr=1e-3)
+    trained = train_drafter(config, target=model).drafter
+    reloaded = load_drafter(tmp_path / "drafter", model)
+    cond = torch.arange(3)
+    greedy = SamplingConfig(cfg_scale=3.0, temperature=0.0, top_k=0)
+    ar = generate_ar(model, cond, greedy).tokens
+    vq = SimpleNamespace(raw_codebook=torch.randn(12, 4), codebook=torch.randn(12, 4))
+    for name, given in [("sd", {"draft": "chain", "depth": 3}), ("sd-static", {"tree": "eagle25"}), ("eagle2", {}),
+                        ("lantern", {"draft": "chain", "delta": 0.0, "k": 4})]:
+        for candidate in (trained, reloaded):
+            result = decode(model, cond, greedy, methods.resolve(name, given), drafter=candidate, vq=vq)
+            assert torch.equal(result.tokens, ar), name

@@ -47,6 +47,30 @@ class DrafterConfig:
         return asdict(self)
 
 
+def drafter_target_config(target: TargetModel) -> dict:
+    """The target's shape as the drafter's blocks need it (a LlamaGen ``GPTConfig`` dict): a
+    LlamaGen target's own config; for any other :class:`TargetModel` one built from its
+    ``config`` (``dim``, ``vocab_size``, ``block_size``, ``cls_token_num``, ``num_classes``,
+    ``model_type``), with ``config.n_head`` heads if it says, else heads of 64 dims (or the widest
+    that divides ``dim`` in multiples of 4, as the 2D RoPE needs)."""
+    config = target.config
+    if isinstance(config, GPTConfig):
+        return config.to_dict()
+    dim = int(config.dim)
+    heads = getattr(config, "n_head", None)
+    if heads is None or dim % heads or (dim // heads) % 4:
+        fits = [h for h in range(1, dim + 1) if dim % h == 0 and (dim // h) % 4 == 0]
+        if not fits:
+            raise RelaxspecError(f"the target's width {dim} has no head size that is a multiple of 4: "
+                                 "an EAGLE drafter cannot be built for it")
+        heads = min(fits, key=lambda h: (abs(dim // h - 64), h))
+    shape = GPTConfig(dim=dim, n_layer=1, n_head=int(heads), vocab_size=int(config.vocab_size),
+                      block_size=int(config.block_size), cls_token_num=int(config.cls_token_num),
+                      num_classes=max(1, int(getattr(config, "num_classes", 1) or 1)),
+                      model_type=getattr(config, "model_type", "c2i"), multiple_of=32)
+    return shape.to_dict()
+
+
 class EagleDrafter(nn.Module):
     """``fc`` + ``n_layer`` LlamaGen blocks over (feature, token) pairs.
 
@@ -70,11 +94,11 @@ class EagleDrafter(nn.Module):
 
     @classmethod
     def for_target(cls, target: TargetModel, n_layer: int = 1) -> "EagleDrafter":
-        drafter = cls(DrafterConfig(target=target.config.to_dict(), n_layer=n_layer))
+        drafter = cls(DrafterConfig(target=drafter_target_config(target), n_layer=n_layer))
         return drafter.to(target.dtype).attach(target)
 
     def attach(self, target: TargetModel) -> "EagleDrafter":
-        tcfg, mine = target.config, self.config.target_config
+        tcfg, mine = GPTConfig.from_dict(drafter_target_config(target)), self.config.target_config
         if (tcfg.dim, tcfg.vocab_size, tcfg.block_size, tcfg.n_head) != (mine.dim, mine.vocab_size, mine.block_size, mine.n_head):
             raise RelaxspecError(
                 "the drafter was trained for a different target (dim/vocab/grid/heads "

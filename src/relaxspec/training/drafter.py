@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from relaxspec.models.llamagen.checkpoints import PRECISIONS, load_gpt, load_strict, load_vq
-from relaxspec.drafting.eagle import DrafterConfig, EagleDrafter, load_drafter
+from relaxspec.drafting.eagle import DrafterConfig, EagleDrafter, drafter_target_config, load_drafter
 from relaxspec.errors import RelaxspecError
 from relaxspec.models.base import TeacherForcedTarget
 from relaxspec.models.llamagen.vq import VQModel
@@ -538,7 +538,7 @@ def train_drafter(config: DrafterTrainConfig, *, target: TeacherForcedTarget | N
     eval_set, eval_name = (val_set, "val") if len(val_set) else (train_set, "train")
 
     torch.manual_seed(config.seed)
-    drafter = EagleDrafter(DrafterConfig(target=target.config.to_dict(), n_layer=config.n_layer)).to(device).attach(target)
+    drafter = EagleDrafter(DrafterConfig(target=drafter_target_config(target), n_layer=config.n_layer)).to(device).attach(target)
     if config.init_from and saved is None:
         # Warm start: the drafter's own weights (fc + blocks) carry over when the target's width,
         # vocabulary and grid match; a resumed run loads its own weights below.
