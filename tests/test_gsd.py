@@ -197,3 +197,15 @@ def test_gsd_from_the_command_line(tmp_path):
 
     assert main(["generate", "--method", "gsd", "--drafter-ckpt", str(embedded.path("drafter")), "--classes", "heart",
                  "--out", str(tmp_path / "no")]) == 2  # a drafter GSD's Jacobi window would not read
+
+
+def test_gsd_compiled_gives_the_eager_tokens(markov):
+    """The tree walk with GSD's rule inside compiles (fullgraph) and decodes what eager decoding
+    decodes, sampled and greedy."""
+    model, drafter = markov
+    cond = torch.arange(2)
+    for sampling in (SamplingConfig(cfg_scale=4.0, top_k=20), SamplingConfig(cfg_scale=4.0, temperature=0.0)):
+        runs = [decode(model, cond, sampling, methods.resolve("gsd", {"window": 4, "group_p_gap": 1.0,
+                                                                      "group_distance": 1e9, "compile": compile}),
+                       generator=torch.Generator().manual_seed(3)).tokens for compile in (False, True)]
+        assert torch.equal(*runs)
