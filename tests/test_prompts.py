@@ -118,3 +118,23 @@ def test_prompt_errors_are_one_line(t5, tiny_ckpts, tmp_path, capsys, extra, mes
 def test_a_class_model_refuses_prompts(tiny_ckpts, t5, tmp_path, capsys):
     argv = ["generate", *tiny_ckpts["c2i"]["args"], "--out", str(tmp_path), "--prompt", "a cat", "--t5-path", str(t5)]
     assert main(argv) == 2 and "class-conditional (c2i) model: give --classes, not prompts" in capsys.readouterr().err
+
+
+def test_the_python_api_takes_prompts(t5, tiny_ckpts, tmp_path):
+    import relaxspec
+    from relaxspec.errors import RelaxspecError
+    from relaxspec.models.llamagen.checkpoints import load_gpt, load_vq
+
+    files = tiny_ckpts["t2i"]
+    target = load_gpt(files["gpt"], files["gpt_json"], image_size=16, downsample=4)
+    vq = load_vq(files["vq"], files["vq_json"])
+    got = relaxspec.generate(prompts=[PROMPTS[0], PROMPTS[2]], t5_path=str(t5), model=(target, vq, None), method="ar",
+                             seed=2, sampling={"temperature": 0})
+    args = ["generate", *files["args"], "--no-progress", "--seed", "2", "--batch-size", "2", "--temperature", "0",
+            "--out", str(tmp_path / "cli"), "--prompt", PROMPTS[0], "--prompt", PROMPTS[2], "--t5-path", str(t5)]
+    assert main(args) == 0
+    assert torch.equal(got.result.tokens, torch.from_numpy(np.load(tmp_path / "cli" / "tokens.npy")))
+    with pytest.raises(RelaxspecError, match="give prompts, not classes"):
+        relaxspec.generate([1], t5_path=str(t5), model=(target, vq, None), method="ar")
+    with pytest.raises(RelaxspecError, match="needs t5_path"):
+        relaxspec.generate(prompts=["a cat"], model=(target, vq, None), method="ar")

@@ -42,8 +42,9 @@ def _embedded(device: str, precision: str):
 def generate(classes: str | Sequence[int | str] | None = None, method: str | MethodOptions | None = None, *,
              model: tuple | None = None, sampling: SamplingConfig | dict | None = None, seed: int = 0,
              device: str | torch.device | None = None, precision: str | None = None, upscale: int = 1,
-             progress: bool = False, **method_fields) -> Generation:
-    """Generate one image per class.
+             progress: bool = False, prompts: Sequence[str] | None = None, t5_path: str | None = None,
+             **method_fields) -> Generation:
+    """Generate one image per class (or per prompt, for a LlamaGen text-to-image model).
 
     ``classes``: class ids, or names for a model that names its classes (``"heart,animal-mammal"``
     or a list); default: the embedded model's demo classes. ``method``: a method name (``"ar"``,
@@ -54,7 +55,8 @@ def generate(classes: str | Sequence[int | str] | None = None, method: str | Met
     drafter-free methods); default: the embedded model, loaded once per ``device`` (default cpu) and ``precision``
     (default fp32), which only apply to it. ``sampling``: a
     :class:`SamplingConfig` or a dict of its fields over the model's defaults. ``upscale``: enlarge
-    each image that many times (nearest neighbour).
+    each image that many times (nearest neighbour). ``prompts`` with ``t5_path`` (a local Flan-T5
+    folder): a t2i model's conditions, encoded as ``relaxspec generate --prompt --t5-path`` does.
     """
     from PIL import Image
 
@@ -79,15 +81,39 @@ def generate(classes: str | Sequence[int | str] | None = None, method: str | Met
     options = _options(method, method_fields, defaults)
     if options.needs_drafter and drafter is None:
         raise RelaxspecError(f"method {options.method!r} drafts with an EAGLE drafter: pass model=(target, vq, drafter)")
-    cond = torch.tensor(_class_ids(classes, target, defaults), dtype=torch.long)
+    cond_mask = None
+    if target.config.model_type == "t2i":
+        cond, cond_mask = _prompt_features(prompts, t5_path, target, classes)
+    elif prompts is not None or t5_path is not None:
+        raise RelaxspecError("this is a class-conditional (c2i) model: give classes, not prompts")
+    else:
+        cond = torch.tensor(_class_ids(classes, target, defaults), dtype=torch.long)
     run_device = target.device
     generator = torch.Generator(device=run_device).manual_seed(batch_seed(seed, 0))
-    result = decode(target, cond, sampling, options, generator=generator, drafter=drafter, vq=vq, progress=progress)
+    result = decode(target, cond, sampling, options, generator=generator, drafter=drafter, vq=vq, progress=progress,
+                    cond_mask=cond_mask)
     pixels = to_uint8(vq.decode(result.tokens.to(run_device))).cpu().numpy()
     images = [Image.fromarray(p) for p in pixels]
     if upscale > 1:
         images = [im.resize((im.width * upscale, im.height * upscale), Image.NEAREST) for im in images]
     return Generation(images, result)
+
+
+def _prompt_features(prompts, t5_path, target, classes) -> tuple[torch.Tensor, torch.Tensor]:
+    from relaxspec.models.llamagen.prompts import encode_prompts
+
+    if classes is not None:
+        raise RelaxspecError("this is a text-to-image (t2i) model: give prompts, not classes")
+    if not prompts or isinstance(prompts, str):
+        raise RelaxspecError("this is a text-to-image (t2i) model: give prompts=[...] (a list of texts) and t5_path")
+    if t5_path is None:
+        raise RelaxspecError("encoding prompts needs t5_path (a local Flan-T5 folder)")
+    config = target.config
+    features, mask, _ = encode_prompts(list(prompts), t5_path, max_length=config.cls_token_num, device=target.device)
+    if features.shape[-1] != config.caption_dim:
+        raise RelaxspecError(f"t5_path {t5_path}: its features have {features.shape[-1]} dimensions, but this model "
+                             f"reads {config.caption_dim}")
+    return features, mask
 
 
 def _sampling(sampling: SamplingConfig | dict | None, defaults: dict) -> SamplingConfig:
