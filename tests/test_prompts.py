@@ -138,3 +138,13 @@ def test_the_python_api_takes_prompts(t5, tiny_ckpts, tmp_path):
         relaxspec.generate([1], t5_path=str(t5), model=(target, vq, None), method="ar")
     with pytest.raises(RelaxspecError, match="needs t5_path"):
         relaxspec.generate(prompts=["a cat"], model=(target, vq, None), method="ar")
+
+
+def test_info_recognises_a_t5_folder(t5, tmp_path, capsys):
+    assert main(["info", str(t5)]) == 0
+    out = capsys.readouterr().out
+    assert "model_type:            t5" in out and "--t5-path" in out and "model.safetensors" in out
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "config.json").write_text('{"model_type": "janus"}')
+    assert main(["info", str(other)]) == 0 and "not supported" in capsys.readouterr().out

@@ -168,14 +168,42 @@ def _tree_for_this_machine(args: argparse.Namespace, rates: torch.Tensor):
     return spec, costs.to_dict(), curve
 
 
+#: transformers model types relaxspec reads, and what for.
+TRANSFORMERS_USES = {"t5": "a text encoder: give it as --t5-path to encode --prompt for LlamaGen t2i models"}
+
+
+def transformers_folder(path: Path) -> dict | None:
+    """What a save_pretrained folder is (``None`` if ``path`` is not one): its model type,
+    architectures, weight files, and what relaxspec can do with it."""
+    config_file = path / "config.json"
+    if not path.is_dir() or not config_file.is_file():
+        return None
+    try:
+        config = json.loads(config_file.read_text())
+    except (ValueError, UnicodeDecodeError):
+        return None
+    if not isinstance(config, dict) or "model_type" not in config or "kind" in config:
+        return None
+    kind = config["model_type"]
+    return {"path": str(path), "layout": "transformers (save_pretrained)", "model_type": kind,
+            "architectures": config.get("architectures"), "hidden_size": config.get("d_model", config.get("hidden_size")),
+            "safetensors": sorted(p.name for p in path.glob("*.safetensors")),
+            "pickled (not read)": sorted(p.name for p in path.glob("*.bin")),
+            "relaxspec reads it as": TRANSFORMERS_USES.get(kind, "nothing yet: this model type is not supported")}
+
+
 def cmd_info(args: argparse.Namespace) -> int:
     if args.ckpt == EMBEDDED and not Path(args.ckpt).exists():
         return _info_embedded(args)
-    info = describe(args.ckpt)
+    folder = transformers_folder(Path(args.ckpt))
+    info = folder or describe(args.ckpt)
     if args.json:
         print(json.dumps(info, indent=2))
-        return 0
-    _print_info(info)
+    elif folder is not None:
+        for key, value in folder.items():
+            print(f"{key + ':':22s} {', '.join(value) if isinstance(value, list) else value}")
+    else:
+        _print_info(info)
     return 0
 
 
