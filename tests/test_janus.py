@@ -1,0 +1,149 @@
+"""Janus through transformers (relaxspec.models.janus): a tiny random JanusForConditionalGeneration
+saved with save_pretrained and loaded back the way users load theirs; greedy AR equals
+transformers' own image generation token for token (CFG, left-padded batches); the first step's
+processed distribution equals transformers' logits processors'; every lossless method equals
+greedy AR on it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from relaxspec import methods
+from relaxspec.decoding import decode
+from relaxspec.decoding.target import GuidedTarget
+from relaxspec.models.base import ImageTokenizer, TargetModel
+from relaxspec.sampling import SamplingConfig
+
+transformers = pytest.importorskip("transformers", reason="Janus needs transformers (pip install -e '.[test]')")
+BOS, BOI, PAD = 1, 6, 0
+
+
+def tiny_janus():
+    from transformers import JanusConfig, JanusForConditionalGeneration, LlamaConfig
+    from transformers.models.janus.configuration_janus import JanusVisionConfig, JanusVQVAEConfig
+
+    text = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, vocab_size=64, max_position_embeddings=256, bos_token_id=BOS,
+                       pad_token_id=PAD, eos_token_id=2)
+    vision = JanusVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                               image_size=32, patch_size=8, projection_dim=32, depth=1, num_image_tokens=16)
+    vq = JanusVQVAEConfig(embed_dim=8, num_embeddings=48, base_channels=32, channel_multiplier=[1, 2],
+                          num_res_blocks=1, latent_channels=8, resolution=32, in_channels=3, out_channels=3,
+                          projection_dim=32, image_token_embed_dim=32, num_patches=4)
+    torch.manual_seed(0)
+    model = JanusForConditionalGeneration(JanusConfig(text_config=text.to_dict(), vision_config=vision.to_dict(),
+                                                      vq_config=vq.to_dict(), image_token_id=5)).eval()
+    with torch.no_grad():  # sharper laws than random init gives, so greedy paths differ between prompts
+        model.model.generation_head.proj_out.weight.mul_(6.0)
+    model.generation_config.generation_kwargs = {"boi_token_id": BOI}
+    model.generation_config.pad_token_id, model.generation_config.bos_token_id = PAD, BOS
+    return model
+
+
+@pytest.fixture(scope="module")
+def janus(tmp_path_factory):
+    from relaxspec.models.janus import load_janus
+
+    folder = tmp_path_factory.mktemp("janus")
+    tiny_janus().save_pretrained(folder)
+    target, tokenizer = load_janus(folder, prompt_length=7)
+    assert target.boi == BOI  # read from generation_config.json
+    # transformers 5's loader drops generation_kwargs, which its own image generate reads.
+    target.hf.generation_config.generation_kwargs = {"boi_token_id": BOI}
+    return target, tokenizer
+
+
+#: Prompts as token ids, left-padded to 7 (BOS ... BOI, as the processor's image mode ends them).
+PROMPTS = torch.tensor([[PAD, PAD, BOS, 10, 11, 12, BOI], [BOS, 20, 21, 22, 23, 24, BOI], [PAD, PAD, PAD, BOS, 30, 31, BOI]])
+
+
+def transformers_greedy(target, ids, scale):
+    mask = (ids != PAD).long()
+    return target.hf.generate(ids, attention_mask=mask, generation_mode="image", do_sample=False,
+                              guidance_scale=scale)
+
+
+def test_the_adapter_implements_the_protocols(janus):
+    target, tokenizer = janus
+    assert isinstance(target, TargetModel) and isinstance(tokenizer, ImageTokenizer)
+    assert (target.config.block_size, target.config.grid_size, target.config.vocab_size) == (16, 4, 48)
+    pixels = tokenizer.decode(torch.zeros(1, 16, dtype=torch.long))
+    assert pixels.shape == (1, 3, 8, 8) and float(pixels.abs().max()) <= 1.0
+
+
+@pytest.mark.parametrize("rows", [[0], [1], [2], [0, 1, 2]], ids=["p0", "p1", "p2", "batch3"])
+@pytest.mark.parametrize("scale", [5.0, 2.0])
+def test_greedy_ar_equals_transformers_image_generation(janus, rows, scale):
+    target, _ = janus
+    ids = PROMPTS[rows]
+    theirs = transformers_greedy(target, ids, scale)
+    ours = decode(target, ids, SamplingConfig(cfg_scale=scale, temperature=0.0, top_k=0), methods.resolve("ar"),
+                  cond_mask=ids != PAD)
+    assert torch.equal(ours.tokens, theirs)
+
+
+def test_greedy_paths_differ_between_prompts(janus):
+    target, _ = janus
+    tokens = transformers_greedy(target, PROMPTS, 5.0)
+    assert len({tuple(row) for row in tokens.tolist()}) == 3
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, 0, 1.0), (0.7, 10, 1.0), (1.3, 0, 0.8)])
+def test_the_first_step_law_equals_transformers_processors(janus, temperature, top_k, top_p):
+    from transformers import (ClassifierFreeGuidanceLogitsProcessor, LogitsProcessorList, TemperatureLogitsWarper,
+                              TopKLogitsWarper, TopPLogitsWarper)
+
+    target, _ = janus
+    ids, scale = PROMPTS, 4.0
+    mask = (ids != PAD).long()
+    # transformers' image mode, step 0: the doubled batch, the language model, the generation head.
+    doubled = ids.repeat(2, 1)
+    keep = (doubled[3:] == BOS) | (doubled[3:] == BOI)
+    doubled[3:] = torch.where(keep, doubled[3:], torch.full_like(doubled[3:], PAD))
+    with torch.no_grad():
+        hidden = target.hf.model.language_model(inputs_embeds=target.hf.get_input_embeddings()(doubled),
+                                                attention_mask=mask.repeat(2, 1)).last_hidden_state[:, -1]
+        scores = target.hf.model.generation_head(hidden)
+    processors = LogitsProcessorList([ClassifierFreeGuidanceLogitsProcessor(scale), TemperatureLogitsWarper(temperature)]
+                                     + ([TopKLogitsWarper(top_k)] if top_k else [])
+                                     + ([TopPLogitsWarper(top_p)] if top_p < 1 else []))
+    expected = torch.softmax(processors(ids, scores), dim=-1)  # as generate calls them: the conditional ids
+    guided = GuidedTarget(target, ids, SamplingConfig(cfg_scale=scale, temperature=temperature, top_k=top_k, top_p=top_p),
+                          cond_mask=ids != PAD)
+    probs, _ = guided.prefill()
+    torch.testing.assert_close(probs, expected, atol=1e-5, rtol=1e-4)
+
+
+def test_every_lossless_method_is_greedy_ar_on_janus(janus, tmp_path, monkeypatch):
+    """Drafter-free methods, and exact SD / LANTERN at delta 0 with an EAGLE drafter sized from
+    the adapter (random weights: acceptance is rare, exactness is the point); trees exercise the KV
+    compaction."""
+    from relaxspec.drafting.eagle import EagleDrafter
+
+    monkeypatch.setenv("RELAXSPEC_CACHE", str(tmp_path))
+    target, tokenizer = janus
+    ids = PROMPTS
+    greedy = SamplingConfig(cfg_scale=5.0, temperature=0.0, top_k=0)
+    ar = decode(target, ids, greedy, methods.resolve("ar"), cond_mask=ids != PAD).tokens
+    torch.manual_seed(1)
+    drafter = EagleDrafter.for_target(target)
+    cases = [("sjd", {"window": 4}), ("scd", {"window": 3}), ("gsd", {"window": 4, "group_p_gap": 0.0}),
+             ("sd", {"draft": "chain", "depth": 3}), ("sd-static", {"tree": "eagle25"}), ("eagle2", {}),
+             ("lantern", {"draft": "chain", "delta": 0.0, "k": 8})]
+    for name, given in cases:
+        result = decode(target, ids, greedy, methods.resolve(name, given), drafter=drafter, vq=tokenizer,
+                        cond_mask=ids != PAD)
+        assert torch.equal(result.tokens, ar), name
+    sampled = decode(target, ids, SamplingConfig(cfg_scale=5.0, top_k=20), methods.resolve("gsd", {"window": 4}),
+                     cond_mask=ids != PAD, generator=torch.Generator().manual_seed(0))
+    assert [sum(a) for a in sampled.accept_lengths] == [16] * 3
+
+
+def test_a_folder_without_safetensors_is_refused(tmp_path):
+    from relaxspec.errors import RelaxspecError
+    from relaxspec.models.janus import load_janus
+
+    (tmp_path / "config.json").write_text('{"model_type": "janus"}')
+    with pytest.raises(RelaxspecError, match="no .safetensors weights"):
+        load_janus(tmp_path, prompt_length=4)
