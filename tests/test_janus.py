@@ -147,3 +147,90 @@ def test_a_folder_without_safetensors_is_refused(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "janus"}')
     with pytest.raises(RelaxspecError, match="no .safetensors weights"):
         load_janus(tmp_path, prompt_length=4)
+
+
+WORDS = ["<pad>", "<bos>", "<eos>", "<unk>", "<image_placeholder>", "<begin_of_image>", "<end_of_image>", "<|User|>",
+         "<|Assistant|>", ":"] + "a red fox lighthouse blue cat dog under the rain".split()
+TEMPLATE = ("{% for m in messages %}<|User|>: {% for c in m['content'] %}{{ c['text'] }}{% endfor %}\n{% endfor %}"
+            "{% if add_generation_prompt %}<|Assistant|>:{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def janus_folder(tmp_path_factory):
+    """A tiny Janus with its processor (a word-level tokenizer that prepends BOS, Janus's special
+    tokens, a chat template), as save_pretrained writes a downloaded model."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import JanusImageProcessor, JanusProcessor, PreTrainedTokenizerFast
+
+    folder = tmp_path_factory.mktemp("janus-cli")
+    vocab = {w: i for i, w in enumerate(WORDS)}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Punctuation()])
+    tokenizer.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", vocab["<bos>"])])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
+                                   unk_token="<unk>", extra_special_tokens={
+                                       "image_token": "<image_placeholder>", "boi_token": "<begin_of_image>",
+                                       "eoi_token": "<end_of_image>"})
+    JanusProcessor(image_processor=JanusImageProcessor(), tokenizer=fast, chat_template=TEMPLATE,
+                   num_image_tokens=16).save_pretrained(folder)
+    model = tiny_janus()
+    model.generation_config.generation_kwargs = {"boi_token_id": vocab["<begin_of_image>"]}
+    model.generation_config.pad_token_id, model.generation_config.bos_token_id = vocab["<pad>"], vocab["<bos>"]
+    model.save_pretrained(folder)
+    return folder, model
+
+
+def test_generate_with_a_janus_folder_equals_transformers(janus_folder, tmp_path, capsys):
+    """``relaxspec generate --model-path DIR --prompt ...`` formats prompts as transformers' Janus
+    recipe does and, greedy, gives its image tokens; lossless methods give the same tokens."""
+    import json
+
+    import numpy as np
+    from transformers import AutoProcessor
+
+    from relaxspec.cli import main
+
+    folder, model = janus_folder
+    prompts = ["a red fox", "the blue cat under the rain"]
+    processor = AutoProcessor.from_pretrained(folder)
+    processor.tokenizer.padding_side = "left"
+    texts = [processor.apply_chat_template([{"role": "user", "content": [{"type": "text", "text": p}]}],
+                                           add_generation_prompt=True) for p in prompts]
+    inputs = processor(text=texts, generation_mode="image", padding=True, return_tensors="pt")
+    assert inputs.input_ids[0, -1] == WORDS.index("<begin_of_image>") and inputs.input_ids[1, 0] == WORDS.index("<bos>")
+    theirs = model.generate(**inputs, generation_mode="image", do_sample=False)  # its default CFG, 5
+    base = ["generate", "--model-path", str(folder), "--prompt", prompts[0], "--prompt", prompts[1], "--temperature",
+            "0", "--batch-size", "2", "--no-progress"]
+    for method in (["--method", "ar"], ["--method", "sjd", "--window", "4"],
+                   ["--method", "gsd", "--window", "4", "--group-p-gap", "0"]):
+        out = tmp_path / method[1]
+        assert main(base + method + ["--out", str(out)]) == 0, capsys.readouterr().err
+        assert np.array_equal(np.load(out / "tokens.npy"), theirs.numpy()), method
+    stats = json.loads((tmp_path / "ar" / "stats.json").read_text())
+    assert stats["settings"]["model_type"] == "janus" and stats["settings"]["sampling"]["cfg_scale"] == 5.0
+    assert [image["prompt"] for image in stats["images"]] == prompts and (tmp_path / "ar" / "0001.png").is_file()
+
+
+@pytest.mark.parametrize("extra, message", [
+    ([], "a Janus model takes text prompts"),
+    (["--classes", "1"], "a Janus model takes text prompts"),
+    (["--prompt", "  "], "prompt 1 is empty"),
+    (["--prompt", "a fox", "--gpt-ckpt", "x.pt"], "--model-path is a whole model"),
+    (["--prompt", "a fox", "--image-size", "64"], "image size is fixed"),
+])
+def test_janus_folder_errors_are_one_line(janus_folder, tmp_path, capsys, extra, message):
+    from relaxspec.cli import main
+
+    folder, _ = janus_folder
+    assert main(["generate", "--model-path", str(folder), "--out", str(tmp_path / "o"), *extra]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_an_unsupported_model_folder_is_one_line(tmp_path, capsys):
+    from relaxspec.cli import main
+
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text('{"model_type": "emu3"}')
+    assert main(["generate", "--model-path", str(tmp_path / "m"), "--prompt", "a fox", "--out", str(tmp_path / "o")]) == 2
+    assert "model type 'emu3' is not supported (janus is)" in capsys.readouterr().err

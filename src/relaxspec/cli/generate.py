@@ -45,6 +45,9 @@ def add_generate_parser(subparsers) -> argparse.ArgumentParser:
     models.add_argument("--gpt-model", metavar="NAME|JSON", help=(
         f"named size ({', '.join(GPT_SIZES)}), or a JSON file of GPTConfig fields for other sizes; "
         "needed for official files (the head count is not in the weights)"))
+    models.add_argument("--model-path", metavar="DIR",
+                        help="a transformers model folder (save_pretrained layout, safetensors) of a supported "
+                             "family: Janus / Janus-Pro (text prompts with --prompt; needs relaxspec[transformers])")
     models.add_argument("--vq-ckpt", metavar="PATH", help="VQ tokenizer weights (default: the embedded model's)")
     models.add_argument("--vq-model", default="VQ-16", metavar="NAME|JSON",
                         help=f"named tokenizer ({', '.join(VQ_CONFIGS)}) or a JSON file of VQConfig fields (default VQ-16)")
@@ -117,6 +120,10 @@ def add_setting_flags(group) -> None:
 def use_embedded_defaults(args: argparse.Namespace) -> bool:
     """With no --gpt-ckpt the embedded model (its tokenizer, drafter and documented defaults)
     stands in; flags the user did give still win."""
+    if getattr(args, "model_path", None) is not None:
+        if args.gpt_ckpt is not None or args.vq_ckpt is not None:
+            raise RelaxspecError("--model-path is a whole model: leave out --gpt-ckpt / --vq-ckpt")
+        return False
     if args.gpt_ckpt is not None:
         if args.vq_ckpt is None:
             raise RelaxspecError("--vq-ckpt is required with --gpt-ckpt (the tokenizer that goes with the GPT)")
@@ -148,6 +155,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     wall = time.perf_counter()
     drafter_given = args.drafter_ckpt is not None
     use_embedded_defaults(args)
+    if args.model_path is not None and args.cfg_scale is None:
+        from relaxspec.models.janus import JANUS_CFG
+
+        args.cfg_scale = JANUS_CFG  # transformers' Janus image-generation default
     for key, value in UPSTREAM_SAMPLING.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -173,18 +184,24 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if out.exists() and not out.is_dir():
         raise RelaxspecError(f"--out {out}: exists and is not a folder")
 
-    vq = load_vq(args.vq_ckpt, args.vq_model, device=device)
-    downsample = vq.config.downsample_factor
-    if args.image_size is not None and args.image_size % downsample:
-        raise RelaxspecError(
-            f"--image-size {args.image_size} is not a multiple of the tokenizer's downsampling {downsample}")
-    model = load_gpt(args.gpt_ckpt, args.gpt_model, image_size=args.image_size, downsample=downsample,
-                     precision=args.precision, device=device)
-    args.image_size = model.config.grid_size * downsample
-    if model.config.vocab_size != vq.config.codebook_size:
-        raise RelaxspecError(f"the GPT's vocabulary ({model.config.vocab_size}) does not match the VQ codebook "
-                             f"({vq.config.codebook_size}): they are not a pair")
-    conditions, cond_mask, cond_settings = load_conditions(args, model)
+    if args.model_path is not None:
+        model, vq, conditions, cond_mask, cond_settings, identity = load_transformers_model(args, device)
+    else:
+        vq = load_vq(args.vq_ckpt, args.vq_model, device=device)
+        downsample = vq.config.downsample_factor
+        if args.image_size is not None and args.image_size % downsample:
+            raise RelaxspecError(
+                f"--image-size {args.image_size} is not a multiple of the tokenizer's downsampling {downsample}")
+        model = load_gpt(args.gpt_ckpt, args.gpt_model, image_size=args.image_size, downsample=downsample,
+                         precision=args.precision, device=device)
+        args.image_size = model.config.grid_size * downsample
+        if model.config.vocab_size != vq.config.codebook_size:
+            raise RelaxspecError(f"the GPT's vocabulary ({model.config.vocab_size}) does not match the VQ codebook "
+                                 f"({vq.config.codebook_size}): they are not a pair")
+        conditions, cond_mask, cond_settings = load_conditions(args, model)
+        identity = {"gpt_ckpt": str(Path(args.gpt_ckpt).resolve()), "gpt_model": spec_id(args.gpt_model),
+                    "gpt_config": model.config.to_dict(), "vq_ckpt": str(Path(args.vq_ckpt).resolve()),
+                    "vq_model": spec_id(args.vq_model), "vq_config": dataclasses.asdict(vq.config)}
     if options.needs_drafter and args.drafter_ckpt is None:
         raise RelaxspecError("--drafter-ckpt is required: this method drafts with an EAGLE drafter trained for the "
                              "target (train one with relaxspec train-drafter)")
@@ -193,10 +210,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         args.drafter_ckpt = None  # not read, so not recorded (the embedded model's stands in by default)
 
     settings = {
-        "gpt_ckpt": str(Path(args.gpt_ckpt).resolve()), "gpt_model": spec_id(args.gpt_model),
-        "gpt_config": model.config.to_dict(),
-        "vq_ckpt": str(Path(args.vq_ckpt).resolve()), "vq_model": spec_id(args.vq_model),
-        "vq_config": dataclasses.asdict(vq.config),
+        **identity,
         "image_size": args.image_size, "image_tokens": model.config.block_size, **cond_settings,
         "sampling": sampling.to_dict(), "method": options.to_dict(),
         "drafter_ckpt": None if args.drafter_ckpt is None else str(Path(args.drafter_ckpt).resolve()),
@@ -205,7 +219,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         "files": {key: file_identity(path) for key, path in (
             ("gpt_ckpt", args.gpt_ckpt), ("vq_ckpt", args.vq_ckpt), ("drafter_ckpt", args.drafter_ckpt),
             ("caption_features", args.caption_features), ("caption_mask", args.caption_mask),
-            ("t5_path", args.t5_path), ("prompts_file", args.prompts_file)) if path},
+            ("t5_path", args.t5_path), ("prompts_file", args.prompts_file), ("model_path", args.model_path)) if path},
     }
     if args.upscale != 1:  # recorded only when used, so runs from before the flag still resume
         settings["upscale"] = args.upscale
@@ -335,6 +349,37 @@ def load_conditions(args: argparse.Namespace, model: Transformer) -> tuple[torch
         raise RelaxspecError(f"caption mask shape {tuple(mask.shape)} does not match the features' {tuple(features.shape[:2])}")
     return features, mask, {"caption_features": str(Path(args.caption_features).resolve()),
                             "captions": int(features.shape[0]), "caption_mask": mask is not None}
+
+
+def load_transformers_model(args: argparse.Namespace, device):
+    """A ``--model-path`` folder: the target, its image tokenizer, the prompts' token ids and mask,
+    what stats.json records about them, and the model's identity. Janus for now."""
+    folder = Path(args.model_path)
+    config_file = folder / "config.json"
+    if not folder.is_dir() or not config_file.is_file():
+        raise RelaxspecError(f"--model-path {folder}: not a transformers model folder (no config.json)")
+    try:
+        model_type = json.loads(config_file.read_text()).get("model_type")
+    except (ValueError, UnicodeDecodeError):
+        raise RelaxspecError(f"--model-path {folder}: config.json is not JSON") from None
+    if model_type != "janus":
+        raise RelaxspecError(f"--model-path {folder}: model type {model_type!r} is not supported (janus is)")
+    if args.classes is not None or args.caption_features or args.t5_path:
+        raise RelaxspecError("a Janus model takes text prompts: --prompt TEXT or --prompts-file FILE")
+    if args.image_size is not None:
+        raise RelaxspecError("--image-size: a Janus model's image size is fixed by its config")
+    from relaxspec.models.janus import format_prompts, load_janus, load_processor
+
+    prompts = read_prompts(args)
+    if not prompts:
+        raise RelaxspecError("a Janus model takes text prompts: give --prompt TEXT (repeatable) or --prompts-file FILE")
+    ids, mask = format_prompts(load_processor(folder), prompts)
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+    model, vq = load_janus(folder, prompt_length=ids.shape[1], device=device, dtype=dtypes[args.precision])
+    args.image_size = model.config.grid_size * vq.config.downsample_factor
+    identity = {"model_path": str(folder.resolve()), "model_type": model_type, "model_config": vars(model.config),
+                "vq_config": vars(vq.config)}
+    return model, vq, ids, mask, {"prompts": prompts, "prompt_tokens": ids.shape[1]}, identity
 
 
 def read_prompts(args: argparse.Namespace) -> list[str]:

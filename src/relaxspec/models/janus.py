@@ -194,3 +194,34 @@ class JanusImageTokenizer:
     @torch.no_grad()
     def decode(self, tokens: Tensor) -> Tensor:
         return self.vq.decode(tokens).clamp(-1, 1)
+
+
+#: transformers' image-generation default for Janus (its generate's guidance_scale fallback).
+JANUS_CFG = 5.0
+
+
+def format_prompts(processor, prompts: list[str]) -> tuple[Tensor, Tensor]:
+    """Prompt token ids ``[N, S]`` (left-padded to the longest) and mask, formatted as transformers'
+    Janus image-generation recipe does: the chat template with the generation prompt, then the
+    processor in ``generation_mode="image"`` (which appends the begin-of-image token)."""
+    if not prompts:
+        raise RelaxspecError("no prompts given")
+    empty = [i for i, p in enumerate(prompts) if not str(p).strip()]
+    if empty:
+        raise RelaxspecError(f"prompt {empty[0] + 1} is empty")
+    texts = [processor.apply_chat_template([{"role": "user", "content": [{"type": "text", "text": p}]}],
+                                           add_generation_prompt=True) for p in prompts]
+    processor.tokenizer.padding_side = "left"
+    batch = processor(text=texts, generation_mode="image", padding=True, return_tensors="pt")
+    return batch["input_ids"], batch["attention_mask"].bool()
+
+
+def load_processor(path):
+    """The folder's processor (tokenizer + chat template), as transformers loads it."""
+    from transformers import AutoProcessor
+
+    try:
+        return AutoProcessor.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError, KeyError) as err:
+        raise RelaxspecError(f"{path}: no usable processor ({str(err).splitlines()[0]}): the folder needs the "
+                             "tokenizer and chat template save_pretrained writes") from None
