@@ -234,3 +234,12 @@ def test_an_unsupported_model_folder_is_one_line(tmp_path, capsys):
     (tmp_path / "m" / "config.json").write_text('{"model_type": "emu3"}')
     assert main(["generate", "--model-path", str(tmp_path / "m"), "--prompt", "a fox", "--out", str(tmp_path / "o")]) == 2
     assert "model type 'emu3' is not supported (janus is)" in capsys.readouterr().err
+
+
+def test_info_recognises_a_janus_folder(janus_folder, capsys):
+    from relaxspec.cli import main
+
+    folder, _ = janus_folder
+    assert main(["info", str(folder)]) == 0
+    out = capsys.readouterr().out
+    assert "model_type:            janus" in out and "--model-path DIR --prompt" in out
