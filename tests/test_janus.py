@@ -243,3 +243,63 @@ def test_info_recognises_a_janus_folder(janus_folder, capsys):
     assert main(["info", str(folder)]) == 0
     out = capsys.readouterr().out
     assert "model_type:            janus" in out and "--model-path DIR --prompt" in out
+
+
+def test_broken_janus_folders_are_one_line(janus_folder, tmp_path, capsys):
+    """Review findings: a truncated safetensors file, a processor without its chat template, a
+    config.json that is not an object; each is one line, exit 2."""
+    import shutil
+
+    from relaxspec.cli import main
+
+    folder, _ = janus_folder
+    cases = {}
+    truncated = tmp_path / "truncated"
+    shutil.copytree(folder, truncated)
+    weights = truncated / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    cases[truncated] = "not a loadable Janus folder"
+    no_template = tmp_path / "no-template"
+    shutil.copytree(folder, no_template)
+    for path in no_template.glob("chat_template*"):
+        path.unlink()
+    cases[no_template] = "no chat template"
+    listed = tmp_path / "listed"
+    listed.mkdir()
+    (listed / "config.json").write_text("[1]")
+    cases[listed] = "not a model config"
+    for path, message in cases.items():
+        assert main(["generate", "--model-path", str(path), "--prompt", "a red fox", "--out", str(tmp_path / "o")]) == 2
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1, (path.name, err)
+
+
+def test_a_prompts_file_with_a_byte_order_mark(janus_folder, tmp_path):
+    import json
+
+    from relaxspec.cli import main
+
+    folder, _ = janus_folder
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_bytes(b"\xef\xbb\xbfa red fox\n")
+    assert main(["generate", "--model-path", str(folder), "--prompts-file", str(prompts), "--temperature", "0",
+                 "--no-progress", "--out", str(tmp_path / "o")]) == 0
+    assert json.loads((tmp_path / "o" / "stats.json").read_text())["settings"]["prompts"] == ["a red fox"]
+
+
+def test_right_padded_prompts_are_refused(janus):
+    from relaxspec.errors import RelaxspecError
+
+    target, _ = janus
+    ids = torch.tensor([[BOS, 10, 11, BOI, PAD, PAD, PAD]])
+    with pytest.raises(RelaxspecError, match="left-padded"):
+        decode(target, ids, SamplingConfig(cfg_scale=5.0, temperature=0.0), methods.resolve("ar"), cond_mask=ids != PAD)
+
+
+def test_the_api_points_janus_users_to_decode(janus):
+    import relaxspec
+    from relaxspec.errors import RelaxspecError
+
+    target, tokenizer = janus
+    with pytest.raises(RelaxspecError, match="format_prompts"):
+        relaxspec.generate(prompts=["a fox"], t5_path="x", model=(target, tokenizer, None), method="ar")

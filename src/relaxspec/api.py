@@ -109,6 +109,9 @@ def _prompt_features(prompts, t5_path, target, classes) -> tuple[torch.Tensor, t
     if t5_path is None:
         raise RelaxspecError("encoding prompts needs t5_path (a local Flan-T5 folder)")
     config = target.config
+    if not hasattr(config, "caption_dim"):
+        raise RelaxspecError("relaxspec.generate encodes prompts for LlamaGen t2i models; for Janus format them with "
+                             "relaxspec.models.janus.format_prompts and call relaxspec.decoding.decode (docs/models/janus.md)")
     features, mask, _ = encode_prompts(list(prompts), t5_path, max_length=config.cls_token_num, device=target.device)
     if features.shape[-1] != config.caption_dim:
         raise RelaxspecError(f"t5_path {t5_path}: its features have {features.shape[-1]} dimensions, but this model "

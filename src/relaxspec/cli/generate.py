@@ -155,10 +155,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     wall = time.perf_counter()
     drafter_given = args.drafter_ckpt is not None
     use_embedded_defaults(args)
-    if args.model_path is not None and args.cfg_scale is None:
-        from relaxspec.models.janus import JANUS_CFG
+    if args.model_path is not None:
+        from relaxspec.models.janus import sampling_defaults
 
-        args.cfg_scale = JANUS_CFG  # transformers' Janus image-generation default
+        for key, value in sampling_defaults(args.model_path).items():  # the folder's, else Janus's recipe
+            if getattr(args, key) is None:
+                setattr(args, key, value)
     for key, value in UPSTREAM_SAMPLING.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -359,9 +361,12 @@ def load_transformers_model(args: argparse.Namespace, device):
     if not folder.is_dir() or not config_file.is_file():
         raise RelaxspecError(f"--model-path {folder}: not a transformers model folder (no config.json)")
     try:
-        model_type = json.loads(config_file.read_text()).get("model_type")
+        config = json.loads(config_file.read_text())
     except (ValueError, UnicodeDecodeError):
         raise RelaxspecError(f"--model-path {folder}: config.json is not JSON") from None
+    if not isinstance(config, dict):
+        raise RelaxspecError(f"--model-path {folder}: config.json is not a model config (a JSON object)")
+    model_type = config.get("model_type")
     if model_type != "janus":
         raise RelaxspecError(f"--model-path {folder}: model type {model_type!r} is not supported (janus is)")
     if args.classes is not None or args.caption_features or args.t5_path:
@@ -390,7 +395,7 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
         if not path.is_file():
             raise RelaxspecError(f"--prompts-file {path}: no such file")
         try:
-            lines = path.read_text(encoding="utf-8").splitlines()
+            lines = path.read_text(encoding="utf-8-sig").splitlines()  # a BOM is not part of the first prompt
         except UnicodeDecodeError:
             raise RelaxspecError(f"--prompts-file {path}: not UTF-8 text") from None
         prompts += [line for line in lines if line.strip()]

@@ -104,10 +104,12 @@ class JanusTarget(nn.Module):
         heads = text.num_key_value_heads or text.num_attention_heads
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         shape = (rows, heads, max_seq, head_dim)
-        if self._store and self._store[0][0].shape == shape:
+        dtype = dtype or self.dtype
+        if self._store and self._store[0][0].shape == shape and self._store[0][0].dtype == dtype \
+                and self._store[0][0].device == self.device:
             return
-        self._store = [(torch.zeros(shape, dtype=dtype or self.dtype, device=self.device),
-                        torch.zeros(shape, dtype=dtype or self.dtype, device=self.device))
+        self._store = [(torch.zeros(shape, dtype=dtype, device=self.device),
+                        torch.zeros(shape, dtype=dtype, device=self.device))
                        for _ in range(text.num_hidden_layers)]
         self.max_seq = max_seq
 
@@ -121,6 +123,11 @@ class JanusTarget(nn.Module):
                 store.scatter_(2, dst[:, None, :, None].expand(-1, store.shape[1], -1, store.shape[3]), source)
 
     def prefill(self, cond: Tensor, positions: Tensor, cache_slots: Tensor, attn_mask: Tensor):
+        # The first image token is predicted from the begin-of-image token, which ends every
+        # image-mode prompt: with left padding it sits in the last slot (checked once per decode).
+        if not bool((cond[:, -1] == self.boi).all()):
+            raise RelaxspecError("Janus prompts must end with the begin-of-image token and be left-padded: "
+                                 "format them with relaxspec.models.janus.format_prompts")
         # A row's left padding: the condition keys its last query may not see.
         self._pad = (~attn_mask[:, -1, : cond.shape[1]]).sum(-1)
         embeds = self.hf.get_input_embeddings()(cond)
@@ -157,10 +164,22 @@ def load_janus(path, prompt_length: int, *, device="cpu", dtype=torch.float32) -
     if not any(folder.glob("*.safetensors")):
         raise RelaxspecError(f"{path}: no .safetensors weights (relaxspec does not unpickle .bin files)")
     try:
+        import transformers
         from transformers import JanusForConditionalGeneration
     except ImportError as err:
-        raise RelaxspecError(f"Janus needs transformers >= 4.52: pip install \"relaxspec[transformers]\" ({err})") from None
-    model = JanusForConditionalGeneration.from_pretrained(folder, local_files_only=True, use_safetensors=True)
+        raise RelaxspecError(f"Janus needs transformers >= 4.56: pip install \"relaxspec[transformers]\" ({err})") from None
+    major, minor = (int(part) for part in transformers.__version__.split(".")[:2])
+    if (major, minor) < (4, 56):  # the decoder layers' cache argument changed name in 4.56
+        raise RelaxspecError(f"Janus needs transformers >= 4.56, this is {transformers.__version__}")
+    try:
+        model, info = JanusForConditionalGeneration.from_pretrained(folder, local_files_only=True, use_safetensors=True,
+                                                                    output_loading_info=True)
+    except Exception as err:  # a truncated or foreign safetensors file, a bad config: say what, not how
+        raise RelaxspecError(f"{path}: not a loadable Janus folder ({type(err).__name__}: "
+                             f"{str(err).splitlines()[0] if str(err) else ''})") from None
+    missing = [key for key in info.get("missing_keys", []) if not key.endswith("lm_head.weight")]
+    if missing:
+        raise RelaxspecError(f"{path}: the weights do not match the config ({len(missing)} missing, e.g. {missing[0]})")
     model = model.to(device=device, dtype=dtype)
     # The begin-of-image token is in generation_config.json's generation_kwargs, which
     # transformers 5's loader drops from the GenerationConfig: read it from the file.
@@ -169,7 +188,11 @@ def load_janus(path, prompt_length: int, *, device="cpu", dtype=torch.float32) -
     if config_file.is_file():
         import json
 
-        boi = (json.loads(config_file.read_text()).get("generation_kwargs") or {}).get("boi_token_id")
+        try:
+            extra = json.loads(config_file.read_text()).get("generation_kwargs") or {}
+            boi = extra.get("boi_token_id") if isinstance(extra, dict) else None
+        except (ValueError, UnicodeDecodeError, AttributeError):
+            raise RelaxspecError(f"{config_file}: not a generation config (JSON object)") from None
     return JanusTarget(model, prompt_length, boi_token_id=boi), JanusImageTokenizer(model)
 
 
@@ -200,6 +223,28 @@ class JanusImageTokenizer:
 JANUS_CFG = 5.0
 
 
+def sampling_defaults(path) -> dict:
+    """Sampling for a Janus folder when the user gives none: its ``generation_config.json``'s
+    ``guidance_scale`` / ``temperature`` / ``top_k`` / ``top_p`` where set, else CFG 5 and no
+    top-k / top-p (DeepSeek's image recipe)."""
+    from pathlib import Path
+    import json
+
+    defaults = {"cfg_scale": JANUS_CFG, "temperature": 1.0, "top_k": 0, "top_p": 1.0}
+    config_file = Path(path) / "generation_config.json"
+    try:
+        config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+    except (ValueError, UnicodeDecodeError):
+        raise RelaxspecError(f"{config_file}: not a generation config (JSON object)") from None
+    if not isinstance(config, dict):
+        raise RelaxspecError(f"{config_file}: not a generation config (JSON object)")
+    for theirs, ours in (("guidance_scale", "cfg_scale"), ("temperature", "temperature"), ("top_k", "top_k"),
+                         ("top_p", "top_p")):
+        if isinstance(config.get(theirs), (int, float)) and not isinstance(config.get(theirs), bool):
+            defaults[ours] = config[theirs]
+    return defaults
+
+
 def format_prompts(processor, prompts: list[str]) -> tuple[Tensor, Tensor]:
     """Prompt token ids ``[N, S]`` (left-padded to the longest) and mask, formatted as transformers'
     Janus image-generation recipe does: the chat template with the generation prompt, then the
@@ -209,10 +254,13 @@ def format_prompts(processor, prompts: list[str]) -> tuple[Tensor, Tensor]:
     empty = [i for i, p in enumerate(prompts) if not str(p).strip()]
     if empty:
         raise RelaxspecError(f"prompt {empty[0] + 1} is empty")
-    texts = [processor.apply_chat_template([{"role": "user", "content": [{"type": "text", "text": p}]}],
-                                           add_generation_prompt=True) for p in prompts]
-    processor.tokenizer.padding_side = "left"
-    batch = processor(text=texts, generation_mode="image", padding=True, return_tensors="pt")
+    try:
+        texts = [processor.apply_chat_template([{"role": "user", "content": [{"type": "text", "text": p}]}],
+                                               add_generation_prompt=True) for p in prompts]
+        processor.tokenizer.padding_side = "left"
+        batch = processor(text=texts, generation_mode="image", padding=True, return_tensors="pt")
+    except (ValueError, TypeError, KeyError) as err:
+        raise RelaxspecError(f"the processor could not format the prompts ({err})") from None
     return batch["input_ids"], batch["attention_mask"].bool()
 
 
@@ -221,7 +269,11 @@ def load_processor(path):
     from transformers import AutoProcessor
 
     try:
-        return AutoProcessor.from_pretrained(path, local_files_only=True)
-    except (OSError, ValueError, KeyError) as err:
-        raise RelaxspecError(f"{path}: no usable processor ({str(err).splitlines()[0]}): the folder needs the "
-                             "tokenizer and chat template save_pretrained writes") from None
+        processor = AutoProcessor.from_pretrained(path, local_files_only=True)
+    except Exception as err:
+        raise RelaxspecError(f"{path}: no usable processor ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}): "
+                             "the folder needs the tokenizer and chat template save_pretrained writes") from None
+    if not hasattr(processor, "tokenizer") or not getattr(processor, "chat_template", None):
+        raise RelaxspecError(f"{path}: the processor has no chat template (or no tokenizer): Janus prompts are "
+                             "formatted with it")
+    return processor
