@@ -34,12 +34,7 @@ from relaxspec.sampling import SamplingConfig
 BASELINE = "ar"
 
 #: The named specs are the registry's presets (:mod:`relaxspec.methods`), so a name means in
-#: ``bench`` what it means in ``generate``: name -> (the fields that name it, description).
-METHOD_SPECS: dict[str, tuple[dict, str]] = {name: ({"method": name}, preset.description)
-                                             for name, (_, preset) in methods.presets().items()}
-#: Other names for the same specs.
-SPEC_ALIASES = methods.registry.spellings()
-#: What a plain ``relaxspec bench`` runs on a model with no presets of its own (the compiled
+#: ``bench`` what it means in ``generate``. What a plain ``relaxspec bench`` runs on a model with no presets of its own (the compiled
 #: baseline is left out: its compilation costs minutes on a CPU; ask for it).
 DEFAULT_METHODS = methods.bench_defaults()
 
@@ -214,20 +209,12 @@ def expand_methods(names: list[str] | None = None, sweeps: list[str] | None = No
     return specs
 
 
-def describe_methods() -> str:
-    """For ``--help``: one line per named spec."""
-    return "; ".join(f"{name}: {preset.description}" for name, (_, preset) in methods.presets().items())
-
-
 __all__ = [
     "BASELINE",
     "DEFAULT_METHODS",
-    "METHOD_SPECS",
-    "SPEC_ALIASES",
     "MethodSpec",
     "canonical_name",
     "check_spec",
-    "describe_methods",
     "expand_methods",
     "format_value",
     "named_spec",
