@@ -212,11 +212,12 @@ def test_generate_with_a_janus_folder_equals_transformers(janus_folder, tmp_path
 
 
 @pytest.mark.parametrize("extra, message", [
-    ([], "a Janus model takes text prompts"),
-    (["--classes", "1"], "a Janus model takes text prompts"),
+    ([], "this Janus model takes text prompts"),
+    (["--classes", "1"], "this Janus model takes text prompts"),
     (["--prompt", "  "], "prompt 1 is empty"),
     (["--prompt", "a fox", "--gpt-ckpt", "x.pt"], "--model-path is a whole model"),
-    (["--prompt", "a fox", "--image-size", "64"], "image size is fixed"),
+    (["--prompt", "a fox", "--image-size", "64"], "image size is fixed by its config (8)"),
+    (["--prompt", "a fox", "--negative-prompt", "blurry"], "Janus's guidance has no negative prompt"),
 ])
 def test_janus_folder_errors_are_one_line(janus_folder, tmp_path, capsys, extra, message):
     from relaxspec.cli import main
@@ -231,9 +232,9 @@ def test_an_unsupported_model_folder_is_one_line(tmp_path, capsys):
     from relaxspec.cli import main
 
     (tmp_path / "m").mkdir()
-    (tmp_path / "m" / "config.json").write_text('{"model_type": "emu3"}')
+    (tmp_path / "m" / "config.json").write_text('{"model_type": "chameleon"}')
     assert main(["generate", "--model-path", str(tmp_path / "m"), "--prompt", "a fox", "--out", str(tmp_path / "o")]) == 2
-    assert "model type 'emu3' is not supported (janus is)" in capsys.readouterr().err
+    assert "model type 'chameleon' is not supported (janus, emu3 are)" in capsys.readouterr().err
 
 
 def test_info_recognises_a_janus_folder(janus_folder, capsys):
@@ -296,10 +297,22 @@ def test_right_padded_prompts_are_refused(janus):
         decode(target, ids, SamplingConfig(cfg_scale=5.0, temperature=0.0), methods.resolve("ar"), cond_mask=ids != PAD)
 
 
-def test_the_api_points_janus_users_to_decode(janus):
+def test_the_api_points_janus_users_to_model_path(janus):
     import relaxspec
     from relaxspec.errors import RelaxspecError
 
     target, tokenizer = janus
-    with pytest.raises(RelaxspecError, match="format_prompts"):
+    with pytest.raises(RelaxspecError, match="model_path"):
         relaxspec.generate(prompts=["a fox"], t5_path="x", model=(target, tokenizer, None), method="ar")
+
+
+def test_the_api_generates_from_a_janus_folder(janus_folder):
+    """``relaxspec.generate(model_path=DIR, prompts=...)``: the command's tokens, as images."""
+    import relaxspec
+
+    folder, model = janus_folder
+    ar = relaxspec.generate(prompts=["a red fox", "the blue cat"], model_path=str(folder), method="ar",
+                            sampling={"temperature": 0.0})
+    sjd = relaxspec.generate(prompts=["a red fox", "the blue cat"], model_path=str(folder), method="sjd", window=4,
+                             sampling={"temperature": 0.0})
+    assert torch.equal(ar.result.tokens, sjd.result.tokens) and ar.images[0].size == (8, 8)

@@ -43,8 +43,9 @@ def generate(classes: str | Sequence[int | str] | None = None, method: str | Met
              model: tuple | None = None, sampling: SamplingConfig | dict | None = None, seed: int = 0,
              device: str | torch.device | None = None, precision: str | None = None, upscale: int = 1,
              progress: bool = False, prompts: Sequence[str] | None = None, t5_path: str | None = None,
-             **method_fields) -> Generation:
-    """Generate one image per class (or per prompt, for a LlamaGen text-to-image model).
+             model_path: str | None = None, drafter_ckpt: str | None = None, negative_prompt: str | None = None,
+             image_size: int | None = None, **method_fields) -> Generation:
+    """Generate one image per class (or per prompt, for a text-to-image model).
 
     ``classes``: class ids, or names for a model that names its classes (``"heart,animal-mammal"``
     or a list); default: the embedded model's demo classes. ``method``: a method name (``"ar"``,
@@ -57,14 +58,23 @@ def generate(classes: str | Sequence[int | str] | None = None, method: str | Met
     :class:`SamplingConfig` or a dict of its fields over the model's defaults. ``upscale``: enlarge
     each image that many times (nearest neighbour). ``prompts`` with ``t5_path`` (a local Flan-T5
     folder): a t2i model's conditions, encoded as ``relaxspec generate --prompt --t5-path`` does.
+
+    ``model_path``: a transformers model folder (Janus / Janus-Pro, Emu3; ``save_pretrained``
+    layout) instead of ``model``, opened as ``relaxspec generate --model-path`` opens it: ``prompts``
+    formatted by its processor, its sampling defaults, ``device`` and ``precision`` applied;
+    ``drafter_ckpt`` an EAGLE drafter trained for it; ``negative_prompt`` (Emu3) and
+    ``image_size`` as the command's flags.
     """
-    from PIL import Image
-
-    from relaxspec.models.llamagen.vq import to_uint8
-
     if upscale < 1:
         raise RelaxspecError(f"upscale must be >= 1, got {upscale}")
     defaults = {}
+    if model_path is not None:
+        return _generate_folder(model_path, prompts, method, method_fields, sampling=sampling, seed=seed,
+                                device=device, precision=precision, upscale=upscale, progress=progress,
+                                drafter_ckpt=drafter_ckpt, negative_prompt=negative_prompt, image_size=image_size,
+                                others=(model, classes, t5_path))
+    if drafter_ckpt is not None or negative_prompt is not None or image_size is not None:
+        raise RelaxspecError("drafter_ckpt, negative_prompt and image_size go with model_path")
     if model is None:
         from relaxspec import embedded
 
@@ -88,6 +98,14 @@ def generate(classes: str | Sequence[int | str] | None = None, method: str | Met
         raise RelaxspecError("this is a class-conditional (c2i) model: give classes, not prompts")
     else:
         cond = torch.tensor(_class_ids(classes, target, defaults), dtype=torch.long)
+    return _run(target, vq, drafter, cond, cond_mask, sampling, options, seed, upscale, progress)
+
+
+def _run(target, vq, drafter, cond, cond_mask, sampling, options, seed, upscale, progress) -> Generation:
+    from PIL import Image
+
+    from relaxspec.models.llamagen.vq import to_uint8
+
     run_device = target.device
     generator = torch.Generator(device=run_device).manual_seed(batch_seed(seed, 0))
     result = decode(target, cond, sampling, options, generator=generator, drafter=drafter, vq=vq, progress=progress,
@@ -97,6 +115,36 @@ def generate(classes: str | Sequence[int | str] | None = None, method: str | Met
     if upscale > 1:
         images = [im.resize((im.width * upscale, im.height * upscale), Image.NEAREST) for im in images]
     return Generation(images, result)
+
+
+def _generate_folder(model_path, prompts, method, method_fields, *, sampling, seed, device, precision, upscale,
+                     progress, drafter_ckpt, negative_prompt, image_size, others) -> Generation:
+    """:func:`generate` for a transformers model folder (relaxspec.models.hf)."""
+    from relaxspec.drafting.eagle import load_drafter
+    from relaxspec.models import hf
+
+    model, classes, t5_path = others
+    if model is not None or classes is not None or t5_path is not None:
+        raise RelaxspecError("model_path is a whole text-to-image model: give prompts, not model / classes / t5_path")
+    if not prompts or isinstance(prompts, str):
+        raise RelaxspecError("model_path: give prompts=[...] (a list of texts)")
+    family = hf.family(model_path)
+    sampling = _sampling(sampling, {"sampling": family.sampling_defaults(model_path)})
+    options = _options(method, method_fields, {})
+    if options.needs_drafter and drafter_ckpt is None:
+        raise RelaxspecError(f"method {options.method!r} drafts with an EAGLE drafter: give drafter_ckpt "
+                             "(relaxspec train-drafter --model-path trains one)")
+    if drafter_ckpt is not None and not options.needs_drafter:
+        raise RelaxspecError(f"drafter_ckpt is not used by {options.family.where(options)}")
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+    if (precision or "fp32") not in dtypes:
+        raise RelaxspecError(f"precision must be one of {', '.join(dtypes)}, got {precision!r}")
+    opened = family.open_folder(model_path, list(prompts), device=resolve_device(str(device or "cpu")),
+                                dtype=dtypes[precision or "fp32"], image_size=image_size,
+                                negative_prompt=negative_prompt)
+    drafter = load_drafter(drafter_ckpt, opened.target) if drafter_ckpt is not None else None
+    return _run(opened.target, opened.tokenizer, drafter, opened.cond, opened.cond_mask, sampling, options, seed,
+                upscale, progress)
 
 
 def _prompt_features(prompts, t5_path, target, classes) -> tuple[torch.Tensor, torch.Tensor]:
@@ -110,8 +158,8 @@ def _prompt_features(prompts, t5_path, target, classes) -> tuple[torch.Tensor, t
         raise RelaxspecError("encoding prompts needs t5_path (a local Flan-T5 folder)")
     config = target.config
     if not hasattr(config, "caption_dim"):
-        raise RelaxspecError("relaxspec.generate encodes prompts for LlamaGen t2i models; for Janus format them with "
-                             "relaxspec.models.janus.format_prompts and call relaxspec.decoding.decode (docs/models/janus.md)")
+        raise RelaxspecError("relaxspec.generate encodes prompts for LlamaGen t2i models; for a Janus or Emu3 model "
+                             "give its folder as model_path (docs/models/)")
     features, mask, _ = encode_prompts(list(prompts), t5_path, max_length=config.cls_token_num, device=target.device)
     if features.shape[-1] != config.caption_dim:
         raise RelaxspecError(f"t5_path {t5_path}: its features have {features.shape[-1]} dimensions, but this model "

@@ -47,12 +47,14 @@ def add_generate_parser(subparsers) -> argparse.ArgumentParser:
         "needed for official files (the head count is not in the weights)"))
     models.add_argument("--model-path", metavar="DIR",
                         help="a transformers model folder (save_pretrained layout, safetensors) of a supported "
-                             "family: Janus / Janus-Pro (text prompts with --prompt; needs relaxspec[transformers])")
+                             "family: Janus / Janus-Pro or Emu3 (text prompts with --prompt; needs "
+                             "relaxspec[transformers])")
     models.add_argument("--vq-ckpt", metavar="PATH", help="VQ tokenizer weights (default: the embedded model's)")
     models.add_argument("--vq-model", default="VQ-16", metavar="NAME|JSON",
                         help=f"named tokenizer ({', '.join(VQ_CONFIGS)}) or a JSON file of VQConfig fields (default VQ-16)")
     models.add_argument("--image-size", type=int, help="pixels per side; fixes the token grid (default: the model's "
-                                                       "own for relaxspec folders, else 256)")
+                                                       "own for relaxspec folders, else 256; Emu3: the image area "
+                                                       "its processor asks for, default its own)")
     models.add_argument("--precision", choices=tuple(PRECISIONS), default="fp32", help="GPT weights dtype (default fp32)")
     models.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:1, ...")
     models.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's choice; 1 is often "
@@ -70,6 +72,9 @@ def add_generate_parser(subparsers) -> argparse.ArgumentParser:
     cond.add_argument("--prompt", action="append", metavar="TEXT",
                       help="t2i: a text prompt (repeatable), encoded with --t5-path as upstream LlamaGen does")
     cond.add_argument("--prompts-file", metavar="FILE", help="t2i: text prompts, one per line (blank lines skipped)")
+    cond.add_argument("--negative-prompt", metavar="TEXT",
+                      help="Emu3: the guidance's negative prompt (default: transformers' Emu3 example's; \"\" = "
+                           "none, the prompt's last token is the unconditional context, as transformers without one)")
     cond.add_argument("--t5-path", metavar="DIR", help="t2i: a local Flan-T5 folder (save_pretrained layout, "
                                                       "safetensors) that encodes --prompt / --prompts-file "
                                                       "(needs relaxspec[transformers])")
@@ -156,11 +161,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     drafter_given = args.drafter_ckpt is not None
     use_embedded_defaults(args)
     if args.model_path is not None:
-        from relaxspec.models.janus import sampling_defaults
+        from relaxspec.models import hf
 
-        for key, value in sampling_defaults(args.model_path).items():  # the folder's, else Janus's recipe
-            if getattr(args, key) is None:
+        for key, value in hf.family(args.model_path).sampling_defaults(args.model_path).items():
+            if getattr(args, key) is None:  # the folder's generation config, else its family's recipe
                 setattr(args, key, value)
+    elif args.negative_prompt is not None:
+        raise RelaxspecError("--negative-prompt goes with --model-path (an Emu3 folder)")
     for key, value in UPSTREAM_SAMPLING.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -355,36 +362,24 @@ def load_conditions(args: argparse.Namespace, model: Transformer) -> tuple[torch
 
 def load_transformers_model(args: argparse.Namespace, device):
     """A ``--model-path`` folder: the target, its image tokenizer, the prompts' token ids and mask,
-    what stats.json records about them, and the model's identity. Janus for now."""
-    folder = Path(args.model_path)
-    config_file = folder / "config.json"
-    if not folder.is_dir() or not config_file.is_file():
-        raise RelaxspecError(f"--model-path {folder}: not a transformers model folder (no config.json)")
-    try:
-        config = json.loads(config_file.read_text())
-    except (ValueError, UnicodeDecodeError):
-        raise RelaxspecError(f"--model-path {folder}: config.json is not JSON") from None
-    if not isinstance(config, dict):
-        raise RelaxspecError(f"--model-path {folder}: config.json is not a model config (a JSON object)")
-    model_type = config.get("model_type")
-    if model_type != "janus":
-        raise RelaxspecError(f"--model-path {folder}: model type {model_type!r} is not supported (janus is)")
-    if args.classes is not None or args.caption_features or args.t5_path:
-        raise RelaxspecError("a Janus model takes text prompts: --prompt TEXT or --prompts-file FILE")
-    if args.image_size is not None:
-        raise RelaxspecError("--image-size: a Janus model's image size is fixed by its config")
-    from relaxspec.models.janus import format_prompts, load_janus, load_processor
+    what stats.json records about them, and the model's identity (relaxspec.models.hf)."""
+    from relaxspec.models import hf
 
+    family = hf.family(args.model_path)
+    if args.classes is not None or args.caption_features or args.t5_path:
+        raise RelaxspecError(f"this {family.NAME} model takes text prompts: --prompt TEXT or --prompts-file FILE")
     prompts = read_prompts(args)
     if not prompts:
-        raise RelaxspecError("a Janus model takes text prompts: give --prompt TEXT (repeatable) or --prompts-file FILE")
-    ids, mask = format_prompts(load_processor(folder), prompts)
+        raise RelaxspecError(f"this {family.NAME} model takes text prompts: give --prompt TEXT (repeatable) or "
+                             "--prompts-file FILE")
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-    model, vq = load_janus(folder, prompt_length=ids.shape[1], device=device, dtype=dtypes[args.precision])
-    args.image_size = model.config.grid_size * vq.config.downsample_factor
-    identity = {"model_path": str(folder.resolve()), "model_type": model_type, "model_config": vars(model.config),
-                "vq_config": vars(vq.config)}
-    return model, vq, ids, mask, {"prompts": prompts, "prompt_tokens": ids.shape[1]}, identity
+    opened = family.open_folder(args.model_path, prompts, device=device, dtype=dtypes[args.precision],
+                                image_size=args.image_size, negative_prompt=args.negative_prompt)
+    args.image_size = opened.image_size
+    model, vq = opened.target, opened.tokenizer
+    identity = {"model_path": str(Path(args.model_path).resolve()), "model_type": family.MODEL_TYPE,
+                "model_config": vars(model.config), "vq_config": vars(vq.config)}
+    return model, vq, opened.cond, opened.cond_mask, opened.record, identity
 
 
 def read_prompts(args: argparse.Namespace) -> list[str]:

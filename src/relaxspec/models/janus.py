@@ -25,25 +25,10 @@ import torch
 from torch import Tensor, nn
 
 from relaxspec.errors import RelaxspecError
+from relaxspec.models import hf
 
-
-class _SlotCache:
-    """The cache object the decoder layers call: ``update`` writes this call's keys and values at
-    per-row slots and returns every slot's (the mask decides what is attended)."""
-
-    def __init__(self, store: list[tuple[Tensor, Tensor]]):
-        self.store = store
-        self.slots: Tensor | None = None  # [R, T], set before each forward
-
-    def update(self, key: Tensor, value: Tensor, layer_idx: int, cache_kwargs=None):
-        keys, values = self.store[layer_idx]
-        index = self.slots[:, None, :, None].expand(-1, key.shape[1], -1, key.shape[3])
-        keys.scatter_(2, index, key.to(keys.dtype))
-        values.scatter_(2, index, value.to(values.dtype))
-        return keys, values
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return 0
+NAME = "Janus"
+MODEL_TYPE = "janus"
 
 
 class JanusTarget(nn.Module):
@@ -74,7 +59,7 @@ class JanusTarget(nn.Module):
                                       num_classes=0, model_type="t2i", n_head=text.num_attention_heads)
         self.class_names = None
         self.max_seq = 0
-        self._store: list[tuple[Tensor, Tensor]] = []
+        self._kv = hf.KVStore()
 
     # ---------------------------------------------------------------- TargetModel
     @property
@@ -100,27 +85,15 @@ class JanusTarget(nn.Module):
         return torch.where(keep, cond, torch.full_like(cond, self.pad))
 
     def setup_caches(self, rows: int, max_seq: int, dtype: torch.dtype | None = None) -> None:
-        text = self.hf.config.text_config
-        heads = text.num_key_value_heads or text.num_attention_heads
-        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-        shape = (rows, heads, max_seq, head_dim)
-        dtype = dtype or self.dtype
-        if self._store and self._store[0][0].shape == shape and self._store[0][0].dtype == dtype \
-                and self._store[0][0].device == self.device:
-            return
-        self._store = [(torch.zeros(shape, dtype=dtype, device=self.device),
-                        torch.zeros(shape, dtype=dtype, device=self.device))
-                       for _ in range(text.num_hidden_layers)]
+        self._kv.setup(self.hf.config.text_config, rows, max_seq, dtype or self.dtype, self.device)
         self.max_seq = max_seq
 
     def clear_caches(self) -> None:
-        self._store, self.max_seq = [], 0
+        self._kv.clear()
+        self.max_seq = 0
 
     def move_cache(self, src: Tensor, dst: Tensor) -> None:
-        for keys, values in self._store:
-            for store in (keys, values):
-                source = store.gather(2, src[:, None, :, None].expand(-1, store.shape[1], -1, store.shape[3]))
-                store.scatter_(2, dst[:, None, :, None].expand(-1, store.shape[1], -1, store.shape[3]), source)
+        self._kv.move(src, dst)
 
     def prefill(self, cond: Tensor, positions: Tensor, cache_slots: Tensor, attn_mask: Tensor):
         # The first image token is predicted from the begin-of-image token, which ends every
@@ -138,61 +111,19 @@ class JanusTarget(nn.Module):
 
     # ---------------------------------------------------------------- the language model
     def _run(self, embeds: Tensor, positions: Tensor, slots: Tensor, attn_mask: Tensor):
-        lm = self.hf.model.language_model
-        hidden = embeds.to(self.dtype)
         position_ids = (positions - self._pad[:, None]).clamp(min=0)  # transformers' left-padding positions
-        position_embeddings = lm.rotary_emb(hidden, position_ids)
-        cache = _SlotCache(self._store)
-        cache.slots = slots
-        mask = torch.zeros(attn_mask.shape, dtype=hidden.dtype, device=hidden.device)
-        mask = mask.masked_fill(~attn_mask, torch.finfo(hidden.dtype).min)[:, None]
-        for layer in lm.layers:
-            out = layer(hidden, attention_mask=mask, position_ids=position_ids, past_key_values=cache,
-                        use_cache=True, cache_position=None, position_embeddings=position_embeddings)
-            hidden = out[0] if isinstance(out, tuple) else out
-        hidden = lm.norm(hidden)
+        hidden = self._kv.run(self.hf.model.language_model, embeds.to(self.dtype), position_ids, slots, attn_mask)
         return self.head(hidden), hidden
 
 
 def load_janus(path, prompt_length: int, *, device="cpu", dtype=torch.float32) -> tuple[JanusTarget, JanusImageTokenizer]:
     """``(target, tokenizer)`` from a local ``save_pretrained`` folder (safetensors only)."""
-    from pathlib import Path
-
-    folder = Path(path)
-    if not (folder / "config.json").is_file():
-        raise RelaxspecError(f"{path}: no config.json: not a transformers model folder")
-    if not any(folder.glob("*.safetensors")):
-        raise RelaxspecError(f"{path}: no .safetensors weights (relaxspec does not unpickle .bin files)")
-    try:
-        import transformers
-        from transformers import JanusForConditionalGeneration
-    except ImportError as err:
-        raise RelaxspecError(f"Janus needs transformers >= 4.56: pip install \"relaxspec[transformers]\" ({err})") from None
-    major, minor = (int(part) for part in transformers.__version__.split(".")[:2])
-    if (major, minor) < (4, 56):  # the decoder layers' cache argument changed name in 4.56
-        raise RelaxspecError(f"Janus needs transformers >= 4.56, this is {transformers.__version__}")
-    try:
-        model, info = JanusForConditionalGeneration.from_pretrained(folder, local_files_only=True, use_safetensors=True,
-                                                                    output_loading_info=True)
-    except Exception as err:  # a truncated or foreign safetensors file, a bad config: say what, not how
-        raise RelaxspecError(f"{path}: not a loadable Janus folder ({type(err).__name__}: "
-                             f"{str(err).splitlines()[0] if str(err) else ''})") from None
-    missing = [key for key in info.get("missing_keys", []) if not key.endswith("lm_head.weight")]
-    if missing:
-        raise RelaxspecError(f"{path}: the weights do not match the config ({len(missing)} missing, e.g. {missing[0]})")
-    model = model.to(device=device, dtype=dtype)
+    transformers = hf.transformers_module(NAME)
+    model = hf.from_pretrained(transformers.JanusForConditionalGeneration, path, NAME, device=device, dtype=dtype)
     # The begin-of-image token is in generation_config.json's generation_kwargs, which
     # transformers 5's loader drops from the GenerationConfig: read it from the file.
-    boi = None
-    config_file = folder / "generation_config.json"
-    if config_file.is_file():
-        import json
-
-        try:
-            extra = json.loads(config_file.read_text()).get("generation_kwargs") or {}
-            boi = extra.get("boi_token_id") if isinstance(extra, dict) else None
-        except (ValueError, UnicodeDecodeError, AttributeError):
-            raise RelaxspecError(f"{config_file}: not a generation config (JSON object)") from None
+    extra = hf.generation_config(path).get("generation_kwargs") or {}
+    boi = extra.get("boi_token_id") if isinstance(extra, dict) else None
     return JanusTarget(model, prompt_length, boi_token_id=boi), JanusImageTokenizer(model)
 
 
@@ -227,33 +158,14 @@ def sampling_defaults(path) -> dict:
     """Sampling for a Janus folder when the user gives none: its ``generation_config.json``'s
     ``guidance_scale`` / ``temperature`` / ``top_k`` / ``top_p`` where set, else CFG 5 and no
     top-k / top-p (DeepSeek's image recipe)."""
-    from pathlib import Path
-    import json
-
-    defaults = {"cfg_scale": JANUS_CFG, "temperature": 1.0, "top_k": 0, "top_p": 1.0}
-    config_file = Path(path) / "generation_config.json"
-    try:
-        config = json.loads(config_file.read_text()) if config_file.is_file() else {}
-    except (ValueError, UnicodeDecodeError):
-        raise RelaxspecError(f"{config_file}: not a generation config (JSON object)") from None
-    if not isinstance(config, dict):
-        raise RelaxspecError(f"{config_file}: not a generation config (JSON object)")
-    for theirs, ours in (("guidance_scale", "cfg_scale"), ("temperature", "temperature"), ("top_k", "top_k"),
-                         ("top_p", "top_p")):
-        if isinstance(config.get(theirs), (int, float)) and not isinstance(config.get(theirs), bool):
-            defaults[ours] = config[theirs]
-    return defaults
+    return hf.sampling_defaults(path, {"cfg_scale": JANUS_CFG, "temperature": 1.0, "top_k": 0, "top_p": 1.0})
 
 
 def format_prompts(processor, prompts: list[str]) -> tuple[Tensor, Tensor]:
     """Prompt token ids ``[N, S]`` (left-padded to the longest) and mask, formatted as transformers'
     Janus image-generation recipe does: the chat template with the generation prompt, then the
     processor in ``generation_mode="image"`` (which appends the begin-of-image token)."""
-    if not prompts:
-        raise RelaxspecError("no prompts given")
-    empty = [i for i, p in enumerate(prompts) if not str(p).strip()]
-    if empty:
-        raise RelaxspecError(f"prompt {empty[0] + 1} is empty")
+    hf.check_prompts(prompts)
     try:
         texts = [processor.apply_chat_template([{"role": "user", "content": [{"type": "text", "text": p}]}],
                                                add_generation_prompt=True) for p in prompts]
@@ -266,14 +178,22 @@ def format_prompts(processor, prompts: list[str]) -> tuple[Tensor, Tensor]:
 
 def load_processor(path):
     """The folder's processor (tokenizer + chat template), as transformers loads it."""
-    from transformers import AutoProcessor
+    return hf.load_processor(path, NAME, chat_template=True)
 
-    try:
-        processor = AutoProcessor.from_pretrained(path, local_files_only=True)
-    except Exception as err:
-        raise RelaxspecError(f"{path}: no usable processor ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}): "
-                             "the folder needs the tokenizer and chat template save_pretrained writes") from None
-    if not hasattr(processor, "tokenizer") or not getattr(processor, "chat_template", None):
-        raise RelaxspecError(f"{path}: the processor has no chat template (or no tokenizer): Janus prompts are "
-                             "formatted with it")
-    return processor
+
+def open_folder(path, prompts: list[str], *, device="cpu", dtype=torch.float32, image_size: int | None = None,
+                negative_prompt: str | None = None) -> hf.Opened:
+    """A Janus folder ready to decode ``prompts`` (formatted as transformers' recipe does)."""
+    if negative_prompt is not None:
+        raise RelaxspecError("--negative-prompt: Janus's guidance has no negative prompt (its unconditional rows "
+                             "are the prompt padded out)")
+    ids, mask = format_prompts(load_processor(path), prompts)
+    if image_size is not None:  # checked before the weights load
+        config = hf.transformers_module(NAME).JanusConfig.from_pretrained(path, local_files_only=True)
+        size = math.isqrt(config.vision_config.num_image_tokens) * 2 ** (len(config.vq_config.channel_multiplier) - 1)
+        if image_size != size:
+            raise RelaxspecError(f"--image-size {image_size}: this Janus model's image size is fixed by its config "
+                                 f"({size})")
+    target, tokenizer = load_janus(path, prompt_length=ids.shape[1], device=device, dtype=dtype)
+    size = target.config.grid_size * tokenizer.config.downsample_factor
+    return hf.Opened(target, tokenizer, ids, mask, size, {"prompts": list(prompts), "prompt_tokens": ids.shape[1]})

@@ -1,0 +1,219 @@
+"""What the transformers families (:mod:`relaxspec.models.janus`, :mod:`relaxspec.models.emu3`)
+share: reading a local ``save_pretrained`` folder (safetensors only, one-line errors), the
+processor, sampling defaults from ``generation_config.json``, and the per-row-slot KV store the
+engine writes through their decoder layers.
+
+A family module exposes ``NAME`` (what users read), ``MODEL_TYPE`` (``config.json``'s
+``model_type``), ``sampling_defaults(folder)`` and ``open_folder(folder, prompts, *, device, dtype,
+image_size, negative_prompt) -> Opened``; :func:`family` finds it from a folder's config.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+
+import torch
+from torch import Tensor
+
+from relaxspec.errors import RelaxspecError
+
+#: ``model_type`` -> the module that adapts it (imported when used: transformers is optional).
+FAMILIES = {"janus": "relaxspec.models.janus", "emu3": "relaxspec.models.emu3"}
+#: The oldest transformers whose decoder layers take the cache the way the adapters pass it.
+MIN_TRANSFORMERS = (4, 56)
+
+
+@dataclass
+class Opened:
+    """A folder opened for generation: the target, its image tokenizer, the conditions
+    (``cond_mask`` where the engine masks them), what ``stats.json`` records, and the pixel side."""
+
+    target: object
+    tokenizer: object
+    cond: Tensor
+    cond_mask: Tensor | None
+    image_size: int
+    record: dict = field(default_factory=dict)
+
+
+def read_config(path) -> dict:
+    """``config.json`` of a transformers model folder, as a dict (one-line errors)."""
+    folder = Path(path)
+    config_file = folder / "config.json"
+    if not folder.is_dir() or not config_file.is_file():
+        raise RelaxspecError(f"{path}: not a transformers model folder (no config.json)")
+    try:
+        config = json.loads(config_file.read_text())
+    except (ValueError, UnicodeDecodeError):
+        raise RelaxspecError(f"{path}: config.json is not JSON") from None
+    if not isinstance(config, dict):
+        raise RelaxspecError(f"{path}: config.json is not a model config (a JSON object)")
+    return config
+
+
+def family(path) -> ModuleType:
+    """The family module for a model folder, from its ``model_type``."""
+    model_type = read_config(path).get("model_type")
+    if model_type not in FAMILIES:
+        raise RelaxspecError(f"{path}: model type {model_type!r} is not supported ({', '.join(FAMILIES)} are)")
+    return importlib.import_module(FAMILIES[model_type])
+
+
+def transformers_module(name: str):
+    """transformers, checked to be new enough for ``name``'s adapter."""
+    try:
+        import transformers
+    except ImportError as err:
+        raise RelaxspecError(f"{name} needs transformers >= {'.'.join(map(str, MIN_TRANSFORMERS))}: "
+                             f"pip install \"relaxspec[transformers]\" ({err})") from None
+    major, minor = (int(part) for part in transformers.__version__.split(".")[:2])
+    if (major, minor) < MIN_TRANSFORMERS:  # the decoder layers' cache argument changed name in 4.56
+        raise RelaxspecError(f"{name} needs transformers >= {'.'.join(map(str, MIN_TRANSFORMERS))}, "
+                             f"this is {transformers.__version__}")
+    return transformers
+
+
+def from_pretrained(model_class, path, name: str, *, device="cpu", dtype=torch.float32):
+    """``model_class.from_pretrained`` on a local folder, safetensors only; weights that do not
+    match the config (missing tensors other than a tied head) are an error."""
+    folder = Path(path)
+    if not (folder / "config.json").is_file():
+        raise RelaxspecError(f"{path}: no config.json: not a transformers model folder")
+    if not any(folder.glob("*.safetensors")):
+        raise RelaxspecError(f"{path}: no .safetensors weights (relaxspec does not unpickle .bin files)")
+    from transformers.utils import logging
+
+    bars = logging.is_progress_bar_enabled()
+    logging.disable_progress_bar()  # its per-tensor loading bar: errors stay one line
+    try:
+        model, info = model_class.from_pretrained(folder, local_files_only=True, use_safetensors=True,
+                                                  output_loading_info=True)
+    except Exception as err:  # a truncated or foreign safetensors file, a bad config: say what, not how
+        raise RelaxspecError(f"{path}: not a loadable {name} folder ({type(err).__name__}: "
+                             f"{str(err).splitlines()[0] if str(err) else ''})") from None
+    finally:
+        if bars:
+            logging.enable_progress_bar()
+    missing = [key for key in info.get("missing_keys", []) if not key.endswith("lm_head.weight")]
+    if missing:
+        raise RelaxspecError(f"{path}: the weights do not match the config ({len(missing)} missing, e.g. {missing[0]})")
+    return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+
+
+def generation_config(path) -> dict:
+    """The folder's ``generation_config.json`` as written (``{}`` without one)."""
+    config_file = Path(path) / "generation_config.json"
+    try:
+        config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+    except (ValueError, UnicodeDecodeError):
+        raise RelaxspecError(f"{config_file}: not a generation config (JSON object)") from None
+    if not isinstance(config, dict):
+        raise RelaxspecError(f"{config_file}: not a generation config (JSON object)")
+    return config
+
+
+def sampling_defaults(path, fallback: dict) -> dict:
+    """Sampling for a folder when the user gives none: its ``generation_config.json``'s
+    ``guidance_scale`` / ``temperature`` / ``top_k`` / ``top_p`` where set, else ``fallback``
+    (the family's documented recipe)."""
+    defaults = dict(fallback)
+    config = generation_config(path)
+    for theirs, ours in (("guidance_scale", "cfg_scale"), ("temperature", "temperature"), ("top_k", "top_k"),
+                         ("top_p", "top_p")):
+        if isinstance(config.get(theirs), (int, float)) and not isinstance(config.get(theirs), bool):
+            defaults[ours] = config[theirs]
+    return defaults
+
+
+def load_processor(path, name: str, *, chat_template: bool = False):
+    """The folder's processor, as transformers loads it (without torchvision installed its image
+    processor is the PIL one)."""
+    from transformers import AutoProcessor
+
+    try:
+        processor = AutoProcessor.from_pretrained(path, local_files_only=True)
+    except Exception as err:
+        raise RelaxspecError(f"{path}: no usable processor ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}): "
+                             "the folder needs the tokenizer and processor files save_pretrained writes") from None
+    if not hasattr(processor, "tokenizer"):
+        raise RelaxspecError(f"{path}: the processor has no tokenizer")
+    if chat_template and not getattr(processor, "chat_template", None):
+        raise RelaxspecError(f"{path}: the processor has no chat template: {name} prompts are formatted with it")
+    return processor
+
+
+def check_prompts(prompts: list[str]) -> None:
+    if not prompts:
+        raise RelaxspecError("no prompts given")
+    empty = [i for i, p in enumerate(prompts) if not str(p).strip()]
+    if empty:
+        raise RelaxspecError(f"prompt {empty[0] + 1} is empty")
+
+
+class SlotCache:
+    """The cache object the decoder layers call: ``update`` writes this call's keys and values at
+    per-row slots and returns every slot's (the mask decides what is attended). transformers'
+    ``StaticCache`` cannot do this: its write position is shared by the batch."""
+
+    def __init__(self, store: list[tuple[Tensor, Tensor]], slots: Tensor):
+        self.store, self.slots = store, slots  # slots [R, T]
+
+    def update(self, key: Tensor, value: Tensor, layer_idx: int, *args, **kwargs):
+        keys, values = self.store[layer_idx]
+        index = self.slots[:, None, :, None].expand(-1, key.shape[1], -1, key.shape[3])
+        keys.scatter_(2, index, key.to(keys.dtype))
+        values.scatter_(2, index, value.to(values.dtype))
+        return keys, values
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0
+
+
+class KVStore:
+    """Static per-layer KV tensors ``[R, kv_heads, slots, head_dim]`` for a transformers text
+    model, and the decoder-layer loop over them."""
+
+    def __init__(self):
+        self.store: list[tuple[Tensor, Tensor]] = []
+        self._cache_arg: str | None = None
+
+    def setup(self, text_config, rows: int, slots: int, dtype: torch.dtype, device) -> None:
+        heads = text_config.num_key_value_heads or text_config.num_attention_heads
+        head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
+        shape = (rows, heads, slots, head_dim)
+        if self.store and self.store[0][0].shape == shape and self.store[0][0].dtype == dtype \
+                and self.store[0][0].device == torch.device(device):
+            return
+        self.store = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+                      for _ in range(text_config.num_hidden_layers)]
+
+    def clear(self) -> None:
+        self.store = []
+
+    def move(self, src: Tensor, dst: Tensor) -> None:
+        """Copy slots ``src [R, n]`` onto ``dst [R, n]`` in every layer."""
+        for keys, values in self.store:
+            for store in (keys, values):
+                source = store.gather(2, src[:, None, :, None].expand(-1, store.shape[1], -1, store.shape[3]))
+                store.scatter_(2, dst[:, None, :, None].expand(-1, store.shape[1], -1, store.shape[3]), source)
+
+    def run(self, text_model, hidden: Tensor, position_ids: Tensor, slots: Tensor, attn_mask: Tensor) -> Tensor:
+        """The decoder layers and final norm of ``text_model`` over ``hidden [R, T, D]`` at
+        ``position_ids``, writing ``slots [R, T]`` and attending by ``attn_mask [R, T, slots]``."""
+        position_embeddings = text_model.rotary_emb(hidden, position_ids)
+        cache = SlotCache(self.store, slots)
+        mask = torch.zeros(attn_mask.shape, dtype=hidden.dtype, device=hidden.device)
+        mask = mask.masked_fill(~attn_mask, torch.finfo(hidden.dtype).min)[:, None]
+        if self._cache_arg is None:  # "cache" since transformers 5.x, "past_key_values" before
+            names = inspect.signature(text_model.layers[0].forward).parameters
+            self._cache_arg = "cache" if "cache" in names else "past_key_values"
+        for layer in text_model.layers:
+            out = layer(hidden, attention_mask=mask, position_ids=position_ids, use_cache=True, cache_position=None,
+                        position_embeddings=position_embeddings, **{self._cache_arg: cache})
+            hidden = out[0] if isinstance(out, tuple) else out
+        return text_model.norm(hidden)

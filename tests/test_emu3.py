@@ -1,0 +1,294 @@
+"""Emu3 through transformers (relaxspec.models.emu3): a tiny random Emu3ForConditionalGeneration
+with its processor, saved with save_pretrained and loaded back the way users load theirs. Greedy AR
+equals transformers' own image generation (its documented recipe: prefix-constrained visual
+tokens, forced end-of-lines, a negative prompt for guidance) token for token; the first step's
+processed distribution equals transformers' logits processors'; every lossless method equals
+greedy AR, so the forced end-of-line companions survive trees and KV compaction."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from relaxspec import methods
+from relaxspec.decoding import decode
+from relaxspec.decoding.target import GuidedTarget
+from relaxspec.models.base import ImageTokenizer, TargetModel
+from relaxspec.sampling import SamplingConfig
+
+transformers = pytest.importorskip("transformers", reason="Emu3 needs transformers (pip install -e '.[test]')")
+
+CODES, GRID = 48, 4
+SPECIAL = ["<|endoftext|>", "<|extra_203|>", "<|extra_204|>", "<unk>", "<image>", "<|image start|>", "<|image end|>",
+           "<|image token|>", "<|extra_200|>", "<|extra_201|>"]
+WORDS = SPECIAL + list("0123456789*,.") + ("a red fox lighthouse blue cat dog under the rain lowres bad anatomy text "
+                                           "error blurry").split()
+VOCAB = {w: i for i, w in enumerate(WORDS + [f"<|visual token {i:06d}|>" for i in range(CODES)])}
+PROMPTS = ["a red fox", "the blue cat under the rain", "a lighthouse"]
+NEGATIVE = "lowres, bad anatomy, text error, blurry."
+
+
+def tiny_emu3():
+    from transformers import Emu3Config, Emu3ForConditionalGeneration, Emu3TextConfig
+
+    text = Emu3TextConfig(vocab_size=len(VOCAB) + 3, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=96,
+                          pad_token_id=VOCAB["<|endoftext|>"], bos_token_id=VOCAB["<|extra_203|>"],
+                          eos_token_id=VOCAB["<|extra_204|>"])
+    vq = dict(codebook_size=CODES, embed_dim=4, latent_channels=4, base_channels=32, channel_multiplier=[1, 2],
+              num_res_blocks=1, attn_resolutions=[], hidden_size=64, temporal_downsample_factor=4)
+    torch.manual_seed(0)
+    model = Emu3ForConditionalGeneration(Emu3Config(text_config=text.to_dict(), vq_config=vq,
+                                                    vocabulary_map=VOCAB)).eval()
+    with torch.no_grad():  # sharper laws than random init gives, so greedy paths differ between prompts
+        model.lm_head.weight.mul_(8.0)
+    model.generation_config.guidance_scale = 3.0  # what a Gen checkpoint's generation config sets
+    return model
+
+
+def tiny_processor():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import Emu3ImageProcessor, Emu3Processor, PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.WordLevel(VOCAB, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Punctuation(),
+                                                       pre_tokenizers.Digits(individual_digits=True)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<|extra_203|>", eos_token="<|extra_204|>",
+                                   pad_token="<|endoftext|>", unk_token="<unk>", extra_special_tokens={
+                                       "image_token": "<image>", "boi_token": "<|image start|>",
+                                       "eoi_token": "<|image end|>", "image_wrapper_token": "<|image token|>",
+                                       "eof_token": "<|extra_201|>"})
+    return Emu3Processor(image_processor=Emu3ImageProcessor(), tokenizer=fast)
+
+
+@pytest.fixture(scope="module")
+def emu3_folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("emu3")
+    tiny_processor().save_pretrained(folder)
+    model = tiny_emu3()
+    model.save_pretrained(folder)
+    return folder, model
+
+
+def transformers_greedy(model, processor, prompts, negative, image_size=GRID * 8):
+    """transformers' documented Emu3 image generation, greedy: the image tokens (end-of-lines dropped)."""
+    processor.tokenizer.padding_side = "left"
+    inputs = processor(text=prompts, padding=True, return_tensors="pt", return_for_image_generation=True,
+                       image_area=image_size ** 2)
+    height, width = (int(v) for v in inputs.pop("image_sizes")[0])
+    tok = processor.tokenizer
+    visual = model.vocabulary_mapping.image_tokens
+    eol = VOCAB["<|extra_200|>"]
+
+    def allowed(batch_id, input_ids):
+        position = torch.nonzero(input_ids == tok.image_wrapper_token_id, as_tuple=True)[0][0]
+        offset = input_ids.shape[0] - position
+        if offset % (width + 1) == 0:
+            return (eol,)
+        if offset == (width + 1) * height + 1:
+            return (tok.eof_token_id,)
+        if offset == (width + 1) * height + 2:
+            return (tok.eoi_token_id,)
+        if offset == (width + 1) * height + 3:
+            return (tok.eos_token_id,)
+        if offset > (width + 1) * height + 3:
+            return (tok.pad_token_id,)
+        return visual
+
+    extra = {}
+    if negative:
+        neg = processor(text=[negative] * len(prompts), return_tensors="pt")
+        extra = dict(negative_prompt_ids=neg.input_ids, negative_prompt_attention_mask=neg.attention_mask)
+    out = model.generate(**inputs, max_new_tokens=(width + 1) * height + 3, prefix_allowed_tokens_fn=allowed,
+                         do_sample=False, **extra)
+    sequence = out[:, inputs.input_ids.shape[1]:]
+    rows = sequence[:, : height * (width + 1)].reshape(len(prompts), height, width + 1)
+    assert (rows[:, :, -1] == eol).all()
+    return model.vocabulary_mapping.convert_bpe2img(rows).reshape(len(prompts), -1).long()
+
+
+def adapter(folder, prompts=PROMPTS, negative=NEGATIVE):
+    """The target and tokenizer for ``prompts``, and their conditions, as a user builds them."""
+    from relaxspec.models.emu3 import format_prompts, load_emu3
+
+    cond, grid = format_prompts(tiny_processor(), prompts, image_size=GRID * 8, negative_prompt=negative)
+    target, tokenizer = load_emu3(folder, cond.shape[2], grid)
+    return target, tokenizer, cond
+
+
+@pytest.fixture(scope="module")
+def emu3(emu3_folder):
+    return adapter(emu3_folder[0])
+
+
+def test_the_adapter_implements_the_protocols(emu3):
+    target, tokenizer, cond = emu3
+    assert isinstance(target, TargetModel) and isinstance(tokenizer, ImageTokenizer)
+    assert (target.config.block_size, target.config.grid_size, target.config.vocab_size) == (16, 4, CODES)
+    assert cond.shape[:2] == (3, 2) and (cond[:, 0, -1] == VOCAB["<|image token|>"]).all()
+    pixels = tokenizer.decode(torch.zeros(1, 16, dtype=torch.long))
+    assert pixels.shape == (1, 3, 8, 8) and float(pixels.abs().max()) <= 1.0
+
+
+@pytest.mark.parametrize("rows", [[0], [1], [0, 1, 2]], ids=["p0", "p1", "batch3"])
+@pytest.mark.parametrize("negative", [NEGATIVE, ""], ids=["negative", "no-negative"])
+def test_greedy_ar_equals_transformers_image_generation(emu3_folder, rows, negative):
+    folder, model = emu3_folder
+    prompts = [PROMPTS[i] for i in rows]
+    theirs = transformers_greedy(model, tiny_processor(), prompts, negative)
+    target, _, cond = adapter(folder, prompts, negative)
+    ours = decode(target, cond, SamplingConfig(cfg_scale=3.0, temperature=0.0, top_k=0), methods.resolve("ar"))
+    assert torch.equal(ours.tokens, theirs)
+
+
+def test_greedy_paths_differ_between_prompts(emu3_folder):
+    _, model = emu3_folder
+    tokens = transformers_greedy(model, tiny_processor(), PROMPTS, NEGATIVE)
+    assert len({tuple(row) for row in tokens.tolist()}) == 3
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, 0, 1.0), (0.7, 10, 1.0), (1.3, 0, 0.8)])
+def test_the_first_step_law_equals_transformers_processors(emu3_folder, emu3, temperature, top_k, top_p):
+    """transformers' processors as generate orders them (unbatched CFG on the negative prompt, the
+    prefix constraint, temperature, top-k, top-p) on its first step, restricted to the visual
+    tokens in code order, against the adapter's processed law."""
+    from transformers import (LogitsProcessorList, PrefixConstrainedLogitsProcessor, TemperatureLogitsWarper,
+                              TopKLogitsWarper, TopPLogitsWarper, UnbatchedClassifierFreeGuidanceLogitsProcessor)
+
+    _, model = emu3_folder
+    target, _, cond = emu3
+    processor, scale = tiny_processor(), 3.0
+    processor.tokenizer.padding_side = "left"
+    inputs = processor(text=PROMPTS, padding=True, return_tensors="pt", return_for_image_generation=True,
+                       image_area=(GRID * 8) ** 2)
+    neg = processor(text=[NEGATIVE] * 3, return_tensors="pt")
+    visual = model.vocabulary_mapping.image_tokens
+    positions = (inputs.attention_mask.cumsum(-1) - 1).clamp(min=0)  # generate's left-padding positions
+    with torch.no_grad():
+        scores = model(input_ids=inputs.input_ids, attention_mask=inputs.attention_mask,
+                       position_ids=positions).logits[:, -1]
+        processors = LogitsProcessorList(
+            [UnbatchedClassifierFreeGuidanceLogitsProcessor(scale, model, unconditional_ids=neg.input_ids,
+                                                            unconditional_attention_mask=neg.attention_mask),
+             PrefixConstrainedLogitsProcessor(lambda batch_id, ids: visual, num_beams=1),
+             TemperatureLogitsWarper(temperature)]
+            + ([TopKLogitsWarper(top_k)] if top_k else []) + ([TopPLogitsWarper(top_p)] if top_p < 1 else []))
+        expected = torch.softmax(processors(inputs.input_ids, scores), dim=-1)[:, target.visual_ids]
+    guided = GuidedTarget(target, cond, SamplingConfig(cfg_scale=scale, temperature=temperature, top_k=top_k,
+                                                       top_p=top_p))
+    probs, _ = guided.prefill()
+    torch.testing.assert_close(probs, expected, atol=1e-5, rtol=1e-4)
+
+
+def test_every_lossless_method_is_greedy_ar_on_emu3(emu3, tmp_path, monkeypatch):
+    """Drafter-free methods, and exact SD / LANTERN at delta 0 with an EAGLE drafter sized from
+    the adapter (random weights: acceptance is rare, exactness is the point); trees put drafts at
+    row ends in scratch slots, so the end-of-line companions go through KV compaction."""
+    from relaxspec.drafting.eagle import EagleDrafter
+
+    monkeypatch.setenv("RELAXSPEC_CACHE", str(tmp_path))
+    target, tokenizer, cond = emu3
+    greedy = SamplingConfig(cfg_scale=3.0, temperature=0.0, top_k=0)
+    ar = decode(target, cond, greedy, methods.resolve("ar")).tokens
+    torch.manual_seed(1)
+    drafter = EagleDrafter.for_target(target)
+    cases = [("sjd", {"window": 4}), ("scd", {"window": 3}), ("gsd", {"window": 6, "group_p_gap": 0.0}),
+             ("sd", {"draft": "chain", "depth": 3}), ("sd-static", {"tree": "eagle25"}), ("eagle2", {}),
+             ("lantern", {"draft": "chain", "delta": 0.0, "k": 8})]
+    for name, given in cases:
+        result = decode(target, cond, greedy, methods.resolve(name, given), drafter=drafter, vq=tokenizer)
+        assert torch.equal(result.tokens, ar), name
+    accepted = decode(target, cond, greedy, methods.resolve("sjd", {"window": 6})).accept_lengths
+    starts = [torch.tensor([0] + steps[:-1]).cumsum(0) for steps in accepted]
+    crossing = sum(int(((s // GRID) != ((s + torch.tensor(a) - 1) // GRID)).sum()) for s, a in zip(starts, accepted))
+    assert crossing > 0  # steps that accept a run across a row end, through its forced end-of-line
+    sampled = decode(target, cond, SamplingConfig(cfg_scale=3.0, top_k=20), methods.resolve("gsd", {"window": 4}),
+                     generator=torch.Generator().manual_seed(0))
+    assert [sum(a) for a in sampled.accept_lengths] == [16] * 3
+
+
+def test_generate_with_an_emu3_folder_equals_transformers(emu3_folder, tmp_path, capsys):
+    """``relaxspec generate --model-path DIR --prompt ...`` formats prompts (and transformers'
+    example negative prompt, the default) as transformers' recipe does and, greedy, gives its image
+    tokens; drafter-free lossless methods give the same tokens."""
+    import json
+
+    import numpy as np
+
+    from relaxspec.cli import main
+    from relaxspec.models.emu3 import NEGATIVE_PROMPT
+
+    folder, model = emu3_folder
+    prompts = PROMPTS[:2]
+    theirs = transformers_greedy(model, tiny_processor(), prompts, NEGATIVE_PROMPT)
+    base = ["generate", "--model-path", str(folder), "--prompt", prompts[0], "--prompt", prompts[1], "--image-size",
+            "32", "--temperature", "0", "--batch-size", "2", "--no-progress"]
+    for method in (["--method", "ar"], ["--method", "sjd", "--window", "4"],
+                   ["--method", "gsd", "--window", "4", "--group-p-gap", "0"]):
+        out = tmp_path / method[1]
+        assert main(base + method + ["--out", str(out)]) == 0, capsys.readouterr().err
+        assert np.array_equal(np.load(out / "tokens.npy"), theirs.numpy()), method
+    stats = json.loads((tmp_path / "ar" / "stats.json").read_text())
+    settings = stats["settings"]
+    assert settings["model_type"] == "emu3" and settings["sampling"]["cfg_scale"] == 3.0
+    assert settings["negative_prompt"] == NEGATIVE_PROMPT and settings["image_size"] == 8  # 4 tokens x 2 px (tiny VQ)
+    assert settings["sampling"]["top_k"] == 2048  # Emu3's recipe: the tiny folder's generation config sets none
+    assert [image["prompt"] for image in stats["images"]] == prompts and (tmp_path / "ar" / "0001.png").is_file()
+
+
+@pytest.mark.parametrize("extra, message", [
+    ([], "this Emu3 model takes text prompts"),
+    (["--prompt", "a fox", "--image-size", "30"], "give a multiple of 8"),
+    (["--prompt", "a fox", "--image-size", "64"], "the model's context is 96"),
+    (["--prompt", ""], "prompt 1 is empty"),
+    (["--prompt", "a fox", "--t5-path", "t5"], "this Emu3 model takes text prompts"),
+])
+def test_emu3_folder_errors_are_one_line(emu3_folder, tmp_path, capsys, extra, message):
+    from relaxspec.cli import main
+
+    folder, _ = emu3_folder
+    assert main(["generate", "--model-path", str(folder), "--out", str(tmp_path / "o"), *extra]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_negative_prompt_needs_a_model_folder(tmp_path, capsys):
+    from relaxspec.cli import main
+
+    assert main(["generate", "--negative-prompt", "blurry", "--out", str(tmp_path / "o")]) == 2
+    assert "--negative-prompt goes with --model-path" in capsys.readouterr().err
+
+
+def test_info_recognises_an_emu3_folder(emu3_folder, capsys):
+    from relaxspec.cli import main
+
+    folder, _ = emu3_folder
+    assert main(["info", str(folder)]) == 0
+    out = capsys.readouterr().out
+    assert "model_type:            emu3" in out and "an Emu3 target" in out
+
+
+def test_conditions_that_are_not_formatted_are_refused(emu3):
+    from relaxspec.errors import RelaxspecError
+
+    target, _, cond = emu3
+    greedy = SamplingConfig(cfg_scale=3.0, temperature=0.0)
+    with pytest.raises(RelaxspecError, match=r"\[B, 2, S\]"):
+        decode(target, cond[:, 0], greedy, methods.resolve("ar"))
+    right_padded = torch.cat([cond[:, :, 1:], torch.full_like(cond[:, :, :1], -1)], -1)
+    with pytest.raises(RelaxspecError, match="left-padded"):
+        decode(target, right_padded, greedy, methods.resolve("ar"))
+
+
+def test_the_api_generates_from_an_emu3_folder(emu3_folder):
+    """``relaxspec.generate(model_path=DIR, prompts=..., negative_prompt=...)`` gives transformers'
+    greedy tokens (as ``generate --model-path`` does), with AR and with SCD."""
+    import relaxspec
+
+    folder, model = emu3_folder
+    theirs = transformers_greedy(model, tiny_processor(), PROMPTS[:2], NEGATIVE)
+    for method, fields in (("ar", {}), ("scd", {"window": 4})):
+        made = relaxspec.generate(prompts=PROMPTS[:2], model_path=str(folder), method=method, image_size=32,
+                                  negative_prompt=NEGATIVE, sampling={"temperature": 0.0}, **fields)
+        assert torch.equal(made.result.tokens, theirs), method
+    assert made.images[1].size == (8, 8)
