@@ -292,3 +292,48 @@ def test_the_api_generates_from_an_emu3_folder(emu3_folder):
                                   negative_prompt=NEGATIVE, sampling={"temperature": 0.0}, **fields)
         assert torch.equal(made.result.tokens, theirs), method
     assert made.images[1].size == (8, 8)
+
+
+def test_teacher_forced_features_are_the_decoding_ones(emu3):
+    """train-drafter's pass over whole images (through the decoding interface, end-of-lines
+    included) reproduces greedy decoding: CFG on its logits picks each greedy token."""
+    from relaxspec.training.drafter import target_features
+
+    target, _, cond = emu3
+    scale = 3.0
+    tokens = decode(target, cond, SamplingConfig(cfg_scale=scale, temperature=0.0, top_k=0), methods.resolve("ar")).tokens
+    hidden, logits = target_features(target, tokens, cond, null_rows=3)
+    guided = scale * logits[:3] + (1 - scale) * logits[3:]
+    assert hidden.shape == (6, 16, 32) and torch.equal(guided.argmax(-1), tokens)
+
+
+def test_train_drafter_on_an_emu3_folder_then_generate(emu3_folder, tmp_path, capsys):
+    """``train-drafter --model-path DIR --prompts-file F`` trains on the model's own samples; the
+    drafter it writes serves ``generate --drafter-ckpt``, losslessly at temperature 0."""
+    import json
+
+    import numpy as np
+
+    from relaxspec.cli import main
+
+    folder, _ = emu3_folder
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a red fox\nthe blue cat under the rain\n")
+    drafter = tmp_path / "drafter"
+    assert main(["train-drafter", "--model-path", str(folder), "--prompts-file", str(prompts), "--image-size", "32",
+                 "--self-samples", "4", "--steps", "3", "--batch-size", "2", "--out", str(drafter),
+                 "--no-progress"]) == 0, capsys.readouterr().err
+    state = json.loads((drafter / "config.json").read_text())
+    assert state["kind"] == "drafter"
+    base = ["generate", "--model-path", str(folder), "--prompt", "a red fox", "--prompt", "a lighthouse",
+            "--image-size", "32", "--temperature", "0", "--batch-size", "2", "--no-progress"]
+    assert main(base + ["--method", "ar", "--out", str(tmp_path / "ar")]) == 0
+    for method in ("eagle2", "sd"):
+        out = tmp_path / method
+        assert main(base + ["--method", method, "--drafter-ckpt", str(drafter), "--out", str(out)]) == 0, \
+            capsys.readouterr().err
+        assert np.array_equal(np.load(out / "tokens.npy"), np.load(tmp_path / "ar" / "tokens.npy")), method
+    sampled = [arg for arg in base if arg not in ("--temperature", "0")]
+    assert main(sampled + ["--method", "lantern", "--drafter-ckpt", str(drafter), "--out", str(tmp_path / "lantern")]) \
+        == 0, capsys.readouterr().err  # relaxed, so sampled: it runs and writes its images
+    assert (tmp_path / "lantern" / "0001.png").is_file()

@@ -316,3 +316,47 @@ def test_the_api_generates_from_a_janus_folder(janus_folder):
     sjd = relaxspec.generate(prompts=["a red fox", "the blue cat"], model_path=str(folder), method="sjd", window=4,
                              sampling={"temperature": 0.0})
     assert torch.equal(ar.result.tokens, sjd.result.tokens) and ar.images[0].size == (8, 8)
+
+
+def test_teacher_forced_features_are_the_decoding_ones(janus):
+    """train-drafter's pass over whole images (through the decoding interface, with the prompts'
+    padding mask) reproduces greedy decoding: CFG on its logits picks each greedy token."""
+    from relaxspec.training.drafter import target_features
+
+    target, _ = janus
+    ids, scale = PROMPTS, 5.0
+    tokens = decode(target, ids, SamplingConfig(cfg_scale=scale, temperature=0.0, top_k=0), methods.resolve("ar"),
+                    cond_mask=ids != PAD).tokens
+    hidden, logits = target_features(target, tokens, ids, null_rows=3, cond_mask=ids != PAD)
+    guided = scale * logits[:3] + (1 - scale) * logits[3:]
+    assert hidden.shape == (6, 16, 32) and torch.equal(guided.argmax(-1), tokens)
+
+
+def test_train_drafter_on_a_janus_folder_then_generate(janus_folder, tmp_path, capsys):
+    """``train-drafter --model-path DIR --prompts-file F``, then ``generate --drafter-ckpt``:
+    lossless at temperature 0; bad combinations are one line."""
+    import numpy as np
+
+    from relaxspec.cli import main
+
+    folder, _ = janus_folder
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a red fox\nthe blue cat under the rain\nthe dog\n")
+    drafter = tmp_path / "drafter"
+    assert main(["train-drafter", "--model-path", str(folder), "--prompts-file", str(prompts), "--self-samples", "3",
+                 "--steps", "2", "--batch-size", "3", "--out", str(drafter), "--no-progress"]) == 0, \
+        capsys.readouterr().err
+    base = ["generate", "--model-path", str(folder), "--prompt", "a red fox", "--prompt", "the cat", "--temperature",
+            "0", "--batch-size", "2", "--no-progress"]
+    assert main(base + ["--method", "ar", "--out", str(tmp_path / "ar")]) == 0
+    assert main(base + ["--method", "eagle2", "--drafter-ckpt", str(drafter), "--out", str(tmp_path / "e")]) == 0
+    assert np.array_equal(np.load(tmp_path / "e" / "tokens.npy"), np.load(tmp_path / "ar" / "tokens.npy"))
+    capsys.readouterr()
+    for extra, message in ((["--data", "x.npy"], "trains on its own samples of prompts"),
+                           ([], "--model-path needs --prompts-file")):
+        args = ["train-drafter", "--model-path", str(folder), "--self-samples", "2", "--out", str(tmp_path / "x")]
+        if extra:
+            args += ["--prompts-file", str(prompts)] + extra
+        assert main(args) == 2
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1, err

@@ -146,5 +146,5 @@ def test_info_recognises_a_t5_folder(t5, tmp_path, capsys):
     assert "model_type:            t5" in out and "--t5-path" in out and "model.safetensors" in out
     other = tmp_path / "other"
     other.mkdir()
-    (other / "config.json").write_text('{"model_type": "emu3"}')
+    (other / "config.json").write_text('{"model_type": "chameleon"}')
     assert main(["info", str(other)]) == 0 and "not supported" in capsys.readouterr().out

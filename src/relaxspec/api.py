@@ -122,6 +122,7 @@ def _generate_folder(model_path, prompts, method, method_fields, *, sampling, se
     """:func:`generate` for a transformers model folder (relaxspec.models.hf)."""
     from relaxspec.drafting.eagle import load_drafter
     from relaxspec.models import hf
+    from relaxspec.models.llamagen.checkpoints import PRECISIONS
 
     model, classes, t5_path = others
     if model is not None or classes is not None or t5_path is not None:
@@ -136,11 +137,10 @@ def _generate_folder(model_path, prompts, method, method_fields, *, sampling, se
                              "(relaxspec train-drafter --model-path trains one)")
     if drafter_ckpt is not None and not options.needs_drafter:
         raise RelaxspecError(f"drafter_ckpt is not used by {options.family.where(options)}")
-    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-    if (precision or "fp32") not in dtypes:
-        raise RelaxspecError(f"precision must be one of {', '.join(dtypes)}, got {precision!r}")
+    if (precision or "fp32") not in PRECISIONS:
+        raise RelaxspecError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
     opened = family.open_folder(model_path, list(prompts), device=resolve_device(str(device or "cpu")),
-                                dtype=dtypes[precision or "fp32"], image_size=image_size,
+                                dtype=PRECISIONS[precision or "fp32"], image_size=image_size,
                                 negative_prompt=negative_prompt)
     drafter = load_drafter(drafter_ckpt, opened.target) if drafter_ckpt is not None else None
     return _run(opened.target, opened.tokenizer, drafter, opened.cond, opened.cond_mask, sampling, options, seed,

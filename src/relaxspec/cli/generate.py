@@ -372,8 +372,7 @@ def load_transformers_model(args: argparse.Namespace, device):
     if not prompts:
         raise RelaxspecError(f"this {family.NAME} model takes text prompts: give --prompt TEXT (repeatable) or "
                              "--prompts-file FILE")
-    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-    opened = family.open_folder(args.model_path, prompts, device=device, dtype=dtypes[args.precision],
+    opened = family.open_folder(args.model_path, prompts, device=device, dtype=PRECISIONS[args.precision],
                                 image_size=args.image_size, negative_prompt=args.negative_prompt)
     args.image_size = opened.image_size
     model, vq = opened.target, opened.tokenizer

@@ -156,8 +156,10 @@ def add_train_drafter_parser(subparsers) -> argparse.ArgumentParser:
     defaults = DrafterTrainConfig()
     parser = subparsers.add_parser(
         "train-drafter", help="train an EAGLE drafter on a target's features",
-        description="Train the EAGLE drafter (REFERENCE §1.6) on a frozen LlamaGen target's features. "
-                    "Writes OUT/model.safetensors + config.json and OUT/train_state.pt.",
+        description="Train the EAGLE drafter (REFERENCE §1.6) on a frozen target's features: a LlamaGen "
+                    "checkpoint (--gpt-ckpt) or a transformers folder (--model-path: Janus, Emu3; trained on its "
+                    "own samples of --prompts-file). Writes OUT/model.safetensors + config.json and "
+                    "OUT/train_state.pt.",
         argument_default=argparse.SUPPRESS)
 
     option = Options(parser, defaults)
@@ -165,7 +167,8 @@ def add_train_drafter_parser(subparsers) -> argparse.ArgumentParser:
     option.section("target")
     option("--gpt-ckpt", "target checkpoint: an official .pt or a relaxspec folder", metavar="PATH")
     option("--gpt-model", "target size for an official checkpoint (GPT-B, GPT-L, GPT-XL, ...)")
-    option("--image-size", "image resolution of an official checkpoint", type=int)
+    option("--model-path", "a transformers model folder (Janus / Janus-Pro, Emu3) as the target", metavar="DIR")
+    option("--image-size", "image resolution of an official checkpoint (Emu3: the image size to paint)", type=int)
     option("--downsample", "tokenizer downsampling factor", type=int)
     option("--precision", "target weights precision", choices=list(PRECISIONS))
     option.section("data")
@@ -173,11 +176,14 @@ def add_train_drafter_parser(subparsers) -> argparse.ArgumentParser:
            "it; repeatable", action="append", metavar="FILE")
     option("--label", "class id for sources without labels", type=int)
     option("--self-samples", "also train on COUNT samples drawn from the target", type=int, metavar="COUNT")
+    option("--prompts-file", "with --model-path: the self-samples' prompts, one per line (cycled)", metavar="FILE")
+    option("--negative-prompt", "with --model-path on Emu3: the guidance's negative prompt (default: its family's)",
+           metavar="TEXT")
     option("--classes", "classes of the self-samples, e.g. '1 2 3' or '1,2,3' (default: uniform)", type=class_ids,
            nargs="+", metavar="CLASS")
-    option("--cfg-scale", "CFG scale of the self-samples", type=float)
-    option("--temperature", "temperature of the self-samples", type=float)
-    option("--top-k", "top-k of the self-samples (0 = off)", type=int)
+    option("--cfg-scale", "CFG scale of the self-samples (--model-path: default its own)", type=float)
+    option("--temperature", "temperature of the self-samples (--model-path: default its own)", type=float)
+    option("--top-k", "top-k of the self-samples (0 = off; --model-path: default its own)", type=int)
     option("--images", "folder of images (class sub-folders or --label) to encode with the VQ model", metavar="DIR")
     option("--vq-ckpt", "VQ tokenizer checkpoint for --images", metavar="PATH")
     option("--vq-model", "VQ model name for an official VQ checkpoint")
@@ -212,6 +218,14 @@ def run_train_drafter(args: argparse.Namespace) -> int:
     """Entry point of ``relaxspec train-drafter``; raises :class:`RelaxspecError` on bad input."""
     if "classes" in args:  # each --classes word may itself be a comma list
         args.classes = [c for word in args.classes for c in word]
+    if "model_path" in args and not getattr(args, "resume", False):
+        from relaxspec.models import hf
+
+        # A transformers folder samples as it does for generate: its generation config, else its family's recipe.
+        defaults = hf.family(args.model_path).sampling_defaults(args.model_path)
+        for key in ("cfg_scale", "temperature", "top_k"):
+            if key not in args:
+                setattr(args, key, defaults[key])
     config, resume = config_from_args(args, DrafterTrainConfig, read_drafter_state)
     result = train_drafter(config, resume=resume)
     last = result.history[-1] if result.history else {}

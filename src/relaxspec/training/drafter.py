@@ -38,7 +38,7 @@ from tqdm.auto import tqdm
 from relaxspec.models.llamagen.checkpoints import PRECISIONS, load_gpt, load_strict, load_vq
 from relaxspec.drafting.eagle import DrafterConfig, EagleDrafter, drafter_target_config, load_drafter
 from relaxspec.errors import RelaxspecError
-from relaxspec.models.base import TeacherForcedTarget
+from relaxspec.models.base import TargetModel, TeacherForcedTarget
 from relaxspec.models.llamagen.vq import VQModel
 from relaxspec.sampling import SamplingConfig
 from relaxspec.training import common
@@ -51,7 +51,7 @@ IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 #: Fields a resumed run may change: how long it runs, where, and how chatty it is. Everything
 #: else is the recipe and must stay what it was, or the continuation would not be exact.
 RUN_FIELDS = ("out", "epochs", "steps", "device", "bf16", "progress", "checkpoint_interval",
-              "eval_interval", "eval_sequences", "gpt_ckpt", "vq_ckpt")
+              "eval_interval", "eval_sequences", "gpt_ckpt", "vq_ckpt", "model_path", "prompts_file")
 
 
 # ------------------------------------------------------------------------------------------
@@ -69,6 +69,9 @@ class DrafterTrainConfig(common.RecipeConfig):
     # target (official files need gpt_model; our folders carry their config)
     gpt_ckpt: str | None = None
     gpt_model: str | None = None
+    model_path: str | None = None  # a transformers folder (Janus, Emu3): trained on its own samples of prompts
+    prompts_file: str | None = None  # the self-samples' prompts, one per line (with model_path)
+    negative_prompt: str | None = None  # Emu3's guidance (default: its family's)
     image_size: int | None = None
     downsample: int = 16
     precision: str = "fp32"  # the target's weights; the drafter trains in fp32
@@ -141,6 +144,14 @@ class DrafterTrainConfig(common.RecipeConfig):
         need(self.eval_interval >= 1, f"eval_interval must be >= 1, got {self.eval_interval}")
         need(self.eval_sequences >= 1, f"eval_sequences must be >= 1, got {self.eval_sequences}")
         need(self.images is None or self.vq_ckpt is not None, "--images needs --vq-ckpt to encode them")
+        need(self.model_path is None or self.gpt_ckpt is None, "give --model-path or --gpt-ckpt, not both")
+        need(self.model_path is None or (not self.data and self.images is None and self.classes is None),
+             "a --model-path target trains on its own samples of prompts: give --self-samples COUNT and "
+             "--prompts-file FILE (not --data / --images / --classes)")
+        need(self.model_path is None or self.prompts_file is not None,
+             "--model-path needs --prompts-file FILE (the prompts of its self-samples)")
+        need(self.prompts_file is None or self.model_path is not None, "--prompts-file goes with --model-path")
+        need(self.negative_prompt is None or self.model_path is not None, "--negative-prompt goes with --model-path")
         SamplingConfig(cfg_scale=self.cfg_scale, temperature=self.temperature, top_k=self.top_k)  # validates
 
     @property
@@ -157,34 +168,47 @@ class DrafterTrainConfig(common.RecipeConfig):
 
 @dataclass
 class DrafterDataset:
-    """Image-token sequences ``tokens [n, N]`` (int64) and their class ids ``labels [n]``."""
+    """Image-token sequences ``tokens [n, N]`` (int64) and their conditions ``labels``: class ids
+    ``[n]``, or for a prompt-conditioned target its formatted prompt token ids ``[n, ...]`` with
+    ``cond_mask [n, C]`` where that family's engine masks them."""
 
     tokens: torch.Tensor
     labels: torch.Tensor
+    cond_mask: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         self.tokens = torch.as_tensor(self.tokens)
-        self.labels = torch.as_tensor(self.labels).reshape(-1)
+        self.labels = torch.as_tensor(self.labels)
+        if self.labels.ndim <= 1:
+            self.labels = self.labels.reshape(-1)
         if self.tokens.dtype.is_floating_point or self.tokens.dtype == torch.bool or self.tokens.ndim != 2:
             raise RelaxspecError(f"tokens must be an integer array [n, N], got {self.tokens.dtype} {tuple(self.tokens.shape)}")
         if self.labels.dtype.is_floating_point or self.labels.dtype == torch.bool:
             raise RelaxspecError(f"labels must be integer class ids, got {self.labels.dtype}")
         if self.labels.shape[0] != self.tokens.shape[0]:
             raise RelaxspecError(f"{self.tokens.shape[0]} token sequences but {self.labels.shape[0]} labels")
+        if self.cond_mask is not None and self.cond_mask.shape[0] != self.tokens.shape[0]:
+            raise RelaxspecError(f"{self.tokens.shape[0]} token sequences but {self.cond_mask.shape[0]} condition masks")
         self.tokens, self.labels = self.tokens.long().cpu(), self.labels.long().cpu()
+        if self.cond_mask is not None:
+            self.cond_mask = self.cond_mask.bool().cpu()
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
 
     def subset(self, index: torch.Tensor) -> "DrafterDataset":
-        return DrafterDataset(self.tokens[index], self.labels[index])
+        return DrafterDataset(self.tokens[index], self.labels[index],
+                              None if self.cond_mask is None else self.cond_mask[index])
 
     @classmethod
     def concat(cls, parts: list["DrafterDataset"]) -> "DrafterDataset":
         lengths = {p.tokens.shape[1] for p in parts}
         if len(lengths) > 1:
             raise RelaxspecError(f"data sources have different sequence lengths {sorted(lengths)}")
-        return cls(torch.cat([p.tokens for p in parts]), torch.cat([p.labels for p in parts]))
+        if len({p.labels.shape[1:] for p in parts}) > 1 or len({p.cond_mask is None for p in parts}) > 1:
+            raise RelaxspecError("data sources have different kinds of conditions")
+        masks = None if parts[0].cond_mask is None else torch.cat([p.cond_mask for p in parts])
+        return cls(torch.cat([p.tokens for p in parts]), torch.cat([p.labels for p in parts]), masks)
 
     def check_for(self, target: TeacherForcedTarget) -> None:
         """Raise unless every sequence is a full image of ``target``'s grid, vocabulary and classes."""
@@ -199,7 +223,7 @@ class DrafterDataset:
         if int(self.tokens.min()) < 0 or int(self.tokens.max()) >= config.vocab_size:
             raise RelaxspecError(f"token ids lie in [{int(self.tokens.min())}, {int(self.tokens.max())}], "
                                  f"outside the target's vocabulary [0, {config.vocab_size})")
-        if int(self.labels.min()) < 0 or int(self.labels.max()) >= config.num_classes:
+        if config.model_type == "c2i" and (int(self.labels.min()) < 0 or int(self.labels.max()) >= config.num_classes):
             raise RelaxspecError(f"class ids lie in [{int(self.labels.min())}, {int(self.labels.max())}], "
                                  f"outside the target's classes [0, {config.num_classes})")
 
@@ -297,6 +321,26 @@ def sample_from_target(target: TeacherForcedTarget, count: int, *, classes: list
     return DrafterDataset(torch.cat(chunks) if chunks else torch.empty(0, target.config.block_size, dtype=torch.long), labels)
 
 
+@torch.no_grad()
+def sample_prompts(target: TargetModel, cond: torch.Tensor, cond_mask: torch.Tensor | None, count: int, *,
+                   sampling: SamplingConfig, seed: int = 0, batch_size: int = 16,
+                   progress: bool = False) -> DrafterDataset:
+    """``count`` images sampled from a prompt-conditioned target with :func:`generate_ar`, its
+    formatted prompts ``cond [P, ...]`` (mask ``cond_mask``) cycled."""
+    from relaxspec.decoding.ar import generate_ar
+
+    index = torch.arange(count) % cond.shape[0]
+    conds, masks = cond[index], None if cond_mask is None else cond_mask[index]
+    generator = torch.Generator(device=target.device).manual_seed(seed)
+    chunks = []
+    for start in tqdm(range(0, count, batch_size), desc="self-samples", disable=not progress, leave=False):
+        rows = slice(start, start + batch_size)
+        chunks.append(generate_ar(target, conds[rows], sampling, generator=generator,
+                                  cond_mask=None if masks is None else masks[rows]).tokens.cpu())
+    return DrafterDataset(torch.cat(chunks) if chunks else torch.empty(0, target.config.block_size, dtype=torch.long),
+                          conds, masks)
+
+
 def center_crop(image, size: int) -> np.ndarray:
     """Upstream's (ADM) ``center_crop_arr``: box-halve while large, bicubic-resize the short side
     to ``size``, crop the centre. -> ``uint8 [size, size, 3]``."""
@@ -362,10 +406,14 @@ def encode_images(folder: str | Path, vq: VQModel, image_size: int, *, label: in
     return DrafterDataset(torch.cat(chunks), torch.tensor(labels))
 
 
-def build_dataset(config: DrafterTrainConfig, target: TeacherForcedTarget) -> DrafterDataset:
-    """All the sources ``config`` names, concatenated (token files, then self-samples, then images)."""
+def build_dataset(config: DrafterTrainConfig, target: TargetModel, prompts=None) -> DrafterDataset:
+    """All the sources ``config`` names, concatenated (token files, then self-samples, then images).
+    ``prompts``: ``(cond, cond_mask)`` of a prompt-conditioned target, what its self-samples cycle."""
     parts = [load_token_file(path, config.label) for path in config.data]
-    if config.self_samples:
+    if config.self_samples and prompts is not None:
+        parts.append(sample_prompts(target, *prompts, config.self_samples, sampling=config.sampling, seed=config.seed,
+                                    batch_size=config.batch_size, progress=config.progress))
+    elif config.self_samples:
         parts.append(sample_from_target(target, config.self_samples, classes=config.classes, sampling=config.sampling,
                                         seed=config.seed, batch_size=config.batch_size, progress=config.progress))
     if config.images is not None:
@@ -384,17 +432,48 @@ def build_dataset(config: DrafterTrainConfig, target: TeacherForcedTarget) -> Dr
 
 
 @torch.no_grad()
-def target_features(target: TeacherForcedTarget, tokens: torch.Tensor, labels: torch.Tensor,
-                    null_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The frozen target's teacher-forced pass over ``tokens [B, N]``, under each sequence's class
-    and, for the first ``null_rows`` sequences, also under the null condition.
+def target_features(target: TargetModel, tokens: torch.Tensor, labels: torch.Tensor,
+                    null_rows: int, cond_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The frozen target's teacher-forced pass over ``tokens [B, N]``, under each sequence's
+    condition and, for the first ``null_rows`` sequences, also under the null condition.
 
     Returns hidden states ``[R, N, dim]`` and logits ``[R, N, vocab]`` (``R = B + null_rows``; row
-    ``k`` predicts token ``k``): class rows first, then null rows.
+    ``k`` predicts token ``k``): condition rows first, then null rows. A target without
+    ``forward_train`` runs through its decoding interface (:func:`teacher_forced`).
     """
     cond = torch.cat([labels, target.null_condition(labels[:null_rows])])
-    logits, hidden = target.forward_train(cond, torch.cat([tokens, tokens[:null_rows]]), return_hidden=True)
+    tokens = torch.cat([tokens, tokens[:null_rows]])
+    if isinstance(target, TeacherForcedTarget):
+        logits, hidden = target.forward_train(cond, tokens, return_hidden=True)
+    else:
+        mask = None if cond_mask is None else torch.cat([cond_mask, cond_mask[:null_rows]])
+        logits, hidden = teacher_forced(target, cond, tokens, mask)
     return hidden, logits
+
+
+@torch.no_grad()
+def teacher_forced(target: TargetModel, cond: torch.Tensor, tokens: torch.Tensor,
+                   cond_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits ``[R, N, V]`` and hidden states ``[R, N, D]`` of whole images ``tokens [R, N]``
+    through the decoding interface: a prefill, then one causal step over tokens ``0 .. N-2``; row
+    ``k`` predicts token ``k``. These are the features decoding shows the drafter, exactly."""
+    from relaxspec.decoding.target import attention_mask
+
+    rows, count = tokens.shape
+    cls = target.config.cls_token_num
+    length = cls + count
+    target.setup_caches(rows, length)
+    key_valid = None
+    if cond_mask is not None:
+        key_valid = torch.ones(rows, length, dtype=torch.bool, device=target.device)
+        key_valid[:, :cls] = cond_mask.to(target.device)
+    slots = torch.arange(cls, device=target.device).expand(rows, cls)
+    first_logits, first_hidden = target.prefill(cond.to(target.device), slots, slots,
+                                                attention_mask(slots, None, key_valid, length))
+    positions = torch.arange(cls, length - 1, device=target.device).expand(rows, count - 1)
+    logits, hidden = target.step(tokens[:, :-1].to(target.device), positions, positions,
+                                 attention_mask(positions, None, key_valid, length))
+    return torch.cat([first_logits[:, -1:], logits], 1), torch.cat([first_hidden[:, -1:], hidden], 1)
 
 
 def drafter_inputs(features: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -430,14 +509,16 @@ def drafter_loss(pred_features: torch.Tensor, pred_logits: torch.Tensor, next_fe
 
 
 def batch_loss(drafter: EagleDrafter, tokens: torch.Tensor, labels: torch.Tensor, config: DrafterTrainConfig, *,
-               noise_generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
+               noise_generator: torch.Generator | None = None,
+               cond_mask: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """Target features for one batch, the drafter on the (noised) pairs, the loss."""
     target = drafter.target
     device = target.device
     tokens, labels = tokens.to(device), labels.to(device)
     null_rows = round(config.null_fraction * tokens.shape[0])
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=config.bf16):
-        features, logits = target_features(target, tokens, labels, null_rows)
+        features, logits = target_features(target, tokens, labels, null_rows,
+                                           None if cond_mask is None else cond_mask.to(device))
         in_features, in_tokens, positions = drafter_inputs(features, torch.cat([tokens, tokens[:null_rows]]))
         next_features, next_probs = drafter_targets(features, logits)
         in_features = in_features.float()
@@ -461,7 +542,8 @@ def evaluate_drafter(drafter: EagleDrafter, dataset: DrafterDataset, config: Dra
     drafter.eval()
     for start in range(0, count, config.batch_size):
         stop = min(start + config.batch_size, count)
-        losses = batch_loss(drafter, dataset.tokens[start:stop], dataset.labels[start:stop], config)
+        losses = batch_loss(drafter, dataset.tokens[start:stop], dataset.labels[start:stop], config,
+                            cond_mask=None if dataset.cond_mask is None else dataset.cond_mask[start:stop])
         for name, value in losses.items():
             totals[name] = totals.get(name, 0.0) + float(value) * (stop - start)
     drafter.train(was_training)
@@ -509,6 +591,25 @@ class DrafterTrainResult:
     sequences_per_second: float
 
 
+def _open_folder(config: DrafterTrainConfig, device) -> tuple[TargetModel, tuple]:
+    """A transformers folder's target and its self-samples' formatted prompts."""
+    from relaxspec.models import hf
+
+    path = Path(config.prompts_file)
+    if not path.is_file():
+        raise RelaxspecError(f"--prompts-file {path}: no such file")
+    try:
+        prompts = [line for line in path.read_text(encoding="utf-8-sig").splitlines() if line.strip()]
+    except UnicodeDecodeError:
+        raise RelaxspecError(f"--prompts-file {path}: not UTF-8 text") from None
+    if not prompts:
+        raise RelaxspecError(f"--prompts-file {path}: no prompts in the file")
+    opened = hf.family(config.model_path).open_folder(config.model_path, prompts, device=device,
+                                                      dtype=PRECISIONS[config.precision], image_size=config.image_size,
+                                                      negative_prompt=config.negative_prompt)
+    return opened.target, (opened.cond, opened.cond_mask)
+
+
 def train_drafter(config: DrafterTrainConfig, *, target: TeacherForcedTarget | None = None,
                   dataset: DrafterDataset | None = None, resume: bool = False) -> DrafterTrainResult:
     """Train (or, with ``resume``, continue training) an EAGLE drafter for ``target``.
@@ -522,17 +623,21 @@ def train_drafter(config: DrafterTrainConfig, *, target: TeacherForcedTarget | N
     if saved is not None:
         common.check_resumable(saved["config"], config.to_dict(), RUN_FIELDS)
     device = _device(config.device)
-    if target is None:
+    prompts = None
+    if target is None and config.model_path is not None:
+        target, prompts = _open_folder(config, device)
+    elif target is None:
         if config.gpt_ckpt is None:
-            raise RelaxspecError("no target: give --gpt-ckpt (and --gpt-model for an official file)")
+            raise RelaxspecError("no target: give --gpt-ckpt (and --gpt-model for an official file) or --model-path")
         target = load_gpt(config.gpt_ckpt, config.gpt_model, image_size=config.image_size,
                           downsample=config.downsample, precision=config.precision, device=device)
     device = target.device
-    if target.config.model_type != "c2i":
-        raise RelaxspecError("train-drafter trains on class-conditional (c2i) targets; this target is t2i")
+    if target.config.model_type != "c2i" and prompts is None and (dataset is None or dataset.labels.ndim == 1):
+        raise RelaxspecError("train-drafter trains LlamaGen class-conditional (c2i) targets and --model-path folders; "
+                             "this target is t2i")
     target.eval().requires_grad_(False)
     if dataset is None:
-        dataset = build_dataset(config, target)
+        dataset = build_dataset(config, target, prompts)
     dataset.check_for(target)
     train_set, val_set = dataset.split(config.val_fraction, config.seed)
     eval_set, eval_name = (val_set, "val") if len(val_set) else (train_set, "train")
@@ -587,7 +692,8 @@ def train_drafter(config: DrafterTrainConfig, *, target: TeacherForcedTarget | N
 
         start = time.perf_counter()
         noise = torch.Generator(device=device).manual_seed(_mix(config.seed, step))
-        losses = batch_loss(drafter, train_set.tokens[index], train_set.labels[index], config, noise_generator=noise)
+        losses = batch_loss(drafter, train_set.tokens[index], train_set.labels[index], config, noise_generator=noise,
+                            cond_mask=None if train_set.cond_mask is None else train_set.cond_mask[index])
         optimizer.zero_grad(set_to_none=True)
         losses["loss"].backward()
         if config.grad_clip > 0:
