@@ -337,3 +337,31 @@ def test_train_drafter_on_an_emu3_folder_then_generate(emu3_folder, tmp_path, ca
     assert main(sampled + ["--method", "lantern", "--drafter-ckpt", str(drafter), "--out", str(tmp_path / "lantern")]) \
         == 0, capsys.readouterr().err  # relaxed, so sampled: it runs and writes its images
     assert (tmp_path / "lantern" / "0001.png").is_file()
+
+
+def test_bench_takes_prompts(emu3_folder, tmp_path, capsys):
+    """``relaxspec bench --model-path DIR --prompt ...``: every method on the same prompt images;
+    lossless ones commit AR's tokens, the report names the prompts, and the run resumes."""
+    import json
+
+    from relaxspec.bench.run import read_records
+    from relaxspec.cli import main
+
+    folder, _ = emu3_folder
+    out = tmp_path / "bench"
+    args = ["bench", "--model-path", str(folder), "--prompt", "a red fox", "--prompt", "a lighthouse", "--num-images",
+            "3", "--image-size", "32", "--methods", "ar,sjd,gsd", "--sweep", "gsd:group_p_gap=0", "--temperature",
+            "0", "--warmup", "0", "--no-plots", "--no-progress", "--out", str(out)]
+    assert main(args) == 0, capsys.readouterr().err
+    records = read_records(out)
+    assert [r["prompt"] for r in records if r["method"] == "ar"] == ["a red fox", "a lighthouse", "a red fox"]
+    tokens = {(r["index"], r["method"]): r["tokens"] for r in records}
+    assert all(tokens[i, "sjd"] == tokens[i, "ar"] == tokens[i, "gsd[group_p_gap=0]"] for i in range(3))
+    settings = json.loads((out / "settings.json").read_text())["settings"]
+    assert settings["prompts"] == ["a red fox", "a lighthouse", "a red fox"] and settings["models"]["model_type"] == "emu3"
+    assert "3 images (2 prompts)" in (out / "summary.md").read_text()
+    assert main(args) == 0  # resumed: nothing left to decode
+    assert len(read_records(out)) == len(records)
+    capsys.readouterr()
+    assert main(args[:-2] + ["--classes", "1", "--out", str(tmp_path / "x")]) == 2
+    assert "give --classes or prompts, not both" in capsys.readouterr().err

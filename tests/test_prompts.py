@@ -148,3 +148,29 @@ def test_info_recognises_a_t5_folder(t5, tmp_path, capsys):
     other.mkdir()
     (other / "config.json").write_text('{"model_type": "chameleon"}')
     assert main(["info", str(other)]) == 0 and "not supported" in capsys.readouterr().out
+
+
+def test_bench_and_eval_take_prompts(t5, tiny_ckpts, tmp_path, capsys, monkeypatch):
+    """A LlamaGen t2i checkpoint is benchmarked and evaluated on prompts encoded with --t5-path:
+    the AR bench images are ``generate``'s, and eval's shards together hold every prompt
+    ``--images-per-class`` times, in order."""
+    from relaxspec.bench.run import read_records
+
+    t2i = tiny_ckpts["t2i"]["args"]
+    prompts = ["--prompt", PROMPTS[0], "--prompt", PROMPTS[2], "--t5-path", str(t5)]
+    assert main(["bench", *t2i, *prompts, "--methods", "ar,sjd", "--warmup", "0", "--no-plots", "--no-progress",
+                 "--out", str(tmp_path / "bench")]) == 0, capsys.readouterr().err
+    records = read_records(tmp_path / "bench")
+    assert [r["prompt"] for r in records if r["method"] == "ar"] == [PROMPTS[0], PROMPTS[2]]
+    assert main(["generate", *t2i, *prompts, "--no-progress", "--out", str(tmp_path / "gen")]) == 0
+    ar = [r["tokens"] for r in sorted(records, key=lambda r: r["index"]) if r["method"] == "ar"]
+    assert np.array_equal(np.load(tmp_path / "gen" / "tokens.npy"), np.array(ar))
+
+    for rank in ("0", "1"):  # two torchrun ranks, one after the other
+        for name, value in (("RANK", rank), ("WORLD_SIZE", "2"), ("LOCAL_RANK", rank)):
+            monkeypatch.setenv(name, value)
+        assert main(["eval", "--images-per-class", "2", "--", *t2i, *prompts, "--no-progress", "--out",
+                     str(tmp_path / "eval")]) == 0, capsys.readouterr().err
+    shards = sorted((tmp_path / "eval").glob("shard-*"))
+    seen = [image["prompt"] for shard in shards for image in json.loads((shard / "stats.json").read_text())["images"]]
+    assert seen == [PROMPTS[0], PROMPTS[0], PROMPTS[2], PROMPTS[2]]

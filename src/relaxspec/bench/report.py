@@ -629,7 +629,9 @@ def write_report(out_dir: str | Path, *, vq=None, classifier=None, real_data: st
         notes.append(f"no {baseline} records: speed-ups are not available")
 
     quality_done = False
-    if classifier is None or real_data is None:
+    if "classes" not in settings and classifier is not None:
+        notes.append("quality not measured: the classifier scores class-conditional images, these are from prompts")
+    elif classifier is None or real_data is None:
         notes.append("quality not measured (give --classifier and --real-data)")
     elif vq is None:
         notes.append("quality not measured (no VQ decoder to turn tokens into images)")
@@ -697,7 +699,9 @@ def write_report(out_dir: str | Path, *, vq=None, classifier=None, real_data: st
 def markdown_report(rows: Sequence[dict], settings: dict, notes: Sequence[str], baseline: str = BASELINE) -> str:
     sampling = settings.get("sampling", {})
     classes = settings.get("classes", [])
-    setup = (f"{len(classes)} images ({len(set(classes))} classes), batch size {settings.get('batch_size')}, "
+    images = (f"{len(classes)} images ({len(set(classes))} classes)" if "prompts" not in settings else
+              f"{len(settings['prompts'])} images ({len(set(settings['prompts']))} prompts)")
+    setup = (f"{images}, batch size {settings.get('batch_size')}, "
              f"{settings.get('threads')} thread(s); sampling: cfg {sampling.get('cfg_scale')}, temperature "
              f"{sampling.get('temperature')}, top-k {sampling.get('top_k')}, top-p {sampling.get('top_p')}; "
              f"seed {settings.get('seed')}.")

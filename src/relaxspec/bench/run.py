@@ -1,6 +1,6 @@
 """The benchmark loop: every method on the same images and seeds, in one process, interleaved.
 
-Image ``i`` (class ``classes[i]``) is decoded by every method before image ``i + 1`` starts, and
+Image ``i`` (class ``classes[i]``, or prompt ``i`` of a :class:`PromptImages`) is decoded by every method before image ``i + 1`` starts, and
 the order of the methods rotates by one each image, so slow drift of the machine (other jobs,
 thermal state, caches) falls on all methods alike and no method always runs first. Each decode
 gets its own generator seeded ``seed * 1000003 + unit`` (``unit`` = the image, or the batch with
@@ -68,13 +68,28 @@ class PreparedMethod:
         return cls(spec, sampling, options, source, build_rule(options, vq, horizon=source.max_depth, target=target))
 
 
-def decode_method(method: PreparedMethod, target, cond: torch.Tensor, generator: torch.Generator) -> DecodeResult:
-    """One decode of ``cond [B]`` — the same call :func:`relaxspec.decoding.decode` makes, with the
-    prebuilt source and rule."""
+@dataclass
+class PromptImages:
+    """Text-to-image bench images: image ``i`` is ``prompts[i]``, its condition ``cond[i]`` as the
+    target's family formats it (mask ``cond_mask[i]`` where the engine masks conditions)."""
+
+    prompts: list[str]
+    cond: torch.Tensor
+    cond_mask: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+
+def decode_method(method: PreparedMethod, target, cond: torch.Tensor, generator: torch.Generator,
+                  cond_mask: torch.Tensor | None = None) -> DecodeResult:
+    """One decode of ``cond [B, ...]`` — the same call :func:`relaxspec.decoding.decode` makes, with
+    the prebuilt source and rule."""
     if method.options.method == "ar":
-        return generate_ar(target, cond, method.sampling, generator=generator, compile=method.options.compile)
+        return generate_ar(target, cond, method.sampling, generator=generator, compile=method.options.compile,
+                           cond_mask=cond_mask)
     return generate_speculative(target, cond, method.sampling, method.options, generator=generator,
-                                rule=method.rule, source=method.source)
+                                rule=method.rule, source=method.source, cond_mask=cond_mask)
 
 
 def model_identity(target, vq=None, drafter=None) -> dict:
@@ -96,10 +111,12 @@ def model_identity(target, vq=None, drafter=None) -> dict:
             for name, m in (("target", target), ("vq", vq), ("drafter", drafter))}
 
 
-def bench_settings(methods: Sequence[MethodSpec], classes: Sequence[int], seed: int, sampling: SamplingConfig,
-                   threads: int, batch_size: int, num_tokens: int, identity: dict) -> dict:
+def bench_settings(methods: Sequence[MethodSpec], classes: Sequence[int] | PromptImages, seed: int,
+                   sampling: SamplingConfig, threads: int, batch_size: int, num_tokens: int, identity: dict) -> dict:
+    images = {"prompts": list(classes.prompts)} if isinstance(classes, PromptImages) else {
+        "classes": [int(c) for c in classes]}
     return {
-        "methods": [m.to_dict() for m in methods], "baseline": BASELINE, "classes": [int(c) for c in classes],
+        "methods": [m.to_dict() for m in methods], "baseline": BASELINE, **images,
         "seed": seed, "seeding": "unit u (image, or batch of batch_size images): "
                                  "torch.Generator().manual_seed(seed * 1000003 + u)",
         "sampling": sampling.to_dict(), "threads": threads, "batch_size": batch_size,
@@ -173,7 +190,8 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def timed_decode(method: PreparedMethod, target, cond: torch.Tensor, seed: int) -> tuple[DecodeResult, float]:
+def timed_decode(method: PreparedMethod, target, cond: torch.Tensor, seed: int,
+                 cond_mask: torch.Tensor | None = None) -> tuple[DecodeResult, float]:
     """``(result, wall seconds)``; the garbage collector is off during the call (as ``timeit``
     does) so a collection never lands inside one method's timing."""
     device = target.device
@@ -183,7 +201,7 @@ def timed_decode(method: PreparedMethod, target, cond: torch.Tensor, seed: int) 
     gc.disable()
     try:
         start = time.perf_counter()
-        result = decode_method(method, target, cond, generator)
+        result = decode_method(method, target, cond, generator, cond_mask)
         _sync(device)
         wall = time.perf_counter() - start
     finally:
@@ -192,15 +210,16 @@ def timed_decode(method: PreparedMethod, target, cond: torch.Tensor, seed: int) 
     return result, wall
 
 
-def result_records(result: DecodeResult, wall: float, method: MethodSpec, indices: list[int], classes: list[int],
-                   seed: int, unit: int, position: int, digest: str) -> list[dict]:
-    """One record per image of a decode (per-image shares of the batch's times)."""
+def result_records(result: DecodeResult, wall: float, method: MethodSpec, indices: list[int], classes: list,
+                   seed: int, unit: int, position: int, digest: str, key: str = "class") -> list[dict]:
+    """One record per image of a decode (per-image shares of the batch's times); ``classes[row]``
+    is recorded under ``key`` (``"class"``, or ``"prompt"`` for prompt images)."""
     rows = len(indices)
     records = []
     for row, i in enumerate(indices):
         records.append({
             "settings_hash": digest, "index": i, "method": method.label, "family": method.family,
-            "class": int(classes[row]), "unit": unit, "seed": seed, "batch_size": rows, "order": position,
+            key: classes[row], "unit": unit, "seed": seed, "batch_size": rows, "order": position,
             "seconds": result.seconds / rows, "wall_seconds": wall / rows,
             "drafter_seconds": result.drafter_seconds / rows,
             "target_forward_seconds": result.target_forward_seconds / rows,
@@ -213,11 +232,13 @@ def result_records(result: DecodeResult, wall: float, method: MethodSpec, indice
     return records
 
 
-def run_bench(target, vq, drafter, classes: Sequence[int], methods: Sequence[MethodSpec], sampling: SamplingConfig,
+def run_bench(target, vq, drafter, classes: Sequence[int] | PromptImages, methods: Sequence[MethodSpec],
+              sampling: SamplingConfig,
               out_dir: str | Path, *, seed: int = 0, threads: int | None = 1, warmup: int = 1, batch_size: int = 1,
               progress: bool = True, identity: dict | None = None, overwrite: bool = False) -> list[dict]:
     """Benchmark ``methods`` on images ``i = 0 .. len(classes) - 1`` (image ``i`` conditioned on
-    ``classes[i]``) and return every record of the run (resumed ones included).
+    ``classes[i]``: a class id, or a prompt of :class:`PromptImages`) and return every record of the
+    run (resumed ones included).
 
     ``threads``: ``torch.set_num_threads`` for the run (restored afterwards; ``None`` leaves it).
     ``warmup``: unrecorded decodes per method before the first recorded one.
@@ -233,9 +254,10 @@ def run_bench(target, vq, drafter, classes: Sequence[int], methods: Sequence[Met
         raise RelaxspecError(f"batch size and threads must be >= 1 and warm-up >= 0 "
                              f"(got {batch_size}, {threads}, {warmup})")
     config = target.config
-    if config.model_type != "c2i":
-        raise RelaxspecError("relaxspec bench takes class-conditional (c2i) models for now")
-    bad = [c for c in classes if not 0 <= int(c) < config.num_classes]
+    prompted = isinstance(classes, PromptImages)
+    if prompted != (config.model_type != "c2i"):
+        raise RelaxspecError("a text-to-image model is benchmarked on prompts, a class-conditional one on classes")
+    bad = [] if prompted else [c for c in classes if not 0 <= int(c) < config.num_classes]
     if bad:
         raise RelaxspecError(f"class id {bad[0]} is out of range: this model has classes 0..{config.num_classes - 1}")
     labels = [m.label for m in methods]
@@ -258,12 +280,20 @@ def run_bench(target, vq, drafter, classes: Sequence[int], methods: Sequence[Met
             torch.set_num_threads(threads)
         prepared = {m.label: PreparedMethod.build(m, sampling, drafter, vq, target) for m in methods}
         device = target.device
-        first = torch.tensor([int(c) for c in classes[: len(units[0])]], device=device)
+
+        def conditions(index: list[int]) -> tuple[list, torch.Tensor, torch.Tensor | None]:
+            if prompted:
+                mask = None if classes.cond_mask is None else classes.cond_mask[index].to(device)
+                return [classes.prompts[i] for i in index], classes.cond[index].to(device), mask
+            labels = [int(classes[i]) for i in index]
+            return labels, torch.tensor(labels, device=device), None
+
+        _, first, first_mask = conditions(units[0])
         pending = {m.label for _, m in todo}
         for w in range(warmup):
             for m in methods:
                 if m.label in pending:
-                    timed_decode(prepared[m.label], target, first, WARMUP_SEED + w)
+                    timed_decode(prepared[m.label], target, first, WARMUP_SEED + w, first_mask)
         bar = tqdm(total=len(units) * len(methods), initial=len(units) * len(methods) - len(todo), unit="decode",
                    desc="bench", disable=True if not progress else None)
         stack.callback(bar.close)
@@ -271,15 +301,15 @@ def run_bench(target, vq, drafter, classes: Sequence[int], methods: Sequence[Met
         for u, index in enumerate(units):
             shift = u % len(methods)
             order = list(methods[shift:]) + list(methods[:shift])  # rotate: no method always runs first
-            cond_classes = [int(classes[i]) for i in index]
-            cond = torch.tensor(cond_classes, device=device)
+            cond_classes, cond, cond_mask = conditions(index)
             seed_u = batch_seed(seed, u)
             for position, m in enumerate(order):
                 if all((i, m.label) in done for i in index):
                     continue
                 bar.set_postfix_str(f"image {index[0]} {m.label}", refresh=False)
-                result, wall = timed_decode(prepared[m.label], target, cond, seed_u)
-                new = [r for r in result_records(result, wall, m, index, cond_classes, seed_u, u, position, digest)
+                result, wall = timed_decode(prepared[m.label], target, cond, seed_u, cond_mask)
+                new = [r for r in result_records(result, wall, m, index, cond_classes, seed_u, u, position, digest,
+                                                 "prompt" if prompted else "class")
                        if (r["index"], m.label) not in done]
                 _append(path, new)
                 records.extend(new)
@@ -292,6 +322,7 @@ __all__ = [
     "RECORDS_FILE",
     "SETTINGS_FILE",
     "PreparedMethod",
+    "PromptImages",
     "bench_settings",
     "decode_method",
     "model_identity",

@@ -34,7 +34,7 @@ def embedded_bench_defaults(args: argparse.Namespace) -> tuple[dict, dict]:
     """The embedded model's own presets and benchmark settings (``defaults.json``: which methods a
     plain ``relaxspec bench`` runs, on how many images) when no --gpt-ckpt is given; empty for a
     user's model."""
-    if args.gpt_ckpt is not None:
+    if args.gpt_ckpt is not None or getattr(args, "model_path", None) is not None:
         return {}, {}
     from relaxspec import embedded
 
@@ -53,12 +53,21 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     bench.set_defaults(handler=run_bench_cli)
     models = bench.add_argument_group("models (default: the embedded emoji model, its drafter and its sampling defaults)")
     add_model_options(models, vq_model_default=None, drafter_help="EAGLE drafter folder (methods that draft with it)")
+    models.add_argument("--model-path", metavar="DIR", help="a transformers model folder (Janus / Janus-Pro, Emu3) "
+                                                           "benchmarked on --prompt / --prompts-file")
 
     images = bench.add_argument_group("images")
     images.add_argument("--classes", metavar="IDS", help="comma-separated class ids (default: all of the model's classes)")
+    images.add_argument("--prompt", action="append", metavar="TEXT",
+                        help="t2i (--model-path, or a LlamaGen t2i --gpt-ckpt with --t5-path): a prompt, repeatable")
+    images.add_argument("--prompts-file", metavar="FILE", help="t2i: prompts, one per line (blank lines skipped)")
+    images.add_argument("--t5-path", metavar="DIR", help="LlamaGen t2i: the local Flan-T5 folder that encodes prompts")
+    images.add_argument("--negative-prompt", metavar="TEXT", help="Emu3: the guidance's negative prompt (default: "
+                                                                  "its family's)")
     count = images.add_mutually_exclusive_group()
     count.add_argument("--images-per-class", type=int, metavar="N", help="images per class (default 1)")
-    count.add_argument("--num-images", type=int, metavar="N", help="images in all, cycling through --classes")
+    count.add_argument("--num-images", type=int, metavar="N", help="images in all, cycling through --classes (or the "
+                                                                   "prompts; default one per prompt)")
     images.add_argument("--seed", type=int, default=0,
                         help="image i (batch i with --batch-size) is seeded seed * 1000003 + i, as relaxspec generate")
 
@@ -181,9 +190,21 @@ def run_bench_cli(args: argparse.Namespace) -> int:
         return 0
     model_presets, bench_defaults = embedded_bench_defaults(args)
     if not args.out:
-        if args.gpt_ckpt is not None:
+        if args.gpt_ckpt is not None or args.model_path is not None:
             raise RelaxspecError("--out DIR is required")
         args.out = EMBEDDED_OUT
+    prompted = bool(args.prompt or args.prompts_file)
+    if prompted and args.classes is not None:
+        raise RelaxspecError("give --classes or prompts, not both")
+    if prompted and args.images_per_class is not None:
+        raise RelaxspecError("--images-per-class goes with --classes; with prompts give --num-images")
+    if args.model_path is not None and (args.gpt_ckpt or args.vq_ckpt or args.t5_path):
+        raise RelaxspecError("--model-path is a whole model: leave out --gpt-ckpt / --vq-ckpt / --t5-path")
+    if args.negative_prompt is not None and args.model_path is None:
+        raise RelaxspecError("--negative-prompt goes with --model-path (an Emu3 folder)")
+    if prompted and args.classifier is not None:
+        raise RelaxspecError("--classifier scores class-conditional images; a prompt bench reports speed and the TV "
+                             "certificate (score prompt images with relaxspec eval --fid-ref)")
     if args.num_images is None and args.images_per_class is None and args.classes is None:
         args.num_images = bench_defaults.get("num_images")
     _positive(args, "images_per_class", "num_images", "threads", "batch_size", "image_size", "n_boot")
@@ -214,7 +235,6 @@ def run_bench_cli(args: argparse.Namespace) -> int:
             load_real_images(args.real_data)  # checked before any image is decoded
         return _report(write_report, args.out, vq, classifier, args, progress)
 
-    from relaxspec.models.llamagen.checkpoints import load_gpt, load_vq
     from relaxspec.drafting.eagle import load_drafter
     from relaxspec.files import file_identity
     from relaxspec.sampling import SamplingConfig
@@ -225,13 +245,75 @@ def run_bench_cli(args: argparse.Namespace) -> int:
             if spec.label != BASELINE:
                 spec.options.setdefault("compile", True)
     drafting = [s.label for s in specs if s.needs_drafter]
-    resolve_models(args)
+    if args.model_path is not None:
+        from relaxspec.models import hf
+
+        for key, value in hf.family(args.model_path).sampling_defaults(args.model_path).items():
+            if getattr(args, key, None) is None:  # its generation config, else its family's recipe
+                setattr(args, key, value)
+    else:
+        resolve_models(args)
     sampling = SamplingConfig(cfg_scale=args.cfg_scale, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     if drafting and args.drafter_ckpt is None:
         raise RelaxspecError(f"{', '.join(drafting)} draft with an EAGLE drafter: give --drafter-ckpt (train one with "
                              "relaxspec train-drafter), or choose drafter-free --methods such as ar,sjd,scd")
     device = device_option(args.device)
     torch.set_num_threads(args.threads)
+    if args.model_path is not None:
+        target, vq, classes, identity = _open_transformers(args, device)
+    else:
+        target, vq, classes, identity = _open_llamagen(args, device, classifier)
+    drafter = load_drafter(args.drafter_ckpt, target) if drafting else None
+    identity.update(drafter_ckpt=None if not drafting else str(Path(args.drafter_ckpt).resolve()),
+                    precision=args.precision, device=str(device), torch=torch.__version__)
+    if drafting:
+        identity.setdefault("files", {})["drafter_ckpt"] = file_identity(args.drafter_ckpt)
+    decodes = -(-len(classes) // args.batch_size) * len(specs)
+    print(f"bench: {len(classes)} images x {len(specs)} methods ({', '.join(s.label for s in specs)}) = {decodes} "
+          f"decodes at batch size {args.batch_size}, {args.threads} thread(s) -> {args.out}", file=sys.stderr)
+    run_bench(target, vq, drafter, classes, specs, sampling, args.out, seed=args.seed, threads=args.threads,
+              warmup=args.warmup, batch_size=args.batch_size, progress=progress, identity=identity,
+              overwrite=args.overwrite)
+    return _report(write_report, args.out, vq, classifier, args, progress)
+
+
+def _prompts(args: argparse.Namespace) -> list[str]:
+    """The bench's prompts (generate's reading of --prompt / --prompts-file), cycled to --num-images."""
+    from relaxspec.cli.generate import read_prompts
+
+    args.caption_features = args.caption_mask = None
+    prompts = read_prompts(args)
+    total = args.num_images if args.num_images is not None else len(prompts)
+    return [prompts[i % len(prompts)] for i in range(total)]
+
+
+def _open_transformers(args: argparse.Namespace, device):
+    """``--model-path``: the target, its image tokenizer, the prompt images and the identity."""
+    from relaxspec.bench.run import PromptImages
+    from relaxspec.files import file_identity
+    from relaxspec.models import hf
+    from relaxspec.models.llamagen.checkpoints import PRECISIONS
+
+    family = hf.family(args.model_path)
+    if not (args.prompt or args.prompts_file):
+        raise RelaxspecError(f"this {family.NAME} model is benchmarked on prompts: give --prompt TEXT or --prompts-file")
+    prompts = _prompts(args)
+    opened = family.open_folder(args.model_path, prompts, device=device, dtype=PRECISIONS[args.precision],
+                                image_size=args.image_size, negative_prompt=args.negative_prompt)
+    args.image_size = opened.image_size
+    identity = {"model_path": str(Path(args.model_path).resolve()), "model_type": family.MODEL_TYPE,
+                "image_size": opened.image_size, **{k: v for k, v in opened.record.items() if k != "prompts"},
+                "files": {"model_path": file_identity(args.model_path)}}
+    return opened.target, opened.tokenizer, PromptImages(prompts, opened.cond, opened.cond_mask), identity
+
+
+def _open_llamagen(args: argparse.Namespace, device, classifier):
+    """``--gpt-ckpt`` (or the embedded model): the target, its VQ, the images (classes, or prompts
+    encoded with --t5-path for a t2i checkpoint) and the identity."""
+    from relaxspec.bench.run import PromptImages
+    from relaxspec.files import file_identity
+    from relaxspec.models.llamagen.checkpoints import load_gpt, load_vq
+
     vq = load_vq(args.vq_ckpt, args.vq_model, device=device)
     downsample = vq.config.downsample_factor
     if args.image_size is not None and args.image_size % downsample:
@@ -241,29 +323,28 @@ def run_bench_cli(args: argparse.Namespace) -> int:
     if target.config.vocab_size != vq.config.codebook_size:
         raise RelaxspecError(f"the GPT's vocabulary ({target.config.vocab_size}) does not match the VQ codebook "
                              f"({vq.config.codebook_size}): they are not a pair")
-    if target.config.model_type != "c2i":
-        raise RelaxspecError("relaxspec bench takes class-conditional (c2i) models for now")
-    drafter = load_drafter(args.drafter_ckpt, target) if drafting else None
     args.image_size = target.config.grid_size * downsample
+    identity = {
+        "gpt_ckpt": str(Path(args.gpt_ckpt).resolve()), "gpt_model": spec_id(args.gpt_model),
+        "vq_ckpt": str(Path(args.vq_ckpt).resolve()), "vq_model": spec_id(args.vq_model), "image_size": args.image_size,
+        "files": {key: file_identity(path) for key, path in (("gpt_ckpt", args.gpt_ckpt), ("vq_ckpt", args.vq_ckpt))},
+    }
+    if target.config.model_type != "c2i":
+        if not (args.prompt or args.prompts_file) or not args.t5_path:
+            raise RelaxspecError("this is a text-to-image (t2i) model: give --prompt / --prompts-file with --t5-path DIR")
+        from relaxspec.cli.generate import encode
+
+        prompts = _prompts(args)
+        features, mask, _ = encode(args, target, prompts)
+        identity.update(t5_path=str(Path(args.t5_path).resolve()), files={**identity["files"],
+                                                                          "t5_path": file_identity(args.t5_path)})
+        return target, vq, PromptImages(prompts, features, mask), identity
+    if args.prompt or args.prompts_file or args.t5_path:
+        raise RelaxspecError("this is a class-conditional (c2i) model: give --classes, not prompts")
     classes = image_classes(args, target.config.num_classes, target.class_names)
     if classifier is not None:  # every quality input checked now, not after an hour of decoding
         check_quality_inputs(classifier, args.real_data, classes, target.config.num_classes)
-    identity = {
-        "gpt_ckpt": str(Path(args.gpt_ckpt).resolve()), "gpt_model": spec_id(args.gpt_model),
-        "vq_ckpt": str(Path(args.vq_ckpt).resolve()), "vq_model": spec_id(args.vq_model),
-        "drafter_ckpt": None if not drafting else str(Path(args.drafter_ckpt).resolve()),
-        "image_size": args.image_size, "precision": args.precision, "device": str(device),
-        "torch": torch.__version__,
-        "files": {key: file_identity(path) for key, path in (("gpt_ckpt", args.gpt_ckpt), ("vq_ckpt", args.vq_ckpt),
-                                                            ("drafter_ckpt", args.drafter_ckpt if drafting else None)) if path},
-    }
-    decodes = -(-len(classes) // args.batch_size) * len(specs)
-    print(f"bench: {len(classes)} images x {len(specs)} methods ({', '.join(s.label for s in specs)}) = {decodes} "
-          f"decodes at batch size {args.batch_size}, {args.threads} thread(s) -> {args.out}", file=sys.stderr)
-    run_bench(target, vq, drafter, classes, specs, sampling, args.out, seed=args.seed, threads=args.threads,
-              warmup=args.warmup, batch_size=args.batch_size, progress=progress, identity=identity,
-              overwrite=args.overwrite)
-    return _report(write_report, args.out, vq, classifier, args, progress)
+    return target, vq, classes, identity
 
 
 def _report(write_report, out: str, vq, classifier, args: argparse.Namespace, progress: bool) -> int:

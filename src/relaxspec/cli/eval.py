@@ -1,5 +1,5 @@
-"""``relaxspec eval``: generate N images per class (or caption) with ``relaxspec generate``, sharded
-over processes, then score them.
+"""``relaxspec eval``: generate N images per class (or caption, or prompt) with ``relaxspec generate``,
+sharded over processes, then score them.
 
 Usage::
 
@@ -8,7 +8,9 @@ Usage::
         --method lantern++ --drafter-ckpt drafter --out eval-lpp
 
 Everything after ``--`` is ``relaxspec generate``'s own options (its parser checks them); eval
-repeats every class (or caption of ``--caption-features``) ``--images-per-class`` times, in order.
+repeats every class (or caption of ``--caption-features``, or prompt of ``--prompt`` /
+``--prompts-file``, e.g. with ``--model-path`` or ``--t5-path``) ``--images-per-class`` times, in
+order.
 
 Sharding (``torchrun --nproc_per_node G relaxspec eval ...``): rank ``r`` of ``W`` (the ``RANK`` /
 ``WORLD_SIZE`` variables torchrun sets; 0 / 1 without it) takes the contiguous slice
@@ -57,7 +59,7 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
         usage="relaxspec eval [eval options] -- GENERATE_OPTIONS --out DIR")
     ev.set_defaults(handler=run_eval)
     ev.add_argument("--images-per-class", type=int, default=1, metavar="N",
-                    help="images per class id / caption (default 1)")
+                    help="images per class id / caption / prompt (default 1)")
     ev.add_argument("--fid-ref", metavar="DIR", help="reference images for FID with clean-fid (optional extra)")
     ev.add_argument("--fid-mode", default="clean", choices=("clean", "legacy_pytorch", "legacy_tensorflow"),
                     help="clean-fid's resizing mode (default clean)")
@@ -123,7 +125,14 @@ def generate_shard(args: argparse.Namespace, gen: argparse.Namespace, rank: int,
     folder = shard_dir(out, rank, world)
     folder.mkdir(parents=True, exist_ok=True)
     repeat = args.images_per_class
-    if gen.caption_features:
+    if gen.prompt or gen.prompts_file:
+        from relaxspec.cli.generate import read_prompts
+
+        prompts = [p for p in read_prompts(gen) for _ in range(repeat)]
+        mine = [prompts[i] for i in shard_range(len(prompts), rank, world)]
+        gen.prompt, gen.prompts_file = mine, None  # the shard's prompts, in order (stats.json records them)
+        count = len(mine)
+    elif gen.caption_features:
         features, mask = load_caption_features(gen.caption_features, gen.caption_mask)
         items = np.repeat(np.arange(features.shape[0]), repeat)
         mine = items[list(shard_range(len(items), rank, world))]
@@ -228,7 +237,8 @@ def score(args: argparse.Namespace, out: Path, device: str = "cpu", progress: bo
         from relaxspec.evaluation.classifier import load_classifier
 
         if any(label is None for label in labels):
-            raise RelaxspecError("--classifier scores class-conditional images (these were generated from captions)")
+            raise RelaxspecError("--classifier scores class-conditional images (these were generated from captions "
+                                 "or prompts)")
         real, _ = load_real_images(args.real_data, labels)
         quality = quality_metrics({"generated": (read_pngs(files), np.array(labels))}, load_classifier(args.classifier),
                                   real)["generated"]
