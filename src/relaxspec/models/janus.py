@@ -188,12 +188,16 @@ def open_folder(path, prompts: list[str], *, device="cpu", dtype=torch.float32, 
         raise RelaxspecError("--negative-prompt: Janus's guidance has no negative prompt (its unconditional rows "
                              "are the prompt padded out)")
     ids, mask = format_prompts(load_processor(path), prompts)
-    if image_size is not None:  # checked before the weights load
-        config = hf.transformers_module(NAME).JanusConfig.from_pretrained(path, local_files_only=True)
-        size = math.isqrt(config.vision_config.num_image_tokens) * 2 ** (len(config.vq_config.channel_multiplier) - 1)
-        if image_size != size:
-            raise RelaxspecError(f"--image-size {image_size}: this Janus model's image size is fixed by its config "
-                                 f"({size})")
+    # Checked before the weights load: the image size and the context.
+    config = hf.transformers_module(NAME).JanusConfig.from_pretrained(path, local_files_only=True)
+    tokens = config.vision_config.num_image_tokens
+    size = math.isqrt(tokens) * 2 ** (len(config.vq_config.channel_multiplier) - 1)
+    if image_size is not None and image_size != size:
+        raise RelaxspecError(f"--image-size {image_size}: this Janus model's image size is fixed by its config ({size})")
+    context = config.text_config.max_position_embeddings
+    if ids.shape[1] + tokens > context:
+        raise RelaxspecError(f"a {ids.shape[1]}-token prompt and {tokens} image tokens exceed the model's context "
+                             f"({context} positions): give a shorter prompt")
     target, tokenizer = load_janus(path, prompt_length=ids.shape[1], device=device, dtype=dtype)
     size = target.config.grid_size * tokenizer.config.downsample_factor
     return hf.Opened(target, tokenizer, ids, mask, size, {"prompts": list(prompts), "prompt_tokens": ids.shape[1]})
