@@ -125,3 +125,35 @@ def tiny_ckpts(tmp_path_factory) -> dict:
                          "--vq-model", entry["vq_json"], "--image-size", "16"]
         files[model_type] = entry
     return files
+
+
+@pytest.fixture
+def refused(capsys):
+    """``refused(argv, message)``: ``relaxspec ARGV`` exits 2 with ``message`` on one stderr line."""
+    from relaxspec.cli import main
+
+    def check(argv: list[str], message: str) -> None:
+        capsys.readouterr()
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1, err
+
+    return check
+
+
+@pytest.fixture
+def lossless_cli(capsys):
+    """``lossless_cli(argv, expected, out)``: ``relaxspec ARGV --method M --out OUT/M`` writes the
+    tokens ``expected`` for AR and the drafter-free lossless methods (SJD, GSD with a group of one)."""
+    import numpy as np
+
+    from relaxspec.cli import main
+
+    def check(argv: list[str], expected, out) -> None:
+        for method in (["--method", "ar"], ["--method", "sjd", "--window", "4"],
+                       ["--method", "gsd", "--window", "4", "--group-p-gap", "0"]):
+            folder = out / method[1]
+            assert main(argv + method + ["--out", str(folder)]) == 0, capsys.readouterr().err
+            assert np.array_equal(np.load(folder / "tokens.npy"), np.asarray(expected)), method
+
+    return check

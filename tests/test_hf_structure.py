@@ -1,6 +1,7 @@
-"""The transformers families on the fast engine's terms (issue 11's guarantees, issue 12's
-families): at most one host sync per speculative step and none per AR step, no host->device
-copies, and compiled steps without graph breaks that commit the eager tokens.
+"""Every method on every transformers family, on the fast engine's terms: each lossless method
+commits greedy AR's tokens and each relaxed one runs on the family's own codebook; at most one
+host sync per speculative step and none per AR step, no host->device copies, and compiled steps
+without graph breaks that commit the eager tokens.
 
 Windows are cut at the first decoder layer (each prefill or step runs it once); syncs are counted
 over everything, the adapters' mask and position arithmetic included."""
@@ -21,7 +22,7 @@ pytest.importorskip("transformers", reason="the families need transformers (pip 
 
 @pytest.fixture(scope="module")
 def families(tmp_path_factory):
-    """name -> (target, cond, cond_mask, first decoder layer, CFG scale)."""
+    """name -> (target, cond, cond_mask, first decoder layer, CFG scale, image tokenizer)."""
     import test_emu3
     import test_janus
     from relaxspec.models.janus import load_janus
@@ -29,13 +30,45 @@ def families(tmp_path_factory):
     folder = tmp_path_factory.mktemp("emu3")
     test_emu3.tiny_processor().save_pretrained(folder)
     test_emu3.tiny_emu3().save_pretrained(folder)
-    emu3, _, cond = test_emu3.adapter(folder)
+    emu3, emu3_vq, cond = test_emu3.adapter(folder)
     folder = tmp_path_factory.mktemp("janus")
     test_janus.tiny_janus().save_pretrained(folder)
-    janus, _ = load_janus(folder, prompt_length=7)
+    janus, janus_vq = load_janus(folder, prompt_length=7)
     ids = test_janus.PROMPTS
-    return {"emu3": (emu3, cond, None, emu3.hf.model.text_model.layers[0], 3.0),
-            "janus": (janus, ids, ids != test_janus.PAD, janus.hf.model.language_model.layers[0], 5.0)}
+    return {"emu3": (emu3, cond, None, emu3.hf.model.text_model.layers[0], 3.0, emu3_vq),
+            "janus": (janus, ids, ids != test_janus.PAD, janus.hf.model.language_model.layers[0], 5.0, janus_vq)}
+
+
+@pytest.mark.parametrize("family", ["emu3", "janus"])
+def test_every_method_on_every_family(families, family, tmp_path, monkeypatch):
+    """Drafter-free methods, and exact SD / LANTERN at delta 0 with an EAGLE drafter sized from
+    the adapter (random weights: acceptance is rare, exactness is the point), give greedy AR's
+    tokens; trees put drafts in scratch slots, so the adapters' KV compaction (Emu3's end-of-line
+    companions too) is exercised. Relaxed methods, sampled, paint whole images with neighbour
+    tables and groups from the family's own codebook and embeddings."""
+    from relaxspec.drafting.eagle import EagleDrafter
+
+    monkeypatch.setenv("RELAXSPEC_CACHE", str(tmp_path))
+    target, cond, mask, _, scale, tokenizer = families[family]
+    greedy = SamplingConfig(cfg_scale=scale, temperature=0.0, top_k=0)
+    ar = decode(target, cond, greedy, methods.resolve("ar"), cond_mask=mask).tokens
+    torch.manual_seed(1)
+    drafter = EagleDrafter.for_target(target)
+    lossless = [("sjd", {"window": 4}), ("scd", {"window": 3}), ("gsd", {"window": 6, "group_p_gap": 0.0}),
+                ("sd", {"draft": "chain", "depth": 3}), ("sd-static", {"tree": "eagle25"}), ("eagle2", {}),
+                ("lantern", {"draft": "chain", "delta": 0.0, "k": 8})]
+    for name, given in lossless:
+        result = decode(target, cond, greedy, methods.resolve(name, given), drafter=drafter, vq=tokenizer,
+                        cond_mask=mask)
+        assert torch.equal(result.tokens, ar), name
+    sampling = SamplingConfig(cfg_scale=scale, top_k=20)
+    relaxed = [("gsd", {"window": 4}), ("lantern", {"draft": "chain", "k": 8, "delta": 0.3}),
+               ("lantern++", {"tree": "eagle25", "k": 8}), ("cool", {"draft": "chain"})]
+    for name, given in relaxed:
+        sampled = decode(target, cond, sampling, methods.resolve(name, given), drafter=drafter, vq=tokenizer,
+                         cond_mask=mask, generator=torch.Generator().manual_seed(0))
+        assert [sum(a) for a in sampled.accept_lengths] == [16] * 3, name
+        assert int(sampled.tokens.min()) >= 0 and int(sampled.tokens.max()) < target.config.vocab_size
 
 
 CASES = [("ar", {}, 0), ("sjd", {"window": 4}, 1), ("gsd", {"window": 4}, 1)]
@@ -45,7 +78,7 @@ CASES = [("ar", {}, 0), ("sjd", {"window": 4}, 1), ("gsd", {"window": 4}, 1)]
 @pytest.mark.parametrize("temperature", [1.0, 0.0])
 @pytest.mark.parametrize("name, given, budget", CASES, ids=[case[0] for case in CASES])
 def test_host_syncs_per_step(families, family, temperature, name, given, budget):
-    target, cond, mask, layer, scale = families[family]
+    target, cond, mask, layer, scale, _ = families[family]
     sampling = SamplingConfig(cfg_scale=scale, temperature=temperature, top_k=0)
     with StepCounter(layer) as counter:
         result = decode(target, cond, sampling, methods.resolve(name, given), cond_mask=mask,
@@ -59,7 +92,7 @@ def test_host_syncs_per_step(families, family, temperature, name, given, budget)
 
 @pytest.mark.parametrize("family", ["emu3", "janus"])
 def test_compiled_steps_have_no_graph_breaks(families, family):
-    target, cond, mask, _, scale = families[family]
+    target, cond, mask, _, scale, _ = families[family]
     guided = GuidedTarget(target, cond, SamplingConfig(cfg_scale=scale), cond_mask=mask, scratch=8)
     guided.prefill()
     batch, cls = cond.shape[0], target.config.cls_token_num
@@ -76,7 +109,7 @@ def test_compiled_steps_have_no_graph_breaks(families, family):
 @pytest.mark.parametrize("family", ["emu3"])
 def test_compiled_equals_eager(families, family):
     """Compiling costs ~10 s per graph on this CPU: one family, AR and Jacobi (a T > 1 step)."""
-    target, cond, mask, _, scale = families[family]
+    target, cond, mask, _, scale, _ = families[family]
     greedy = SamplingConfig(cfg_scale=scale, temperature=0.0, top_k=0)
     for name, given, _ in CASES[:2]:
         eager = decode(target, cond, greedy, methods.resolve(name, given), cond_mask=mask).tokens
