@@ -29,7 +29,8 @@ COMMANDS = "generate,info,data,train-vq,train-gpt,train-drafter,train-classifier
 def build_parser() -> Parser:
     from relaxspec.cli import bench, demo, eval, generate, tools, train
 
-    parser = Parser(prog="relaxspec", description="Exact and relaxed speculative decoding for LlamaGen.")
+    parser = Parser(prog="relaxspec", description="Exact and relaxed speculative decoding for autoregressive image generators: "
+                                                         "LlamaGen, and Janus / Emu3 through transformers.")
     parser.add_argument("--version", action="version", version=f"relaxspec {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="{" + COMMANDS + "}")
     generate.add_generate_parser(commands)

@@ -35,7 +35,8 @@ from relaxspec.sampling import SamplingConfig, batch_seed
 STATS_FILE, TOKENS_FILE = "stats.json", "tokens.npy"
 def add_generate_parser(subparsers) -> argparse.ArgumentParser:
     gen = subparsers.add_parser("generate", help="generate images", description=(
-        "Generate images with a LlamaGen checkpoint. Writes NNNN.png per image, grid.png, tokens.npy "
+        "Generate images with a LlamaGen checkpoint (or, with --model-path, a Janus / Emu3 transformers folder). "
+        "Writes NNNN.png per image, grid.png, tokens.npy "
         "and stats.json into --out; an interrupted run resumes when started again with the same settings."))
     gen.set_defaults(handler=cmd_generate)
     models = gen.add_argument_group("models")
