@@ -202,6 +202,15 @@ def test_an_unsupported_model_folder_is_one_line(tmp_path, capsys):
     assert "model type 'chameleon' is not supported (janus, emu3 are)" in capsys.readouterr().err
 
 
+def test_a_missing_or_weightless_model_folder_is_one_line(tmp_path, refused):
+    refused(["generate", "--model-path", str(tmp_path / "nowhere"), "--prompt", "a fox", "--out", str(tmp_path / "o")],
+            "not a transformers model folder (no config.json)")
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "config.json").write_text('{"model_type": "emu3"}')
+    refused(["generate", "--model-path", str(tmp_path / "empty"), "--prompt", "a fox", "--out", str(tmp_path / "o")],
+            "no usable processor")
+
+
 def test_info_recognises_a_janus_folder(janus_folder, capsys):
     from relaxspec.cli import main
 
