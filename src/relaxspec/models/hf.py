@@ -86,13 +86,18 @@ def from_pretrained(model_class, path, name: str, *, device="cpu", dtype=torch.f
         raise RelaxspecError(f"{path}: no config.json: not a transformers model folder")
     if not any(folder.glob("*.safetensors")):
         raise RelaxspecError(f"{path}: no .safetensors weights (relaxspec does not unpickle .bin files)")
+    import transformers
     from transformers.utils import logging
 
+    # Loaded in the dtype asked for (an 8B model in fp32 first would need twice the memory);
+    # the keyword is `dtype` from transformers 5, `torch_dtype` before.
+    major = int(transformers.__version__.split(".")[0])
+    dtype_arg = {"dtype" if major >= 5 else "torch_dtype": dtype}
     bars = logging.is_progress_bar_enabled()
     logging.disable_progress_bar()  # its per-tensor loading bar: errors stay one line
     try:
         model, info = model_class.from_pretrained(folder, local_files_only=True, use_safetensors=True,
-                                                  output_loading_info=True)
+                                                  output_loading_info=True, **dtype_arg)
     except Exception as err:  # a truncated or foreign safetensors file, a bad config: say what, not how
         raise RelaxspecError(f"{path}: not a loadable {name} folder ({type(err).__name__}: "
                              f"{str(err).splitlines()[0] if str(err) else ''})") from None
