@@ -249,6 +249,9 @@ def test_conditions_that_are_not_formatted_are_refused(emu3):
     right_padded = torch.cat([cond[:, :, 1:], torch.full_like(cond[:, :, :1], -1)], -1)
     with pytest.raises(RelaxspecError, match="left-padded"):
         decode(target, right_padded, greedy, methods.resolve("ar"))
+    longer = torch.nn.functional.pad(cond, (2, 0), value=-1)  # another prompt set's length
+    with pytest.raises(RelaxspecError, match="this target was made for"):
+        decode(target, longer, greedy, methods.resolve("ar"))
 
 
 def test_the_api_generates_from_an_emu3_folder(emu3_folder):
@@ -341,3 +344,42 @@ def test_bench_takes_prompts(emu3_folder, tmp_path, capsys):
     capsys.readouterr()
     assert main(args[:-2] + ["--classes", "1", "--out", str(tmp_path / "x")]) == 2
     assert "give --classes or prompts, not both" in capsys.readouterr().err
+
+
+def test_interrupted_self_samples_resume_and_prompts_stay_fixed(emu3_folder, tmp_path, monkeypatch, refused):
+    """train-drafter --model-path saves its self-samples batch by batch: a run interrupted while
+    sampling keeps the finished batches and, started again, samples only the rest (the same
+    tokens as an uninterrupted run). A resume with other prompts is refused."""
+    import numpy as np
+
+    from relaxspec.cli import main
+    from relaxspec.decoding import ar as ar_module
+    from relaxspec.training.drafter import SELF_SAMPLES
+
+    folder, _ = emu3_folder
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a red fox\nthe blue cat under the rain\na lighthouse\n")
+    args = ["train-drafter", "--model-path", str(folder), "--prompts-file", str(prompts), "--image-size", "32",
+            "--self-samples", "6", "--batch-size", "2", "--steps", "1", "--no-progress"]
+    assert main(args + ["--out", str(tmp_path / "whole")]) == 0
+    whole = np.load(tmp_path / "whole" / SELF_SAMPLES)["tokens"]
+
+    real, calls = ar_module.generate_ar, []
+
+    def crash_on_third(*a, **k):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    monkeypatch.setattr(ar_module, "generate_ar", crash_on_third)
+    assert main(args + ["--out", str(tmp_path / "cut")]) != 0  # Ctrl-C while sampling the third batch
+    assert int(np.load(tmp_path / "cut" / SELF_SAMPLES)["done"]) == 4
+    calls.clear()
+    monkeypatch.setattr(ar_module, "generate_ar", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    assert main(args + ["--out", str(tmp_path / "cut")]) == 0
+    assert len(calls) == 1  # only the unfinished batch
+    assert np.array_equal(np.load(tmp_path / "cut" / SELF_SAMPLES)["tokens"], whole)
+
+    prompts.write_text("a dog\n")
+    refused(args + ["--out", str(tmp_path / "whole"), "--resume", "--steps", "2"], "prompts_sha256")

@@ -115,3 +115,16 @@ def test_compiled_equals_eager(families, family):
         eager = decode(target, cond, greedy, methods.resolve(name, given), cond_mask=mask).tokens
         compiled = decode(target, cond, greedy, methods.resolve(name, {**given, "compile": True}), cond_mask=mask)
         assert torch.equal(compiled.tokens, eager), name
+
+
+@pytest.mark.parametrize("family", ["emu3", "janus"])
+def test_the_kv_store_only_grows(families, family):
+    """A decode that needs fewer slots (AR after a speculative method, as bench alternates them)
+    runs on views of the cache the larger one made: no reallocation, the same tokens."""
+    target, cond, mask, _, scale, _ = families[family]
+    greedy = SamplingConfig(cfg_scale=scale, temperature=0.0, top_k=0)
+    first = decode(target, cond, greedy, methods.resolve("sjd", {"window": 6}), cond_mask=mask).tokens
+    full = target._kv._full[0][0]
+    again = decode(target, cond, greedy, methods.resolve("ar"), cond_mask=mask).tokens
+    assert target._kv._full[0][0] is full and target._kv.store[0][0].shape[2] < full.shape[2]
+    assert torch.equal(again, first)

@@ -269,6 +269,9 @@ def test_right_padded_prompts_are_refused(janus):
     ids = torch.tensor([[BOS, 10, 11, BOI, PAD, PAD, PAD]])
     with pytest.raises(RelaxspecError, match="left-padded"):
         decode(target, ids, SamplingConfig(cfg_scale=5.0, temperature=0.0), methods.resolve("ar"), cond_mask=ids != PAD)
+    ids = torch.tensor([[PAD, BOS, 10, 11, 12, 13, 14, BOI]])  # 8 tokens for a 7-token target
+    with pytest.raises(RelaxspecError, match="7 condition tokens"):
+        decode(target, ids, SamplingConfig(cfg_scale=5.0, temperature=0.0), methods.resolve("ar"), cond_mask=ids != PAD)
 
 
 def test_the_api_points_janus_users_to_model_path(janus):

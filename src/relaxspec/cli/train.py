@@ -184,6 +184,7 @@ def add_train_drafter_parser(subparsers) -> argparse.ArgumentParser:
     option("--cfg-scale", "CFG scale of the self-samples (--model-path: default its own)", type=float)
     option("--temperature", "temperature of the self-samples (--model-path: default its own)", type=float)
     option("--top-k", "top-k of the self-samples (0 = off; --model-path: default its own)", type=int)
+    option("--top-p", "top-p of the self-samples (1 = off; --model-path: default its own)", type=float)
     option("--images", "folder of images (class sub-folders or --label) to encode with the VQ model", metavar="DIR")
     option("--vq-ckpt", "VQ tokenizer checkpoint for --images", metavar="PATH")
     option("--vq-model", "VQ model name for an official VQ checkpoint")
@@ -223,7 +224,7 @@ def run_train_drafter(args: argparse.Namespace) -> int:
 
         # A transformers folder samples as it does for generate: its generation config, else its family's recipe.
         defaults = hf.family(args.model_path).sampling_defaults(args.model_path)
-        for key in ("cfg_scale", "temperature", "top_k"):
+        for key in ("cfg_scale", "temperature", "top_k", "top_p"):
             if key not in args:
                 setattr(args, key, defaults[key])
     config, resume = config_from_args(args, DrafterTrainConfig, read_drafter_state)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from relaxspec.compiling import compiled
+from relaxspec.errors import RelaxspecError
 from relaxspec.timing import Stopwatch
 from relaxspec.models.base import TargetModel
 from relaxspec.sampling import SamplingConfig, process_logits, stream_rows
@@ -75,6 +76,9 @@ class GuidedTarget:
         model.setup_caches(self.batch * self.streams, self.max_seq)
         self.key_valid = None
         if cond_mask is not None:
+            if tuple(cond_mask.shape) != (self.batch, self.cls):
+                raise RelaxspecError(f"the condition mask is {tuple(cond_mask.shape)}; this model reads "
+                                     f"{self.cls} condition tokens per image ({self.batch} images)")
             key_valid = torch.ones(self.batch, self.max_seq, dtype=torch.bool, device=self.device)
             key_valid[:, : self.cls] = cond_mask.to(self.device).bool()
             # Upstream masks the padded caption positions in both CFG streams.

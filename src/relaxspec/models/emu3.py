@@ -124,6 +124,9 @@ class Emu3Target(nn.Module):
         if cond.dim() != 3 or cond.shape[1] != 2:
             raise RelaxspecError("Emu3 conditions are [B, 2, S] token ids (prompt, negative prompt): format them with "
                                  "relaxspec.models.emu3.format_prompts")
+        if cond.shape[2] != self.config.cls_token_num:
+            raise RelaxspecError(f"these prompts are {cond.shape[2]} tokens; this target was made for "
+                                 f"{self.config.cls_token_num} (load_emu3's prompt_length)")
         ids = cond[:, 0]
         valid = ids >= 0
         # Checked once per decode: left padding, and the prompt ends with the image-start tokens.
@@ -235,7 +238,7 @@ def format_prompts(processor, prompts: list[str], *, image_size: int | None = No
                           **area)
         negative = None if not negative_prompt else processor(text=[negative_prompt], return_tensors="pt")
     except (ValueError, TypeError, KeyError, AttributeError) as err:
-        raise RelaxspecError(f"the processor could not format the prompts ({err})") from None
+        raise RelaxspecError(f"the processor could not format the prompts ({hf.first_line(err)})") from None
     height, width = (int(v) for v in batch["image_sizes"][0])
     if height != width or height < 1:
         raise RelaxspecError(f"the processor's image-generation size is {height}x{width} tokens: relaxspec paints "

@@ -99,8 +99,7 @@ def from_pretrained(model_class, path, name: str, *, device="cpu", dtype=torch.f
         model, info = model_class.from_pretrained(folder, local_files_only=True, use_safetensors=True,
                                                   output_loading_info=True, **dtype_arg)
     except Exception as err:  # a truncated or foreign safetensors file, a bad config: say what, not how
-        raise RelaxspecError(f"{path}: not a loadable {name} folder ({type(err).__name__}: "
-                             f"{str(err).splitlines()[0] if str(err) else ''})") from None
+        raise RelaxspecError(f"{path}: not a loadable {name} folder ({first_line(err)})") from None
     finally:
         if bars:
             logging.enable_progress_bar()
@@ -143,13 +142,19 @@ def load_processor(path, name: str, *, chat_template: bool = False):
     try:
         processor = AutoProcessor.from_pretrained(path, local_files_only=True)
     except Exception as err:
-        raise RelaxspecError(f"{path}: no usable processor ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}): "
-                             "the folder needs the tokenizer and processor files save_pretrained writes") from None
+        raise RelaxspecError(f"{path}: no usable processor ({first_line(err)}): the folder needs the tokenizer and "
+                             "processor files save_pretrained writes") from None
     if not hasattr(processor, "tokenizer"):
         raise RelaxspecError(f"{path}: the processor has no tokenizer")
     if chat_template and not getattr(processor, "chat_template", None):
         raise RelaxspecError(f"{path}: the processor has no chat template: {name} prompts are formatted with it")
     return processor
+
+
+def first_line(err: BaseException) -> str:
+    """An exception as one line: its type and the first line of its message."""
+    text = str(err).strip()
+    return f"{type(err).__name__}: {text.splitlines()[0]}" if text else type(err).__name__
 
 
 def check_prompts(prompts: list[str]) -> None:
@@ -181,24 +186,33 @@ class SlotCache:
 
 class KVStore:
     """Static per-layer KV tensors ``[R, kv_heads, slots, head_dim]`` for a transformers text
-    model, and the decoder-layer loop over them."""
+    model, and the decoder-layer loop over them.
+
+    The tensors only grow: a smaller decode (bench alternates AR, with no scratch slots, and
+    speculative methods) runs on views of the first rows and slots, so no decode reallocates
+    inside its timing, and an old cache is freed before a larger one is made."""
 
     def __init__(self):
-        self.store: list[tuple[Tensor, Tensor]] = []
+        self._full: list[tuple[Tensor, Tensor]] = []
+        self.store: list[tuple[Tensor, Tensor]] = []  # views [rows, heads, slots, head_dim]
         self._cache_arg: str | None = None
 
     def setup(self, text_config, rows: int, slots: int, dtype: torch.dtype, device) -> None:
         heads = text_config.num_key_value_heads or text_config.num_attention_heads
         head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
-        shape = (rows, heads, slots, head_dim)
-        if self.store and self.store[0][0].shape == shape and self.store[0][0].dtype == dtype \
-                and self.store[0][0].device == torch.device(device):
-            return
-        self.store = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-                      for _ in range(text_config.num_hidden_layers)]
+        full = self._full[0][0] if self._full else None
+        same = full is not None and full.dtype == dtype and full.device == torch.device(device) \
+            and full.shape[1] == heads and full.shape[3] == head_dim and len(self._full) == text_config.num_hidden_layers
+        if not (same and full.shape[0] >= rows and full.shape[2] >= slots):
+            capacity = (max(rows, full.shape[0]), max(slots, full.shape[2])) if same else (rows, slots)
+            self._full = self.store = []  # freed before the new one is made
+            shape = (capacity[0], heads, capacity[1], head_dim)
+            self._full = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+                          for _ in range(text_config.num_hidden_layers)]
+        self.store = [(keys[:rows, :, :slots], values[:rows, :, :slots]) for keys, values in self._full]
 
     def clear(self) -> None:
-        self.store = []
+        self._full = self.store = []
 
     def move(self, src: Tensor, dst: Tensor) -> None:
         """Copy slots ``src [R, n]`` onto ``dst [R, n]`` in every layer."""

@@ -98,6 +98,9 @@ class JanusTarget(nn.Module):
     def prefill(self, cond: Tensor, positions: Tensor, cache_slots: Tensor, attn_mask: Tensor):
         # The first image token is predicted from the begin-of-image token, which ends every
         # image-mode prompt: with left padding it sits in the last slot (checked once per decode).
+        if cond.dim() != 2 or cond.shape[1] != self.config.cls_token_num:
+            raise RelaxspecError(f"Janus conditions are [B, S] prompt token ids with S = {self.config.cls_token_num} "
+                                 f"(load_janus's prompt_length), got {tuple(cond.shape)}")
         if not bool((cond[:, -1] == self.boi).all()):
             raise RelaxspecError("Janus prompts must end with the begin-of-image token and be left-padded: "
                                  "format them with relaxspec.models.janus.format_prompts")
@@ -172,7 +175,7 @@ def format_prompts(processor, prompts: list[str]) -> tuple[Tensor, Tensor]:
         processor.tokenizer.padding_side = "left"
         batch = processor(text=texts, generation_mode="image", padding=True, return_tensors="pt")
     except (ValueError, TypeError, KeyError) as err:
-        raise RelaxspecError(f"the processor could not format the prompts ({err})") from None
+        raise RelaxspecError(f"the processor could not format the prompts ({hf.first_line(err)})") from None
     return batch["input_ids"], batch["attention_mask"].bool()
 
 

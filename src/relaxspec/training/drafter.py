@@ -47,6 +47,8 @@ from relaxspec.training.common import mix as _mix
 from relaxspec.devices import resolve_device as _device
 
 STATE_VERSION = 1
+#: A --model-path run's self-samples, saved batch by batch (sampling them is the slow part).
+SELF_SAMPLES = "self_samples.npz"
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 #: Fields a resumed run may change: how long it runs, where, and how chatty it is. Everything
 #: else is the recipe and must stay what it was, or the continuation would not be exact.
@@ -72,6 +74,7 @@ class DrafterTrainConfig(common.RecipeConfig):
     model_path: str | None = None  # a transformers folder (Janus, Emu3): trained on its own samples of prompts
     prompts_file: str | None = None  # the self-samples' prompts, one per line (with model_path)
     negative_prompt: str | None = None  # Emu3's guidance (default: its family's)
+    prompts_sha256: str | None = None  # set from prompts_file's prompts, so a resume cannot swap them
     image_size: int | None = None
     downsample: int = 16
     precision: str = "fp32"  # the target's weights; the drafter trains in fp32
@@ -80,9 +83,12 @@ class DrafterTrainConfig(common.RecipeConfig):
     label: int | None = None  # class of sources that carry no labels
     self_samples: int = 0
     classes: list[int] | None = None  # classes of the self-samples (default: uniform over all)
+    # The self-samples' sampling. `relaxspec train-drafter --model-path` fills in the folder's own
+    # defaults (as generate does) for those not given; from Python, set them yourself.
     cfg_scale: float = 4.0
     temperature: float = 1.0
     top_k: int = 0
+    top_p: float | None = None  # None = 1.0 (off)
     images: str | None = None
     vq_ckpt: str | None = None
     vq_model: str = "VQ-16"
@@ -150,14 +156,17 @@ class DrafterTrainConfig(common.RecipeConfig):
              "--prompts-file FILE (not --data / --images / --classes)")
         need(self.model_path is None or self.prompts_file is not None,
              "--model-path needs --prompts-file FILE (the prompts of its self-samples)")
+        need(self.model_path is None or self.self_samples >= 1,
+             "--model-path trains on the model's own samples: give --self-samples COUNT")
         need(self.prompts_file is None or self.model_path is not None, "--prompts-file goes with --model-path")
         need(self.negative_prompt is None or self.model_path is not None, "--negative-prompt goes with --model-path")
-        SamplingConfig(cfg_scale=self.cfg_scale, temperature=self.temperature, top_k=self.top_k)  # validates
+        self.sampling  # validates
 
     @property
     def sampling(self) -> SamplingConfig:
         """How self-samples are drawn."""
-        return SamplingConfig(cfg_scale=self.cfg_scale, temperature=self.temperature, top_k=self.top_k)
+        return SamplingConfig(cfg_scale=self.cfg_scale, temperature=self.temperature, top_k=self.top_k,
+                              top_p=1.0 if self.top_p is None else self.top_p)
 
 
 
@@ -323,22 +332,52 @@ def sample_from_target(target: TeacherForcedTarget, count: int, *, classes: list
 
 @torch.no_grad()
 def sample_prompts(target: TargetModel, cond: torch.Tensor, cond_mask: torch.Tensor | None, count: int, *,
-                   sampling: SamplingConfig, seed: int = 0, batch_size: int = 16,
-                   progress: bool = False) -> DrafterDataset:
+                   sampling: SamplingConfig, seed: int = 0, batch_size: int = 16, progress: bool = False,
+                   cache: str | Path | None = None) -> DrafterDataset:
     """``count`` images sampled from a prompt-conditioned target with :func:`generate_ar`, its
-    formatted prompts ``cond [P, ...]`` (mask ``cond_mask``) cycled."""
+    formatted prompts ``cond [P, ...]`` (mask ``cond_mask``) cycled. Batch ``b`` samples with a
+    generator seeded ``mix(seed, b)``; with ``cache`` (an ``.npz``) every finished batch is saved,
+    and a run of the same conditions and settings picks up where an interrupted one stopped."""
+    import hashlib
+
     from relaxspec.decoding.ar import generate_ar
+    from relaxspec.files import write_atomic
 
     index = torch.arange(count) % cond.shape[0]
     conds, masks = cond[index], None if cond_mask is None else cond_mask[index]
-    generator = torch.Generator(device=target.device).manual_seed(seed)
-    chunks = []
-    for start in tqdm(range(0, count, batch_size), desc="self-samples", disable=not progress, leave=False):
+    digest = hashlib.sha256()
+    for part in (cond, cond_mask):
+        if part is not None:
+            digest.update(str(tuple(part.shape)).encode() + part.cpu().numpy().tobytes())
+    key = json.dumps({"conditions": digest.hexdigest(), "count": count, "seed": seed, "batch_size": batch_size,
+                      "sampling": sampling.to_dict(), "tokens": target.config.block_size}, sort_keys=True)
+    tokens = np.full((count, target.config.block_size), -1, dtype=np.int64)
+    done = 0
+    cache = None if cache is None else Path(cache)
+    if cache is not None and cache.is_file():
+        try:
+            with np.load(cache, allow_pickle=False) as old:
+                if str(old["key"]) == key and old["tokens"].shape == tokens.shape:
+                    tokens, done = old["tokens"].copy(), int(old["done"])
+        except (OSError, ValueError, KeyError):
+            done = 0  # unreadable: sample again
+    starts = list(range(0, count, batch_size))
+    bar = tqdm(total=len(starts), initial=sum(start < done for start in starts), desc="self-samples",
+               disable=not progress, leave=False)
+    for batch, start in enumerate(starts):
+        if start < done:
+            continue
         rows = slice(start, start + batch_size)
-        chunks.append(generate_ar(target, conds[rows], sampling, generator=generator,
-                                  cond_mask=None if masks is None else masks[rows]).tokens.cpu())
-    return DrafterDataset(torch.cat(chunks) if chunks else torch.empty(0, target.config.block_size, dtype=torch.long),
-                          conds, masks)
+        generator = torch.Generator(device=target.device).manual_seed(_mix(seed, batch))
+        tokens[rows] = generate_ar(target, conds[rows], sampling, generator=generator,
+                                   cond_mask=None if masks is None else masks[rows]).tokens.cpu().numpy()
+        done = min(start + batch_size, count)
+        if cache is not None:
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            write_atomic(cache, lambda temp: np.savez(temp, tokens=tokens, done=done, key=key))
+        bar.update(1)
+    bar.close()
+    return DrafterDataset(torch.from_numpy(tokens), conds, masks)
 
 
 def center_crop(image, size: int) -> np.ndarray:
@@ -412,7 +451,8 @@ def build_dataset(config: DrafterTrainConfig, target: TargetModel, prompts=None)
     parts = [load_token_file(path, config.label) for path in config.data]
     if config.self_samples and prompts is not None:
         parts.append(sample_prompts(target, *prompts, config.self_samples, sampling=config.sampling, seed=config.seed,
-                                    batch_size=config.batch_size, progress=config.progress))
+                                    batch_size=config.batch_size, progress=config.progress,
+                                    cache=Path(config.out) / SELF_SAMPLES))
     elif config.self_samples:
         parts.append(sample_from_target(target, config.self_samples, classes=config.classes, sampling=config.sampling,
                                         seed=config.seed, batch_size=config.batch_size, progress=config.progress))
@@ -591,10 +631,8 @@ class DrafterTrainResult:
     sequences_per_second: float
 
 
-def _open_folder(config: DrafterTrainConfig, device) -> tuple[TargetModel, tuple]:
-    """A transformers folder's target and its self-samples' formatted prompts."""
-    from relaxspec.models import hf
-
+def _read_prompts(config: DrafterTrainConfig) -> list[str]:
+    """The self-samples' prompts (``prompts_file``, blank lines skipped)."""
     path = Path(config.prompts_file)
     if not path.is_file():
         raise RelaxspecError(f"--prompts-file {path}: no such file")
@@ -604,6 +642,14 @@ def _open_folder(config: DrafterTrainConfig, device) -> tuple[TargetModel, tuple
         raise RelaxspecError(f"--prompts-file {path}: not UTF-8 text") from None
     if not prompts:
         raise RelaxspecError(f"--prompts-file {path}: no prompts in the file")
+    return prompts
+
+
+def _open_folder(config: DrafterTrainConfig, device) -> tuple[TargetModel, tuple]:
+    """A transformers folder's target and its self-samples' formatted prompts."""
+    from relaxspec.models import hf
+
+    prompts = _read_prompts(config)
     opened = hf.family(config.model_path).open_folder(config.model_path, prompts, device=device,
                                                       dtype=PRECISIONS[config.precision], image_size=config.image_size,
                                                       negative_prompt=config.negative_prompt)
@@ -620,6 +666,10 @@ def train_drafter(config: DrafterTrainConfig, *, target: TeacherForcedTarget | N
     """
     out = Path(config.out)
     saved = common.check_fresh_or_resume(out, resume, STATE_VERSION, "drafter")
+    if config.model_path is not None and target is None:
+        import hashlib
+
+        config.prompts_sha256 = hashlib.sha256("\n".join(_read_prompts(config)).encode()).hexdigest()
     if saved is not None:
         common.check_resumable(saved["config"], config.to_dict(), RUN_FIELDS)
     device = _device(config.device)
