@@ -174,3 +174,43 @@ def test_bench_and_eval_take_prompts(t5, tiny_ckpts, tmp_path, capsys, monkeypat
     shards = sorted((tmp_path / "eval").glob("shard-*"))
     seen = [image["prompt"] for shard in shards for image in json.loads((shard / "stats.json").read_text())["images"]]
     assert seen == [PROMPTS[0], PROMPTS[0], PROMPTS[2], PROMPTS[2]]
+
+
+def test_train_drafter_on_a_t2i_checkpoint_with_prompts(t5, tiny_ckpts, tmp_path, capsys):
+    """``train-drafter --gpt-ckpt T2I --t5-path DIR --prompts-file F`` trains on the model's own
+    samples of the prompts (features through the decoding interface, with the caption mask); the
+    drafter serves ``generate``, losslessly at temperature 0."""
+    t2i = tiny_ckpts["t2i"]["args"]
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text(f"{PROMPTS[0]}\n{PROMPTS[2]}\n")
+    drafter = tmp_path / "drafter"
+    ckpt = tiny_ckpts["t2i"]
+    train = ["--gpt-ckpt", ckpt["gpt"], "--gpt-model", ckpt["gpt_json"], "--image-size", "16", "--downsample", "4"]
+    assert main(["train-drafter", *train, "--t5-path", str(t5), "--prompts-file", str(prompts), "--self-samples", "4",
+                 "--batch-size", "2", "--steps", "2", "--out", str(drafter), "--no-progress"]) == 0, \
+        capsys.readouterr().err
+    base = ["generate", *t2i, "--prompt", PROMPTS[0], "--prompt", PROMPTS[2], "--t5-path", str(t5), "--temperature",
+            "0", "--batch-size", "2", "--no-progress"]
+    assert main(base + ["--method", "ar", "--out", str(tmp_path / "ar")]) == 0
+    assert main(base + ["--method", "eagle2", "--drafter-ckpt", str(drafter), "--out", str(tmp_path / "e")]) == 0
+    assert np.array_equal(np.load(tmp_path / "e" / "tokens.npy"), np.load(tmp_path / "ar" / "tokens.npy"))
+
+
+def test_teacher_forced_t2i_features_are_the_decoding_ones(t5, tiny_ckpts):
+    """With a caption mask, train-drafter's features come through the decoding interface: CFG on
+    them picks each greedy token of a LlamaGen t2i model (masked captions, as decoding masks them)."""
+    from relaxspec import methods
+    from relaxspec.decoding import decode
+    from relaxspec.models.llamagen.checkpoints import load_gpt
+    from relaxspec.sampling import SamplingConfig
+    from relaxspec.training.drafter import target_features
+
+    ckpt = tiny_ckpts["t2i"]
+    target = load_gpt(ckpt["gpt"], ckpt["gpt_json"], image_size=16, downsample=4)
+    features, mask, _ = encode_prompts(PROMPTS, t5, max_length=target.config.cls_token_num)
+    scale = 4.0
+    tokens = decode(target, features, SamplingConfig(cfg_scale=scale, temperature=0.0, top_k=0), methods.resolve("ar"),
+                    cond_mask=mask).tokens
+    hidden, logits = target_features(target, tokens, features, null_rows=3, cond_mask=mask)
+    guided = logits[3:] + scale * (logits[:3] - logits[3:])
+    assert torch.equal(guided.argmax(-1), tokens)

@@ -270,6 +270,6 @@ def test_bad_inputs_raise_clear_errors(tmp_path, target: Transformer, dataset: D
         load_drafter(tmp_path / "nowhere", target)
     t2i = Transformer(GPTConfig(dim=64, n_layer=1, n_head=4, vocab_size=64, model_type="t2i", cls_token_num=2,
                                 caption_dim=8, block_size=16))
-    with pytest.raises(RelaxspecError, match="c2i"):
+    with pytest.raises(RelaxspecError, match="this target is t2i"):
         train_drafter(quick(tmp_path / "y"), target=t2i, dataset=dataset)
     assert isinstance(load_drafter(tmp_path / "run", target), EagleDrafter)

@@ -157,9 +157,9 @@ def add_train_drafter_parser(subparsers) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "train-drafter", help="train an EAGLE drafter on a target's features",
         description="Train the EAGLE drafter (REFERENCE §1.6) on a frozen target's features: a LlamaGen "
-                    "checkpoint (--gpt-ckpt) or a transformers folder (--model-path: Janus, Emu3; trained on its "
-                    "own samples of --prompts-file). Writes OUT/model.safetensors + config.json and "
-                    "OUT/train_state.pt.",
+                    "checkpoint (--gpt-ckpt; a t2i one with --t5-path) or a transformers folder (--model-path: "
+                    "Janus, Emu3); text-to-image targets train on their own samples of --prompts-file. Writes "
+                    "OUT/model.safetensors + config.json and OUT/train_state.pt.",
         argument_default=argparse.SUPPRESS)
 
     option = Options(parser, defaults)
@@ -176,7 +176,9 @@ def add_train_drafter_parser(subparsers) -> argparse.ArgumentParser:
            "it; repeatable", action="append", metavar="FILE")
     option("--label", "class id for sources without labels", type=int)
     option("--self-samples", "also train on COUNT samples drawn from the target", type=int, metavar="COUNT")
-    option("--prompts-file", "with --model-path: the self-samples' prompts, one per line (cycled)", metavar="FILE")
+    option("--prompts-file", "with --model-path, or --t5-path: the self-samples' prompts, one per line (cycled)",
+           metavar="FILE")
+    option("--t5-path", "a LlamaGen t2i target: the local Flan-T5 folder that encodes --prompts-file", metavar="DIR")
     option("--negative-prompt", "with --model-path on Emu3: the guidance's negative prompt (default: its family's)",
            metavar="TEXT")
     option("--classes", "classes of the self-samples, e.g. '1 2 3' or '1,2,3' (default: uniform)", type=class_ids,

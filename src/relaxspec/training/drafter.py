@@ -53,7 +53,7 @@ IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 #: Fields a resumed run may change: how long it runs, where, and how chatty it is. Everything
 #: else is the recipe and must stay what it was, or the continuation would not be exact.
 RUN_FIELDS = ("out", "epochs", "steps", "device", "bf16", "progress", "checkpoint_interval",
-              "eval_interval", "eval_sequences", "gpt_ckpt", "vq_ckpt", "model_path", "prompts_file")
+              "eval_interval", "eval_sequences", "gpt_ckpt", "vq_ckpt", "model_path", "prompts_file", "t5_path")
 
 
 # ------------------------------------------------------------------------------------------
@@ -72,7 +72,8 @@ class DrafterTrainConfig(common.RecipeConfig):
     gpt_ckpt: str | None = None
     gpt_model: str | None = None
     model_path: str | None = None  # a transformers folder (Janus, Emu3): trained on its own samples of prompts
-    prompts_file: str | None = None  # the self-samples' prompts, one per line (with model_path)
+    prompts_file: str | None = None  # the self-samples' prompts, one per line (model_path, or t5_path)
+    t5_path: str | None = None  # a LlamaGen t2i target: the Flan-T5 folder that encodes prompts_file
     negative_prompt: str | None = None  # Emu3's guidance (default: its family's)
     prompts_sha256: str | None = None  # set from prompts_file's prompts, so a resume cannot swap them
     image_size: int | None = None
@@ -158,7 +159,12 @@ class DrafterTrainConfig(common.RecipeConfig):
              "--model-path needs --prompts-file FILE (the prompts of its self-samples)")
         need(self.model_path is None or self.self_samples >= 1,
              "--model-path trains on the model's own samples: give --self-samples COUNT")
-        need(self.prompts_file is None or self.model_path is not None, "--prompts-file goes with --model-path")
+        need(self.prompts_file is None or self.model_path is not None or self.t5_path is not None,
+             "--prompts-file goes with --model-path, or with --t5-path for a LlamaGen t2i target")
+        need(self.t5_path is None or (self.prompts_file is not None and self.self_samples >= 1 and not self.data
+                                      and self.images is None and self.classes is None),
+             "--t5-path trains a t2i target on its own samples of prompts: give --self-samples COUNT and "
+             "--prompts-file FILE (not --data / --images / --classes)")
         need(self.negative_prompt is None or self.model_path is not None, "--negative-prompt goes with --model-path")
         self.sampling  # validates
 
@@ -178,8 +184,8 @@ class DrafterTrainConfig(common.RecipeConfig):
 @dataclass
 class DrafterDataset:
     """Image-token sequences ``tokens [n, N]`` (int64) and their conditions ``labels``: class ids
-    ``[n]``, or for a prompt-conditioned target its formatted prompt token ids ``[n, ...]`` with
-    ``cond_mask [n, C]`` where that family's engine masks them."""
+    ``[n]``, or for a prompt-conditioned target its formatted prompts ``[n, ...]`` (token ids, or a
+    LlamaGen t2i model's caption features) with ``cond_mask [n, C]`` where the engine masks them."""
 
     tokens: torch.Tensor
     labels: torch.Tensor
@@ -192,13 +198,15 @@ class DrafterDataset:
             self.labels = self.labels.reshape(-1)
         if self.tokens.dtype.is_floating_point or self.tokens.dtype == torch.bool or self.tokens.ndim != 2:
             raise RelaxspecError(f"tokens must be an integer array [n, N], got {self.tokens.dtype} {tuple(self.tokens.shape)}")
-        if self.labels.dtype.is_floating_point or self.labels.dtype == torch.bool:
+        if self.labels.dtype == torch.bool or (self.labels.ndim == 1 and self.labels.dtype.is_floating_point):
             raise RelaxspecError(f"labels must be integer class ids, got {self.labels.dtype}")
         if self.labels.shape[0] != self.tokens.shape[0]:
             raise RelaxspecError(f"{self.tokens.shape[0]} token sequences but {self.labels.shape[0]} labels")
         if self.cond_mask is not None and self.cond_mask.shape[0] != self.tokens.shape[0]:
             raise RelaxspecError(f"{self.tokens.shape[0]} token sequences but {self.cond_mask.shape[0]} condition masks")
-        self.tokens, self.labels = self.tokens.long().cpu(), self.labels.long().cpu()
+        # class ids and prompt token ids as int64; caption features (LlamaGen t2i) keep their dtype
+        labels = self.labels if self.labels.dtype.is_floating_point else self.labels.long()
+        self.tokens, self.labels = self.tokens.long().cpu(), labels.cpu()
         if self.cond_mask is not None:
             self.cond_mask = self.cond_mask.bool().cpu()
 
@@ -479,11 +487,12 @@ def target_features(target: TargetModel, tokens: torch.Tensor, labels: torch.Ten
 
     Returns hidden states ``[R, N, dim]`` and logits ``[R, N, vocab]`` (``R = B + null_rows``; row
     ``k`` predicts token ``k``): condition rows first, then null rows. A target without
-    ``forward_train`` runs through its decoding interface (:func:`teacher_forced`).
+    ``forward_train``, or conditions with a mask, run through its decoding interface
+    (:func:`teacher_forced`).
     """
     cond = torch.cat([labels, target.null_condition(labels[:null_rows])])
     tokens = torch.cat([tokens, tokens[:null_rows]])
-    if isinstance(target, TeacherForcedTarget):
+    if isinstance(target, TeacherForcedTarget) and cond_mask is None:  # forward_train reads no mask
         logits, hidden = target.forward_train(cond, tokens, return_hidden=True)
     else:
         mask = None if cond_mask is None else torch.cat([cond_mask, cond_mask[:null_rows]])
@@ -645,6 +654,21 @@ def _read_prompts(config: DrafterTrainConfig) -> list[str]:
     return prompts
 
 
+def _encode_prompts(config: DrafterTrainConfig, target) -> tuple[torch.Tensor, torch.Tensor]:
+    """A LlamaGen t2i target's self-sample conditions: ``prompts_file`` encoded with ``t5_path`` as
+    ``relaxspec generate --t5-path`` encodes prompts (caption features and mask)."""
+    from relaxspec.models.llamagen.prompts import encode_prompts
+
+    if target.config.model_type != "t2i":
+        raise RelaxspecError("--t5-path encodes prompts for a text-to-image (t2i) target; this one is c2i")
+    features, mask, _ = encode_prompts(_read_prompts(config), config.t5_path, max_length=target.config.cls_token_num,
+                                       device=target.device)
+    if features.shape[-1] != target.config.caption_dim:
+        raise RelaxspecError(f"--t5-path {config.t5_path}: its features have {features.shape[-1]} dimensions, but "
+                             f"this model reads {target.config.caption_dim}")
+    return features.cpu(), mask.cpu()
+
+
 def _open_folder(config: DrafterTrainConfig, device) -> tuple[TargetModel, tuple]:
     """A transformers folder's target and its self-samples' formatted prompts."""
     from relaxspec.models import hf
@@ -666,7 +690,7 @@ def train_drafter(config: DrafterTrainConfig, *, target: TeacherForcedTarget | N
     """
     out = Path(config.out)
     saved = common.check_fresh_or_resume(out, resume, STATE_VERSION, "drafter")
-    if config.model_path is not None and target is None:
+    if config.prompts_file is not None and target is None:
         import hashlib
 
         config.prompts_sha256 = hashlib.sha256("\n".join(_read_prompts(config)).encode()).hexdigest()
@@ -682,9 +706,11 @@ def train_drafter(config: DrafterTrainConfig, *, target: TeacherForcedTarget | N
         target = load_gpt(config.gpt_ckpt, config.gpt_model, image_size=config.image_size,
                           downsample=config.downsample, precision=config.precision, device=device)
     device = target.device
+    if config.t5_path is not None and prompts is None and dataset is None:
+        prompts = _encode_prompts(config, target)
     if target.config.model_type != "c2i" and prompts is None and (dataset is None or dataset.labels.ndim == 1):
-        raise RelaxspecError("train-drafter trains LlamaGen class-conditional (c2i) targets and --model-path folders; "
-                             "this target is t2i")
+        raise RelaxspecError("this target is t2i: give --prompts-file FILE with --t5-path DIR (LlamaGen) to train on "
+                             "its own samples of prompts")
     target.eval().requires_grad_(False)
     if dataset is None:
         dataset = build_dataset(config, target, prompts)
