@@ -128,3 +128,43 @@ def test_the_kv_store_only_grows(families, family):
     again = decode(target, cond, greedy, methods.resolve("ar"), cond_mask=mask).tokens
     assert target._kv._full[0][0] is full and target._kv.store[0][0].shape[2] < full.shape[2]
     assert torch.equal(again, first)
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    """name -> a tiny model folder with its processor, as a user downloads it."""
+    import test_emu3
+    import test_janus
+
+    emu3 = tmp_path_factory.mktemp("emu3-folder")
+    test_emu3.tiny_processor().save_pretrained(emu3)
+    test_emu3.tiny_emu3().save_pretrained(emu3)
+    janus = tmp_path_factory.mktemp("janus-folder")
+    test_janus.janus_folder_at(janus)
+    return {"emu3": (emu3, {"image_size": 32}), "janus": (janus, {})}
+
+
+@pytest.mark.parametrize("family", ["emu3", "janus"])
+def test_padding_prompts_longer_keeps_their_law(folders, family):
+    """A folder opened for a longer prompt length (as the demo opens one for any prompt) decodes
+    each prompt to the tokens it gets alone: the extra left padding is masked and skipped by the
+    positions. ``format`` pads further prompts to that length and refuses longer ones."""
+    from relaxspec.errors import RelaxspecError
+    from relaxspec.models import hf
+
+    folder, extra = folders[family]
+    module = hf.family(folder)
+    greedy = SamplingConfig(cfg_scale=3.0, temperature=0.0, top_k=0)
+    alone = {}
+    for prompt in ("a red fox", "the blue cat under the rain"):
+        opened = module.open_folder(folder, [prompt], **extra)
+        alone[prompt] = decode(opened.target, opened.cond, greedy, methods.resolve("ar"),
+                               cond_mask=opened.cond_mask).tokens
+    wide = module.open_folder(folder, ["a red fox"], prompt_length=60, **extra)
+    assert wide.target.config.cls_token_num == 60
+    for prompt, tokens in alone.items():
+        cond, mask = wide.format([prompt])
+        assert cond.shape[-1] == 60
+        assert torch.equal(decode(wide.target, cond, greedy, methods.resolve("ar"), cond_mask=mask).tokens, tokens)
+    with pytest.raises(RelaxspecError, match="at most 60 fit here"):
+        wide.format(["a red fox " * 40])

@@ -130,14 +130,12 @@ TEMPLATE = ("{% for m in messages %}<|User|>: {% for c in m['content'] %}{{ c['t
             "{% if add_generation_prompt %}<|Assistant|>:{% endif %}")
 
 
-@pytest.fixture(scope="module")
-def janus_folder(tmp_path_factory):
-    """A tiny Janus with its processor (a word-level tokenizer that prepends BOS, Janus's special
-    tokens, a chat template), as save_pretrained writes a downloaded model."""
+def tiny_janus_processor():
+    """Janus's processor over a word-level tokenizer that prepends BOS, with Janus's special
+    tokens and a chat template."""
     from tokenizers import Tokenizer, models, pre_tokenizers, processors
     from transformers import JanusImageProcessor, JanusProcessor, PreTrainedTokenizerFast
 
-    folder = tmp_path_factory.mktemp("janus-cli")
     vocab = {w: i for i, w in enumerate(WORDS)}
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Punctuation()])
@@ -146,13 +144,26 @@ def janus_folder(tmp_path_factory):
                                    unk_token="<unk>", extra_special_tokens={
                                        "image_token": "<image_placeholder>", "boi_token": "<begin_of_image>",
                                        "eoi_token": "<end_of_image>"})
-    JanusProcessor(image_processor=JanusImageProcessor(), tokenizer=fast, chat_template=TEMPLATE,
-                   num_image_tokens=16).save_pretrained(folder)
+    return JanusProcessor(image_processor=JanusImageProcessor(), tokenizer=fast, chat_template=TEMPLATE,
+                          num_image_tokens=16)
+
+
+def janus_folder_at(folder):
+    """A tiny Janus with its processor saved in ``folder`` as save_pretrained writes a downloaded
+    model; returns the model."""
+    vocab = {w: i for i, w in enumerate(WORDS)}
+    tiny_janus_processor().save_pretrained(folder)
     model = tiny_janus()
     model.generation_config.generation_kwargs = {"boi_token_id": vocab["<begin_of_image>"]}
     model.generation_config.pad_token_id, model.generation_config.bos_token_id = vocab["<pad>"], vocab["<bos>"]
     model.save_pretrained(folder)
-    return folder, model
+    return model
+
+
+@pytest.fixture(scope="module")
+def janus_folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("janus-cli")
+    return folder, janus_folder_at(folder)
 
 
 def test_generate_with_a_janus_folder_equals_transformers(janus_folder, tmp_path, lossless_cli):

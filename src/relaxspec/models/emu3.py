@@ -253,11 +253,14 @@ def format_prompts(processor, prompts: list[str], *, image_size: int | None = No
 
 
 def open_folder(path, prompts: list[str], *, device="cpu", dtype=torch.float32, image_size: int | None = None,
-                negative_prompt: str | None = None) -> hf.Opened:
-    """An Emu3 folder ready to decode ``prompts`` (formatted as transformers' recipe does)."""
+                negative_prompt: str | None = None, prompt_length: int | None = None) -> hf.Opened:
+    """An Emu3 folder ready to decode ``prompts`` (formatted as transformers' recipe does), left-
+    padded to ``prompt_length`` when given (padding does not change the law: it is masked and
+    positions skip it)."""
     negative = NEGATIVE_PROMPT if negative_prompt is None else negative_prompt
     processor = hf.load_processor(path, NAME)
     cond, grid = format_prompts(processor, prompts, image_size=image_size, negative_prompt=negative)
+    cond, _ = hf.left_pad(cond, None, prompt_length, -1)
     context = hf.read_config(path).get("text_config", {}).get("max_position_embeddings")
     needed = cond.shape[2] + grid * (grid + 1) + 3  # transformers' sequence: prompt, rows + end-of-lines, 3 end tokens
     if isinstance(context, int) and needed > context:
@@ -267,5 +270,11 @@ def open_folder(path, prompts: list[str], *, device="cpu", dtype=torch.float32, 
     target, tokenizer = load_emu3(path, cond.shape[2], grid, device=device, dtype=dtype,
                                   mean=getattr(image_processor, "image_mean", None),
                                   std=getattr(image_processor, "image_std", None))
+    length = cond.shape[2]
+
+    def format(texts: list[str]) -> tuple[Tensor, None]:  # further prompts, for this target's length
+        more, _ = format_prompts(processor, texts, image_size=image_size, negative_prompt=negative)
+        return hf.left_pad(more, None, length, -1)
+
     return hf.Opened(target, tokenizer, cond, None, grid * tokenizer.config.downsample_factor,
-                     {"prompts": list(prompts), "negative_prompt": negative, "prompt_tokens": cond.shape[2]})
+                     {"prompts": list(prompts), "negative_prompt": negative, "prompt_tokens": length}, format=format)

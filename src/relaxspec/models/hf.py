@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -31,7 +32,9 @@ MIN_TRANSFORMERS = (4, 56)
 @dataclass
 class Opened:
     """A folder opened for generation: the target, its image tokenizer, the conditions
-    (``cond_mask`` where the engine masks them), what ``stats.json`` records, and the pixel side."""
+    (``cond_mask`` where the engine masks them), what ``stats.json`` records, the pixel side, and
+    ``format(prompts) -> (cond, cond_mask)`` for further prompts (padded to the target's prompt
+    length; a longer one is refused)."""
 
     target: object
     tokenizer: object
@@ -39,6 +42,19 @@ class Opened:
     cond_mask: Tensor | None
     image_size: int
     record: dict = field(default_factory=dict)
+    format: Callable | None = None
+
+
+def left_pad(cond: Tensor, mask: Tensor | None, length: int | None, value: int) -> tuple[Tensor, Tensor | None]:
+    """Prompts (token ids on the last axis, left-padded) padded on the left to ``length`` with
+    ``value`` (their mask with False); a longer prompt set is refused."""
+    if length is None or cond.shape[-1] == length:
+        return cond, mask
+    if cond.shape[-1] > length:
+        raise RelaxspecError(f"the prompt is {cond.shape[-1]} tokens; at most {length} fit here")
+    extra = length - cond.shape[-1]
+    cond = torch.nn.functional.pad(cond, (extra, 0), value=value)
+    return cond, None if mask is None else torch.nn.functional.pad(mask, (extra, 0), value=False)
 
 
 def read_config(path) -> dict:

@@ -185,12 +185,17 @@ def load_processor(path):
 
 
 def open_folder(path, prompts: list[str], *, device="cpu", dtype=torch.float32, image_size: int | None = None,
-                negative_prompt: str | None = None) -> hf.Opened:
-    """A Janus folder ready to decode ``prompts`` (formatted as transformers' recipe does)."""
+                negative_prompt: str | None = None, prompt_length: int | None = None) -> hf.Opened:
+    """A Janus folder ready to decode ``prompts`` (formatted as transformers' recipe does), left-
+    padded to ``prompt_length`` when given (padding does not change the law: it is masked and
+    positions skip it)."""
     if negative_prompt is not None:
         raise RelaxspecError("--negative-prompt: Janus's guidance has no negative prompt (its unconditional rows "
                              "are the prompt padded out)")
-    ids, mask = format_prompts(load_processor(path), prompts)
+    processor = load_processor(path)
+    ids, mask = format_prompts(processor, prompts)
+    pad = processor.tokenizer.pad_token_id
+    ids, mask = hf.left_pad(ids, mask, prompt_length, pad)
     # Checked before the weights load: the image size and the context.
     config = hf.transformers_module(NAME).JanusConfig.from_pretrained(path, local_files_only=True)
     tokens = config.vision_config.num_image_tokens
@@ -203,4 +208,6 @@ def open_folder(path, prompts: list[str], *, device="cpu", dtype=torch.float32, 
                              f"({context} positions): give a shorter prompt")
     target, tokenizer = load_janus(path, prompt_length=ids.shape[1], device=device, dtype=dtype)
     size = target.config.grid_size * tokenizer.config.downsample_factor
-    return hf.Opened(target, tokenizer, ids, mask, size, {"prompts": list(prompts), "prompt_tokens": ids.shape[1]})
+    length = ids.shape[1]
+    return hf.Opened(target, tokenizer, ids, mask, size, {"prompts": list(prompts), "prompt_tokens": length},
+                     format=lambda texts: hf.left_pad(*format_prompts(processor, texts), length, pad))
