@@ -8,6 +8,7 @@ import shutil
 import socket
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -47,8 +48,8 @@ def test_bad_requests_are_one_line_messages(model, request_, message):
 
 
 def test_a_request_means_what_generate_means(model):
-    cls, options, sampling = resolve_request(model, RaceRequest("heart", "lantern", knob=0.2, seed=3, cfg_scale=2.0))
-    assert cls == model.class_names.index("heart")
+    condition, options, sampling = resolve_request(model, RaceRequest("heart", "lantern", knob=0.2, seed=3, cfg_scale=2.0))
+    assert condition.cond.tolist() == [model.class_names.index("heart")] and condition.mask is None
     assert options.to_dict() == methods.resolve("lantern", {"delta": 0.2}, model.presets).to_dict()
     assert sampling.cfg_scale == 2.0 and sampling.top_k == model.sampling["top_k"]
 
@@ -79,12 +80,12 @@ def test_a_lane_streams_and_ends_with_generate_tokens(model, monkeypatch):
     from relaxspec.demo import race
 
     monkeypatch.setattr(race, "FRAME_SECONDS", 0.0)  # every step a frame
-    cls, options, sampling = resolve_request(model, RaceRequest("heart", "lantern", seed=5))
-    lanes = [(lane.done, lane.image.copy()) for lane in run_lane(model, cls, options, sampling, 5, 4, "LANTERN")]
+    condition, options, sampling = resolve_request(model, RaceRequest("heart", "lantern", seed=5))
+    lanes = [(lane.done, lane.image.copy()) for lane in run_lane(model, condition, options, sampling, 5, 4, "LANTERN")]
     done = [d for d, _ in lanes]
     assert done == sorted(done) and done[0] == 0 and done[-1] == 64 and len(done) > 5
     final = lane = None
-    for lane in run_lane(model, cls, options, sampling, 5, 4, "LANTERN"):
+    for lane in run_lane(model, condition, options, sampling, 5, 4, "LANTERN"):
         final = lane
     expected = relaxspec.generate("heart", "lantern", seed=5)
     assert torch.equal(final.result.tokens, expected.result.tokens)
@@ -96,14 +97,14 @@ def test_an_abandoned_lane_stops_its_decode(model):
     no decode keeps running on the model's cache under the next race."""
     import threading
 
-    cls, options, sampling = resolve_request(model, RaceRequest("heart", "sjd"))
-    lane = run_lane(model, cls, options, sampling, 0, 1, "SJD")
+    condition, options, sampling = resolve_request(model, RaceRequest("heart", "sjd"))
+    lane = run_lane(model, condition, options, sampling, 0, 1, "SJD")
     next(lane), next(lane)
     before = threading.active_count()
     lane.close()
     assert threading.active_count() == before - 1
     final = None
-    for final in run_lane(model, cls, options, sampling, 0, 1, "SJD"):
+    for final in run_lane(model, condition, options, sampling, 0, 1, "SJD"):
         pass
     assert torch.equal(final.result.tokens, relaxspec.generate("heart", "sjd", seed=0).result.tokens)
 
@@ -212,6 +213,7 @@ def test_a_real_browser_presses_race_and_sees_both_images(served):
     (["--port", "0"], "--port must be 1..65535"),
     (["--out", "FILE"], "exists and is not a folder"),
     (["--vq-ckpt", "vq.pt"], "--vq-ckpt / --gpt-model go with --gpt-ckpt"),
+    (["--prompt", "a fox"], "--prompt / --negative-prompt go with --model-path"),
 ])
 def test_demo_command_errors(tmp_path, capsys, argv, message):
     from relaxspec.cli import main
@@ -247,3 +249,35 @@ def test_the_demo_command_serves_the_page_on_loopback(tmp_path):
         output = process.communicate(timeout=30)[0]
     assert f"relaxspec demo: http://127.0.0.1:{port}" in output
     assert (tmp_path / "out").is_dir() and not any(p.name.startswith("gradio") for p in tmp_path.iterdir())
+
+
+def test_a_transformers_folder_races_prompts(tmp_path):
+    """``relaxspec demo --model-path DIR``: the page takes a prompt; the AR lane paints what
+    ``relaxspec.generate(model_path=..., prompts=[...])`` paints with the same seed, and a bad
+    prompt is the status line."""
+    import threading
+
+    import test_emu3
+
+    from relaxspec.cli import build_parser
+    from relaxspec.cli.demo import load_demo_model
+    from relaxspec.demo.app import race_handler
+
+    folder = tmp_path / "emu3"
+    test_emu3.tiny_processor().save_pretrained(folder)
+    test_emu3.tiny_emu3().save_pretrained(folder)
+    args = build_parser().parse_args(["demo", "--model-path", str(folder), "--image-size", "32", "--prompt",
+                                      "a red fox"])
+    model = load_demo_model(args)
+    assert model.prompts is not None and model.default_method == "gsd" and model.default_class == "a red fox"
+    history: list = []
+    (tmp_path / "out").mkdir()
+    updates = list(race_handler(model, tmp_path / "out", history, threading.Lock(), "a lighthouse", "sjd", None, 3,
+                                None))
+    ar_image, ar_text, my_image, my_text, heat, gallery, status = updates[-1]
+    assert status.startswith("done: sjd") and ar_image.shape == my_image.shape and "target forwards: 16" in ar_text
+    plain = relaxspec.generate(prompts=["a lighthouse"], model_path=str(folder), method="ar", image_size=32, seed=3,
+                               upscale=ar_image.shape[0] // 8)
+    assert (np.asarray(plain.images[0]) == ar_image).all()
+    empty = list(race_handler(model, tmp_path / "out", history, threading.Lock(), "  ", "sjd", None, 3, None))
+    assert empty[-1][-1] == "**Not run:** write a prompt"

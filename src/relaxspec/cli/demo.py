@@ -22,6 +22,11 @@ def add_demo_parser(subparsers) -> argparse.ArgumentParser:
     demo.set_defaults(handler=cmd_demo)
     models = demo.add_argument_group("models (default: the embedded emoji model, its drafter and presets)")
     add_model_options(models, drafter_help="EAGLE drafter (without one: sjd, scd and gsd only)")
+    models.add_argument("--model-path", metavar="DIR", help="a transformers model folder (Janus / Janus-Pro, Emu3): "
+                                                           "the page takes prompts")
+    models.add_argument("--prompt", metavar="TEXT", help="--model-path: the prompt the page starts with")
+    models.add_argument("--negative-prompt", metavar="TEXT", help="Emu3: the guidance's negative prompt "
+                                                                  "(default: its family's)")
     models.add_argument("--threads", type=int, help="CPU threads for torch (default 1 for the embedded model)")
     page = demo.add_argument_group("page")
     page.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
@@ -29,6 +34,12 @@ def add_demo_parser(subparsers) -> argparse.ArgumentParser:
     page.add_argument("--out", default="demo-out", metavar="DIR",
                       help="where the page keeps its runs' images (and gradio its temporary files); default demo-out")
     return demo
+
+
+#: Prompt tokens the page's model is opened for: any prompt up to this length races.
+PAGE_PROMPT_TOKENS = 128
+#: The prompt the page starts with, unless --prompt says.
+DEFAULT_PROMPT = "a red fox in the snow"
 
 
 def load_demo_model(args: argparse.Namespace):
@@ -40,12 +51,27 @@ def load_demo_model(args: argparse.Namespace):
 
     for name in ("cfg_scale", "temperature", "top_k", "top_p", "method", "classes"):
         setattr(args, name, None)
+    if args.model_path is None and (args.prompt is not None or args.negative_prompt is not None):
+        raise RelaxspecError("--prompt / --negative-prompt go with --model-path")
     embedded = use_embedded_defaults(args)
     device = device_option(args.device)
     if args.threads is not None:
         if args.threads < 1:
             raise RelaxspecError(f"--threads must be >= 1, got {args.threads}")
         torch.set_num_threads(args.threads)
+    if args.model_path is not None:
+        from relaxspec.models import hf
+        from relaxspec.models.llamagen.checkpoints import PRECISIONS
+
+        family = hf.family(args.model_path)
+        prompt = args.prompt if args.prompt is not None else DEFAULT_PROMPT
+        opened = family.open_folder(args.model_path, [prompt], device=device, dtype=PRECISIONS[args.precision],
+                                    image_size=args.image_size, negative_prompt=args.negative_prompt,
+                                    prompt_length=PAGE_PROMPT_TOKENS)
+        drafter = load_drafter(args.drafter_ckpt, opened.target) if args.drafter_ckpt else None
+        sampling = {**UPSTREAM_SAMPLING, **family.sampling_defaults(args.model_path)}
+        return DemoModel(opened.target, opened.tokenizer, drafter, {}, sampling, "lantern" if drafter else "gsd",
+                         prompt, opened.format)
     vq = load_vq(args.vq_ckpt, args.vq_model, device=device)
     target = load_gpt(args.gpt_ckpt, args.gpt_model, image_size=args.image_size,
                       downsample=vq.config.downsample_factor, precision=args.precision, device=device)

@@ -1,4 +1,4 @@
-"""The demo's web page (gradio): choose a class, a method and its knob, press *Race*, and watch
+"""The demo's web page (gradio): choose a class (or write a prompt), a method and its knob, press *Race*, and watch
 the same image decoded plainly and speculatively, token by token, with the numbers that explain
 the speed-up. :func:`build_app` returns the page; :func:`race_handler` is its one event."""
 
@@ -45,7 +45,7 @@ def race_handler(model: DemoModel, out: Path, history: list, lock: threading.Loc
         request = RaceRequest(condition=condition or "", method=method or "", knob=knob,
                               seed=0 if seed in (None, "") else seed,
                               cfg_scale=None if cfg_scale in (None, "") else float(cfg_scale))
-        cls, options, sampling = resolve_request(model, request)
+        resolved, options, sampling = resolve_request(model, request)
     except (RelaxspecError, ValueError, TypeError) as err:
         yield blank, blank, blank, blank, blank, blank, f"**Not run:** {err}"
         return
@@ -53,9 +53,9 @@ def race_handler(model: DemoModel, out: Path, history: list, lock: threading.Loc
     status = f"racing `{options.describe()}` against AR, seed {seed}, cfg {sampling.cfg_scale:g}"
     try:
         ar = mine = None
-        for ar in run_lane(model, cls, methods.resolve("ar"), sampling, seed, request.upscale, "AR"):
+        for ar in run_lane(model, resolved, methods.resolve("ar"), sampling, seed, request.upscale, "AR"):
             yield ar.image, describe_lane(ar), None, "", None, blank, status
-        for mine in run_lane(model, cls, options, sampling, seed, request.upscale, request.method):
+        for mine in run_lane(model, resolved, options, sampling, seed, request.upscale, request.method):
             yield ar.image, describe_lane(ar), mine.image, describe_lane(mine, ar), None, blank, status
         heat = heat_map(mine.result.accept_lengths[0], model.grid, cell=max(1, ar.image.shape[0] // model.grid))
     except RelaxspecError as err:
@@ -88,7 +88,9 @@ def build_app(model: DemoModel, out: str | Path) -> gr.Blocks:
     with gr.Blocks(title="relaxspec demo", delete_cache=(600, 1800)) as app:
         gr.Markdown(INTRO)
         with gr.Row():
-            if names:
+            if model.prompts is not None:
+                condition = gr.Textbox(value=model.default_class or "", label="prompt", elem_id="condition")
+            elif names:
                 condition = gr.Dropdown(names, value=default_class, label="class", elem_id="condition")
             else:
                 condition = gr.Textbox(value=default_class, label="class id", elem_id="condition")

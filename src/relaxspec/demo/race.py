@@ -33,7 +33,9 @@ FRAME_SECONDS = 0.1
 @dataclass
 class DemoModel:
     """What the demo decodes with: a target, its tokenizer, a drafter (or ``None``), the model's
-    method presets and sampling defaults, the method and class the page starts with."""
+    method presets and sampling defaults, the method and class (or prompt) the page starts with.
+    ``prompts``: for a text-to-image model, ``prompts([text]) -> (cond, cond_mask)`` formatting
+    a prompt for the target (:attr:`relaxspec.models.hf.Opened.format`); ``None`` for classes."""
 
     target: object
     vq: object
@@ -42,6 +44,7 @@ class DemoModel:
     sampling: dict = field(default_factory=dict)
     default_method: str = "lantern"
     default_class: str | None = None
+    prompts: object = None
 
     @property
     def class_names(self) -> list[str] | None:
@@ -62,6 +65,15 @@ class RaceRequest:
     seed: int = 0
     cfg_scale: float | None = None
     upscale: int | None = None  # None: enough to show the image at about 256 px
+
+
+@dataclass
+class Condition:
+    """What one image is conditioned on: ``cond [1, ...]`` (a class id, or a formatted prompt) and
+    its mask, as :func:`relaxspec.decoding.decode` takes them."""
+
+    cond: torch.Tensor
+    mask: torch.Tensor | None = None
 
 
 @dataclass
@@ -100,10 +112,21 @@ def class_id(model: DemoModel, condition: str) -> int:
     return value
 
 
-def resolve_request(model: DemoModel, request: RaceRequest) -> tuple[int, methods.MethodOptions, SamplingConfig]:
-    """The class id, the method's options and the sampling a request means, validated as
+def condition_of(model: DemoModel, text: str) -> Condition:
+    """The page's condition box -> the condition: a class (name or id), or a prompt."""
+    if model.prompts is None:
+        return Condition(torch.tensor([class_id(model, text)]))
+    prompt = str(text).strip()
+    if not prompt:
+        raise RelaxspecError("write a prompt")
+    cond, mask = model.prompts([prompt])
+    return Condition(cond, mask)
+
+
+def resolve_request(model: DemoModel, request: RaceRequest) -> tuple[Condition, methods.MethodOptions, SamplingConfig]:
+    """The condition, the method's options and the sampling a request means, validated as
     ``relaxspec generate`` validates them: a :class:`RelaxspecError` says what is wrong."""
-    cls = class_id(model, request.condition)
+    condition = condition_of(model, request.condition)
     name = methods.canonical(request.method or "")
     if name in ("ar", "ar-compiled"):
         raise RelaxspecError("choose a speculative method: AR is the other side of the race")
@@ -126,7 +149,7 @@ def resolve_request(model: DemoModel, request: RaceRequest) -> tuple[int, method
     sampling = dict(model.sampling)
     if request.cfg_scale is not None:
         sampling["cfg_scale"] = float(request.cfg_scale)
-    return cls, options, SamplingConfig(**sampling)
+    return condition, options, SamplingConfig(**sampling)
 
 
 def partial_image(model: DemoModel, tokens: torch.Tensor, done: int, upscale: int = 1) -> np.ndarray:
@@ -175,7 +198,7 @@ def model_lock(model: DemoModel) -> threading.Lock:
     return _MODEL_LOCKS.setdefault(id(model.target), threading.Lock())
 
 
-def run_lane(model: DemoModel, cls: int, options, sampling: SamplingConfig, seed: int, upscale: int,
+def run_lane(model: DemoModel, condition: Condition, options, sampling: SamplingConfig, seed: int, upscale: int,
              label: str) -> Iterator[Lane]:
     """Decode one image with ``options`` and yield the lane after each drawn frame (at most every
     :data:`FRAME_SECONDS`) and once finished. Decoding runs in a worker thread, one at a time per
@@ -198,8 +221,8 @@ def run_lane(model: DemoModel, cls: int, options, sampling: SamplingConfig, seed
         try:
             with model_lock(model):
                 generator = torch.Generator(device=model.target.device).manual_seed(batch_seed(seed, 0))
-                result = decode(model.target, torch.tensor([cls]), sampling, options, generator=generator,
-                                drafter=model.drafter, vq=model.vq, on_step=on_step)
+                result = decode(model.target, condition.cond, sampling, options, generator=generator,
+                                drafter=model.drafter, vq=model.vq, cond_mask=condition.mask, on_step=on_step)
             frames.put(("done", result, None))
         except Stopped:
             frames.put(("stopped", None, None))

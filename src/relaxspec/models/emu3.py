@@ -255,14 +255,17 @@ def format_prompts(processor, prompts: list[str], *, image_size: int | None = No
 def open_folder(path, prompts: list[str], *, device="cpu", dtype=torch.float32, image_size: int | None = None,
                 negative_prompt: str | None = None, prompt_length: int | None = None) -> hf.Opened:
     """An Emu3 folder ready to decode ``prompts`` (formatted as transformers' recipe does), left-
-    padded to ``prompt_length`` when given (padding does not change the law: it is masked and
-    positions skip it)."""
+    padded to ``prompt_length`` when given, or to what the context leaves if that is less (padding
+    does not change the law: it is masked and positions skip it)."""
     negative = NEGATIVE_PROMPT if negative_prompt is None else negative_prompt
     processor = hf.load_processor(path, NAME)
     cond, grid = format_prompts(processor, prompts, image_size=image_size, negative_prompt=negative)
-    cond, _ = hf.left_pad(cond, None, prompt_length, -1)
     context = hf.read_config(path).get("text_config", {}).get("max_position_embeddings")
-    needed = cond.shape[2] + grid * (grid + 1) + 3  # transformers' sequence: prompt, rows + end-of-lines, 3 end tokens
+    image = grid * (grid + 1) + 3  # transformers' sequence after the prompt: rows + end-of-lines, 3 end tokens
+    if prompt_length is not None:  # at most what the context leaves, never less than these prompts need
+        room = context - image if isinstance(context, int) else prompt_length
+        cond, _ = hf.left_pad(cond, None, max(cond.shape[2], min(prompt_length, room)), -1)
+    needed = cond.shape[2] + image
     if isinstance(context, int) and needed > context:
         raise RelaxspecError(f"a {grid}x{grid}-token image after a {cond.shape[2]}-token prompt is {needed} positions; "
                              f"the model's context is {context}: give a smaller --image-size or a shorter prompt")

@@ -187,15 +187,14 @@ def load_processor(path):
 def open_folder(path, prompts: list[str], *, device="cpu", dtype=torch.float32, image_size: int | None = None,
                 negative_prompt: str | None = None, prompt_length: int | None = None) -> hf.Opened:
     """A Janus folder ready to decode ``prompts`` (formatted as transformers' recipe does), left-
-    padded to ``prompt_length`` when given (padding does not change the law: it is masked and
-    positions skip it)."""
+    padded to ``prompt_length`` when given, or to what the context leaves if that is less (padding
+    does not change the law: it is masked and positions skip it)."""
     if negative_prompt is not None:
         raise RelaxspecError("--negative-prompt: Janus's guidance has no negative prompt (its unconditional rows "
                              "are the prompt padded out)")
     processor = load_processor(path)
     ids, mask = format_prompts(processor, prompts)
     pad = processor.tokenizer.pad_token_id
-    ids, mask = hf.left_pad(ids, mask, prompt_length, pad)
     # Checked before the weights load: the image size and the context.
     config = hf.transformers_module(NAME).JanusConfig.from_pretrained(path, local_files_only=True)
     tokens = config.vision_config.num_image_tokens
@@ -203,6 +202,8 @@ def open_folder(path, prompts: list[str], *, device="cpu", dtype=torch.float32, 
     if image_size is not None and image_size != size:
         raise RelaxspecError(f"--image-size {image_size}: this Janus model's image size is fixed by its config ({size})")
     context = config.text_config.max_position_embeddings
+    if prompt_length is not None:  # at most what the context leaves, never less than these prompts need
+        ids, mask = hf.left_pad(ids, mask, max(ids.shape[1], min(prompt_length, context - tokens)), pad)
     if ids.shape[1] + tokens > context:
         raise RelaxspecError(f"a {ids.shape[1]}-token prompt and {tokens} image tokens exceed the model's context "
                              f"({context} positions): give a shorter prompt")
