@@ -8,6 +8,13 @@
    in bf16 at batch 1 with CFG: AR ms/token eager and compiled; the target forward's cost over
    1..64 tokens; per-step engine overhead (a step's time minus its forwards) of every method.
 3. **The embedded model's speed-ups** on the device (``relaxspec bench``, eager and compiled).
+4. **The transformers families at their real shapes** (random weights; parts ``janus`` and
+   ``emu3``, each under ten minutes on an H100, so run them as their own calls): a Janus-Pro-1B
+   and an Emu3-Gen (8B) language model in bf16 at batch 1 with CFG: greedy SJD == AR on the
+   device, AR ms/token eager and compiled, the target forward's cost over 1..64 tokens (what a
+   speculative step's verification costs), and per-step time and engine overhead of the drafter-
+   free methods. Random weights accept nothing beyond chance (MAL ~1): these are costs, not
+   speed-ups; the speed-ups need the real checkpoints.
 
 Writes ``OUT/gpu.json`` and ``OUT/gpu.md``. ``--quick`` shrinks every part (a smoke test that
 runs on a CPU in minutes: ``python benchmarks/gpu.py --device cpu --quick --out /tmp/gpu``).
@@ -116,6 +123,115 @@ def gpt_xl(device: torch.device, quick: bool) -> dict:
     return out
 
 
+def janus_shaped(device: torch.device, dtype: torch.dtype, quick: bool):
+    """A random Janus-Pro-1B-shaped target (tiny with ``quick``) and a prompt ``[1, S]``: the
+    language model, generation head and VQ codebook at their real sizes; the unused vision tower
+    and the VQ decoder kept small."""
+    from transformers import JanusConfig, JanusForConditionalGeneration, LlamaConfig
+    from transformers.models.janus.configuration_janus import JanusVisionConfig, JanusVQVAEConfig
+
+    from relaxspec.models.janus import JanusTarget
+
+    width, layers, heads, vocab, codes, side = (64, 2, 4, 1000, 256, 8) if quick else (2048, 24, 16, 102400, 16384, 24)
+    text = LlamaConfig(hidden_size=width, intermediate_size=width * 11 // 4, num_hidden_layers=layers,
+                       num_attention_heads=heads, num_key_value_heads=heads, vocab_size=vocab,
+                       max_position_embeddings=16384, bos_token_id=1, pad_token_id=0, eos_token_id=2)
+    vision = JanusVisionConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
+                               image_size=side * 16, patch_size=16, projection_dim=width, depth=1,
+                               num_image_tokens=side * side)
+    vq = JanusVQVAEConfig(embed_dim=8, num_embeddings=codes, base_channels=32, channel_multiplier=[1, 2],
+                          num_res_blocks=1, latent_channels=8, resolution=side * 2, in_channels=3, out_channels=3,
+                          projection_dim=width, image_token_embed_dim=width, num_patches=side)
+    config = JanusConfig(text_config=text.to_dict(), vision_config=vision.to_dict(), vq_config=vq.to_dict(),
+                         image_token_id=5)
+    model = _built(lambda: JanusForConditionalGeneration(config), device, dtype)
+    boi = 6
+    prompt = torch.cat([torch.tensor([1]), torch.randint(10, vocab, (30,)), torch.tensor([boi])])[None].to(device)
+    return JanusTarget(model, prompt.shape[1], bos_token_id=1, boi_token_id=boi, pad_token_id=0), prompt, None
+
+
+def emu3_shaped(device: torch.device, dtype: torch.dtype, quick: bool):
+    """A random Emu3-Gen-shaped target (8B language model, 184622-token vocabulary, 32768 visual
+    codes; tiny with ``quick``) painting a 32x32-token image, and its conditions ``[1, 2, S]``."""
+    from transformers import Emu3Config, Emu3ForConditionalGeneration, Emu3TextConfig
+
+    from relaxspec.models.emu3 import Emu3Target
+
+    if quick:
+        width, layers, heads, kv, inner, vocab, codes, grid = 64, 2, 4, 2, 128, 2000, 256, 8
+    else:
+        width, layers, heads, kv, inner, vocab, codes, grid = 4096, 32, 32, 8, 14336, 184622, 32768, 32
+    first_visual = vocab - codes - 8
+    vocabulary = {f"<|visual token {i:06d}|>": first_visual + i for i in range(codes)}
+    vocabulary.update({"<|extra_200|>": vocab - 8, "<|image token|>": vocab - 7, "<image>": vocab - 6})
+    text = Emu3TextConfig(vocab_size=vocab, hidden_size=width, intermediate_size=inner, num_hidden_layers=layers,
+                          num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=9216,
+                          pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    vq = dict(codebook_size=codes, embed_dim=4, latent_channels=4, base_channels=32, channel_multiplier=[1, 2],
+              num_res_blocks=1, attn_resolutions=[], hidden_size=64, temporal_downsample_factor=4)
+    config = Emu3Config(text_config=text.to_dict(), vq_config=vq, vocabulary_map=vocabulary)
+    model = _built(lambda: Emu3ForConditionalGeneration(config), device, dtype)
+    prompt = torch.cat([torch.randint(0, first_visual, (30,)), torch.tensor([vocab - 7])])
+    negative = torch.randint(0, first_visual, (31,))
+    cond = torch.stack([prompt, negative])[None].to(device)
+    return Emu3Target(model, cond.shape[2], grid), cond, None
+
+
+def _built(make, device: torch.device, dtype: torch.dtype):
+    """``make()`` built on ``device`` in ``dtype`` (an 8B model never passes through the CPU)."""
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            return make().eval().requires_grad_(False)
+    finally:
+        torch.set_default_dtype(default)
+
+
+FAMILY_METHODS = {"ar": dict(method="ar"), "sjd": dict(method="sjd"), "scd": dict(method="scd"),
+                  "gsd": dict(method="gsd")}
+
+
+def family_costs(name: str, device: torch.device, quick: bool) -> dict:
+    """One transformers family at its real shape: greedy SJD == AR, AR ms/token eager and compiled,
+    forward costs over 1..64 tokens, and each drafter-free method's per-step time and overhead."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    torch.manual_seed(0)
+    build = {"janus": janus_shaped, "emu3": emu3_shaped}[name]
+    (target, cond, mask), seconds = timed(lambda: build(device, dtype, quick), device)
+    scale = {"janus": 5.0, "emu3": 3.0}[name]
+    out = {"model": f"{name} ({'tiny' if quick else 'real shape'}, random weights)", "dtype": str(dtype),
+           "tokens": target.config.block_size, "build_seconds": seconds}
+    print(f"{out['model']}: built in {seconds:.1f} s", flush=True)
+    greedy = SamplingConfig(cfg_scale=scale, temperature=0.0, top_k=0)
+    ar = decode(target, cond, greedy, MethodOptions(method="ar"), cond_mask=mask).tokens
+    sjd = decode(target, cond, greedy, MethodOptions(method="sjd"), cond_mask=mask).tokens
+    out["greedy_sjd_equals_ar"] = bool(torch.equal(ar, sjd))
+    print(f"{name}: greedy SJD == AR: {out['greedy_sjd_equals_ar']}", flush=True)
+    sampling = SamplingConfig(cfg_scale=scale, temperature=1.0, top_k=0)
+    sizes = (1, 2, 4, 8, 16) if quick else (1, 2, 4, 8, 16, 32, 48, 64)
+    costs = measure_forward_costs(target, sampling=sampling, target_sizes=sizes, reps=3 if quick else 11, cond=cond,
+                                  cond_mask=mask)
+    out["target_forward_ms"] = {int(k): 1000 * v for k, v in costs.target.items()}
+    print(f"{name}: forward ms {out['target_forward_ms']}", flush=True)
+    steps = {}
+    for method, options in FAMILY_METHODS.items():
+        for compile in (False, True):
+            opts = MethodOptions(**options, compile=compile)
+            decode(target, cond, sampling, opts, cond_mask=mask, generator=torch.Generator(device=device).manual_seed(0))
+            result, wall = timed(lambda: decode(target, cond, sampling, opts, cond_mask=mask,
+                                                generator=torch.Generator(device=device).manual_seed(1)), device)
+            forwards = int(result.target_forwards[0])
+            key = method + (" compiled" if compile else "")
+            steps[key] = {"ms_per_token": 1000 * wall / target.config.block_size, "ms_per_step": 1000 * wall / forwards,
+                          "engine_ms_per_step": 1000 * result.overhead_seconds / forwards,
+                          "mal": float(result.mean_accepted_length[0])}
+            print(f"{name} {key}: {steps[key]}", flush=True)
+    out["methods"] = steps
+    target.clear_caches()
+    return out
+
+
 def embedded_speedups(device: torch.device, out: Path, quick: bool) -> dict:
     """``relaxspec bench`` of the embedded model on the device, eager and compiled."""
     folder = out / "bench-embedded"
@@ -136,7 +252,9 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--out", default="gpu-results")
     parser.add_argument("--quick", action="store_true", help="small sizes: a smoke test of this script")
-    parser.add_argument("--parts", default="checks,xl,embedded", help="comma-separated subset to run")
+    parser.add_argument("--parts", default="checks,xl,embedded",
+                        help="comma-separated subset of checks, xl, embedded, janus, emu3 (default: the first three; "
+                             "run janus and emu3 as their own calls)")
     args = parser.parse_args()
     device = torch.device(args.device)
     out = Path(args.out)
@@ -150,8 +268,12 @@ def main() -> None:
         report["xl"] = gpt_xl(device, args.quick)
     if "embedded" in parts:
         report["embedded"] = embedded_speedups(device, out, args.quick)
-    (out / "gpu.json").write_text(json.dumps(report, indent=1))
-    print(f"wrote {out / 'gpu.json'}")
+    for family in ("janus", "emu3"):
+        if family in parts:
+            report[family] = family_costs(family, device, args.quick)
+    name = "gpu.json" if parts <= {"checks", "xl", "embedded"} else f"gpu-{'-'.join(sorted(parts))}.json"
+    (out / name).write_text(json.dumps(report, indent=1))
+    print(f"wrote {out / name}")
 
 
 if __name__ == "__main__":

@@ -94,19 +94,23 @@ def _round_robin_medians(calls: dict, reps: int, warmup: int, device: torch.devi
 @torch.no_grad()
 def measure_forward_costs(target_model, drafter=None, *, sampling: SamplingConfig | None = None,
                           target_sizes=(1, 2, 4, 8, 12, 16, 24, 32, 48, 64), drafter_sizes=(1, 2, 4, 8, 16),
-                          reps: int = 21, warmup: int = 2) -> ForwardCosts:
+                          reps: int = 21, warmup: int = 2, cond: torch.Tensor | None = None,
+                          cond_mask: torch.Tensor | None = None) -> ForwardCosts:
     """Time the target (and drafter) forwards of one image (both CFG streams unless ``sampling``
-    turns CFG off) for the given token counts."""
+    turns CFG off) for the given token counts. ``cond [1, ...]`` (and ``cond_mask``): the image's
+    condition, needed for a text-to-image target (default: class 0)."""
     if reps < 1 or warmup < 0:
         raise RelaxspecError(f"reps must be >= 1 and warmup >= 0, got {reps}, {warmup}")
     sampling = sampling or SamplingConfig(cfg_scale=4.0)
     config = target_model.config
-    if config.model_type != "c2i":
-        raise RelaxspecError("forward costs are measured on class-conditional (c2i) targets")
     device = target_model.device
+    if cond is None:
+        if config.model_type != "c2i":
+            raise RelaxspecError("a text-to-image target's forward costs need its condition (cond=...)")
+        cond = torch.zeros(1, dtype=torch.long, device=device)
     context = config.block_size // 2  # a KV cache half full: the average step of an image
     largest = max(target_sizes)
-    target = GuidedTarget(target_model, torch.zeros(1, dtype=torch.long, device=device), sampling, scratch=largest)
+    target = GuidedTarget(target_model, cond, sampling, scratch=largest, cond_mask=cond_mask)
     def target_call(size: int):
         first = target.cls + context
         slots = torch.arange(first, first + size, device=device)[None]
