@@ -168,3 +168,18 @@ def test_padding_prompts_longer_keeps_their_law(folders, family):
         assert torch.equal(decode(wide.target, cond, greedy, methods.resolve("ar"), cond_mask=mask).tokens, tokens)
     with pytest.raises(RelaxspecError, match="at most 60 fit here"):
         wide.format(["a red fox " * 40])
+
+
+@pytest.mark.parametrize("family", ["emu3", "janus"])
+def test_forward_costs_of_a_text_to_image_target(families, family):
+    """bench.cost times a prompt-conditioned target's forwards given its condition (what the GPU
+    script measures at the real shapes); without one it says what is missing."""
+    from relaxspec.bench.cost import measure_forward_costs
+    from relaxspec.errors import RelaxspecError
+
+    target, cond, mask, _, scale, _ = families[family]
+    costs = measure_forward_costs(target, sampling=SamplingConfig(cfg_scale=scale), target_sizes=(1, 3), reps=1,
+                                  warmup=0, cond=cond[:1], cond_mask=None if mask is None else mask[:1])
+    assert sorted(costs.target) == [1, 3] and all(v > 0 for v in costs.target.values())
+    with pytest.raises(RelaxspecError, match="need its condition"):
+        measure_forward_costs(target, target_sizes=(1,), reps=1)
