@@ -76,7 +76,8 @@ def load_demo_model(args: argparse.Namespace):
     target = load_gpt(args.gpt_ckpt, args.gpt_model, image_size=args.image_size,
                       downsample=vq.config.downsample_factor, precision=args.precision, device=device)
     if target.config.model_type != "c2i":
-        raise RelaxspecError("relaxspec demo takes class-conditional (c2i) models for now")
+        raise RelaxspecError("relaxspec demo takes class-conditional LlamaGen checkpoints, or a Janus / Emu3 folder with "
+                             "--model-path: a LlamaGen t2i checkpoint is not served yet")
     if target.config.vocab_size != vq.config.codebook_size:
         raise RelaxspecError(f"the GPT's vocabulary ({target.config.vocab_size}) does not match the VQ codebook "
                              f"({vq.config.codebook_size}): they are not a pair")
