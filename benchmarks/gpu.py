@@ -105,22 +105,33 @@ def gpt_xl(device: torch.device, quick: bool) -> dict:
     sizes = (1, 2, 4, 8, 16) if quick else (1, 2, 4, 8, 16, 32, 48, 64)
     costs = measure_forward_costs(model, sampling=sampling, target_sizes=sizes, reps=5 if quick else 21)
     out["target_forward_ms"] = {int(k): 1000 * v for k, v in costs.target.items()}
-    engine = {}
-    for name, options in METHODS.items():
-        if name.startswith("lantern"):  # the embedded model's codebook defines neighbours; XL has none here
-            continue
-        for compile in (False, True):
-            opts = MethodOptions(**options, compile=compile)
-            decode(model, cond, sampling, opts, drafter=drafter, generator=torch.Generator(device=device).manual_seed(0))
-            result, wall = timed(lambda: decode(model, cond, sampling, opts, drafter=drafter,
-                                                generator=torch.Generator(device=device).manual_seed(1)), device)
-            steps = int(result.target_forwards[0])
-            key = name + (" compiled" if compile else "")
-            engine[key] = {"ms_per_step": 1000 * wall / steps, "engine_ms_per_step": 1000 * result.overhead_seconds / steps,
-                           "mal": float(result.mean_accepted_length[0])}
-            print(f"{out['model']} {key}: {engine[key]}", flush=True)
+    wanted = {name: options for name, options in METHODS.items()
+              if not name.startswith("lantern")}  # the embedded model's codebook defines neighbours; XL has none here
+    engine = step_costs(model, cond, sampling, wanted, out["model"], device, drafter=drafter)
     out["engine"] = engine
     return out
+
+
+def step_costs(model, cond, sampling, wanted: dict, label: str, device: torch.device, *, drafter=None,
+               cond_mask=None) -> dict:
+    """Each method of ``wanted`` (eager and compiled): ms per token and per step, the engine's
+    share of a step, MAL; one untimed decode first (warm-up, compilation)."""
+    costs = {}
+    tokens = model.config.block_size
+    for name, options in wanted.items():
+        for compile in (False, True):
+            opts = MethodOptions(**options, compile=compile)
+            run = lambda seed: decode(model, cond, sampling, opts, drafter=drafter, cond_mask=cond_mask,  # noqa: E731
+                                      generator=torch.Generator(device=device).manual_seed(seed))
+            run(0)
+            result, wall = timed(lambda: run(1), device)
+            steps = int(result.target_forwards[0])
+            key = name + (" compiled" if compile else "")
+            costs[key] = {"ms_per_token": 1000 * wall / tokens, "ms_per_step": 1000 * wall / steps,
+                          "engine_ms_per_step": 1000 * result.overhead_seconds / steps,
+                          "mal": float(result.mean_accepted_length[0])}
+            print(f"{label} {key}: {costs[key]}", flush=True)
+    return costs
 
 
 def janus_shaped(device: torch.device, dtype: torch.dtype, quick: bool):
@@ -214,19 +225,7 @@ def family_costs(name: str, device: torch.device, quick: bool) -> dict:
                                   cond_mask=mask)
     out["target_forward_ms"] = {int(k): 1000 * v for k, v in costs.target.items()}
     print(f"{name}: forward ms {out['target_forward_ms']}", flush=True)
-    steps = {}
-    for method, options in FAMILY_METHODS.items():
-        for compile in (False, True):
-            opts = MethodOptions(**options, compile=compile)
-            decode(target, cond, sampling, opts, cond_mask=mask, generator=torch.Generator(device=device).manual_seed(0))
-            result, wall = timed(lambda: decode(target, cond, sampling, opts, cond_mask=mask,
-                                                generator=torch.Generator(device=device).manual_seed(1)), device)
-            forwards = int(result.target_forwards[0])
-            key = method + (" compiled" if compile else "")
-            steps[key] = {"ms_per_token": 1000 * wall / target.config.block_size, "ms_per_step": 1000 * wall / forwards,
-                          "engine_ms_per_step": 1000 * result.overhead_seconds / forwards,
-                          "mal": float(result.mean_accepted_length[0])}
-            print(f"{name} {key}: {steps[key]}", flush=True)
+    steps = step_costs(target, cond, sampling, FAMILY_METHODS, name, device, cond_mask=mask)
     out["methods"] = steps
     target.clear_caches()
     return out
