@@ -246,11 +246,9 @@ def run_bench_cli(args: argparse.Namespace) -> int:
                 spec.options.setdefault("compile", True)
     drafting = [s.label for s in specs if s.needs_drafter]
     if args.model_path is not None:
-        from relaxspec.models import hf
+        from relaxspec.cli.generate import fill_folder_sampling
 
-        for key, value in hf.family(args.model_path).sampling_defaults(args.model_path).items():
-            if getattr(args, key, None) is None:  # its generation config, else its family's recipe
-                setattr(args, key, value)
+        fill_folder_sampling(args)
     else:
         resolve_models(args)
     sampling = SamplingConfig(cfg_scale=args.cfg_scale, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
@@ -290,17 +288,11 @@ def _prompts(args: argparse.Namespace) -> list[str]:
 def _open_transformers(args: argparse.Namespace, device):
     """``--model-path``: the target, its image tokenizer, the prompt images and the identity."""
     from relaxspec.bench.run import PromptImages
+    from relaxspec.cli.generate import open_model_folder
     from relaxspec.files import file_identity
-    from relaxspec.models import hf
-    from relaxspec.models.llamagen.checkpoints import PRECISIONS
 
-    family = hf.family(args.model_path)
-    if not (args.prompt or args.prompts_file):
-        raise RelaxspecError(f"this {family.NAME} model is benchmarked on prompts: give --prompt TEXT or --prompts-file")
-    prompts = _prompts(args)
-    opened = family.open_folder(args.model_path, prompts, device=device, dtype=PRECISIONS[args.precision],
-                                image_size=args.image_size, negative_prompt=args.negative_prompt)
-    args.image_size = opened.image_size
+    prompts = _prompts(args) if (args.prompt or args.prompts_file) else []
+    family, opened = open_model_folder(args, device, prompts)
     identity = {"model_path": str(Path(args.model_path).resolve()), "model_type": family.MODEL_TYPE,
                 "image_size": opened.image_size, **{k: v for k, v in opened.record.items() if k != "prompts"},
                 "files": {"model_path": file_identity(args.model_path)}}

@@ -162,11 +162,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     drafter_given = args.drafter_ckpt is not None
     use_embedded_defaults(args)
     if args.model_path is not None:
-        from relaxspec.models import hf
-
-        for key, value in hf.family(args.model_path).sampling_defaults(args.model_path).items():
-            if getattr(args, key) is None:  # the folder's generation config, else its family's recipe
-                setattr(args, key, value)
+        fill_folder_sampling(args)
     elif args.negative_prompt is not None:
         raise RelaxspecError("--negative-prompt goes with --model-path (an Emu3 folder)")
     for key, value in UPSTREAM_SAMPLING.items():
@@ -364,22 +360,40 @@ def load_conditions(args: argparse.Namespace, model: Transformer) -> tuple[torch
 def load_transformers_model(args: argparse.Namespace, device):
     """A ``--model-path`` folder: the target, its image tokenizer, the prompts' token ids and mask,
     what stats.json records about them, and the model's identity (relaxspec.models.hf)."""
+    family, opened = open_model_folder(args, device)
+    model, vq = opened.target, opened.tokenizer
+    identity = {"model_path": str(Path(args.model_path).resolve()), "model_type": family.MODEL_TYPE,
+                "model_config": vars(model.config), "vq_config": vars(vq.config)}
+    return model, vq, opened.cond, opened.cond_mask, opened.record, identity
+
+
+def open_model_folder(args: argparse.Namespace, device, prompts: list[str] | None = None):
+    """``(family, opened)`` for ``--model-path`` (relaxspec.models.hf), on ``prompts`` (default: the
+    --prompt / --prompts-file ones) with --precision, --image-size and --negative-prompt, as
+    generate and bench open it; ``args.image_size`` becomes the folder's pixel size."""
     from relaxspec.models import hf
 
     family = hf.family(args.model_path)
-    if args.classes is not None or args.caption_features or args.t5_path:
+    if getattr(args, "classes", None) is not None or getattr(args, "caption_features", None) or args.t5_path:
         raise RelaxspecError(f"this {family.NAME} model takes text prompts: --prompt TEXT or --prompts-file FILE")
-    prompts = read_prompts(args)
+    prompts = read_prompts(args) if prompts is None else prompts
     if not prompts:
         raise RelaxspecError(f"this {family.NAME} model takes text prompts: give --prompt TEXT (repeatable) or "
                              "--prompts-file FILE")
     opened = family.open_folder(args.model_path, prompts, device=device, dtype=PRECISIONS[args.precision],
                                 image_size=args.image_size, negative_prompt=args.negative_prompt)
     args.image_size = opened.image_size
-    model, vq = opened.target, opened.tokenizer
-    identity = {"model_path": str(Path(args.model_path).resolve()), "model_type": family.MODEL_TYPE,
-                "model_config": vars(model.config), "vq_config": vars(vq.config)}
-    return model, vq, opened.cond, opened.cond_mask, opened.record, identity
+    return family, opened
+
+
+def fill_folder_sampling(args: argparse.Namespace) -> None:
+    """Sampling flags left out (``None`` or absent) come from the ``--model-path`` folder: its
+    generation config, else its family's recipe. generate, bench and train-drafter read them so."""
+    from relaxspec.models import hf
+
+    for key, value in hf.family(args.model_path).sampling_defaults(args.model_path).items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, value)
 
 
 def read_prompts(args: argparse.Namespace) -> list[str]:

@@ -222,13 +222,9 @@ def run_train_drafter(args: argparse.Namespace) -> int:
     if "classes" in args:  # each --classes word may itself be a comma list
         args.classes = [c for word in args.classes for c in word]
     if "model_path" in args and not getattr(args, "resume", False):
-        from relaxspec.models import hf
+        from relaxspec.cli.generate import fill_folder_sampling
 
-        # A transformers folder samples as it does for generate: its generation config, else its family's recipe.
-        defaults = hf.family(args.model_path).sampling_defaults(args.model_path)
-        for key in ("cfg_scale", "temperature", "top_k", "top_p"):
-            if key not in args:
-                setattr(args, key, defaults[key])
+        fill_folder_sampling(args)  # its self-samples are drawn as generate draws from it
     config, resume = config_from_args(args, DrafterTrainConfig, read_drafter_state)
     result = train_drafter(config, resume=resume)
     last = result.history[-1] if result.history else {}
