@@ -17,6 +17,19 @@ from relaxspec.errors import RelaxspecError
 GRID_FILE = "grid.png"
 
 
+def read_prompts_file(path: str | Path) -> list[str]:
+    """The prompts of ``--prompts-file``: one per line, blank lines skipped, UTF-8 (a byte-order
+    mark is not part of the first prompt)."""
+    path = Path(path)
+    if not path.is_file():
+        raise RelaxspecError(f"--prompts-file {path}: no such file")
+    try:
+        lines = path.read_text(encoding="utf-8-sig").splitlines()
+    except UnicodeDecodeError:
+        raise RelaxspecError(f"--prompts-file {path}: not UTF-8 text") from None
+    return [line for line in lines if line.strip()]
+
+
 def write_atomic(path: Path, write) -> None:
     """``write(temp_path)`` then rename over ``path``: readers never see a half-written file."""
     temp = path.with_name(f".{path.name}.{os.getpid()}.tmp{path.suffix}")

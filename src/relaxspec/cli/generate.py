@@ -27,7 +27,7 @@ from relaxspec.methods import MethodOptions
 from relaxspec.decoding.result import certified_tv, record_tv_sum, total_rank_counts
 from relaxspec.drafting.eagle import load_drafter
 from relaxspec.errors import RelaxspecError
-from relaxspec.files import load_caption_features, file_identity, write_atomic, write_grid, write_json, write_png
+from relaxspec.files import load_caption_features, file_identity, read_prompts_file, write_atomic, write_grid, write_json, write_png
 from relaxspec.models.llamagen.gpt import GPT_SIZES, Transformer
 from relaxspec.models.llamagen.vq import VQ_CONFIGS, to_uint8
 from relaxspec.sampling import SamplingConfig, batch_seed
@@ -400,16 +400,9 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
     """``--prompt`` values, then the lines of ``--prompts-file`` (blank lines skipped)."""
     prompts = list(args.prompt or [])
     if args.prompts_file:
-        path = Path(args.prompts_file)
-        if not path.is_file():
-            raise RelaxspecError(f"--prompts-file {path}: no such file")
-        try:
-            lines = path.read_text(encoding="utf-8-sig").splitlines()  # a BOM is not part of the first prompt
-        except UnicodeDecodeError:
-            raise RelaxspecError(f"--prompts-file {path}: not UTF-8 text") from None
-        prompts += [line for line in lines if line.strip()]
+        prompts += read_prompts_file(args.prompts_file)
         if not prompts:
-            raise RelaxspecError(f"--prompts-file {path}: no prompts in the file")
+            raise RelaxspecError(f"--prompts-file {args.prompts_file}: no prompts in the file")
     if prompts and (args.caption_features or args.caption_mask):
         raise RelaxspecError("give prompts or --caption-features, not both")
     return prompts

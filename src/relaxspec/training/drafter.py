@@ -642,15 +642,11 @@ class DrafterTrainResult:
 
 def _read_prompts(config: DrafterTrainConfig) -> list[str]:
     """The self-samples' prompts (``prompts_file``, blank lines skipped)."""
-    path = Path(config.prompts_file)
-    if not path.is_file():
-        raise RelaxspecError(f"--prompts-file {path}: no such file")
-    try:
-        prompts = [line for line in path.read_text(encoding="utf-8-sig").splitlines() if line.strip()]
-    except UnicodeDecodeError:
-        raise RelaxspecError(f"--prompts-file {path}: not UTF-8 text") from None
+    from relaxspec.files import read_prompts_file
+
+    prompts = read_prompts_file(config.prompts_file)
     if not prompts:
-        raise RelaxspecError(f"--prompts-file {path}: no prompts in the file")
+        raise RelaxspecError(f"--prompts-file {config.prompts_file}: no prompts in the file")
     return prompts
 
 
