@@ -111,6 +111,37 @@ def test_groups_follow_the_published_construction():
                 assert got == sorted(reference_group(p[b].tolist(), e, x, ranks, p_gap, distance))
 
 
+def test_a_new_table_at_a_reused_address_gets_its_own_closeness_table():
+    """Issue 20: the table cache was keyed by the tensor's address (and version, shape, dtype), so
+    a new embedding tensor at a freed one's address read the old table. Two tensors over one numpy
+    buffer force the reuse: same address, shape, dtype and version (numpy writes bump no torch
+    version counter), different vectors."""
+    import gc
+
+    import numpy as np
+
+    buffer = np.random.default_rng(0).standard_normal((64, 8)).astype(np.float32) * 0.05
+    first = torch.from_numpy(buffer)
+    assert int(GroupRule(first, distance=0.5).close_table("cpu").sum()) == 64 * 64  # all close
+    del first
+    gc.collect()
+    buffer *= 20 * 20  # 20x the scale: only each code itself stays within the distance
+    second = torch.from_numpy(buffer)
+    rule = GroupRule(second, distance=0.5)
+    assert int(rule.close_table("cpu").sum()) == 64
+    # A rule over the same live owner shares its table; another owner of the same vectors does not.
+    model = torch.nn.Embedding(64, 8)
+    with torch.no_grad():
+        model.weight.copy_(second)
+    shared = GroupRule(model.weight[:64], distance=0.5)
+    assert GroupRule(model.weight[:64], distance=0.5).close_table("cpu") is shared.close_table("cpu")
+    assert GroupRule(model.weight[:64], distance=0.5, owner=torch.nn.Module()).close_table("cpu") is not shared.close_table("cpu")
+    # Weights changed in place (training) bump the version: a new table.
+    with torch.no_grad():
+        model.weight.mul_(0.0)
+    assert int(GroupRule(model.weight[:64], distance=0.5).close_table("cpu").sum()) == 64 * 64
+
+
 @pytest.mark.parametrize("ranks, p_gap, distance", [(0, 1.0, 10.0), (7, 0.0, 10.0), (7, 1.0, 0.0)])
 def test_a_group_of_one_is_the_exact_rule(ranks, p_gap, distance):
     rule = GroupRule(embeddings(), ranks, p_gap, distance)

@@ -26,16 +26,17 @@ import torch
 from torch import Tensor
 
 from relaxspec.acceptance.base import AcceptanceRule, gather_at, normalise
+from relaxspec.caching import PerObject
 from relaxspec.errors import RelaxspecError
 
 # one_step_law tests every token as a draft, [batch, chunk, 2R] at a time; this bounds batch * chunk * 2R.
 LAW_CHUNK_ELEMENTS = 1 << 22
 # The [V, V] table of which codes are close is built in row blocks of this many codes.
 CLOSE_BLOCK = 1024
-# Closeness tables of recent (embeddings, distance, device): every decode builds a new rule, and a
-# table costs seconds and V^2 bytes to build for a LlamaGen-sized vocabulary.
-_CLOSE_TABLES: dict[tuple, Tensor] = {}
-_CLOSE_TABLES_KEPT = 2
+# Closeness tables of live models: every decode builds a new rule, and a table costs seconds and
+# V^2 bytes to build for a LlamaGen-sized vocabulary. Keyed by the object the vectors come from
+# (never by an address, which a new tensor can reuse), so only a few owners are kept.
+_CLOSE_TABLES = PerObject(kept=2)
 
 
 class GroupRule(AcceptanceRule):
@@ -48,15 +49,21 @@ class GroupRule(AcceptanceRule):
             group is ``{x}`` and the rule is exact).
         p_gap: keep candidates with ``|p(y) - p(x)| < p_gap``.
         distance: keep candidates with ``||e_y - e_x||^2 < distance``.
+        owner: the object ``embeddings`` comes from (the target model, the VQ tokenizer), so rules
+            built on the same live owner share one closeness table; default: the tensor itself
+            (or the tensor it is a view of).
     """
 
     name = "gsd"
 
-    def __init__(self, embeddings: Tensor, ranks: int = 7, p_gap: float = 0.15, distance: float = 0.5):
+    def __init__(self, embeddings: Tensor, ranks: int = 7, p_gap: float = 0.15, distance: float = 0.5,
+                 owner: object | None = None):
         if embeddings.dim() != 2:
             raise RelaxspecError(f"GSD's embeddings must be [vocab, dim], got shape {tuple(embeddings.shape)}")
         if ranks < 0 or p_gap < 0 or distance < 0:
             raise RelaxspecError(f"GSD's ranks, p_gap and distance must be >= 0, got {ranks}, {p_gap}, {distance}")
+        # A view's own object is new at every slice; the tensor it views is what lives on.
+        self._owner = owner if owner is not None else (embeddings if embeddings._base is None else embeddings._base)
         self._source = embeddings.detach()
         self.embeddings = self._source.float()
         self.ranks, self.p_gap, self.distance = int(ranks), float(p_gap), float(distance)
@@ -76,28 +83,27 @@ class GroupRule(AcceptanceRule):
     def close_table(self, device: torch.device) -> Tensor:
         """``[V, V]`` bool: ``||e_y - e_x||^2 < distance``. The distance test depends on the codes
         only, so it is computed once (in blocks; V^2 bytes, 268 MB for LlamaGen's 16384 codes) and
-        every test reads it by index instead of gathering ``[.., 2R, D]`` embeddings. Tables are
-        shared by rules over the same (unchanged) embedding tensor, distance and device."""
+        every test reads it by index instead of gathering ``[.., 2R, D]`` embeddings. Rules over
+        the same live owner (see the constructor), unchanged vectors, distance and device share
+        one table."""
         device = torch.device(device)
         if self._close is not None and self._close.device == device:
             return self._close
         source = self._source
-        key = (source.data_ptr(), source._version, tuple(source.shape), source.dtype, self.distance, str(device))
-        table = _CLOSE_TABLES.get(key)
-        if table is None:
-            e = self.embeddings.to(device)
-            norms = e.square().sum(1)
-            blocks = []
-            for i in range(0, e.shape[0], CLOSE_BLOCK):
-                part = e[i : i + CLOSE_BLOCK]
-                squared = norms[i : i + CLOSE_BLOCK, None] + norms[None, :] - 2.0 * part @ e.T
-                blocks.append(squared < self.distance)
-            table = torch.cat(blocks)
-            while len(_CLOSE_TABLES) >= _CLOSE_TABLES_KEPT:
-                _CLOSE_TABLES.pop(next(iter(_CLOSE_TABLES)))
-            _CLOSE_TABLES[key] = table
-        self._close = table
-        return table
+        key = (source.storage_offset(), tuple(source.shape), tuple(source.stride()), source.dtype,
+               source._version, self.distance, str(device))
+        self._close = _CLOSE_TABLES.get(self._owner, key, lambda: self._build_close(device))
+        return self._close
+
+    def _build_close(self, device: torch.device) -> Tensor:
+        e = self.embeddings.to(device)
+        norms = e.square().sum(1)
+        blocks = []
+        for i in range(0, e.shape[0], CLOSE_BLOCK):
+            part = e[i : i + CLOSE_BLOCK]
+            squared = norms[i : i + CLOSE_BLOCK, None] + norms[None, :] - 2.0 * part @ e.T
+            blocks.append(squared < self.distance)
+        return torch.cat(blocks)
 
     # ------------------------------------------------------------------ the group
     def _groups(self, target: Tensor, order: Tensor, rank: Tensor, tokens: Tensor) -> tuple[Tensor, Tensor]:

@@ -35,12 +35,13 @@ class GSD(Method):
         if options.group_latent == "codebook":
             if vq is None:
                 raise RelaxspecError("GSD with --group-latent codebook needs the VQ tokenizer")
-            vectors = vq.codebook
+            vectors, owner = vq.codebook, vq
         else:
             if target is None:
                 raise RelaxspecError("GSD needs the target model (its token embeddings define the groups)")
-            vectors = target.token_embeddings
-        return GroupRule(vectors, options.group_ranks, options.group_p_gap, options.group_distance)
+            vectors, owner = target.token_embeddings, target
+        # The owner keys the closeness table, so a second decode of the same model reuses it.
+        return GroupRule(vectors, options.group_ranks, options.group_p_gap, options.group_distance, owner=owner)
 
 
 METHODS = (GSD(),)

@@ -1,0 +1,57 @@
+"""Values derived from a live object, kept while that object lives.
+
+Set-up that depends only on a model (GSD's closeness table, tree tables, neighbour tables) is
+worth keeping across decodes, but a key made of an address, a shape and a dtype is not an
+identity: a new tensor can land at a freed tensor's address and read the old tensor's table
+(issue 20 found GSD laws shifted by up to 0.072 that way). :class:`PerObject` keys on the
+object itself, through a weak reference: an entry is dropped when its object is collected, and
+a lookup checks that the object found is the very one asked about.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Callable, Hashable
+
+
+class PerObject:
+    """``get(owner, key, build)``: ``build()`` once per live ``owner`` and ``key``.
+
+    At most ``kept`` owners are held (the oldest is dropped first); each owner keeps every key it
+    was asked for. Owners must support weak references (tensors, modules and ordinary objects do).
+    """
+
+    def __init__(self, kept: int = 4) -> None:
+        self.kept = kept
+        self._entries: dict[int, tuple[weakref.ref, dict[Hashable, Any]]] = {}
+
+    def get(self, owner: object, key: Hashable, build: Callable[[], Any]) -> Any:
+        ident = id(owner)
+        entry = self._entries.get(ident)
+        if entry is None or entry[0]() is not owner:
+            # A dead owner's id can be reused by a new object: its entry is never read.
+            entry = (weakref.ref(owner, self._forget(ident)), {})
+            self._entries.pop(ident, None)
+            while len(self._entries) >= self.kept:
+                self._entries.pop(next(iter(self._entries)))
+            self._entries[ident] = entry
+        values = entry[1]
+        if key not in values:
+            values[key] = build()
+        return values[key]
+
+    def _forget(self, ident: int) -> Callable[[weakref.ref], None]:
+        entries = self._entries
+
+        def forget(ref: weakref.ref) -> None:
+            entry = entries.get(ident)
+            if entry is not None and entry[0] is ref:
+                del entries[ident]
+
+        return forget
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def clear(self) -> None:
+        self._entries.clear()
