@@ -231,7 +231,8 @@ def test_lantern_point_mass_tv_is_merged_mass(seed, delta):
         tv = rule.step_tv(t, one_hot(token, V), token, 1)
         relaxed = rule.relaxed_prob(t, token, 1)
         for b in range(batch):
-            m, moved = reference_merge(t[b], NBRS[x], 4, delta)
+            # Nothing merges onto a token outside the target's support (B = 0 there).
+            m, moved = reference_merge(t[b], NBRS[x], 4, delta if t[b, x] > 0 else 0.0)
             assert tv[b].item() == pytest.approx(moved, abs=1e-6)
             assert relaxed[b].item() == pytest.approx(t[b, x].item() + moved, abs=1e-6)
             # The one-hot relaxed residual zeroes x and exactly the m merged neighbours.
@@ -286,6 +287,42 @@ def test_lantern_zero_probability_neighbours():
     assert mult.relaxed_prob(t0, x, 1).item() == 0.0
     assert mult.accept_prob(t0, one_hot(x, 4), x, 1).item() == 0.0
     torch.testing.assert_close(mult.residual(t0, one_hot(x, 4), x, 1), t0)
+
+
+@pytest.mark.parametrize("name", [name for name in RULES if name != "exact"])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_relaxed_laws_keep_the_targets_support(name, seed):
+    """Issue 20: a relaxed rule never commits a token the target's processed law gives no mass
+    (top-k, top-p): the enumerated law, built only from accept_prob and residual, is 0 there, for
+    sampled drafts and point masses alike; so is ``p~``."""
+    rule = RULES[name]()
+    t, q = random_pairs(seed=seed)
+    depth = depth_for(t.shape[0])
+    outside = t == 0
+    assert outside.any()
+    for proposal in (q, one_hot(torch.multinomial(q, 1, generator=torch.Generator().manual_seed(seed))[:, 0], V)):
+        law = enumerate_law(rule, t, proposal, depth)
+        assert float(law[outside].abs().max()) < 1e-7
+        torch.testing.assert_close(rule.one_step_law(t, proposal, depth).double(), law, atol=ATOL, rtol=0)
+    for x in range(V):
+        token = torch.full((t.shape[0],), x, dtype=torch.long)
+        relaxed = rule.relaxed_prob(t, token, depth)
+        assert (relaxed[outside[:, x]] == 0).all()
+
+
+def test_lantern_additive_budget_merges_nothing_onto_a_token_outside_the_support():
+    """The official code's p~(x) = p(x) + S_m would give x = 0 mass 0.3 here (its neighbours'),
+    accepting a token the user's top-k removed; within the support it is unchanged."""
+    nbrs = torch.tensor([[1, 2, 3], [0, 2, 3], [0, 1, 3], [0, 1, 2]])
+    t = torch.tensor([[0.0, 0.3, 0.3, 0.4]])
+    x = torch.tensor([0])
+    for rule in (LanternRule(nbrs, k=3, delta=0.5), LanternRule(nbrs, k=3, delta_schedule=[0.5])):
+        assert rule.relaxed_prob(t, x, 1).item() == 0.0
+        assert rule.accept_prob(t, one_hot(x, 4), x, 1).item() == 0.0
+        torch.testing.assert_close(rule.one_step_law(t, one_hot(x, 4), 1), t)  # rejected: the residual is t
+        assert rule.step_tv(t, one_hot(x, 4), x, 1).item() == pytest.approx(0.0, abs=1e-7)
+    full = torch.tensor([[0.1, 0.3, 0.2, 0.4]])  # full support: the official relaxation, p(x) + S_m
+    assert LanternRule(nbrs, k=3, delta=0.5).relaxed_prob(full, x, 1).item() == pytest.approx(0.1 + 0.3 + 0.2)
 
 
 def test_lantern_schedule_uses_depth_and_last_value():

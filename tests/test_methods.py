@@ -115,3 +115,30 @@ def test_a_new_family_needs_only_its_file_and_a_registry_entry(toy_family):
     assert spec.label == "toy[toy_strength=1]" and spec.method_options().toy_strength == 1.0
     with pytest.raises(RelaxspecError, match="toy_strength must be >= 0"):
         methods.resolve("toy", {"toy_strength": -1.0})
+
+
+RELAXED = [name for name in NAMES if methods.resolve(name).family.relaxed]
+
+
+@pytest.mark.parametrize("name", RELAXED)
+def test_no_relaxed_method_commits_a_token_outside_the_users_top_k(name):
+    """Issue 20: at --top-k 50 on the embedded model the LANTERN preset committed 63 of 512 tokens
+    outside the target's top-50. Every committed token must have mass under the target's processed
+    law at its position: its guided logits (teacher-forced), then top-k."""
+    import torch
+
+    import relaxspec
+    from relaxspec.sampling import SamplingConfig, process_logits
+
+    assert {"lantern", "lantern++", "cool", "gsd"} <= set(RELAXED)
+    target = embedded.load()[0]
+    sampling = SamplingConfig(cfg_scale=4.0, temperature=1.0, top_k=50)
+    classes = embedded.defaults()["classes"]
+    images, result = relaxspec.generate(classes, name, sampling=sampling, seed=0)
+    tokens = result.tokens
+    cond = torch.tensor([target.class_names.index(c) for c in classes.split(",")])
+    with torch.no_grad():
+        logits = target.forward_train(torch.cat([cond, target.null_condition(cond)]), torch.cat([tokens, tokens]))
+    probs = process_logits(logits, sampling)
+    committed = probs.gather(2, tokens[..., None])[..., 0]
+    assert tokens.numel() == 8 * 64 and int((committed == 0).sum()) == 0

@@ -8,7 +8,9 @@ nearest codebook neighbours ``n_1..n_k`` (proximity order, self excluded):
   neighbour is never skipped to take lighter ones behind it (the cumulative sum is monotone, so
   "the prefix" and "all j with S_j <= B" are the same set);
 * ``p~(x) = t(x) + S_m``: the relaxed target ``p~_x`` moves the mass of ``A_x = {n_1..n_m}`` onto
-  ``x``, so ``TV(t, p~_x) = S_m <= B``.
+  ``x``, so ``TV(t, p~_x) = S_m <= B``;
+* nothing is merged onto a token outside the target's support (``B = 0`` where ``t(x) = 0``), so
+  ``p~`` keeps the support of ``t``: no relaxed method undoes the user's top-k or top-p.
 
 The bound ``B`` is either additive, ``B = delta`` (LANTERN), or multiplicative,
 ``B = (lam - 1) * t(x)`` i.e. ``p~(x) <= lam * t(x)`` (LANTERN++). The official code overloads
@@ -158,19 +160,24 @@ class LanternRule(AcceptanceRule):
             raise ValueError(f"target must be [batch, {self.vocab}], got {tuple(target.shape)}")
 
     def _budget(self, target_at_x: Tensor, depth: Tensor) -> Tensor:
-        """The bound ``B`` (float64) for drafted tokens with probabilities ``target_at_x [B, ...]``."""
+        """The bound ``B`` (float64) for drafted tokens with probabilities ``target_at_x [B, ...]``.
+
+        ``B = 0`` where ``t(x) = 0``: a relaxed method never commits a token outside the support of
+        the target's processed law (CFG, temperature, top-k, top-p), so no mass is merged onto such
+        a token and ``p~(x) = 0`` (the official code would credit it its neighbours' mass and undo
+        the user's top-k; docs/METHODS.md). The multiplicative bound is 0 there by itself."""
         x64 = target_at_x.double()
         if self.lam is not None:
             return (self.lam - 1.0) * x64
         if self.delta is not None:
-            return torch.full_like(x64, self.delta)
+            return torch.where(x64 > 0, self.delta, 0.0)
         schedule = self._schedules.get(x64.device)
         if schedule is None:  # one host->device copy per device, not one per test
             schedule = self._schedules[x64.device] = torch.tensor(self.delta_schedule, dtype=torch.float64,
                                                                   device=x64.device)
         index = depth.clamp(1, len(self.delta_schedule)) - 1
         per_row = schedule[index]
-        return per_row.view(-1, *([1] * (x64.dim() - 1))).expand_as(x64)
+        return torch.where(x64 > 0, per_row.view(-1, *([1] * (x64.dim() - 1))).expand_as(x64), 0.0)
 
     def _merge(self, target: Tensor, token: Tensor, depth: Tensor | int):
         """Neighbours ``[B, k]``, their probabilities, the merged mask ``[B, k]`` and ``S_m [B]``."""
