@@ -89,7 +89,8 @@ def test_generate_end_to_end(tiny_ckpts, tmp_path, capsys):
         assert key in settings
     assert [r["class"] for r in stats["images"]] == [1, 2, 3]
     for record in stats["images"]:
-        assert record["target_forwards"] == 16 and record["mean_accepted_length"] == 1.0 and record["tv_bound"] == 0.0
+        assert record["target_forwards"] == 16 and record["mean_accepted_length"] == 1.0 and record["tv_sum"] == 0.0
+        assert "tv_bound" not in record  # per image: the sum, named for what it is (issue 20)
         assert record["seconds"] > 0 and 0 < record["target_forward_seconds"] < record["seconds"]
         assert record["drafter_forward_seconds"] == 0
     totals = stats["totals"]
@@ -406,3 +407,25 @@ def test_no_tv_record_reports_no_certificate(tmp_path, capsys):
     assert np.array_equal(tokens["on"], tokens["off"])
     assert stats["on"]["totals"]["tv_sum_mean"] > 0
     assert stats["off"]["totals"]["tv_certified"] is None and stats["off"]["images"][0]["tv_sum"] is None
+
+
+def test_a_run_written_with_the_old_tv_field_names_resumes_with_its_sums(tmp_path, capsys):
+    """Issue 20: per-image records name the TV record's sum ``tv_sum`` only (no capped
+    ``tv_bound``); a stats.json written before (``tv_bound`` as the uncapped sum, or as the cap
+    next to ``tv_sum``) is still read: its images are kept and its sums enter the totals."""
+    out = tmp_path / "old"
+    argv = ["generate", "--out", out, "--classes", "heart,time", "--no-progress"]
+    code, _, err = run(argv, capsys)
+    assert code == 0, err
+    stats = json.loads((out / "stats.json").read_text())
+    sums = [r["tv_sum"] for r in stats["images"]]
+    assert all("tv_bound" not in r for r in stats["images"]) and sum(sums) > 0
+    first, second = stats["images"]
+    first["tv_bound"] = first.pop("tv_sum")                # the oldest layout: the sum under the old name
+    second["tv_bound"] = min(1.0, second["tv_sum"])        # a later one: the cap next to the sum
+    stats["complete"] = False
+    (out / "stats.json").write_text(json.dumps(stats))
+    code, stdout, err = run(argv, capsys)
+    assert code == 0 and "0 generated now, 2 kept" in stdout, err
+    totals = json.loads((out / "stats.json").read_text())["totals"]
+    assert totals["tv_sum_mean"] == pytest.approx(sum(sums) / 2)

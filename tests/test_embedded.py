@@ -42,10 +42,11 @@ def test_generate_with_no_checkpoint_uses_the_embedded_model_and_its_defaults(tm
     assert grid.ndim == 3 and grid.shape[2] == 3 and grid.std() > 10  # a real picture, not a blank
     if defaults["method"]["method"] != "ar":
         assert stats["totals"]["mean_accepted_length"] > 1.0
-    # The certificate's fields (issue 9): the raw hybrid-argument sum, which the default relaxed
-    # method takes well past 1 on this model, is capped per image and for the run.
+    # The certificate's fields (issues 9, 20): per image the raw hybrid-argument sum, which the
+    # default relaxed method takes well past 1 on this model (no capped per-image field); the run's
+    # certificate caps the mean sum.
     for record in stats["images"]:
-        assert record["tv_bound"] == min(1.0, record["tv_sum"]) <= 1.0
+        assert "tv_bound" not in record and record["tv_sum"] > 0
         assert record["tv_per_token"] == pytest.approx(record["tv_sum"] / np.load(out / "tokens.npy").shape[1])
     totals = stats["totals"]
     assert totals["tv_sum_mean"] == pytest.approx(np.mean([r["tv_sum"] for r in stats["images"]]))

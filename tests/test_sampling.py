@@ -149,7 +149,7 @@ def test_greedy_matches_upstream_loop_and_is_deterministic(tiny_gpt, cfg_scale, 
     assert first.tokens.dtype == torch.int64 and first.tokens.shape == (3, 16)
     assert torch.equal(first.tokens, upstream_loop(tiny_gpt, cond, cfg_scale, 0.0, top_k, top_p))
     assert first.target_forwards.tolist() == [16, 16, 16]
-    assert torch.allclose(first.mean_accepted_length, torch.ones(3)) and first.tv_bound.abs().max() == 0
+    assert torch.allclose(first.mean_accepted_length, torch.ones(3)) and first.tv_sum.abs().max() == 0
     # Each greedy token is the argmax of a teacher-forced, guided full forward over the result.
     with torch.no_grad():
         rows = torch.cat([cond, torch.full_like(cond, 10)]) if cfg_scale != 1.0 else cond

@@ -17,8 +17,8 @@ from relaxspec.errors import RelaxspecError
 def add_demo_parser(subparsers) -> argparse.ArgumentParser:
     demo = subparsers.add_parser("demo", help="a local web page racing plain and speculative decoding", description=(
         "Serve a web page (gradio) where one press decodes the same image plainly and with a chosen method, "
-        "streaming both as tokens are committed, with wall time, target forwards, MAL, speed-up, the TV "
-        "certificate and a heat map of accepted lengths. Binds to 127.0.0.1 unless --host says otherwise."))
+        "streaming both as tokens are committed, with wall time, target forwards, MAL, speed-up, the sum "
+        "of one-step TVs and a heat map of accepted lengths. Binds to 127.0.0.1 unless --host says otherwise."))
     demo.set_defaults(handler=cmd_demo)
     models = demo.add_argument_group("models (default: the embedded emoji model, its drafter and presets)")
     add_model_options(models, drafter_help="EAGLE drafter (without one: sjd, scd and gsd only)")

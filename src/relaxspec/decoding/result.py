@@ -60,19 +60,13 @@ class DecodeResult:
         """Per image ``[B]``: :attr:`tv_sum` over the image's tokens."""
         return self.tv_sum / max(self.step_tv.shape[1], 1)
 
-    @property
-    def tv_bound(self) -> torch.Tensor:
-        """Per image ``[B]``: ``min(1, tv_sum)``, the record capped at the trivial bound of a TV
-        distance. Average :attr:`tv_sum`, not this, over images: :func:`certified_tv` does."""
-        return self.tv_sum.clamp(max=1.0)
-
     def tv_record(self, row: int) -> dict[str, float | None]:
-        """Image ``row``'s certificate fields as stats.json and the bench records keep them
-        (``None`` when the record was switched off)."""
+        """Image ``row``'s TV record as stats.json and the bench records keep it: the sum of its
+        one-step TVs and that sum per token (``None`` when the record was switched off). The
+        batch-level certificate is :func:`certified_tv` over the sums, never a per-image cap."""
         if not self.tv_recorded:
-            return {"tv_sum": None, "tv_per_token": None, "tv_bound": None}
-        return {"tv_sum": float(self.tv_sum[row]), "tv_per_token": float(self.tv_per_token[row]),
-                "tv_bound": float(self.tv_bound[row])}
+            return {"tv_sum": None, "tv_per_token": None}
+        return {"tv_sum": float(self.tv_sum[row]), "tv_per_token": float(self.tv_per_token[row])}
 
 
 def certified_tv(tv_sums) -> float:
@@ -85,8 +79,9 @@ def certified_tv(tv_sums) -> float:
 
 
 def record_tv_sum(record: dict) -> float:
-    """A stats / bench record's per-image TV sum (records written before it had its own name keep
-    it under ``"tv_bound"``, which was then the uncapped sum); NaN where the record was off."""
+    """A stats / bench record's per-image TV sum; NaN where the record was off. Old files are read
+    too: records written before the sum had its own name keep it under ``"tv_bound"`` (then the
+    uncapped sum), and later ones carry a capped ``"tv_bound"`` next to ``"tv_sum"``."""
     value = record["tv_sum"] if "tv_sum" in record else record.get("tv_bound", 0.0)
     return float("nan") if value is None else float(value)
 
