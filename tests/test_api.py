@@ -45,7 +45,7 @@ def test_upscale_ids_options_and_sampling(tmp_path):
 @pytest.mark.parametrize("kwargs, message", [
     (dict(classes="hearts-and-flowers"), "unknown class"),
     (dict(classes=[99]), "out of range"),
-    (dict(classes="heart", upscale=0), "upscale must be >= 1"),
+    (dict(classes="heart", upscale=0), "upscale must be a whole number >= 1"),
     (dict(classes="heart", method="sd", model="embedded"), "model must be"),
     (dict(classes="heart", method=MethodOptions("lantern"), delta=0.1), "not both"),
     (dict(classes="heart", method="lantern", delta=-1.0), "delta"),

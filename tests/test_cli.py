@@ -23,6 +23,7 @@ from relaxspec.sampling import batch_seed
 from relaxspec.decoding import decode
 from relaxspec.models.llamagen.gpt import GPTConfig, Transformer, rope_table_2d
 from relaxspec.models.llamagen.vq import VQConfig, VQModel, to_uint8
+from relaxspec.errors import RelaxspecError
 from relaxspec.sampling import SamplingConfig
 
 from conftest import TINY_VQ
@@ -191,7 +192,7 @@ def test_upscale(tiny_ckpts, tmp_path, capsys):
     settings = [json.loads((folder / "stats.json").read_text())["settings"] for folder in (small, big)]
     assert "upscale" not in settings[0] and settings[1]["upscale"] == 3  # runs from before the flag resume
     assert_one_line_error(*run(generate_args(tiny_ckpts["c2i"], tmp_path / "x", "--upscale", "0"), capsys),
-                          "--upscale must be >= 1")
+                          "upscale must be a whole number >= 1")
 
 
 # ------------------------------------------------------------------------------------ resuming
@@ -429,3 +430,31 @@ def test_a_run_written_with_the_old_tv_field_names_resumes_with_its_sums(tmp_pat
     assert code == 0 and "0 generated now, 2 kept" in stdout, err
     totals = json.loads((out / "stats.json").read_text())["totals"]
     assert totals["tv_sum_mean"] == pytest.approx(sum(sums) / 2)
+
+
+@pytest.mark.parametrize("flags, keywords", [
+    (["--seed", "-5"], dict(seed=-5)),
+    (["--seed", str(2 ** 40)], dict(seed=2 ** 40)),
+    (["--upscale", "0"], dict(upscale=0)),
+    (["--upscale", "100000"], dict(upscale=100000)),   # was a numpy traceback: "Unable to allocate 27.9 TiB"
+    (["--upscale", "257"], dict(upscale=257)),          # 257 x 32 px > 8192: one past the cap
+])
+def test_the_api_and_the_command_refuse_an_input_with_the_same_line(flags, keywords, tmp_path, capsys):
+    """Issue 20: one validation path. ``relaxspec.generate`` accepted ``seed=-1`` and died on
+    ``upscale=10**6`` with "image has wrong mode"; the command refused ``--seed -5`` and died on
+    ``--upscale 100000`` with a numpy traceback. Both now give the same one line (exit 2)."""
+    import relaxspec
+
+    code, _, err = run(["generate", "--out", tmp_path / "out", "--classes", "heart", "--no-progress", *flags], capsys)
+    assert code == 2 and err.count("\n") == 1, err
+    with pytest.raises(RelaxspecError) as raised:
+        relaxspec.generate("heart", "ar", **keywords)
+    assert str(raised.value) in err
+    assert not (tmp_path / "out").exists() or not list((tmp_path / "out").glob("*.png"))
+
+
+def test_the_output_side_cap_admits_the_largest_upscale(tmp_path, capsys):
+    import relaxspec
+
+    images, _ = relaxspec.generate("heart", "ar", upscale=256)   # 32 px x 256 = 8192 px, the cap itself
+    assert images[0].size == (8192, 8192)

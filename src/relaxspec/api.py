@@ -18,6 +18,7 @@ from relaxspec.decoding import DecodeResult, decode
 from relaxspec.methods import MethodOptions
 from relaxspec.devices import resolve_device
 from relaxspec.errors import RelaxspecError
+from relaxspec.inputs import check_seed, check_upscale
 from relaxspec.sampling import SamplingConfig, batch_seed
 
 #: Upstream LlamaGen's demo sampling (sample_c2i.py), for a model that brings no defaults.
@@ -65,8 +66,8 @@ def generate(classes: str | Sequence[int | str] | None = None, method: str | Met
     ``drafter_ckpt`` an EAGLE drafter trained for it; ``negative_prompt`` (Emu3) and
     ``image_size`` as the command's flags.
     """
-    if upscale < 1:
-        raise RelaxspecError(f"upscale must be >= 1, got {upscale}")
+    check_upscale(upscale)  # and the output side, once the model's image size is known (_run)
+    check_seed(seed)
     defaults = {}
     if model_path is not None:
         return _generate_folder(model_path, prompts, method, method_fields, sampling=sampling, seed=seed,
@@ -106,6 +107,7 @@ def _run(target, vq, drafter, cond, cond_mask, sampling, options, seed, upscale,
 
     from relaxspec.models.llamagen.vq import to_uint8
 
+    check_upscale(upscale, target.config.grid_size * vq.config.downsample_factor)
     run_device = target.device
     generator = torch.Generator(device=run_device).manual_seed(batch_seed(seed, 0))
     result = decode(target, cond, sampling, options, generator=generator, drafter=drafter, vq=vq, progress=progress,

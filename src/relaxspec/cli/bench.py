@@ -15,6 +15,7 @@ from relaxspec.bench.config import BASELINE, DEFAULT_METHODS, expand_methods, pa
 from relaxspec.api import UPSTREAM_SAMPLING
 from relaxspec.cli.options import add_model_options, device_option, parse_classes, spec_id
 from relaxspec.errors import RelaxspecError
+from relaxspec.inputs import check_at_least, check_seed
 
 
 def default_models() -> dict:
@@ -208,8 +209,8 @@ def run_bench_cli(args: argparse.Namespace) -> int:
     if args.num_images is None and args.images_per_class is None and args.classes is None:
         args.num_images = bench_defaults.get("num_images")
     _positive(args, "images_per_class", "num_images", "threads", "batch_size", "image_size", "n_boot")
-    if args.warmup < 0 or args.seed < 0:
-        raise RelaxspecError("--warmup and --seed must be >= 0")
+    check_at_least("warm-up", args.warmup, 0)
+    check_seed(args.seed)
     if (args.classifier is None) != (args.real_data is None):
         raise RelaxspecError("quality needs both --classifier and --real-data")
     progress = not args.no_progress

@@ -27,6 +27,7 @@ from relaxspec.methods import MethodOptions
 from relaxspec.decoding.result import certified_tv, record_tv_sum, total_rank_counts
 from relaxspec.drafting.eagle import load_drafter
 from relaxspec.errors import RelaxspecError
+from relaxspec.inputs import check_at_least, check_seed, check_upscale
 from relaxspec.files import load_caption_features, file_identity, read_prompts_file, write_atomic, write_grid, write_json, write_png
 from relaxspec.models.llamagen.gpt import GPT_SIZES, Transformer
 from relaxspec.models.llamagen.vq import VQ_CONFIGS, to_uint8
@@ -174,13 +175,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     options = method_options(args)
     if drafter_given and not options.needs_drafter:
         raise RelaxspecError(f"--drafter-ckpt is not used by {options.family.where(options)}")
-    for name in ("image_size", "batch_size"):
-        if getattr(args, name) is not None and getattr(args, name) < 1:
-            raise RelaxspecError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.upscale < 1:
-        raise RelaxspecError(f"--upscale must be >= 1, got {args.upscale}")
-    if args.seed < 0 or args.grid_max < 0:
-        raise RelaxspecError("--seed and --grid-max must be >= 0")
+    if args.image_size is not None:
+        check_at_least("image size", args.image_size, 1)
+    check_at_least("batch size", args.batch_size, 1)
+    check_at_least("grid max", args.grid_max, 0)
+    check_upscale(args.upscale)  # the output side is checked once the model's image size is known
+    check_seed(args.seed)
     device = device_option(args.device)
     if args.threads is not None:
         if args.threads < 1:
@@ -208,6 +208,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         identity = {"gpt_ckpt": str(Path(args.gpt_ckpt).resolve()), "gpt_model": spec_id(args.gpt_model),
                     "gpt_config": model.config.to_dict(), "vq_ckpt": str(Path(args.vq_ckpt).resolve()),
                     "vq_model": spec_id(args.vq_model), "vq_config": dataclasses.asdict(vq.config)}
+    check_upscale(args.upscale, args.image_size)
     if options.needs_drafter and args.drafter_ckpt is None:
         raise RelaxspecError("--drafter-ckpt is required: this method drafts with an EAGLE drafter trained for the "
                              "target (train one with relaxspec train-drafter)")

@@ -20,6 +20,7 @@ from relaxspec import methods
 from relaxspec.decoding import DecodeResult, decode
 from relaxspec.errors import RelaxspecError
 from relaxspec.files import write_png
+from relaxspec.inputs import check_seed, check_upscale
 from relaxspec.sampling import SamplingConfig, batch_seed
 
 #: The setting the page's one knob sets, per method (other methods have no knob).
@@ -140,12 +141,14 @@ def resolve_request(model: DemoModel, request: RaceRequest) -> tuple[Condition, 
     if options.needs_drafter and model.drafter is None:
         raise RelaxspecError(f"--method {name} drafts with an EAGLE drafter and this model has none: "
                              "choose sjd, scd or gsd")
-    if request.seed is None or int(request.seed) != request.seed or not 0 <= request.seed < 2 ** 40:
-        raise RelaxspecError(f"seed must be a whole number in [0, 2^40), got {request.seed}")
+    seed = request.seed
+    if isinstance(seed, float) and seed.is_integer():  # the page's number box sends floats
+        seed = int(seed)
+    request.seed = check_seed(seed)
+    side = model.grid * model.vq.config.downsample_factor
     if request.upscale is None:
-        request.upscale = max(1, 256 // (model.grid * model.vq.config.downsample_factor))
-    if not 1 <= int(request.upscale) <= 32:
-        raise RelaxspecError(f"upscale must be 1..32, got {request.upscale}")
+        request.upscale = max(1, 256 // side)
+    check_upscale(request.upscale, side)
     sampling = dict(model.sampling)
     if request.cfg_scale is not None:
         sampling["cfg_scale"] = float(request.cfg_scale)

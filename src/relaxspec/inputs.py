@@ -1,0 +1,44 @@
+"""The checks a user's inputs get, one function each: ``relaxspec generate`` (and the other
+commands), ``relaxspec.generate`` and the demo call the same function, so a value is refused the
+same way, with the same one-line message, wherever it is given."""
+
+from __future__ import annotations
+
+import numbers
+
+from relaxspec.errors import RelaxspecError
+
+#: Seeds are whole numbers in [0, 2^40): batch b of a run is seeded seed * 1000003 + b, which then
+#: stays far inside the 64 bits a torch generator takes.
+SEED_LIMIT = 2 ** 40
+#: The largest side of an output image in pixels (upscale included): 8192 x 8192 RGB is 192 MiB.
+MAX_OUTPUT_SIDE = 8192
+
+
+def _whole(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def check_seed(seed) -> int:
+    """A seed: a whole number in ``[0, 2^40)``."""
+    if not _whole(seed) or not 0 <= seed < SEED_LIMIT:
+        raise RelaxspecError(f"seed must be a whole number in [0, 2^40), got {seed!r}")
+    return int(seed)
+
+
+def check_at_least(name: str, value, minimum: int) -> int:
+    """A whole number ``>= minimum`` (a count, a size)."""
+    if not _whole(value) or value < minimum:
+        raise RelaxspecError(f"{name} must be a whole number >= {minimum}, got {value!r}")
+    return int(value)
+
+
+def check_upscale(upscale, side: int | None = None) -> int:
+    """How many times each image is enlarged: a whole number >= 1 whose output side, for images
+    of ``side`` pixels (when known), stays within :data:`MAX_OUTPUT_SIDE`."""
+    upscale = check_at_least("upscale", upscale, 1)
+    if side is not None and side * upscale > MAX_OUTPUT_SIDE:
+        raise RelaxspecError(f"upscale {upscale} makes {side * upscale}-px images; the output side is capped at "
+                             f"{MAX_OUTPUT_SIDE} px (upscale {max(1, MAX_OUTPUT_SIDE // side)} at most for these "
+                             f"{side}-px images)")
+    return upscale
