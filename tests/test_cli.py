@@ -78,7 +78,7 @@ def test_generate_end_to_end(tiny_ckpts, tmp_path, capsys):
         image = Image.open(out / f"{i:04d}.png")
         assert image.size == (16, 16) and image.mode == "RGB"
         assert np.array_equal(np.asarray(image), expected[i])
-    assert Image.open(out / "grid.png").size == (2 * 18 + 2, 2 * 18 + 2)
+    assert Image.open(out / "grid.png").size == (3 * 18 + 2, 18 + 2)  # three in a row: no empty cell
 
     stats = json.loads((out / "stats.json").read_text())
     assert stats["complete"] is True and len(stats["settings_hash"]) == 16
@@ -325,7 +325,7 @@ ERRORS = {
     "missing --out": (lambda a, f: option(a, "--out", None), "required: --out"),
     "out is a file": (lambda a, f: option(a, "--out", f["a_file"]), "not a folder"),
     "captions for c2i": (lambda a, f: a + ["--caption-features", f["wrong_shape"]], "class-conditional"),
-    "zero batch size": (lambda a, f: a + ["--batch-size", "0"], "--batch-size"),
+    "zero batch size": (lambda a, f: a + ["--batch-size", "0"], "batch size must be a whole number >= 1"),
     "unknown device": (lambda a, f: a + ["--device", "abacus"], "device"),
 }
 T2I_ERRORS = {
@@ -458,3 +458,30 @@ def test_the_output_side_cap_admits_the_largest_upscale(tmp_path, capsys):
 
     images, _ = relaxspec.generate("heart", "ar", upscale=256)   # 32 px x 256 = 8192 px, the cap itself
     assert images[0].size == (8192, 8192)
+
+
+def test_the_default_grid_has_no_empty_cell(tmp_path, capsys):
+    """Issue 20: ``relaxspec generate --out out`` laid its 8 images in a 3 x 3 grid whose ninth cell
+    was black; now 2 rows of 4, every cell a picture. Layouts where some cell must stay empty
+    show the background there; grids past the 8192-px cap take every n-th pixel."""
+    from relaxspec.files import grid_shape, write_grid
+
+    code, _, err = run(["generate", "--out", tmp_path / "out", "--no-progress"], capsys)
+    assert code == 0, err
+    grid = np.asarray(Image.open(tmp_path / "out" / "grid.png"))
+    side, pad = 32, 2
+    assert grid.shape == (2 * (side + pad) + pad, 4 * (side + pad) + pad, 3)
+    for r in range(2):
+        for c in range(4):
+            top, left = pad + r * (side + pad), pad + c * (side + pad)
+            cell = grid[top : top + side, left : left + side]
+            assert cell.std() > 5, (r, c)  # a picture, not an empty cell
+    assert [grid_shape(n) for n in (1, 2, 3, 4, 5, 6, 7, 8, 9, 64)] == [
+        (1, 1), (1, 2), (1, 3), (2, 2), (2, 3), (2, 3), (2, 4), (2, 4), (3, 3), (8, 8)]
+    big = tmp_path / "big"
+    big.mkdir()
+    for i in range(3):
+        Image.fromarray(np.full((3000, 3000, 3), 50 * i, dtype=np.uint8)).save(big / f"{i}.png")
+    write_grid(big, ["0.png", "1.png", "2.png"])
+    width, height = Image.open(big / "grid.png").size
+    assert width <= 8192 and height <= 8192 and width > 3 * 1400

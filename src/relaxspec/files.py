@@ -52,9 +52,27 @@ def write_png(path: Path, pixels: np.ndarray) -> None:
     write_atomic(path, lambda temp: Image.fromarray(pixels).save(temp, format="PNG"))
 
 
-def write_grid(out: Path, files: list[str], padding: int = 2, name: str = GRID_FILE) -> None:
-    """``out/name``: a near-square grid of the PNGs ``out/files`` with black padding (like
-    torchvision's save_image)."""
+def grid_shape(count: int, max_aspect: int = 3) -> tuple[int, int]:
+    """``(rows, cols)`` for ``count`` images: the fewest empty cells among layouts no wider than
+    ``max_aspect`` times their height, then the squarest (8 images: 2 x 4, not 3 x 3 with an
+    empty ninth cell; 5: 2 x 3, whose one empty cell shows the background)."""
+    best = None
+    for cols in range(math.ceil(math.sqrt(count)), count + 1):
+        rows = math.ceil(count / cols)
+        if cols > max_aspect * rows:
+            break
+        key = (rows * cols - count, cols / rows)
+        if best is None or key < best[0]:
+            best = (key, (rows, cols))
+    return best[1] if best else (1, count)
+
+
+def write_grid(out: Path, files: list[str], padding: int = 2, name: str = GRID_FILE,
+               max_side: int = 8192) -> None:
+    """``out/name``: a grid of the PNGs ``out/files`` (:func:`grid_shape`) on a black background
+    (like torchvision's save_image); cells nobody fills show the background. A grid wider or
+    taller than ``max_side`` pixels takes every n-th pixel of each image (nearest neighbour), so
+    large upscaled images never make a grid too large to write."""
     from PIL import Image
 
     if not files:
@@ -63,9 +81,12 @@ def write_grid(out: Path, files: list[str], padding: int = 2, name: str = GRID_F
     for file in files:
         with Image.open(out / file) as image:
             images.append(np.asarray(image.convert("RGB")))
+    rows, cols = grid_shape(len(images))
     height, width = images[0].shape[:2]
-    cols = math.ceil(math.sqrt(len(images)))
-    rows = math.ceil(len(images) / cols)
+    step = max(1, math.ceil(max(cols * width, rows * height) / max_side))
+    if step > 1:
+        images = [image[::step, ::step] for image in images]
+        height, width = images[0].shape[:2]
     grid = np.zeros((rows * (height + padding) + padding, cols * (width + padding) + padding, 3), dtype=np.uint8)
     for n, image in enumerate(images):
         r, c = divmod(n, cols)
