@@ -109,15 +109,36 @@ def test_an_abandoned_lane_stops_its_decode(model):
     assert torch.equal(final.result.tokens, relaxspec.generate("heart", "sjd", seed=0).result.tokens)
 
 
+def read_race(race) -> list[tuple]:
+    """A race's updates with each image file read as the page fetches it, while the race runs
+    (gradio copies a frame before sending it; the race removes its own files when it ends)."""
+    from PIL import Image
+
+    def read(value):
+        return np.asarray(Image.open(value)) if isinstance(value, str) and value.endswith(".png") else value
+
+    return [tuple(read(value) if i in (0, 2, 4) else value for i, value in enumerate(update)) for update in race]
+
+
 def test_race_handler_streams_both_sides_and_keeps_the_run(model, tmp_path):
     import threading
 
     from relaxspec.demo.app import race_handler
 
     history: list = []
-    updates = list(race_handler(model, tmp_path, history, threading.Lock(), "heart", "cool", None, 1, None))
+    from PIL import Image
+
+    opened: list = []
+
+    def frames(race):  # each update's images open as the page would fetch them (gradio copies them then)
+        for update in race:
+            opened.extend(np.asarray(Image.open(update[i])) for i in (0, 2, 4) if isinstance(update[i], str))
+            yield update
+
+    updates = list(frames(race_handler(model, tmp_path, history, threading.Lock(), "heart", "cool", None, 1, None)))
     ar_image, ar_text, my_image, my_text, heat, gallery, status = updates[-1]
-    assert ar_image.shape == my_image.shape and heat is not None
+    assert all(isinstance(update[0], str) for update in updates)  # files, never arrays gradio would rewrite
+    assert opened[-3].shape == opened[-2].shape and heat is not None and not Path(heat).exists()  # race files removed
     assert "speed-up vs AR" in my_text and "target forwards: 64" in ar_text and status.startswith("done: cool")
     assert len(updates) > 3 and gallery == history and Path(history[0][0]).parent == tmp_path
     assert sorted(os.listdir(tmp_path)) == ["0000.png"]
@@ -143,7 +164,7 @@ def served(model, tmp_path, monkeypatch):
     monkeypatch.setenv("GRADIO_TEMP_DIR", str(tmp_path / "gradio-tmp"))
     monkeypatch.setenv("GRADIO_ANALYTICS_ENABLED", "False")
     app = build_app(model, tmp_path / "out")
-    url = launch(app, "127.0.0.1", free_port(), block=False)
+    url = launch(app, "127.0.0.1", free_port(), block=False, out=tmp_path / "out")
     try:
         yield url, tmp_path
     finally:
@@ -163,6 +184,53 @@ def test_the_served_page_races_through_gradios_client(served):
     assert (folder / "out" / "0000.png").is_file()
     *_, bad = client.predict("heart", "lantern", "3", 0, 4.0, api_name="/race")
     assert bad.startswith("**Not run:**") and "additive TV budget" in bad
+
+
+def test_several_races_at_once_serve_every_file_whole(served, capfd, caplog, monkeypatch):
+    """Issue 20: six races submitted at once all answered, but the server logged
+    ``h11 LocalProtocolError: Too little data for declared Content-Length``: a file was served
+    while gradio rewrote it in place. gradio writes an image handed to it as an array to a cache
+    file named by its content, with a plain (truncating) write, so identical frames -- the blank
+    first frame of every lane, the AR lanes of one class and seed -- rewrite one file while other
+    clients fetch it. Every race must answer, every image it returns (final and streamed) must
+    open, no cache file may be written twice, and the server must log no error."""
+    import logging
+
+    from gradio import processing_utils
+    from gradio_client import Client
+    from PIL import Image
+
+    written: list[str] = []
+    real_save = processing_utils.save_pil_to_cache
+
+    def recording_save(*args, **kwargs):
+        written.append(real_save(*args, **kwargs))
+        return written[-1]
+
+    monkeypatch.setattr(processing_utils, "save_pil_to_cache", recording_save)
+    caplog.set_level(logging.WARNING)
+    url, folder = served
+    client = Client(url, verbose=False)
+    requests = [("heart", "lantern", ""), ("time", "sd", ""), ("heart", "cool", ""), ("heart", "gsd", ""),
+                ("heart", "lantern", "7"), ("heart", "lantern++", "0.5")]
+    jobs = [client.submit(condition, method, knob, 0, 4.0, api_name="/race") for condition, method, knob in requests]
+    answers = [job.result(timeout=600) for job in jobs]
+    for (condition, method, knob), job, answer in zip(requests, jobs, answers):
+        status = answer[-1]
+        if knob:
+            assert status.startswith("**Not run:**"), status
+            continue
+        assert status.startswith(f"done: {method}"), status
+        streamed = [update[i] for update in job.outputs() for i in (0, 2, 4) if isinstance(update[i], str)]
+        for path in [answer[0], answer[2], answer[4], *streamed]:
+            with Image.open(path) as image:
+                image.load()  # a truncated file fails here
+    rewritten = sorted({path for path in written if written.count(path) > 1})
+    assert not rewritten, f"{len(rewritten)} cache files were written more than once (in place)"
+    logged = capfd.readouterr()
+    problems = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert not problems, problems
+    assert "Traceback" not in logged.err + logged.out and "LocalProtocolError" not in logged.err + logged.out
 
 
 CHROMIUM, DRIVER = shutil.which("chromium"), shutil.which("chromedriver")
@@ -273,8 +341,8 @@ def test_a_transformers_folder_races_prompts(tmp_path):
     assert model.prompts is not None and model.default_method == "gsd" and model.default_class == "a red fox"
     history: list = []
     (tmp_path / "out").mkdir()
-    updates = list(race_handler(model, tmp_path / "out", history, threading.Lock(), "a lighthouse", "sjd", None, 3,
-                                None))
+    updates = read_race(race_handler(model, tmp_path / "out", history, threading.Lock(), "a lighthouse", "sjd", None,
+                                     3, None))
     ar_image, ar_text, my_image, my_text, heat, gallery, status = updates[-1]
     assert status.startswith("done: sjd") and ar_image.shape == my_image.shape and "target forwards: 16" in ar_text
     plain = relaxspec.generate(prompts=["a lighthouse"], model_path=str(folder), method="ar", image_size=32, seed=3,

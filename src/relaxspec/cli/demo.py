@@ -106,5 +106,5 @@ def cmd_demo(args: argparse.Namespace) -> int:
         raise RelaxspecError(f"relaxspec demo needs gradio: pip install \"relaxspec[demo]\" ({err})") from None
     app = build_app(model, out)
     print(f"relaxspec demo: http://{args.host}:{args.port} (Ctrl-C stops it; runs are kept in {out})")
-    launch(app, args.host, args.port, block=True, quiet=True)
+    launch(app, args.host, args.port, block=True, quiet=True, out=out)
     return 0

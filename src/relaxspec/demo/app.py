@@ -4,9 +4,12 @@ the speed-up. :func:`build_app` returns the page; :func:`race_handler` is its on
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
+import shutil
 import threading
+import uuid
 from pathlib import Path
 
 import gradio as gr
@@ -14,6 +17,7 @@ import gradio as gr
 from relaxspec import methods
 from relaxspec.demo.race import KNOBS, DemoModel, RaceRequest, describe_lane, heat_map, resolve_request, run_lane, save_run
 from relaxspec.errors import RelaxspecError
+from relaxspec.files import write_png
 
 LOG = logging.getLogger("relaxspec.demo")
 #: Runs kept in the page's gallery (newest first).
@@ -25,6 +29,36 @@ The same image, the same seed, decoded twice on this machine: plainly (one targe
 token) and with the method you choose (several tokens per forward). Grey cells are not decoded
 yet. Times are measured live, while the page draws (`relaxspec bench` measures without drawing).
 """
+
+
+class FrameFiles:
+    """The images one race hands to the page, each written once, atomically, under a name of its
+    own (``out/frames/<race>/NNNN.png``).
+
+    gradio turns an array into a cache file named by its content and writes it with a plain,
+    truncating write, so two races with an identical frame (the blank first frame of every lane,
+    the AR lane of one class and seed) rewrote one file while a client was fetching it: "Too little
+    data for declared Content-Length" (issue 20). Handed a path, gradio copies the file into its
+    cache under a temporary name and renames it into place, and never rewrites a copy that exists.
+    The copy is made before the update is sent, so a race's own files are removed when it ends:
+    no client ever asks for them."""
+
+    def __init__(self, out: Path) -> None:
+        self.folder = out / "frames" / uuid.uuid4().hex
+        self._numbers = itertools.count()
+
+    def __call__(self, image) -> str:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        path = self.folder / f"{next(self._numbers):04d}.png"
+        write_png(path, image)
+        return str(path)
+
+    def remove(self) -> None:
+        shutil.rmtree(self.folder, ignore_errors=True)
+        try:
+            self.folder.parent.rmdir()  # when no other race is running
+        except OSError:
+            pass
 
 
 def speculative_names() -> list[str]:
@@ -51,28 +85,31 @@ def race_handler(model: DemoModel, out: Path, history: list, lock: threading.Loc
         return
     seed = int(request.seed)
     status = f"racing `{options.describe()}` against AR, seed {seed}, cfg {sampling.cfg_scale:g}"
+    frame = FrameFiles(out)
     try:
         ar = mine = None
         for ar in run_lane(model, resolved, methods.resolve("ar"), sampling, seed, request.upscale, "AR"):
-            yield ar.image, describe_lane(ar), None, "", None, blank, status
+            ar_frame = frame(ar.image)
+            yield ar_frame, describe_lane(ar), None, "", None, blank, status
         for mine in run_lane(model, resolved, options, sampling, seed, request.upscale, request.method):
-            yield ar.image, describe_lane(ar), mine.image, describe_lane(mine, ar), None, blank, status
+            yield ar_frame, describe_lane(ar), frame(mine.image), describe_lane(mine, ar), None, blank, status
         heat = heat_map(mine.result.accept_lengths[0], model.grid, cell=max(1, ar.image.shape[0] // model.grid))
+        with lock:
+            path = save_run(out, ar, mine)
+            caption = f"{condition} · {request.method} · seed {seed}: {ar.seconds / mine.seconds:.2f}x"
+            history.insert(0, (str(path), caption))
+            del history[GALLERY_SIZE:]
+            gallery = list(history)
+        yield (ar_frame, describe_lane(ar), frame(mine.image), describe_lane(mine, ar), frame(heat), gallery,
+               f"done: {request.method} {ar.seconds / mine.seconds:.2f}x AR")
     except RelaxspecError as err:
         yield blank, blank, blank, blank, blank, blank, f"**Not run:** {err}"
-        return
     except Exception as err:  # a bug: said in the page in one line, the traceback goes to the console
         LOG.exception("relaxspec demo: the race failed")
         yield blank, blank, blank, blank, blank, blank, f"**Failed:** {type(err).__name__}: {err} (see the console)"
-        return
-    with lock:
-        path = save_run(out, ar, mine)
-        caption = f"{condition} · {request.method} · seed {seed}: {ar.seconds / mine.seconds:.2f}x"
-        history.insert(0, (str(path), caption))
-        del history[GALLERY_SIZE:]
-        gallery = list(history)
-    yield (ar.image, describe_lane(ar), mine.image, describe_lane(mine, ar), heat, gallery,
-           f"done: {request.method} {ar.seconds / mine.seconds:.2f}x AR")
+    finally:
+        # gradio copied each frame into its cache before sending it; a cancelled race stops here too.
+        frame.remove()
 
 
 def build_app(model: DemoModel, out: str | Path) -> gr.Blocks:
@@ -103,14 +140,15 @@ def build_app(model: DemoModel, out: str | Path) -> gr.Blocks:
         status = gr.Markdown("", elem_id="status")
         with gr.Row():
             with gr.Column():
-                ar_image = gr.Image(label="AR", format="png", type="numpy", interactive=False, elem_id="ar-image")
+                # Images are handed over as files written once (FrameFiles), never as arrays.
+                ar_image = gr.Image(label="AR", format="png", type="filepath", interactive=False, elem_id="ar-image")
                 ar_text = gr.Markdown(elem_id="ar-text")
             with gr.Column():
-                my_image = gr.Image(label="speculative", format="png", type="numpy", interactive=False,
+                my_image = gr.Image(label="speculative", format="png", type="filepath", interactive=False,
                                     elem_id="method-image")
                 my_text = gr.Markdown(elem_id="method-text")
             with gr.Column():
-                heat = gr.Image(label="tokens committed per step (blue 1 ... yellow most)", format="png", type="numpy",
+                heat = gr.Image(label="tokens committed per step (blue 1 ... yellow most)", format="png", type="filepath",
                                 interactive=False, elem_id="heat")
         gallery = gr.Gallery(label="last runs (AR | method)", columns=4, height=220, object_fit="contain",
                              elem_id="gallery")
@@ -124,11 +162,15 @@ def build_app(model: DemoModel, out: str | Path) -> gr.Blocks:
 
 
 def launch(app: gr.Blocks, host: str = "127.0.0.1", port: int | None = None, block: bool = True,
-           quiet: bool = True):
+           quiet: bool = True, out: str | Path | None = None):
     """Serve ``app`` on ``host:port`` (loopback by default) without server-side rendering; returns
-    the URL. ``block=False`` returns at once (the caller closes the app with ``app.close()``)."""
+    the URL. ``block=False`` returns at once (the caller closes the app with ``app.close()``).
+    ``out``: the folder :func:`build_app` keeps its runs in, which the page may serve files from
+    wherever it is (gradio otherwise serves only the working and temporary folders)."""
+    allowed = [str(Path(out).resolve())] if out is not None else []
     _, url, _ = app.queue().launch(server_name=host, server_port=port, prevent_thread_lock=not block, ssr_mode=False,
-                                   theme=THEME, quiet=quiet, footer_links=[], show_error=False)
+                                   theme=THEME, quiet=quiet, footer_links=[], show_error=False,
+                                   allowed_paths=allowed)
     return url
 
 
