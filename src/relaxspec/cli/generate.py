@@ -104,7 +104,8 @@ def add_generate_parser(subparsers) -> argparse.ArgumentParser:
     output.add_argument("--batch-size", type=int, default=1, help="images per decoding batch (default 1)")
     output.add_argument("--upscale", type=int, default=1, metavar="N",
                         help="enlarge every PNG (and so the grid) N times, nearest neighbour, so small images "
-                             "are viewable (tokens and stats are unchanged; default 1)")
+                             "are viewable (tokens and stats are unchanged; the output side is capped at 8192 px; "
+                             "default 1)")
     output.add_argument("--grid-max", type=int, default=64, help="images in grid.png (the first N; default 64)")
     output.add_argument("--overwrite", action="store_true",
                         help="replace a previous run in --out made with different settings")
