@@ -467,26 +467,21 @@ def test_eval_generates_sharded_and_resumable(models, tmp_path, monkeypatch, cap
         run_cli(["eval", "--images-per-class", "2"])
 
 
-def test_models_and_sampling_default_to_the_embedded_model_or_upstream(tmp_path):
-    import argparse
-
+def test_models_and_sampling_default_to_the_embedded_model_or_upstream(tiny_ckpts):
+    """One opener for every command: no model flags is the embedded model with its documented
+    sampling; a user's official checkpoint gets upstream's; given flags always win."""
     from relaxspec import embedded
-    from relaxspec.cli.bench import resolve_models
+    from relaxspec.cli import build_parser
+    from relaxspec.cli.options import open_from_args
 
-    fields = dict(gpt_ckpt=None, gpt_model=None, vq_ckpt=None, vq_model=None, drafter_ckpt=None, image_size=None,
-                  cfg_scale=None, temperature=None, top_k=None, top_p=None)
-    args = argparse.Namespace(**fields)
-    resolve_models(args)
-    assert args.gpt_ckpt == str(embedded.path("gpt")) and args.vq_model is None and args.image_size is None
+    args = build_parser().parse_args(["bench", "--out", "x"])
+    pipeline = open_from_args(args)
+    assert pipeline.identity["gpt_ckpt"] == str(embedded.path("gpt").resolve())
     want = embedded.defaults()["sampling"]
-    assert (args.cfg_scale, args.temperature, args.top_k, args.top_p) == (
-        want["cfg_scale"], want["temperature"], want["top_k"], want["top_p"])
-    # a user's official checkpoint gets upstream's sampling defaults, and given flags always win
-    args = argparse.Namespace(**{**fields, "gpt_ckpt": str(tmp_path / "gpt.pt"), "vq_ckpt": str(tmp_path / "vq.pt"),
-                                 "cfg_scale": 2.0})
-    resolve_models(args)
-    assert (args.cfg_scale, args.temperature, args.top_k, args.top_p) == (2.0, 1.0, 2000, 1.0)
-    assert args.image_size == 256 and args.vq_model == "VQ-16"
+    assert pipeline.sampling().to_dict() == {**pipeline.sampling().to_dict(), **want}
+    args = build_parser().parse_args(["bench", "--out", "x", *tiny_ckpts["c2i"]["args"]])
+    sampling = open_from_args(args).sampling(cfg_scale=2.0, top_k=None)
+    assert (sampling.cfg_scale, sampling.temperature, sampling.top_k, sampling.top_p) == (2.0, 1.0, 2000, 1.0)
 
 
 def test_verdict_names_the_fastest_method_within_ar_quality():

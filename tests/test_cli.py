@@ -24,6 +24,7 @@ from relaxspec.decoding import decode
 from relaxspec.models.llamagen.gpt import GPTConfig, Transformer, rope_table_2d
 from relaxspec.models.llamagen.vq import VQConfig, VQModel, to_uint8
 from relaxspec.errors import RelaxspecError
+from relaxspec.pipelines import ImagePipeline
 from relaxspec.sampling import SamplingConfig
 
 from conftest import TINY_VQ
@@ -206,18 +207,18 @@ def test_resume_after_interruption_and_deletion(tiny_ckpts, tmp_path, capsys, mo
 
     out = tmp_path / "resumed"
     calls = {"n": 0}
-    real_decode = cli.decode
+    real_generate = ImagePipeline.generate
 
-    def interrupted(*args, **kwargs):
+    def interrupted(self, *args, **kwargs):
         calls["n"] += 1
         if calls["n"] == 3:
             raise KeyboardInterrupt
-        return real_decode(*args, **kwargs)
+        return real_generate(self, *args, **kwargs)
 
-    monkeypatch.setattr(cli, "decode", interrupted)
+    monkeypatch.setattr(ImagePipeline, "generate", interrupted)
     code, _, err = run(generate_args(ckpts, out, *extra), capsys)
     assert code == 130 and "interrupted" in err
-    monkeypatch.setattr(cli, "decode", real_decode)
+    monkeypatch.setattr(ImagePipeline, "generate", real_generate)
     assert sorted(p.name for p in out.glob("*.png")) == ["0000.png", "0001.png"]
     partial = json.loads((out / "stats.json").read_text())
     assert partial["complete"] is False and [r["index"] for r in partial["images"]] == [0, 1]

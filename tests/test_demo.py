@@ -23,9 +23,9 @@ gradio = pytest.importorskip("gradio", reason="the demo's tests need gradio (pip
 
 @pytest.fixture(scope="module")
 def model() -> DemoModel:
-    target, vq, drafter = embedded.load()
-    defaults = embedded.defaults()
-    return DemoModel(target, vq, drafter, defaults["presets"], defaults["sampling"], "lantern", "heart")
+    from relaxspec.pipelines import open_pipeline
+
+    return DemoModel(open_pipeline(), "lantern", "heart")
 
 
 @pytest.mark.parametrize("request_, message", [
@@ -338,7 +338,7 @@ def test_a_transformers_folder_races_prompts(tmp_path):
     args = build_parser().parse_args(["demo", "--model-path", str(folder), "--image-size", "32", "--prompt",
                                       "a red fox"])
     model = load_demo_model(args)
-    assert model.prompts is not None and model.default_method == "gsd" and model.default_class == "a red fox"
+    assert model.prompts and model.default_method == "gsd" and model.default_class == "a red fox"
     history: list = []
     (tmp_path / "out").mkdir()
     updates = read_race(race_handler(model, tmp_path / "out", history, threading.Lock(), "a lighthouse", "sjd", None,

@@ -208,9 +208,10 @@ def test_an_unsupported_model_folder_is_one_line(tmp_path, capsys):
     from relaxspec.cli import main
 
     (tmp_path / "m").mkdir()
-    (tmp_path / "m" / "config.json").write_text('{"model_type": "chameleon"}')
+    (tmp_path / "m" / "config.json").write_text('{"model_type": "llava"}')
     assert main(["generate", "--model-path", str(tmp_path / "m"), "--prompt", "a fox", "--out", str(tmp_path / "o")]) == 2
-    assert "model type 'chameleon' is not supported (janus, emu3 are)" in capsys.readouterr().err
+    assert ("model type 'llava' is not supported (janus (Janus), emu3 (Emu3), chameleon (Lumina-mGPT) are)"
+            in capsys.readouterr().err)
 
 
 def test_a_missing_or_weightless_model_folder_is_one_line(tmp_path, refused):

@@ -136,7 +136,7 @@ def test_the_python_api_takes_prompts(t5, tiny_ckpts, tmp_path):
     assert torch.equal(got.result.tokens, torch.from_numpy(np.load(tmp_path / "cli" / "tokens.npy")))
     with pytest.raises(RelaxspecError, match="give prompts, not classes"):
         relaxspec.generate([1], t5_path=str(t5), model=(target, vq, None), method="ar")
-    with pytest.raises(RelaxspecError, match="needs t5_path"):
+    with pytest.raises(RelaxspecError, match="needs --t5-path DIR / t5_path"):
         relaxspec.generate(prompts=["a cat"], model=(target, vq, None), method="ar")
 
 
@@ -146,7 +146,7 @@ def test_info_recognises_a_t5_folder(t5, tmp_path, capsys):
     assert "model_type:            t5" in out and "--t5-path" in out and "model.safetensors" in out
     other = tmp_path / "other"
     other.mkdir()
-    (other / "config.json").write_text('{"model_type": "chameleon"}')
+    (other / "config.json").write_text('{"model_type": "llava"}')
     assert main(["info", str(other)]) == 0 and "not supported" in capsys.readouterr().out
 
 

@@ -26,7 +26,7 @@ import json
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -76,6 +76,7 @@ class PromptImages:
     prompts: list[str]
     cond: torch.Tensor
     cond_mask: torch.Tensor | None = None
+    settings: dict = field(default_factory=dict)  # what the pipeline records about the prompts
 
     def __len__(self) -> int:
         return len(self.prompts)

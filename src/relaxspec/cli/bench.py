@@ -12,19 +12,11 @@ import sys
 from pathlib import Path
 
 from relaxspec.bench.config import BASELINE, DEFAULT_METHODS, expand_methods, parse_methods
-from relaxspec.api import UPSTREAM_SAMPLING
-from relaxspec.cli.options import add_model_options, device_option, parse_classes, spec_id
+from relaxspec.bench.run import PromptImages
+from relaxspec.cli.options import add_model_options, open_from_args, read_prompts
+from relaxspec.conditions import class_ids
 from relaxspec.errors import RelaxspecError
 from relaxspec.inputs import check_at_least, check_seed
-
-
-def default_models() -> dict:
-    """The checkpoints ``relaxspec bench`` uses when none are given: the embedded model."""
-    from relaxspec import embedded
-
-    return {"gpt_ckpt": str(embedded.path("gpt")), "gpt_model": None, "vq_ckpt": str(embedded.path("vq")),
-            "vq_model": None, "drafter_ckpt": str(embedded.path("drafter")) if embedded.available("drafter") else None,
-            "image_size": None}
 
 
 #: Where a benchmark of the embedded model goes when no --out is given.
@@ -137,38 +129,6 @@ def _positive(args: argparse.Namespace, *names: str) -> None:
             raise RelaxspecError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
 
 
-def resolve_models(args: argparse.Namespace) -> None:
-    """Fill unset model arguments from :func:`default_models` (the embedded model) and unset
-    sampling options from the embedded model's documented defaults, or upstream's for a user's
-    checkpoint."""
-    sampling = dict(UPSTREAM_SAMPLING)
-    if args.gpt_ckpt is None or args.vq_ckpt is None:
-        from relaxspec import embedded
-
-        defaults = default_models()
-        for key, value in defaults.items():
-            if getattr(args, key, None) is None:
-                setattr(args, key, value)
-        sampling.update(embedded.defaults().get("sampling", {}))
-    for key, value in sampling.items():
-        if getattr(args, key, None) is None:
-            setattr(args, key, value)
-    if args.image_size is None and not Path(args.gpt_ckpt).is_dir():
-        args.image_size = 256  # official files: upstream's resolution; our folders carry their grid
-    if args.vq_model is None and not Path(args.vq_ckpt).is_dir():
-        args.vq_model = "VQ-16"
-
-
-def image_classes(args: argparse.Namespace, num_classes: int, class_names: list[str] | None = None) -> list[int]:
-    """Image ``i``'s class: the class list cycled (so an interrupted run covers every class)."""
-    classes = parse_classes(args.classes, class_names) if args.classes is not None else list(range(num_classes))
-    bad = [c for c in classes if not 0 <= c < num_classes]
-    if bad:
-        raise RelaxspecError(f"class id {bad[0]} is out of range: this model has classes 0..{num_classes - 1}")
-    total = args.num_images if args.num_images is not None else (args.images_per_class or 1) * len(classes)
-    return [classes[i % len(classes)] for i in range(total)]
-
-
 def check_quality_inputs(classifier, real_data: str, classes: list[int], num_classes: int) -> None:
     """The classifier covers the model's classes and ``real_data`` is a readable image set with
     images of the benchmarked classes (:func:`relaxspec.bench.report.load_real_images`)."""
@@ -227,18 +187,13 @@ def run_bench_cli(args: argparse.Namespace) -> int:
     if args.report_only:
         vq = None
         if classifier is not None:
-            resolve_models(args)
-            from relaxspec.models.llamagen.checkpoints import load_vq
-
-            vq = load_vq(args.vq_ckpt, args.vq_model, device=device_option(args.device))
+            vq = open_from_args(args, with_drafter=False).tokenizer
             from relaxspec.bench.report import load_real_images
 
             load_real_images(args.real_data)  # checked before any image is decoded
         return _report(write_report, args.out, vq, classifier, args, progress)
 
-    from relaxspec.drafting.eagle import load_drafter
     from relaxspec.files import file_identity
-    from relaxspec.sampling import SamplingConfig
 
     specs = expand_methods(parse_methods(args.methods, bench_defaults.get("methods")), args.sweep, model_presets)
     if args.compile:
@@ -246,98 +201,68 @@ def run_bench_cli(args: argparse.Namespace) -> int:
             if spec.label != BASELINE:
                 spec.options.setdefault("compile", True)
     drafting = [s.label for s in specs if s.needs_drafter]
-    if args.model_path is not None:
-        from relaxspec.cli.generate import fill_folder_sampling
-
-        fill_folder_sampling(args)
-    else:
-        resolve_models(args)
-    sampling = SamplingConfig(cfg_scale=args.cfg_scale, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
-    if drafting and args.drafter_ckpt is None:
+    embedded = args.gpt_ckpt is None and args.model_path is None
+    if drafting and args.drafter_ckpt is None and not embedded:
         raise RelaxspecError(f"{', '.join(drafting)} draft with an EAGLE drafter: give --drafter-ckpt (train one with "
                              "relaxspec train-drafter), or choose drafter-free --methods such as ar,sjd,scd")
-    device = device_option(args.device)
     torch.set_num_threads(args.threads)
-    if args.model_path is not None:
-        target, vq, classes, identity = _open_transformers(args, device)
-    else:
-        target, vq, classes, identity = _open_llamagen(args, device, classifier)
-    drafter = load_drafter(args.drafter_ckpt, target) if drafting else None
-    identity.update(drafter_ckpt=None if not drafting else str(Path(args.drafter_ckpt).resolve()),
-                    precision=args.precision, device=str(device), torch=torch.__version__)
+    prompts = _prompts(args) if prompted else []
+    drafter_ckpt, args.drafter_ckpt = args.drafter_ckpt, args.drafter_ckpt if drafting else None
+    pipeline = open_from_args(args, prompts=prompts if args.model_path is not None and prompts else None,
+                              with_drafter=bool(drafting))
+    args.drafter_ckpt = drafter_ckpt
+    if drafting and pipeline.drafter is None:
+        raise RelaxspecError(f"{', '.join(drafting)} draft with an EAGLE drafter and this model has none: give "
+                             "--drafter-ckpt, or choose drafter-free --methods such as ar,sjd,scd")
+    sampling = pipeline.sampling(cfg_scale=args.cfg_scale, temperature=args.temperature, top_k=args.top_k,
+                                 top_p=args.top_p)
+    images = bench_images(args, pipeline, prompts, classifier)
+    identity = {**pipeline.identity, "image_size": pipeline.image_size,
+                "files": {key: file_identity(path) for key, path in pipeline.files.items()},
+                "drafter_ckpt": None if not drafting else str(Path(pipeline.drafter_path).resolve()),
+                "precision": args.precision, "device": str(pipeline.device), "torch": torch.__version__}
+    if isinstance(images, PromptImages):
+        identity.update({k: v for k, v in images.settings.items() if k != "prompts"})
     if drafting:
-        identity.setdefault("files", {})["drafter_ckpt"] = file_identity(args.drafter_ckpt)
-    decodes = -(-len(classes) // args.batch_size) * len(specs)
-    print(f"bench: {len(classes)} images x {len(specs)} methods ({', '.join(s.label for s in specs)}) = {decodes} "
+        identity["files"]["drafter_ckpt"] = file_identity(pipeline.drafter_path)
+    decodes = -(-len(images) // args.batch_size) * len(specs)
+    print(f"bench: {len(images)} images x {len(specs)} methods ({', '.join(s.label for s in specs)}) = {decodes} "
           f"decodes at batch size {args.batch_size}, {args.threads} thread(s) -> {args.out}", file=sys.stderr)
-    run_bench(target, vq, drafter, classes, specs, sampling, args.out, seed=args.seed, threads=args.threads,
-              warmup=args.warmup, batch_size=args.batch_size, progress=progress, identity=identity,
-              overwrite=args.overwrite)
-    return _report(write_report, args.out, vq, classifier, args, progress)
+    run_bench(pipeline.target, pipeline.tokenizer, pipeline.drafter if drafting else None, images, specs, sampling,
+              args.out, seed=args.seed, threads=args.threads, warmup=args.warmup, batch_size=args.batch_size,
+              progress=progress, identity=identity, overwrite=args.overwrite)
+    return _report(write_report, args.out, pipeline.tokenizer, classifier, args, progress)
 
 
 def _prompts(args: argparse.Namespace) -> list[str]:
     """The bench's prompts (generate's reading of --prompt / --prompts-file), cycled to --num-images."""
-    from relaxspec.cli.generate import read_prompts
-
     args.caption_features = args.caption_mask = None
     prompts = read_prompts(args)
     total = args.num_images if args.num_images is not None else len(prompts)
     return [prompts[i % len(prompts)] for i in range(total)]
 
 
-def _open_transformers(args: argparse.Namespace, device):
-    """``--model-path``: the target, its image tokenizer, the prompt images and the identity."""
+def bench_images(args: argparse.Namespace, pipeline, prompts: list[str], classifier):
+    """Image ``i``'s condition: the class list cycled (so an interrupted run covers every class),
+    or the prompts; every input checked before anything is decoded."""
     from relaxspec.bench.run import PromptImages
-    from relaxspec.cli.generate import open_model_folder
-    from relaxspec.files import file_identity
 
-    prompts = _prompts(args) if (args.prompt or args.prompts_file) else []
-    family, opened = open_model_folder(args, device, prompts)
-    identity = {"model_path": str(Path(args.model_path).resolve()), "model_type": family.MODEL_TYPE,
-                "image_size": opened.image_size, **{k: v for k, v in opened.record.items() if k != "prompts"},
-                "files": {"model_path": file_identity(args.model_path)}}
-    return opened.target, opened.tokenizer, PromptImages(prompts, opened.cond, opened.cond_mask), identity
-
-
-def _open_llamagen(args: argparse.Namespace, device, classifier):
-    """``--gpt-ckpt`` (or the embedded model): the target, its VQ, the images (classes, or prompts
-    encoded with --t5-path for a t2i checkpoint) and the identity."""
-    from relaxspec.bench.run import PromptImages
-    from relaxspec.files import file_identity
-    from relaxspec.models.llamagen.checkpoints import load_gpt, load_vq
-
-    vq = load_vq(args.vq_ckpt, args.vq_model, device=device)
-    downsample = vq.config.downsample_factor
-    if args.image_size is not None and args.image_size % downsample:
-        raise RelaxspecError(f"--image-size {args.image_size} is not a multiple of the tokenizer's downsampling {downsample}")
-    target = load_gpt(args.gpt_ckpt, args.gpt_model, image_size=args.image_size, downsample=downsample,
-                      precision=args.precision, device=device)
-    if target.config.vocab_size != vq.config.codebook_size:
-        raise RelaxspecError(f"the GPT's vocabulary ({target.config.vocab_size}) does not match the VQ codebook "
-                             f"({vq.config.codebook_size}): they are not a pair")
-    args.image_size = target.config.grid_size * downsample
-    identity = {
-        "gpt_ckpt": str(Path(args.gpt_ckpt).resolve()), "gpt_model": spec_id(args.gpt_model),
-        "vq_ckpt": str(Path(args.vq_ckpt).resolve()), "vq_model": spec_id(args.vq_model), "image_size": args.image_size,
-        "files": {key: file_identity(path) for key, path in (("gpt_ckpt", args.gpt_ckpt), ("vq_ckpt", args.vq_ckpt))},
-    }
-    if target.config.model_type != "c2i":
-        if not (args.prompt or args.prompts_file) or not args.t5_path:
-            raise RelaxspecError("this is a text-to-image (t2i) model: give --prompt / --prompts-file with --t5-path DIR")
-        from relaxspec.cli.generate import encode
-
-        prompts = _prompts(args)
-        features, mask, _ = encode(args, target, prompts)
-        identity.update(t5_path=str(Path(args.t5_path).resolve()), files={**identity["files"],
-                                                                          "t5_path": file_identity(args.t5_path)})
-        return target, vq, PromptImages(prompts, features, mask), identity
-    if args.prompt or args.prompts_file or args.t5_path:
+    if pipeline.takes == "prompts":
+        if not prompts:
+            raise RelaxspecError(f"this is a text-to-image model ({pipeline.family}): give --prompt / --prompts-file"
+                                 + (" with --t5-path DIR" if hasattr(pipeline, "caption_condition") else ""))
+        condition = pipeline.conditions(prompts=prompts)
+        return PromptImages(prompts, condition.cond, condition.mask, condition.settings)
+    if prompts or getattr(args, "t5_path", None):
         raise RelaxspecError("this is a class-conditional (c2i) model: give --classes, not prompts")
-    classes = image_classes(args, target.config.num_classes, target.class_names)
+    num_classes = pipeline.target.config.num_classes
+    classes = class_ids(args.classes, num_classes, pipeline.class_names) if args.classes is not None \
+        else list(range(num_classes))
+    total = args.num_images if args.num_images is not None else (args.images_per_class or 1) * len(classes)
+    classes = [classes[i % len(classes)] for i in range(total)]
     if classifier is not None:  # every quality input checked now, not after an hour of decoding
-        check_quality_inputs(classifier, args.real_data, classes, target.config.num_classes)
-    return target, vq, classes, identity
+        check_quality_inputs(classifier, args.real_data, classes, num_classes)
+    return classes
 
 
 def _report(write_report, out: str, vq, classifier, args: argparse.Namespace, progress: bool) -> int:
@@ -353,4 +278,4 @@ def _report(write_report, out: str, vq, classifier, args: argparse.Namespace, pr
     return 0
 
 
-__all__ = ["add_bench_parser", "default_models", "run_bench_cli"]
+__all__ = ["add_bench_parser", "run_bench_cli"]

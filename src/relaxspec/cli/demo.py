@@ -9,9 +9,9 @@ from pathlib import Path
 
 import torch
 
-from relaxspec.api import UPSTREAM_SAMPLING
-from relaxspec.cli.options import add_model_options, device_option
+from relaxspec.cli.options import add_model_options, open_from_args
 from relaxspec.errors import RelaxspecError
+from relaxspec.inputs import check_at_least
 
 
 def add_demo_parser(subparsers) -> argparse.ArgumentParser:
@@ -22,7 +22,7 @@ def add_demo_parser(subparsers) -> argparse.ArgumentParser:
     demo.set_defaults(handler=cmd_demo)
     models = demo.add_argument_group("models (default: the embedded emoji model, its drafter and presets)")
     add_model_options(models, drafter_help="EAGLE drafter (without one: sjd, scd and gsd only)")
-    models.add_argument("--model-path", metavar="DIR", help="a transformers model folder (Janus / Janus-Pro, Emu3): "
+    models.add_argument("--model-path", metavar="DIR", help="a transformers model folder (Janus / Janus-Pro, Emu3, Lumina-mGPT): "
                                                            "the page takes prompts")
     models.add_argument("--prompt", metavar="TEXT", help="--model-path: the prompt the page starts with")
     models.add_argument("--negative-prompt", metavar="TEXT", help="Emu3: the guidance's negative prompt "
@@ -43,50 +43,36 @@ DEFAULT_PROMPT = "a red fox in the snow"
 
 
 def load_demo_model(args: argparse.Namespace):
-    """The models ``args`` name, as ``relaxspec generate`` loads them, with their presets."""
-    from relaxspec.cli.generate import use_embedded_defaults
+    """The pipeline ``args`` name (as every command opens it), with the method and class or
+    prompt the page starts with."""
     from relaxspec.demo.race import DemoModel
-    from relaxspec.drafting.eagle import load_drafter
-    from relaxspec.models.llamagen.checkpoints import load_gpt, load_vq
 
-    for name in ("cfg_scale", "temperature", "top_k", "top_p", "method", "classes"):
-        setattr(args, name, None)
     if args.model_path is None and (args.prompt is not None or args.negative_prompt is not None):
         raise RelaxspecError("--prompt / --negative-prompt go with --model-path")
-    embedded = use_embedded_defaults(args)
-    device = device_option(args.device)
+    embedded = args.gpt_ckpt is None and args.model_path is None
+    if args.threads is None and embedded:
+        args.threads = 1
     if args.threads is not None:
-        if args.threads < 1:
-            raise RelaxspecError(f"--threads must be >= 1, got {args.threads}")
+        check_at_least("threads", args.threads, 1)
         torch.set_num_threads(args.threads)
+    prompt = None
     if args.model_path is not None:
-        from relaxspec.models import hf
-        from relaxspec.models.llamagen.checkpoints import PRECISIONS
-
-        family = hf.family(args.model_path)
         prompt = args.prompt if args.prompt is not None else DEFAULT_PROMPT
-        opened = family.open_folder(args.model_path, [prompt], device=device, dtype=PRECISIONS[args.precision],
-                                    image_size=args.image_size, negative_prompt=args.negative_prompt,
-                                    prompt_length=PAGE_PROMPT_TOKENS)
-        drafter = load_drafter(args.drafter_ckpt, opened.target) if args.drafter_ckpt else None
-        sampling = {**UPSTREAM_SAMPLING, **family.sampling_defaults(args.model_path)}
-        return DemoModel(opened.target, opened.tokenizer, drafter, {}, sampling, "lantern" if drafter else "gsd",
-                         prompt, opened.format)
-    vq = load_vq(args.vq_ckpt, args.vq_model, device=device)
-    target = load_gpt(args.gpt_ckpt, args.gpt_model, image_size=args.image_size,
-                      downsample=vq.config.downsample_factor, precision=args.precision, device=device)
-    if target.config.model_type != "c2i":
-        raise RelaxspecError("relaxspec demo takes class-conditional LlamaGen checkpoints, or a Janus / Emu3 folder with "
-                             "--model-path: a LlamaGen t2i checkpoint is not served yet")
-    if target.config.vocab_size != vq.config.codebook_size:
-        raise RelaxspecError(f"the GPT's vocabulary ({target.config.vocab_size}) does not match the VQ codebook "
-                             f"({vq.config.codebook_size}): they are not a pair")
-    drafter = load_drafter(args.drafter_ckpt, target) if args.drafter_ckpt else None
-    sampling = {key: getattr(args, key) if getattr(args, key) is not None else value
-                for key, value in UPSTREAM_SAMPLING.items()}
-    default = args.method if embedded and args.method not in (None, "ar") else ("lantern" if drafter else "gsd")
-    first_class = args.classes.split(",")[0].strip() if args.classes else None
-    return DemoModel(target, vq, drafter, getattr(args, "model_presets", {}) or {}, sampling, default, first_class)
+        pipeline = open_from_args(args, prompts=[prompt], prompt_length=PAGE_PROMPT_TOKENS)
+    else:
+        pipeline = open_from_args(args)
+        if pipeline.takes != "classes":
+            raise RelaxspecError("relaxspec demo takes class-conditional LlamaGen checkpoints, or a Janus, Emu3 or "
+                                 "Lumina-mGPT folder with --model-path: a LlamaGen t2i checkpoint is not served yet")
+    has_drafter = pipeline.drafter is not None
+    if pipeline.default_method not in (None, "ar"):
+        default = pipeline.default_method
+    else:
+        default = "lantern" if has_drafter else "gsd"
+    if prompt is None and pipeline.default_classes:
+        first = pipeline.default_classes
+        prompt = first.split(",")[0].strip() if isinstance(first, str) else str(first[0])
+    return DemoModel(pipeline, default, prompt)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

@@ -126,7 +126,7 @@ def generate_shard(args: argparse.Namespace, gen: argparse.Namespace, rank: int,
     folder.mkdir(parents=True, exist_ok=True)
     repeat = args.images_per_class
     if gen.prompt or gen.prompts_file:
-        from relaxspec.cli.generate import read_prompts
+        from relaxspec.cli.options import read_prompts
 
         prompts = [p for p in read_prompts(gen) for _ in range(repeat)]
         mine = [prompts[i] for i in shard_range(len(prompts), rank, world)]

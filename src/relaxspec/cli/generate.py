@@ -5,7 +5,6 @@ are kept)."""
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import hashlib
 import json
 import math
@@ -17,21 +16,18 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from relaxspec import __version__
-from relaxspec.models.llamagen.checkpoints import PRECISIONS, load_gpt, load_vq
-from relaxspec.api import UPSTREAM_SAMPLING
-from relaxspec.cli.options import DEFAULT_CLASSES, device_option, parse_classes, spec_id
-from relaxspec import methods
-from relaxspec.decoding import decode
-from relaxspec.methods import MethodOptions
+from relaxspec import __version__, methods
+from relaxspec.cli.options import DEFAULT_CLASSES, open_from_args, read_prompts
+from relaxspec.conditions import Condition
 from relaxspec.decoding.result import certified_tv, record_tv_sum, total_rank_counts
-from relaxspec.drafting.eagle import load_drafter
 from relaxspec.errors import RelaxspecError
+from relaxspec.files import (file_identity, load_caption_features, write_atomic, write_grid,
+                             write_json, write_png)
 from relaxspec.inputs import check_at_least, check_seed, check_upscale
-from relaxspec.files import load_caption_features, file_identity, read_prompts_file, write_atomic, write_grid, write_json, write_png
-from relaxspec.models.llamagen.gpt import GPT_SIZES, Transformer
-from relaxspec.models.llamagen.vq import VQ_CONFIGS, to_uint8
-from relaxspec.sampling import SamplingConfig, batch_seed
+from relaxspec.models.llamagen.checkpoints import PRECISIONS
+from relaxspec.models.llamagen.gpt import GPT_SIZES
+from relaxspec.models.llamagen.vq import VQ_CONFIGS
+from relaxspec.sampling import batch_seed
 
 STATS_FILE, TOKENS_FILE = "stats.json", "tokens.npy"
 def add_generate_parser(subparsers) -> argparse.ArgumentParser:
@@ -49,8 +45,11 @@ def add_generate_parser(subparsers) -> argparse.ArgumentParser:
         "needed for official files (the head count is not in the weights)"))
     models.add_argument("--model-path", metavar="DIR",
                         help="a transformers model folder (save_pretrained layout, safetensors) of a supported "
-                             "family: Janus / Janus-Pro or Emu3 (text prompts with --prompt; needs "
+                             "family: Janus / Janus-Pro, Emu3 or Lumina-mGPT (text prompts with --prompt; needs "
                              "relaxspec[transformers])")
+    models.add_argument("--tokenizer-path", metavar="DIR",
+                        help="with a Lumina-mGPT --model-path: Meta's Chameleon tokenizer folder (text_tokenizer.json, "
+                             "vqgan.yaml, vqgan.ckpt)")
     models.add_argument("--vq-ckpt", metavar="PATH", help="VQ tokenizer weights (default: the embedded model's)")
     models.add_argument("--vq-model", default="VQ-16", metavar="NAME|JSON",
                         help=f"named tokenizer ({', '.join(VQ_CONFIGS)}) or a JSON file of VQConfig fields (default VQ-16)")
@@ -125,114 +124,105 @@ def add_setting_flags(group) -> None:
         group.add_argument(setting.cli_flag, **kwargs)
 
 
-def use_embedded_defaults(args: argparse.Namespace) -> bool:
-    """With no --gpt-ckpt the embedded model (its tokenizer, drafter and documented defaults)
-    stands in; flags the user did give still win."""
-    if getattr(args, "model_path", None) is not None:
-        if args.gpt_ckpt is not None or args.vq_ckpt is not None:
-            raise RelaxspecError("--model-path is a whole model: leave out --gpt-ckpt / --vq-ckpt")
-        return False
-    if args.gpt_ckpt is not None:
-        if args.vq_ckpt is None:
-            raise RelaxspecError("--vq-ckpt is required with --gpt-ckpt (the tokenizer that goes with the GPT)")
-        return False
-    from relaxspec import embedded
+def given_settings(args: argparse.Namespace) -> dict:
+    """The method flags the user set (unset flags stay out: the method's preset and defaults apply)."""
+    return {name: getattr(args, name) for name in methods.settings() if getattr(args, name, None) is not None}
 
-    if args.vq_ckpt is not None or args.gpt_model is not None:
-        raise RelaxspecError("--vq-ckpt / --gpt-model go with --gpt-ckpt; without it the embedded model is used")
-    args.gpt_ckpt, args.vq_ckpt = str(embedded.path("gpt")), str(embedded.path("vq"))
-    defaults = embedded.defaults()
-    for key, value in defaults.get("sampling", {}).items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
-    if args.method is None and "method" in defaults:
-        args.method = defaults["method"].get("method", "ar")
-    args.model_presets = defaults.get("presets", {})
-    if args.classes is None and "classes" in defaults:
-        args.classes = defaults["classes"]
-    if args.drafter_ckpt is None and embedded.available("drafter"):
-        args.drafter_ckpt = str(embedded.path("drafter"))
-    if args.threads is None:
-        # A model this small is fastest on one thread, and far slower with two when anything else
-        # runs on the other core (thread hand-offs, not arithmetic, dominate).
-        args.threads = 1
-    return True
+
+def command_condition(args: argparse.Namespace, pipeline, prompts: list[str]) -> Condition:
+    """The images' conditions from --classes, prompts or --caption-features, for ``pipeline``."""
+    if pipeline.takes == "classes":
+        if getattr(args, "caption_features", None) or getattr(args, "caption_mask", None):
+            raise RelaxspecError("this is a class-conditional (c2i) model: give --classes, not --caption-features")
+        if prompts:
+            raise RelaxspecError("this is a class-conditional (c2i) model: give --classes, not prompts")
+        return pipeline.conditions(classes=args.classes)
+    if args.classes is not None:
+        if hasattr(pipeline, "caption_condition"):
+            raise RelaxspecError("this is a text-to-image (t2i) model: give --prompt / --caption-features, not --classes")
+        raise RelaxspecError(f"this {pipeline.family} model takes text prompts: --prompt TEXT or --prompts-file FILE")
+    if prompts:
+        return pipeline.conditions(prompts=prompts)
+    if getattr(args, "caption_features", None) and hasattr(pipeline, "caption_condition"):
+        features, mask = load_caption_features(args.caption_features, args.caption_mask)
+        return pipeline.caption_condition(features, mask, args.caption_features)
+    if hasattr(pipeline, "caption_condition"):
+        if getattr(args, "t5_path", None):
+            raise RelaxspecError("--t5-path encodes prompts: give --prompt TEXT or --prompts-file FILE")
+        config = pipeline.target.config
+        raise RelaxspecError(f"this is a text-to-image (t2i) model: give --prompt TEXT with --t5-path DIR, or "
+                             f"--caption-features PATH.npy (caption features [N, {config.cls_token_num}, "
+                             f"{config.caption_dim}], e.g. Flan-T5-XL outputs)")
+    raise RelaxspecError(f"this {pipeline.family} model takes text prompts: give --prompt TEXT (repeatable) or "
+                         "--prompts-file FILE")
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     wall = time.perf_counter()
-    drafter_given = args.drafter_ckpt is not None
-    use_embedded_defaults(args)
-    if args.model_path is not None:
-        fill_folder_sampling(args)
-    elif args.negative_prompt is not None:
-        raise RelaxspecError("--negative-prompt goes with --model-path (an Emu3 folder)")
-    for key, value in UPSTREAM_SAMPLING.items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
-    if args.method is None:
-        args.method = "ar"
-    sampling = SamplingConfig(cfg_scale=args.cfg_scale, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
-    options = method_options(args)
-    if drafter_given and not options.needs_drafter:
-        raise RelaxspecError(f"--drafter-ckpt is not used by {options.family.where(options)}")
     if args.image_size is not None:
         check_at_least("image size", args.image_size, 1)
     check_at_least("batch size", args.batch_size, 1)
     check_at_least("grid max", args.grid_max, 0)
     check_upscale(args.upscale)  # the output side is checked once the model's image size is known
     check_seed(args.seed)
-    device = device_option(args.device)
+    embedded = args.gpt_ckpt is None and args.model_path is None
+    if args.threads is None and embedded:
+        # A model this small is fastest on one thread, and far slower with two when anything else
+        # runs on the other core (thread hand-offs, not arithmetic, dominate).
+        args.threads = 1
     if args.threads is not None:
-        if args.threads < 1:
-            raise RelaxspecError(f"--threads must be >= 1, got {args.threads}")
+        check_at_least("threads", args.threads, 1)
         torch.set_num_threads(args.threads)
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise RelaxspecError(f"--out {out}: exists and is not a folder")
+    prompts = read_prompts(args)
+    if args.model_path is not None:  # checked before the folder is read: what it takes
+        from relaxspec.pipelines.open import folder_pipeline_class
 
-    if args.model_path is not None:
-        model, vq, conditions, cond_mask, cond_settings, identity = load_transformers_model(args, device)
+        family = folder_pipeline_class(args.model_path).family
+        if args.classes is not None or args.caption_features or args.t5_path or not prompts:
+            raise RelaxspecError(f"this {family} model takes text prompts: --prompt TEXT or --prompts-file FILE")
+    if args.model_path is None and args.tokenizer_path is not None:
+        raise RelaxspecError("--tokenizer-path goes with --model-path (a Lumina-mGPT folder)")
+    if embedded:  # the method is checked before any weights load (the embedded model's presets are a file)
+        from relaxspec import embedded as shipped
+
+        early = shipped.defaults()
+        methods.resolve(args.method or early.get("method", {}).get("method", "ar"), given_settings(args),
+                        early.get("presets"))
     else:
-        vq = load_vq(args.vq_ckpt, args.vq_model, device=device)
-        downsample = vq.config.downsample_factor
-        if args.image_size is not None and args.image_size % downsample:
-            raise RelaxspecError(
-                f"--image-size {args.image_size} is not a multiple of the tokenizer's downsampling {downsample}")
-        model = load_gpt(args.gpt_ckpt, args.gpt_model, image_size=args.image_size, downsample=downsample,
-                         precision=args.precision, device=device)
-        args.image_size = model.config.grid_size * downsample
-        if model.config.vocab_size != vq.config.codebook_size:
-            raise RelaxspecError(f"the GPT's vocabulary ({model.config.vocab_size}) does not match the VQ codebook "
-                                 f"({vq.config.codebook_size}): they are not a pair")
-        conditions, cond_mask, cond_settings = load_conditions(args, model)
-        identity = {"gpt_ckpt": str(Path(args.gpt_ckpt).resolve()), "gpt_model": spec_id(args.gpt_model),
-                    "gpt_config": model.config.to_dict(), "vq_ckpt": str(Path(args.vq_ckpt).resolve()),
-                    "vq_model": spec_id(args.vq_model), "vq_config": dataclasses.asdict(vq.config)}
-    check_upscale(args.upscale, args.image_size)
-    if options.needs_drafter and args.drafter_ckpt is None:
+        methods.resolve(args.method or "ar", given_settings(args))
+    pipeline = open_from_args(args, prompts=prompts if args.model_path is not None and prompts else None)
+    sampling = pipeline.sampling(cfg_scale=args.cfg_scale, temperature=args.temperature, top_k=args.top_k,
+                                 top_p=args.top_p)
+    options = methods.resolve(args.method or pipeline.default_method, given_settings(args), pipeline.presets)
+    if args.drafter_ckpt is not None and not options.needs_drafter:
+        raise RelaxspecError(f"--drafter-ckpt is not used by {options.family.where(options)}")
+    if options.needs_drafter and pipeline.drafter is None:
         raise RelaxspecError("--drafter-ckpt is required: this method drafts with an EAGLE drafter trained for the "
                              "target (train one with relaxspec train-drafter)")
-    drafter = load_drafter(args.drafter_ckpt, model) if options.needs_drafter else None
-    if not options.needs_drafter:
-        args.drafter_ckpt = None  # not read, so not recorded (the embedded model's stands in by default)
+    condition = command_condition(args, pipeline, prompts)
+    image_size = pipeline.image_size
+    check_upscale(args.upscale, image_size)
+    model, device = pipeline.target, pipeline.device
+    drafter_path = pipeline.drafter_path if options.needs_drafter else None  # not read, so not recorded
 
+    files = {**pipeline.files, "drafter_ckpt": drafter_path, "caption_features": args.caption_features,
+             "caption_mask": args.caption_mask, "t5_path": args.t5_path, "prompts_file": args.prompts_file}
     settings = {
-        **identity,
-        "image_size": args.image_size, "image_tokens": model.config.block_size, **cond_settings,
+        **pipeline.identity,
+        "image_size": image_size, "image_tokens": model.config.block_size, **condition.settings,
         "sampling": sampling.to_dict(), "method": options.to_dict(),
-        "drafter_ckpt": None if args.drafter_ckpt is None else str(Path(args.drafter_ckpt).resolve()),
+        "drafter_ckpt": None if drafter_path is None else str(Path(drafter_path).resolve()),
         "seed": args.seed, "seeding": "batch b: torch.Generator().manual_seed(seed * 1000003 + b)",
         "batch_size": args.batch_size, "precision": args.precision, "device": str(device),
-        "files": {key: file_identity(path) for key, path in (
-            ("gpt_ckpt", args.gpt_ckpt), ("vq_ckpt", args.vq_ckpt), ("drafter_ckpt", args.drafter_ckpt),
-            ("caption_features", args.caption_features), ("caption_mask", args.caption_mask),
-            ("t5_path", args.t5_path), ("prompts_file", args.prompts_file), ("model_path", args.model_path)) if path},
+        "files": {key: file_identity(path) for key, path in files.items() if path},
     }
     if args.upscale != 1:  # recorded only when used, so runs from before the flag still resume
         settings["upscale"] = args.upscale
     settings_hash = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
-    num_images, num_tokens = conditions.shape[0], model.config.block_size
+    num_images, num_tokens = len(condition), model.config.block_size
     out.mkdir(parents=True, exist_ok=True)
     records, tokens, old_counts = previous_run(out, settings, settings_hash, num_images, num_tokens, args.overwrite)
     batch_counts = kept_batch_counts(old_counts, records, args.batch_size, num_images)
@@ -251,12 +241,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
             continue
         seed = batch_seed(args.seed, batch)
         generator = torch.Generator(device=device).manual_seed(seed)
-        result = decode(model, conditions[index], sampling, options, generator=generator, drafter=drafter, vq=vq,
-                        cond_mask=None if cond_mask is None else cond_mask[index],
-                        progress=show and sys.stderr.isatty())
+        result = pipeline.generate(condition.select(index), options, sampling, generator=generator,
+                                   progress=show and sys.stderr.isatty())
         began = time.perf_counter()
         with torch.inference_mode():
-            pixels = to_uint8(vq.decode(result.tokens.to(device))).cpu().numpy()
+            pixels = pipeline.pixels(result.tokens)
         vq_seconds = time.perf_counter() - began
         mal = result.mean_accepted_length
         if result.rank_tests is not None:  # per batch, so a resumed run keeps the finished batches' counts
@@ -269,7 +258,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             write_png(out / name, upscale(pixels[row], args.upscale))
             tokens[i] = result.tokens[row].numpy()
             records[i] = {
-                "index": i, "file": name, **condition_record(cond_settings, i), "batch": batch, "batch_seed": seed,
+                "index": i, "file": name, **condition.records[i], "batch": batch, "batch_seed": seed,
                 "seconds": result.seconds / len(index), "vq_seconds": vq_seconds / len(index),
                 "target_forwards": int(result.target_forwards[row]),
                 "drafter_forwards": int(result.drafter_forwards[row]),
@@ -314,128 +303,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
           f"{totals['seconds_per_image']:.2f} s/image, {totals['target_forwards_per_image']:.1f} target forwards/image, "
           f"MAL {totals['mean_accepted_length']:.2f}")
     return 0
-
-
-def method_options(args: argparse.Namespace) -> MethodOptions:
-    """``--method``, the model's preset of that name and the method flags the user set ->
-    validated :class:`MethodOptions` (a flag the method does not read is an error)."""
-    given = {name: getattr(args, name) for name in methods.settings() if getattr(args, name, None) is not None}
-    return methods.resolve(args.method, given, getattr(args, "model_presets", None))
-
-
-def load_conditions(args: argparse.Namespace, model: Transformer) -> tuple[torch.Tensor, torch.Tensor | None, dict]:
-    """Class ids ``[N]`` (c2i) or caption features ``[N, C, caption_dim]`` and mask ``[N, C]`` (t2i),
-    validated against the model, plus what ``stats.json`` records about them."""
-    config = model.config
-    if config.model_type == "c2i":
-        if args.caption_features or args.caption_mask:
-            raise RelaxspecError("this is a class-conditional (c2i) model: give --classes, not --caption-features")
-        if args.prompt or args.prompts_file or args.t5_path:
-            raise RelaxspecError("this is a class-conditional (c2i) model: give --classes, not prompts")
-        classes = parse_classes(args.classes if args.classes is not None else DEFAULT_CLASSES, model.class_names)
-        bad = [c for c in classes if not 0 <= c < config.num_classes]
-        if bad:
-            raise RelaxspecError(f"class id {bad[0]} is out of range: this model has classes 0..{config.num_classes - 1}")
-        return torch.tensor(classes, dtype=torch.long), None, {"classes": classes}
-    if args.classes is not None:
-        raise RelaxspecError("this is a text-to-image (t2i) model: give --prompt / --caption-features, not --classes")
-    prompts = read_prompts(args)
-    if prompts:
-        return encode(args, model, prompts)
-    if args.t5_path:
-        raise RelaxspecError("--t5-path encodes prompts: give --prompt TEXT or --prompts-file FILE")
-    if not args.caption_features:
-        raise RelaxspecError(f"this is a text-to-image (t2i) model: give --prompt TEXT with --t5-path DIR, or "
-                             f"--caption-features PATH.npy (caption features [N, {config.cls_token_num}, "
-                             f"{config.caption_dim}], e.g. Flan-T5-XL outputs)")
-    features, mask = load_caption_features(args.caption_features, args.caption_mask)
-    expected = (config.cls_token_num, config.caption_dim)
-    if tuple(features.shape[1:]) != expected:
-        raise RelaxspecError(f"--caption-features {args.caption_features}: shape {tuple(features.shape)}, but this "
-                             f"model needs [N, {expected[0]}, {expected[1]}]")
-    if mask is not None and tuple(mask.shape) != tuple(features.shape[:2]):
-        raise RelaxspecError(f"caption mask shape {tuple(mask.shape)} does not match the features' {tuple(features.shape[:2])}")
-    return features, mask, {"caption_features": str(Path(args.caption_features).resolve()),
-                            "captions": int(features.shape[0]), "caption_mask": mask is not None}
-
-
-def load_transformers_model(args: argparse.Namespace, device):
-    """A ``--model-path`` folder: the target, its image tokenizer, the prompts' token ids and mask,
-    what stats.json records about them, and the model's identity (relaxspec.models.hf)."""
-    family, opened = open_model_folder(args, device)
-    model, vq = opened.target, opened.tokenizer
-    identity = {"model_path": str(Path(args.model_path).resolve()), "model_type": family.MODEL_TYPE,
-                "model_config": vars(model.config), "vq_config": vars(vq.config)}
-    return model, vq, opened.cond, opened.cond_mask, opened.record, identity
-
-
-def open_model_folder(args: argparse.Namespace, device, prompts: list[str] | None = None):
-    """``(family, opened)`` for ``--model-path`` (relaxspec.models.hf), on ``prompts`` (default: the
-    --prompt / --prompts-file ones) with --precision, --image-size and --negative-prompt, as
-    generate and bench open it; ``args.image_size`` becomes the folder's pixel size."""
-    from relaxspec.models import hf
-
-    family = hf.family(args.model_path)
-    if getattr(args, "classes", None) is not None or getattr(args, "caption_features", None) or args.t5_path:
-        raise RelaxspecError(f"this {family.NAME} model takes text prompts: --prompt TEXT or --prompts-file FILE")
-    prompts = read_prompts(args) if prompts is None else prompts
-    if not prompts:
-        raise RelaxspecError(f"this {family.NAME} model takes text prompts: give --prompt TEXT (repeatable) or "
-                             "--prompts-file FILE")
-    opened = family.open_folder(args.model_path, prompts, device=device, dtype=PRECISIONS[args.precision],
-                                image_size=args.image_size, negative_prompt=args.negative_prompt)
-    args.image_size = opened.image_size
-    return family, opened
-
-
-def fill_folder_sampling(args: argparse.Namespace) -> None:
-    """Sampling flags left out (``None`` or absent) come from the ``--model-path`` folder: its
-    generation config, else its family's recipe. generate, bench and train-drafter read them so."""
-    from relaxspec.models import hf
-
-    for key, value in hf.family(args.model_path).sampling_defaults(args.model_path).items():
-        if getattr(args, key, None) is None:
-            setattr(args, key, value)
-
-
-def read_prompts(args: argparse.Namespace) -> list[str]:
-    """``--prompt`` values, then the lines of ``--prompts-file`` (blank lines skipped)."""
-    prompts = list(args.prompt or [])
-    if args.prompts_file:
-        prompts += read_prompts_file(args.prompts_file)
-        if not prompts:
-            raise RelaxspecError(f"--prompts-file {args.prompts_file}: no prompts in the file")
-    if prompts and (args.caption_features or args.caption_mask):
-        raise RelaxspecError("give prompts or --caption-features, not both")
-    return prompts
-
-
-def encode(args: argparse.Namespace, model: Transformer, prompts: list[str]):
-    """Prompts -> left-padded T5 features and mask (models.llamagen.prompts), checked against the model."""
-    from relaxspec.models.llamagen.prompts import encode_prompts
-
-    if not args.t5_path:
-        raise RelaxspecError("encoding prompts needs --t5-path DIR (a local Flan-T5 folder, as upstream LlamaGen "
-                             "uses), or give precomputed --caption-features")
-    config = model.config
-    features, mask, lengths = encode_prompts(prompts, args.t5_path, max_length=config.cls_token_num,
-                                             device=model.device)
-    if features.shape[-1] != config.caption_dim:
-        raise RelaxspecError(f"--t5-path {args.t5_path}: its features have {features.shape[-1]} dimensions, but this "
-                             f"model reads {config.caption_dim}: not the text encoder it was trained with")
-    for i, length in enumerate(lengths):
-        if length > config.cls_token_num:
-            print(f"relaxspec: prompt {i + 1} has {length} tokens; the model reads {config.cls_token_num}, so it is "
-                  "cut (as upstream)", file=sys.stderr)
-    return features.cpu(), mask.cpu(), {"prompts": prompts, "t5_path": str(Path(args.t5_path).resolve())}
-
-
-def condition_record(cond_settings: dict, index: int) -> dict:
-    if "classes" in cond_settings:
-        return {"class": cond_settings["classes"][index]}
-    if "prompts" in cond_settings:
-        return {"prompt": cond_settings["prompts"][index]}
-    return {"caption": index}
 
 
 def kept_batch_counts(old: dict, records: dict[int, dict], batch_size: int, num_images: int) -> dict[str, dict]:

@@ -4,17 +4,16 @@ model specs, the device option and upstream LlamaGen's sampling defaults."""
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 import torch
 
 from relaxspec.devices import resolve_device
 from relaxspec.errors import RelaxspecError
+from relaxspec.files import read_prompts_file
 from relaxspec.models.llamagen.gpt import GPT_SIZES
 from relaxspec.models.llamagen.vq import VQ_CONFIGS
+from relaxspec.pipelines.llamagen import DEFAULT_CLASSES, spec_id  # noqa: F401 - the commands' names for them
 
-#: Upstream LlamaGen's c2i demo classes (sample_c2i.py), used when --classes is not given.
-DEFAULT_CLASSES = "207,360,387,974,88,979,417,279"
 
 
 class UsageError(Exception):
@@ -43,6 +42,9 @@ def add_model_options(group, *, vq_model_default: str | None = "VQ-16", drafter_
                        help=f"named tokenizer ({', '.join(VQ_CONFIGS)}) or JSON config (default VQ-16)")
     group.add_argument("--drafter-ckpt", metavar="PATH", help=drafter_help)
     group.add_argument("--image-size", type=int, help="pixels per side (official files; default 256)")
+    group.add_argument("--tokenizer-path", metavar="DIR", help="with --model-path: Meta's Chameleon tokenizer folder "
+                                                              "(text_tokenizer.json, vqgan.yaml, vqgan.ckpt) for a "
+                                                              "Lumina-mGPT folder")
     group.add_argument("--precision", choices=tuple(PRECISIONS), default="fp32", help="GPT weights dtype (default fp32)")
     group.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:1, ...")
 
@@ -60,9 +62,30 @@ def int_list(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"expected integers like 1,2,2, got {text!r}") from None
 
 
-def spec_id(spec: str | None) -> str | None:
-    """A model name as given, a JSON config as its resolved path (for the settings hash)."""
-    return str(Path(spec).resolve()) if spec and spec not in GPT_SIZES and spec not in VQ_CONFIGS else spec
+def open_from_args(args: argparse.Namespace, *, prompts: list[str] | None = None, prompt_length: int | None = None,
+                   with_drafter: bool = True):
+    """The pipeline the model flags name (:func:`relaxspec.pipelines.open_pipeline`): the one way
+    every command opens a model."""
+    from relaxspec.pipelines import open_pipeline
+
+    return open_pipeline(gpt_ckpt=args.gpt_ckpt, gpt_model=args.gpt_model, vq_ckpt=args.vq_ckpt,
+                         vq_model=args.vq_model, t5_path=getattr(args, "t5_path", None),
+                         model_path=getattr(args, "model_path", None), tokenizer_path=getattr(args, "tokenizer_path", None),
+                         drafter_ckpt=args.drafter_ckpt, device=args.device, precision=args.precision,
+                         image_size=args.image_size, prompts=prompts, prompt_length=prompt_length,
+                         negative_prompt=getattr(args, "negative_prompt", None), with_drafter=with_drafter)
+
+
+def read_prompts(args: argparse.Namespace) -> list[str]:
+    """``--prompt`` values, then the lines of ``--prompts-file`` (blank lines skipped)."""
+    prompts = list(getattr(args, "prompt", None) or [])
+    if getattr(args, "prompts_file", None):
+        prompts += read_prompts_file(args.prompts_file)
+        if not prompts:
+            raise RelaxspecError(f"--prompts-file {args.prompts_file}: no prompts in the file")
+    if prompts and (getattr(args, "caption_features", None) or getattr(args, "caption_mask", None)):
+        raise RelaxspecError("give prompts or --caption-features, not both")
+    return prompts
 
 
 def parse_classes(text: str, names: list[str] | None = None) -> list[int]:

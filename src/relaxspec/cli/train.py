@@ -167,7 +167,9 @@ def add_train_drafter_parser(subparsers) -> argparse.ArgumentParser:
     option.section("target")
     option("--gpt-ckpt", "target checkpoint: an official .pt or a relaxspec folder", metavar="PATH")
     option("--gpt-model", "target size for an official checkpoint (GPT-B, GPT-L, GPT-XL, ...)")
-    option("--model-path", "a transformers model folder (Janus / Janus-Pro, Emu3) as the target", metavar="DIR")
+    option("--model-path", "a transformers model folder (Janus / Janus-Pro, Emu3, Lumina-mGPT) as the target",
+           metavar="DIR")
+    option("--tokenizer-path", "with a Lumina-mGPT --model-path: Meta's Chameleon tokenizer folder", metavar="DIR")
     option("--image-size", "image resolution of an official checkpoint (Emu3: the image size to paint)", type=int)
     option("--downsample", "tokenizer downsampling factor", type=int)
     option("--precision", "target weights precision", choices=list(PRECISIONS))
@@ -221,10 +223,12 @@ def run_train_drafter(args: argparse.Namespace) -> int:
     """Entry point of ``relaxspec train-drafter``; raises :class:`RelaxspecError` on bad input."""
     if "classes" in args:  # each --classes word may itself be a comma list
         args.classes = [c for word in args.classes for c in word]
-    if "model_path" in args and not getattr(args, "resume", False):
-        from relaxspec.cli.generate import fill_folder_sampling
+    if getattr(args, "model_path", None) is not None and not getattr(args, "resume", False):
+        from relaxspec.pipelines.open import folder_sampling
 
-        fill_folder_sampling(args)  # its self-samples are drawn as generate draws from it
+        for key, value in folder_sampling(args.model_path).items():  # self-samples drawn as generate draws them
+            if getattr(args, key, None) is None:
+                setattr(args, key, value)
     config, resume = config_from_args(args, DrafterTrainConfig, read_drafter_state)
     result = train_drafter(config, resume=resume)
     last = result.history[-1] if result.history else {}

@@ -9,7 +9,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
@@ -17,10 +17,12 @@ import numpy as np
 import torch
 
 from relaxspec import methods
-from relaxspec.decoding import DecodeResult, decode
+from relaxspec.conditions import Condition
+from relaxspec.decoding import DecodeResult
 from relaxspec.errors import RelaxspecError
 from relaxspec.files import write_png
 from relaxspec.inputs import check_seed, check_upscale
+from relaxspec.pipelines import ImagePipeline
 from relaxspec.sampling import SamplingConfig, batch_seed
 
 #: The setting the page's one knob sets, per method (other methods have no knob).
@@ -33,27 +35,46 @@ FRAME_SECONDS = 0.1
 
 @dataclass
 class DemoModel:
-    """What the demo decodes with: a target, its tokenizer, a drafter (or ``None``), the model's
-    method presets and sampling defaults, the method and class (or prompt) the page starts with.
-    ``prompts``: for a text-to-image model, ``prompts([text]) -> (cond, cond_mask)`` formatting
-    a prompt for the target (:attr:`relaxspec.models.hf.Opened.format`); ``None`` for classes."""
+    """What the demo decodes with: a pipeline (:func:`relaxspec.pipelines.open_pipeline`: the
+    target, its tokenizer, its drafter or ``None``, its presets and sampling defaults), and the
+    method and class (or prompt) the page starts with."""
 
-    target: object
-    vq: object
-    drafter: object = None
-    presets: dict = field(default_factory=dict)
-    sampling: dict = field(default_factory=dict)
+    pipeline: ImagePipeline
     default_method: str = "lantern"
     default_class: str | None = None
-    prompts: object = None
+
+    @property
+    def target(self):
+        return self.pipeline.target
+
+    @property
+    def vq(self):
+        return self.pipeline.tokenizer
+
+    @property
+    def drafter(self):
+        return self.pipeline.drafter
+
+    @property
+    def presets(self) -> dict:
+        return self.pipeline.presets
+
+    @property
+    def sampling(self) -> dict:
+        return self.pipeline.sampling_defaults
+
+    @property
+    def prompts(self) -> bool:
+        """True when the page takes a prompt instead of a class."""
+        return self.pipeline.takes == "prompts"
 
     @property
     def class_names(self) -> list[str] | None:
-        return self.target.class_names
+        return self.pipeline.class_names
 
     @property
     def grid(self) -> int:
-        return self.target.config.grid_size
+        return self.pipeline.grid
 
 
 @dataclass
@@ -69,15 +90,6 @@ class RaceRequest:
 
 
 @dataclass
-class Condition:
-    """What one image is conditioned on: ``cond [1, ...]`` (a class id, or a formatted prompt) and
-    its mask, as :func:`relaxspec.decoding.decode` takes them."""
-
-    cond: torch.Tensor
-    mask: torch.Tensor | None = None
-
-
-@dataclass
 class Lane:
     """One side of the race as it stands: the image so far, committed tokens, and when done the
     decode's result and its drawing-free seconds."""
@@ -89,39 +101,19 @@ class Lane:
     seconds: float | None = None
 
 
-def class_id(model: DemoModel, condition: str) -> int:
-    """A class name or id -> the id, with the CLI's message for an unknown or out-of-range one."""
-    from relaxspec.data.emoji import resolve_classes
-
-    text = str(condition).strip()
-    if not text:
-        raise RelaxspecError("choose a class")
-    names = model.class_names
-    if names is not None:
-        ids = resolve_classes(text, names)
-        if len(ids) != 1:
-            raise RelaxspecError(f"choose one class, got {len(ids)}")
-        value = ids[0]
-    else:
-        try:
-            value = int(text)
-        except ValueError:
-            raise RelaxspecError(f"this model does not name its classes: give a class id, got {text!r}") from None
-    num = model.target.config.num_classes
-    if not 0 <= value < num:
-        raise RelaxspecError(f"class id {value} is out of range: this model has classes 0..{num - 1}")
-    return value
-
-
 def condition_of(model: DemoModel, text: str) -> Condition:
-    """The page's condition box -> the condition: a class (name or id), or a prompt."""
-    if model.prompts is None:
-        return Condition(torch.tensor([class_id(model, text)]))
-    prompt = str(text).strip()
-    if not prompt:
+    """The page's condition box -> the condition: one class (name or id), or a prompt, checked by
+    the pipeline as every command checks it."""
+    text = str(text).strip()
+    if not model.prompts:
+        if not text:
+            raise RelaxspecError("choose a class")
+        if len([part for part in text.split(",") if part.strip()]) != 1:
+            raise RelaxspecError(f"choose one class, got {len(text.split(','))}")
+        return model.pipeline.conditions(classes=text)
+    if not text:
         raise RelaxspecError("write a prompt")
-    cond, mask = model.prompts([prompt])
-    return Condition(cond, mask)
+    return model.pipeline.conditions(prompts=[text])
 
 
 def resolve_request(model: DemoModel, request: RaceRequest) -> tuple[Condition, methods.MethodOptions, SamplingConfig]:
@@ -159,12 +151,9 @@ def partial_image(model: DemoModel, tokens: torch.Tensor, done: int, upscale: in
     """The image of ``tokens [N]`` with only the first ``done`` committed: the VQ decode of the
     committed tokens (pending ones read as token 0) with every pending token's cell painted
     grey, enlarged ``upscale`` times (nearest neighbour). uint8 ``[H, W, 3]``."""
-    from relaxspec.models.llamagen.vq import to_uint8
-
     n = tokens.shape[0]
     filled = torch.where(torch.arange(n) < done, tokens.cpu(), torch.zeros_like(tokens.cpu()))
-    device = model.target.device
-    pixels = to_uint8(model.vq.decode(filled[None].to(device))).cpu().numpy()[0]
+    pixels = model.pipeline.pixels(filled[None]).copy()[0]
     grid = model.grid
     cell = pixels.shape[0] // grid
     pending = np.repeat(np.repeat((np.arange(n) >= done).reshape(grid, grid), cell, 0), cell, 1)
@@ -224,8 +213,7 @@ def run_lane(model: DemoModel, condition: Condition, options, sampling: Sampling
         try:
             with model_lock(model):
                 generator = torch.Generator(device=model.target.device).manual_seed(batch_seed(seed, 0))
-                result = decode(model.target, condition.cond, sampling, options, generator=generator,
-                                drafter=model.drafter, vq=model.vq, cond_mask=condition.mask, on_step=on_step)
+                result = model.pipeline.generate(condition, options, sampling, generator=generator, on_step=on_step)
             frames.put(("done", result, None))
         except Stopped:
             frames.put(("stopped", None, None))

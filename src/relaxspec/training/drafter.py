@@ -71,7 +71,8 @@ class DrafterTrainConfig(common.RecipeConfig):
     # target (official files need gpt_model; our folders carry their config)
     gpt_ckpt: str | None = None
     gpt_model: str | None = None
-    model_path: str | None = None  # a transformers folder (Janus, Emu3): trained on its own samples of prompts
+    model_path: str | None = None  # a transformers folder (Janus, Emu3, Lumina-mGPT): trained on its own samples
+    tokenizer_path: str | None = None  # Lumina-mGPT: Meta's Chameleon tokenizer folder
     prompts_file: str | None = None  # the self-samples' prompts, one per line (model_path, or t5_path)
     t5_path: str | None = None  # a LlamaGen t2i target: the Flan-T5 folder that encodes prompts_file
     negative_prompt: str | None = None  # Emu3's guidance (default: its family's)
@@ -653,27 +654,24 @@ def _read_prompts(config: DrafterTrainConfig) -> list[str]:
 def _encode_prompts(config: DrafterTrainConfig, target) -> tuple[torch.Tensor, torch.Tensor]:
     """A LlamaGen t2i target's self-sample conditions: ``prompts_file`` encoded with ``t5_path`` as
     ``relaxspec generate --t5-path`` encodes prompts (caption features and mask)."""
-    from relaxspec.models.llamagen.prompts import encode_prompts
+    from relaxspec.pipelines.llamagen import LlamaGenT2I
 
     if target.config.model_type != "t2i":
         raise RelaxspecError("--t5-path encodes prompts for a text-to-image (t2i) target; this one is c2i")
-    features, mask, _ = encode_prompts(_read_prompts(config), config.t5_path, max_length=target.config.cls_token_num,
-                                       device=target.device)
-    if features.shape[-1] != target.config.caption_dim:
-        raise RelaxspecError(f"--t5-path {config.t5_path}: its features have {features.shape[-1]} dimensions, but "
-                             f"this model reads {target.config.caption_dim}")
-    return features.cpu(), mask.cpu()
+    condition = LlamaGenT2I(target, None, t5_path=config.t5_path).encode(_read_prompts(config))
+    return condition.cond, condition.mask
 
 
 def _open_folder(config: DrafterTrainConfig, device) -> tuple[TargetModel, tuple]:
     """A transformers folder's target and its self-samples' formatted prompts."""
-    from relaxspec.models import hf
+    from relaxspec.pipelines import open_pipeline
 
     prompts = _read_prompts(config)
-    opened = hf.family(config.model_path).open_folder(config.model_path, prompts, device=device,
-                                                      dtype=PRECISIONS[config.precision], image_size=config.image_size,
-                                                      negative_prompt=config.negative_prompt)
-    return opened.target, (opened.cond, opened.cond_mask)
+    pipeline = open_pipeline(model_path=config.model_path, tokenizer_path=config.tokenizer_path, prompts=prompts,
+                             device=device, precision=config.precision, image_size=config.image_size,
+                             negative_prompt=config.negative_prompt)
+    condition = pipeline.conditions(prompts=prompts)
+    return pipeline.target, (condition.cond, condition.mask)
 
 
 def train_drafter(config: DrafterTrainConfig, *, target: TeacherForcedTarget | None = None,

@@ -1,0 +1,162 @@
+"""The pipeline: everything between the paths a user has and pixels, for one model family.
+
+diffusers' idea for autoregressive image models. A pipeline owns its target, its image tokenizer
+and (when there is one) its EAGLE drafter; its sampling defaults and method presets; how classes
+or prompts become a :class:`~relaxspec.conditions.Condition`; the decode call for any method; and
+how tokens become pixels. Commands, the Python API, bench and the demo take a pipeline and never
+learn a family's details. :func:`relaxspec.pipelines.open_pipeline` is the one way to get one.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from relaxspec import methods
+from relaxspec.conditions import Condition
+from relaxspec.decoding import DecodeResult, decode
+from relaxspec.errors import RelaxspecError
+from relaxspec.methods import MethodOptions
+from relaxspec.sampling import SamplingConfig
+
+#: Upstream LlamaGen's demo sampling (sample_c2i.py): what a model that brings no defaults gets.
+UPSTREAM_SAMPLING = {"cfg_scale": 4.0, "temperature": 1.0, "top_k": 2000, "top_p": 1.0}
+
+
+def to_uint8(pixels: Tensor) -> np.ndarray:
+    """``[B, 3, H, W]`` in ``[-1, 1]`` -> uint8 ``[B, H, W, 3]``, rounded as LlamaGen saves images."""
+    from relaxspec.models.llamagen.vq import to_uint8 as llamagen_uint8
+
+    return llamagen_uint8(pixels).cpu().numpy()
+
+
+class ImagePipeline:
+    """A model family's target, tokenizer and drafter, with what it needs to turn conditions into
+    images.
+
+    Subclasses set :attr:`family` (what users read) and :attr:`takes` (``"classes"`` or
+    ``"prompts"``) and implement :meth:`_conditions`.
+
+    Args:
+        target: a :class:`~relaxspec.models.base.TargetModel`.
+        tokenizer: its :class:`~relaxspec.models.base.ImageTokenizer`.
+        drafter: an EAGLE drafter attached to ``target``, or ``None``.
+        sampling: the model's sampling defaults (fields of :class:`SamplingConfig`).
+        presets: the model's own tuned setting per method name (``{}``: the registry's).
+        default_method: the method a call without one uses.
+        default_classes: the classes a call without conditions draws (class pipelines), or ``None``.
+        identity: what a run records about the model (paths, configs, file identities).
+    """
+
+    family = "model"
+    takes = "classes"
+
+    def __init__(self, target, tokenizer, drafter=None, *, sampling: dict | None = None, presets: dict | None = None,
+                 default_method: str = "ar", default_classes=None, identity: dict | None = None):
+        self.target, self.tokenizer, self.drafter = target, tokenizer, drafter
+        self.sampling_defaults = {**UPSTREAM_SAMPLING, **(sampling or {})}
+        self.presets = dict(presets or {})
+        self.default_method = default_method
+        self.default_classes = default_classes
+        self.identity = dict(identity or {})
+        self.drafter_path: str | None = None  # where the drafter was read from (openers set it)
+        self.files: dict[str, str] = {}  # the files the model was read from, by role (openers set them)
+
+    # ---------------------------------------------------------------- what it is
+    @property
+    def device(self) -> torch.device:
+        return self.target.device
+
+    @property
+    def grid(self) -> int:
+        """Image tokens per side."""
+        return self.target.config.grid_size
+
+    @property
+    def image_tokens(self) -> int:
+        return self.target.config.block_size
+
+    @property
+    def image_size(self) -> int:
+        """Pixels per side of a decoded image."""
+        return self.grid * self.tokenizer.config.downsample_factor
+
+    @property
+    def class_names(self) -> list[str] | None:
+        return getattr(self.target, "class_names", None)
+
+    def describe(self) -> str:
+        return f"{self.family}, {self.image_size}-px images ({self.grid}x{self.grid} tokens)"
+
+    # ---------------------------------------------------------------- conditions
+    def conditions(self, classes=None, prompts: Sequence[str] | None = None) -> Condition:
+        """Classes (names or ids) or prompts -> a :class:`Condition`, checked once here; with
+        neither, the model's demo classes (a class pipeline that has them)."""
+        if self.takes == "classes" and prompts is not None:
+            raise RelaxspecError(f"this is a class-conditional model ({self.family}): give classes, not prompts")
+        if self.takes == "prompts" and classes is not None:
+            raise RelaxspecError(f"this is a text-to-image model ({self.family}): give prompts, not classes")
+        return self._conditions(classes, prompts)
+
+    def _conditions(self, classes, prompts) -> Condition:
+        raise NotImplementedError
+
+    # ---------------------------------------------------------------- settings
+    def sampling(self, sampling: SamplingConfig | dict | None = None, **overrides) -> SamplingConfig:
+        """The model's sampling defaults with ``sampling`` (a :class:`SamplingConfig` is taken as
+        it is) or ``overrides`` over them; ``None`` values keep the default."""
+        if isinstance(sampling, SamplingConfig):
+            if overrides:
+                raise RelaxspecError("give sampling as a SamplingConfig or as fields, not both")
+            return sampling
+        given = {**(sampling or {}), **overrides}
+        return SamplingConfig(**{**self.sampling_defaults, **{k: v for k, v in given.items() if v is not None}})
+
+    def method(self, method: str | MethodOptions | None = None, fields: dict | None = None) -> MethodOptions:
+        """A method name (the model's own preset of that name, then ``fields``; ``None``: the
+        model's default method) or :class:`MethodOptions`, checked against this pipeline."""
+        if isinstance(method, MethodOptions):
+            if fields:
+                raise RelaxspecError("give method fields either in the MethodOptions or as keywords, not both")
+            options = method
+        else:
+            options = methods.resolve(method or self.default_method, fields, self.presets)
+        if options.needs_drafter and self.drafter is None:
+            raise RelaxspecError(f"method {options.method!r} drafts with an EAGLE drafter and this model has none: "
+                                 "give a drafter (relaxspec train-drafter trains one), or choose sjd, scd or gsd")
+        return options
+
+    # ---------------------------------------------------------------- decoding and pixels
+    def generate(self, condition: Condition, options: MethodOptions | None = None,
+                 sampling: SamplingConfig | None = None, *, generator: torch.Generator | None = None,
+                 progress: bool = False, on_step: Callable | None = None) -> DecodeResult:
+        """Image tokens for every condition, with the method ``options`` names (default: the
+        model's default method) and ``sampling`` (default: the model's)."""
+        options = options if options is not None else self.method()
+        sampling = sampling if sampling is not None else self.sampling()
+        if options.needs_drafter and self.drafter is None:
+            raise RelaxspecError(f"method {options.method!r} drafts with an EAGLE drafter and this model has none")
+        condition = condition.to(self.device)
+        return decode(self.target, condition.cond, sampling, options, generator=generator,
+                      drafter=self.drafter if options.needs_drafter else None, vq=self.tokenizer,
+                      cond_mask=condition.mask, progress=progress, on_step=on_step)
+
+    @torch.no_grad()
+    def pixels(self, tokens: Tensor) -> np.ndarray:
+        """Image tokens ``[B, N]`` -> uint8 pixels ``[B, H, W, 3]``."""
+        return to_uint8(self.tokenizer.decode(tokens.to(self.device)))
+
+    def images(self, tokens: Tensor, upscale: int = 1) -> list:
+        """Image tokens ``[B, N]`` -> PIL images, each enlarged ``upscale`` times (nearest neighbour)."""
+        from PIL import Image
+
+        images = [Image.fromarray(p) for p in self.pixels(tokens)]
+        if upscale > 1:
+            images = [im.resize((im.width * upscale, im.height * upscale), Image.NEAREST) for im in images]
+        return images
+
+    def __repr__(self) -> str:  # pragma: no cover - cosmetic
+        return f"<{type(self).__name__}: {self.describe()}>"

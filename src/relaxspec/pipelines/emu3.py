@@ -1,0 +1,9 @@
+"""Emu3 (transformers' ``Emu3ForConditionalGeneration``): prompts and a negative prompt formatted
+by the folder's processor, forced end-of-line rows (:mod:`relaxspec.models.emu3`)."""
+
+from relaxspec.pipelines.folders import FolderPipeline
+
+
+class Emu3Pipeline(FolderPipeline):
+    family = "Emu3"
+    MODEL = "relaxspec.models.emu3"

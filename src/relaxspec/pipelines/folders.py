@@ -1,0 +1,95 @@
+"""Pipelines for transformers model folders (``save_pretrained`` layout, safetensors): the model
+module of a family (:mod:`relaxspec.models.janus`, :mod:`~relaxspec.models.emu3`,
+:mod:`~relaxspec.models.lumina`) opens the folder; :class:`FolderPipeline` holds what it opened and
+formats prompts for it. A family's pipeline file names its model module and what users read."""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from relaxspec.conditions import Condition, check_prompts
+from relaxspec.errors import RelaxspecError
+from relaxspec.pipelines.base import ImagePipeline
+
+#: Prompt tokens a folder is opened for when no prompts are given yet (the demo, a notebook):
+#: any prompt up to this length then decodes; padding is masked and does not change the law.
+DEFAULT_PROMPT_TOKENS = 128
+
+
+class FolderPipeline(ImagePipeline):
+    """A text-to-image model from a transformers folder. Subclasses set ``family`` and ``MODEL``
+    (the model module's import path)."""
+
+    takes = "prompts"
+    MODEL = ""
+
+    def __init__(self, opened, model_module, drafter=None, *, path, sampling: dict | None = None):
+        identity = {"model_path": str(Path(path).resolve()), "model_type": model_module.MODEL_TYPE,
+                    "model_config": vars(opened.target.config), "vq_config": vars(opened.tokenizer.config)}
+        super().__init__(opened.target, opened.tokenizer, drafter, sampling=sampling, identity=identity)
+        self.opened, self.model_module, self.path = opened, model_module, str(path)
+        self.first_prompts = list(opened.record.get("prompts", []))
+
+    @property
+    def image_size(self) -> int:
+        return self.opened.image_size
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.target.config.cls_token_num
+
+    def _conditions(self, classes, prompts) -> Condition:
+        if prompts is None:
+            raise RelaxspecError(f"this {self.family} model takes text prompts: give prompts (--prompt TEXT)")
+        prompts = check_prompts(prompts)
+        if prompts == self.first_prompts:
+            cond, mask = self.opened.cond, self.opened.cond_mask
+        else:
+            cond, mask = self.opened.format(prompts)
+        settings = {**self.opened.record, "prompts": prompts}
+        return Condition(cond, mask, [{"prompt": p} for p in prompts], settings)
+
+    @torch.no_grad()
+    def pixels(self, tokens: torch.Tensor) -> np.ndarray:
+        convert = getattr(self.model_module, "to_uint8", None)  # a family whose official code converts its own way
+        if convert is None:
+            return super().pixels(tokens)
+        return np.asarray(convert(self.tokenizer.decode(tokens.to(self.device))))
+
+
+def open_folder(pipeline_class: type[FolderPipeline], path, *, prompts=None, prompt_length: int | None = None,
+                drafter_ckpt=None, device="cpu", precision: str = "fp32", image_size: int | None = None,
+                negative_prompt: str | None = None, tokenizer_path=None) -> FolderPipeline:
+    """Open a folder of ``pipeline_class``'s family for ``prompts`` (or, without them, for prompts
+    of up to ``prompt_length`` tokens, :data:`DEFAULT_PROMPT_TOKENS` by default)."""
+    from relaxspec.drafting.eagle import load_drafter
+    from relaxspec.models.llamagen.checkpoints import PRECISIONS
+
+    module = importlib.import_module(pipeline_class.MODEL)
+    if prompts is None:
+        prompts, prompt_length = ["a picture"], prompt_length or DEFAULT_PROMPT_TOKENS
+    prompts = check_prompts(prompts)
+    extra = {"tokenizer_path": tokenizer_path} if tokenizer_path is not None else {}
+    if tokenizer_path is not None and "tokenizer_path" not in _parameters(module.open_folder):
+        raise RelaxspecError(f"--tokenizer-path goes with a Lumina-mGPT folder; a {module.NAME} folder carries its own "
+                             "tokenizer")
+    opened = module.open_folder(path, prompts, device=device, dtype=PRECISIONS[precision], image_size=image_size,
+                                negative_prompt=negative_prompt, prompt_length=prompt_length, **extra)
+    drafter = load_drafter(drafter_ckpt, opened.target) if drafter_ckpt is not None else None
+    pipeline = pipeline_class(opened, module, drafter, path=path, sampling=module.sampling_defaults(path))
+    pipeline.drafter_path = None if drafter_ckpt is None else str(drafter_ckpt)
+    pipeline.files = {"model_path": str(path)}
+    if tokenizer_path is not None:
+        pipeline.identity["tokenizer_path"] = str(Path(tokenizer_path).resolve())
+        pipeline.files["tokenizer_path"] = str(tokenizer_path)
+    return pipeline
+
+
+def _parameters(function) -> set[str]:
+    import inspect
+
+    return set(inspect.signature(function).parameters)

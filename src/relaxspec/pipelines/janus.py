@@ -1,0 +1,9 @@
+"""Janus / Janus-Pro (transformers' ``JanusForConditionalGeneration``): prompts formatted by the
+folder's processor and chat template (:mod:`relaxspec.models.janus`)."""
+
+from relaxspec.pipelines.folders import FolderPipeline
+
+
+class JanusPipeline(FolderPipeline):
+    family = "Janus"
+    MODEL = "relaxspec.models.janus"

@@ -1,0 +1,152 @@
+"""LlamaGen pipelines (arXiv 2406.06525): class-conditional (c2i), text-to-image with Flan-T5
+prompts (t2i), and the embedded emoji model, a c2i pipeline with its own defaults and presets."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+import torch
+
+from relaxspec.conditions import Condition, check_prompts, class_condition
+from relaxspec.errors import RelaxspecError
+from relaxspec.pipelines.base import ImagePipeline
+
+#: Upstream LlamaGen's c2i demo classes (sample_c2i.py), for a model that names none of its own.
+DEFAULT_CLASSES = "207,360,387,974,88,979,417,279"
+
+
+def spec_id(spec: str | None) -> str | None:
+    """A model name as given, a JSON config file as its resolved path (what a run records)."""
+    from relaxspec.models.llamagen.gpt import GPT_SIZES
+    from relaxspec.models.llamagen.vq import VQ_CONFIGS
+
+    return str(Path(spec).resolve()) if spec and spec not in GPT_SIZES and spec not in VQ_CONFIGS else spec
+
+
+class LlamaGenC2I(ImagePipeline):
+    """A class-conditional LlamaGen transformer and its VQ tokenizer; classes by id, or by name
+    when the checkpoint names them."""
+
+    family = "LlamaGen c2i"
+    takes = "classes"
+
+    def _conditions(self, classes, prompts) -> Condition:
+        if classes is None:
+            classes = self.default_classes
+            if classes is None:
+                raise RelaxspecError("give the classes to draw (this model has no demo classes)")
+        return class_condition(classes, self.target.config.num_classes, self.class_names)
+
+
+class LlamaGenT2I(ImagePipeline):
+    """A text-to-image LlamaGen transformer: prompts encoded by a local Flan-T5 folder
+    (``t5_path``), as upstream's ``sample_t2i.py`` does, or caption features given directly."""
+
+    family = "LlamaGen t2i"
+    takes = "prompts"
+
+    def __init__(self, target, tokenizer, drafter=None, *, t5_path: str | None = None, **kwargs):
+        super().__init__(target, tokenizer, drafter, **kwargs)
+        self.t5_path = t5_path
+
+    def _conditions(self, classes, prompts) -> Condition:
+        if prompts is None:
+            raise RelaxspecError("this is a text-to-image (t2i) model: give prompts (with a Flan-T5 folder, t5_path), "
+                                 "or caption features")
+        return self.encode(check_prompts(prompts))
+
+    def encode(self, prompts: list[str]) -> Condition:
+        """Prompts -> left-padded T5 features and mask (:mod:`relaxspec.models.llamagen.prompts`)."""
+        from relaxspec.models.llamagen.prompts import encode_prompts
+
+        if not self.t5_path:
+            raise RelaxspecError("encoding prompts needs --t5-path DIR / t5_path (a local Flan-T5 folder, as upstream "
+                                 "LlamaGen uses), or give precomputed --caption-features")
+        config = self.target.config
+        features, mask, lengths = encode_prompts(prompts, self.t5_path, max_length=config.cls_token_num,
+                                                 device=self.device)
+        if features.shape[-1] != config.caption_dim:
+            raise RelaxspecError(f"--t5-path {self.t5_path}: its features have {features.shape[-1]} dimensions, but "
+                                 f"this model reads {config.caption_dim}: not the text encoder it was trained with")
+        for i, length in enumerate(lengths):
+            if length > config.cls_token_num:
+                print(f"relaxspec: prompt {i + 1} has {length} tokens; the model reads {config.cls_token_num}, so it "
+                      "is cut (as upstream)", file=sys.stderr)
+        return Condition(features.cpu(), mask.cpu(), [{"prompt": p} for p in prompts],
+                         {"prompts": list(prompts), "t5_path": str(Path(self.t5_path).resolve())})
+
+    def caption_condition(self, features: torch.Tensor, mask: torch.Tensor | None, source: str) -> Condition:
+        """Precomputed caption features ``[N, C, caption_dim]`` (and mask ``[N, C]``), checked."""
+        config = self.target.config
+        expected = (config.cls_token_num, config.caption_dim)
+        if tuple(features.shape[1:]) != expected:
+            raise RelaxspecError(f"--caption-features {source}: shape {tuple(features.shape)}, but this model needs "
+                                 f"[N, {expected[0]}, {expected[1]}]")
+        if mask is not None and tuple(mask.shape) != tuple(features.shape[:2]):
+            raise RelaxspecError(f"caption mask shape {tuple(mask.shape)} does not match the features' "
+                                 f"{tuple(features.shape[:2])}")
+        return Condition(features, mask, [{"caption": i} for i in range(features.shape[0])],
+                         {"caption_features": str(Path(source).resolve()), "captions": int(features.shape[0]),
+                          "caption_mask": mask is not None})
+
+
+def open_llamagen(gpt_ckpt, vq_ckpt, *, gpt_model: str | None = None, vq_model: str | None = "VQ-16",
+                  t5_path: str | None = None, drafter_ckpt=None, device="cpu", precision: str = "fp32",
+                  image_size: int | None = None, sampling: dict | None = None, presets: dict | None = None,
+                  default_method: str = "ar", default_classes=None, family: str | None = None) -> ImagePipeline:
+    """A LlamaGen checkpoint pair (official files or relaxspec folders) as its pipeline."""
+    from relaxspec.drafting.eagle import load_drafter
+    from relaxspec.models.llamagen.checkpoints import load_gpt, load_vq
+
+    if vq_ckpt is None:
+        raise RelaxspecError("--vq-ckpt is required with --gpt-ckpt (the tokenizer that goes with the GPT)")
+    vq = load_vq(vq_ckpt, vq_model, device=device)
+    downsample = vq.config.downsample_factor
+    if image_size is not None and image_size % downsample:
+        raise RelaxspecError(f"--image-size {image_size} is not a multiple of the tokenizer's downsampling {downsample}")
+    target = load_gpt(gpt_ckpt, gpt_model, image_size=image_size, downsample=downsample, precision=precision,
+                      device=device)
+    if target.config.vocab_size != vq.config.codebook_size:
+        raise RelaxspecError(f"the GPT's vocabulary ({target.config.vocab_size}) does not match the VQ codebook "
+                             f"({vq.config.codebook_size}): they are not a pair")
+    drafter = load_drafter(drafter_ckpt, target) if drafter_ckpt is not None else None
+    identity = {"gpt_ckpt": str(Path(gpt_ckpt).resolve()), "gpt_model": spec_id(gpt_model),
+                "gpt_config": target.config.to_dict(), "vq_ckpt": str(Path(vq_ckpt).resolve()),
+                "vq_model": spec_id(vq_model), "vq_config": _asdict(vq.config)}
+    kwargs = dict(sampling=sampling, presets=presets, default_method=default_method, identity=identity)
+    if target.config.model_type == "c2i":
+        if t5_path is not None:
+            raise RelaxspecError("this is a class-conditional (c2i) model: give --classes, not prompts")
+        if default_classes is None and target.config.num_classes > 979:
+            default_classes = DEFAULT_CLASSES
+        pipeline = LlamaGenC2I(target, vq, drafter, default_classes=default_classes, **kwargs)
+    else:
+        pipeline = LlamaGenT2I(target, vq, drafter, t5_path=t5_path, **kwargs)
+    if family is not None:
+        pipeline.family = family
+    pipeline.drafter_path = None if drafter_ckpt is None else str(drafter_ckpt)
+    pipeline.files = {"gpt_ckpt": str(gpt_ckpt), "vq_ckpt": str(vq_ckpt)}
+    return pipeline
+
+
+def open_embedded(*, drafter_ckpt=None, device="cpu", precision: str = "fp32", with_drafter: bool = True):
+    """The embedded emoji model (a LlamaGen c2i pipeline) with its shipped drafter, sampling
+    defaults, tuned presets, default method and demo classes (``embedded/defaults.json``)."""
+    from relaxspec import embedded
+
+    defaults = embedded.defaults()
+    if drafter_ckpt is None and with_drafter and embedded.available("drafter"):
+        drafter_ckpt = embedded.path("drafter")
+    return open_llamagen(embedded.path("gpt"), embedded.path("vq"), drafter_ckpt=drafter_ckpt,
+                         device=device, precision=precision, sampling=defaults.get("sampling"),
+                         presets=defaults.get("presets"), default_method=defaults.get("method", {}).get("method", "ar"),
+                         default_classes=defaults.get("classes"), family="the embedded emoji model (LlamaGen c2i)")
+
+
+def _asdict(config) -> dict:
+    import dataclasses
+
+    return dataclasses.asdict(config)
+
+
+__all__ = ["DEFAULT_CLASSES", "LlamaGenC2I", "LlamaGenT2I", "open_embedded", "open_llamagen", "spec_id"]

@@ -1,0 +1,95 @@
+"""``open_pipeline``: the one front door from what a user has to a pipeline.
+
+* nothing: the embedded emoji model (with its drafter, defaults and presets);
+* ``gpt_ckpt`` + ``vq_ckpt`` (+ ``t5_path`` for prompts): a LlamaGen checkpoint pair;
+* ``model_path`` (+ ``tokenizer_path`` for Lumina-mGPT): a transformers folder, whose
+  ``config.json`` ``model_type`` picks the family in :data:`FOLDER_PIPELINES`.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+from relaxspec.devices import resolve_device
+from relaxspec.errors import RelaxspecError
+from relaxspec.pipelines.base import ImagePipeline
+
+#: ``config.json``'s ``model_type`` -> ``module:class`` of its pipeline (imported when used:
+#: transformers is optional). A new family is one line here.
+FOLDER_PIPELINES = {
+    "janus": "relaxspec.pipelines.janus:JanusPipeline",
+    "emu3": "relaxspec.pipelines.emu3:Emu3Pipeline",
+    "chameleon": "relaxspec.pipelines.lumina:LuminaPipeline",
+}
+PRECISION_NAMES = ("fp32", "bf16", "fp16")
+
+
+def folder_pipeline_class(model_path):
+    """The pipeline class of a model folder, from its ``model_type`` (one-line errors)."""
+    from relaxspec.models.hf import read_config
+
+    model_type = read_config(model_path).get("model_type")
+    if model_type not in FOLDER_PIPELINES:
+        names = ", ".join(f"{t} ({_family(t)})" for t in FOLDER_PIPELINES)
+        raise RelaxspecError(f"{model_path}: model type {model_type!r} is not supported ({names} are)")
+    module, name = FOLDER_PIPELINES[model_type].split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def folder_sampling(model_path) -> dict:
+    """A model folder's sampling defaults (its ``generation_config.json``, else its family's
+    documented recipe, over upstream LlamaGen's), without loading the weights."""
+    from relaxspec.pipelines.base import UPSTREAM_SAMPLING
+
+    module = importlib.import_module(folder_pipeline_class(model_path).MODEL)
+    return {**UPSTREAM_SAMPLING, **module.sampling_defaults(model_path)}
+
+
+def _family(model_type: str) -> str:
+    return {"janus": "Janus", "emu3": "Emu3", "chameleon": "Lumina-mGPT"}.get(model_type, model_type)
+
+
+def open_pipeline(*, gpt_ckpt=None, gpt_model: str | None = None, vq_ckpt=None, vq_model: str | None = "VQ-16",
+                  t5_path=None, model_path=None, tokenizer_path=None, drafter_ckpt=None,
+                  device: str | torch.device = "cpu", precision: str = "fp32", image_size: int | None = None,
+                  prompts=None, prompt_length: int | None = None, negative_prompt: str | None = None,
+                  with_drafter: bool = True) -> ImagePipeline:
+    """The pipeline for what the user has (see the module docstring). ``drafter_ckpt``: an EAGLE
+    drafter trained for the target (the embedded model brings its own; ``with_drafter=False``
+    leaves it out). ``prompts`` / ``prompt_length``: what a transformers folder is opened for
+    (its target is made for a prompt length). Every argument is checked with a one-line error."""
+    if precision not in PRECISION_NAMES:
+        raise RelaxspecError(f"precision must be one of {', '.join(PRECISION_NAMES)}, got {precision!r}")
+    if image_size is not None and (isinstance(image_size, bool) or not isinstance(image_size, int) or image_size < 1):
+        raise RelaxspecError(f"image size must be a whole number >= 1, got {image_size!r}")
+    device = resolve_device(str(device), "--device")
+    if model_path is not None:
+        if gpt_ckpt is not None or vq_ckpt is not None or gpt_model is not None or t5_path is not None:
+            raise RelaxspecError("--model-path is a whole model: leave out --gpt-ckpt / --vq-ckpt / --gpt-model / "
+                                 "--t5-path")
+        from relaxspec.pipelines.folders import open_folder
+
+        return open_folder(folder_pipeline_class(model_path), model_path, prompts=prompts, prompt_length=prompt_length,
+                           drafter_ckpt=drafter_ckpt, device=device, precision=precision, image_size=image_size,
+                           negative_prompt=negative_prompt, tokenizer_path=tokenizer_path)
+    if tokenizer_path is not None:
+        raise RelaxspecError("--tokenizer-path goes with --model-path (a Lumina-mGPT folder)")
+    if negative_prompt is not None:
+        raise RelaxspecError("--negative-prompt goes with --model-path (an Emu3 folder)")
+    if gpt_ckpt is not None:
+        from relaxspec.pipelines.llamagen import open_llamagen
+
+        return open_llamagen(gpt_ckpt, vq_ckpt, gpt_model=gpt_model, vq_model=vq_model, t5_path=t5_path,
+                             drafter_ckpt=drafter_ckpt, device=device, precision=precision, image_size=image_size)
+    if vq_ckpt is not None or gpt_model is not None:
+        raise RelaxspecError("--vq-ckpt / --gpt-model go with --gpt-ckpt; without it the embedded model is used")
+    if t5_path is not None:
+        raise RelaxspecError("--t5-path encodes prompts for a LlamaGen t2i checkpoint (--gpt-ckpt); the embedded "
+                             "model is class-conditional")
+    if image_size is not None:
+        raise RelaxspecError("--image-size: the embedded model's image size is fixed (32 px)")
+    from relaxspec.pipelines.llamagen import open_embedded
+
+    return open_embedded(drafter_ckpt=drafter_ckpt, device=device, precision=precision, with_drafter=with_drafter)
