@@ -16,7 +16,7 @@ from relaxspec.errors import RelaxspecError
 from relaxspec.models.llamagen.gpt import rope_table_2d
 from relaxspec.models.llamagen.vq import VQ_CONFIGS, VQModel
 
-from test_gpt import gpt_b_expected_shapes
+from helpers.gpt import gpt_b_expected_shapes
 
 
 def logits_of(model, cond=None):

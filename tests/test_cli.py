@@ -16,7 +16,6 @@ import pytest
 import torch
 from PIL import Image
 
-import relaxspec.cli.generate as cli
 from relaxspec.models.llamagen.checkpoints import load_gpt, load_vq, read_state
 from relaxspec.cli import main
 from relaxspec.sampling import batch_seed

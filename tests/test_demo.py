@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import relaxspec
-from relaxspec import embedded, methods
+from relaxspec import methods
 from relaxspec.demo.race import (PENDING, DemoModel, RaceRequest, describe_lane, heat_map, partial_image,
                                  resolve_request, run_lane)
 from relaxspec.errors import RelaxspecError
@@ -326,15 +326,12 @@ def test_a_transformers_folder_races_prompts(tmp_path):
     prompt is the status line."""
     import threading
 
-    import test_emu3
-
+    from helpers.emu3 import emu3_folder_at
     from relaxspec.cli import build_parser
     from relaxspec.cli.demo import load_demo_model
     from relaxspec.demo.app import race_handler
 
-    folder = tmp_path / "emu3"
-    test_emu3.tiny_processor().save_pretrained(folder)
-    test_emu3.tiny_emu3().save_pretrained(folder)
+    folder = emu3_folder_at(tmp_path / "emu3")
     args = build_parser().parse_args(["demo", "--model-path", str(folder), "--image-size", "32", "--prompt",
                                       "a red fox"])
     model = load_demo_model(args)

@@ -31,7 +31,6 @@ from __future__ import annotations
 import copy
 import itertools
 import json
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -42,6 +41,7 @@ from scipy import stats
 from relaxspec.acceptance import CoolRule, ExactRule, LanternRule, neighbour_table
 from relaxspec.decoding import DecodeResult, MethodOptions, decode
 from relaxspec.decoding.ar import generate_ar
+from helpers.engine import SMALL_TREE, fake_vq, markov_pair, scaled_, tiny_drafter, tiny_target
 from relaxspec.decoding.engine import build_rule, generate_speculative
 from relaxspec.drafting.eagle import EagleDrafter
 from relaxspec.drafting.base import DraftTree
@@ -63,68 +63,6 @@ CLASS = 1
 
 
 # --------------------------------------------------------------------------- models
-def scaled_(module: torch.nn.Module, factor: float) -> None:
-    """Multiply every parameter by ``factor`` (random init is std 0.02: distributions would be
-    nearly uniform and every test weak)."""
-    with torch.no_grad():
-        for param in module.parameters():
-            param.mul_(factor)
-
-
-def tiny_target(seed: int = 1, scale: float = 4.0) -> Transformer:
-    """V = 4 codes, a 2x2 grid (4 image tokens), 3 classes; one layer keeps 100000-image runs
-    cheap (this seed's laws depend on the whole prefix: TV 0.1-0.25 between prefixes that end
-    in the same token)."""
-    torch.manual_seed(seed)
-    config = GPTConfig(dim=8, n_layer=1, n_head=2, vocab_size=4, num_classes=3, block_size=4, multiple_of=8)
-    model = Transformer(config).eval()
-    scaled_(model, scale)
-    return model
-
-
-def tiny_drafter(model: Transformer, seed: int = 1, scale: float = 4.0) -> EagleDrafter:
-    """An untrained EAGLE drafter with scaled weights: its q is far from uniform and far from p."""
-    torch.manual_seed(seed)
-    drafter = EagleDrafter.for_target(model).eval()
-    scaled_(drafter, scale)
-    return drafter
-
-
-def markov_pair(seed: int = 0, vocab: int = 32, block_size: int = 16, mix: float = 0.1,
-                classes: int = 5) -> tuple[Transformer, EagleDrafter]:
-    """A target that is nearly a Markov chain over tokens, and a drafter that computes the chain.
-
-    Target: unit-RMS token embeddings ``e(x)``; attention and MLP outputs scaled by ``mix``, so
-    the final state is ``e(x) + O(mix)`` and ``p(. | prefix) ~ softmax(W e(x_last))``. The
-    condition (and the rest of the prefix) only enter through the ``O(mix)`` attention term.
-    Drafter: ``fc`` copies the token embedding (plus a small share of the target feature), the
-    drafter block is near identity, and the head is the target's, so ``q ~ softmax(W e(x))``:
-    close to ``p`` but not equal, and rows of a batch accept different lengths.
-    """
-    torch.manual_seed(seed)
-    dim = 32
-    config = GPTConfig(dim=dim, n_layer=2, n_head=2, vocab_size=vocab, num_classes=classes,
-                       block_size=block_size, multiple_of=32)
-    model = Transformer(config).eval()
-    scaled_(model, 8.0)
-    with torch.no_grad():
-        emb = model.tok_embeddings.weight
-        emb.div_(emb.pow(2).mean(dim=1, keepdim=True).sqrt())
-        for layer in model.layers:
-            layer.attention.wo.weight.mul_(mix)
-            layer.feed_forward.w2.weight.mul_(mix)
-            layer.attention_norm.weight.fill_(1.0)
-            layer.ffn_norm.weight.fill_(1.0)
-        model.norm.weight.fill_(1.0)
-        model.output.weight.copy_(torch.randn(vocab, dim) * (3.0 / dim**0.5))
-    drafter = EagleDrafter.for_target(model).eval()
-    with torch.no_grad():
-        drafter.fc.weight.zero_()
-        drafter.fc.weight[:, :dim] = torch.eye(dim)
-        drafter.fc.weight[:, dim:] = torch.randn(dim, dim) * (0.1 / dim**0.5)
-    return model, drafter
-
-
 # --------------------------------------------------------------------------- exact laws
 def guided_probs(model: Transformer, cls: int, tokens: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
     """Teacher-forced processed distributions ``[S, N, V]`` (row k = law of token k)."""
@@ -200,14 +138,7 @@ def tiny():
     return model, tiny_drafter(model)
 
 
-def fake_vq(vocab: int, seed: int = 3) -> SimpleNamespace:
-    """What the engine reads from a tokenizer for LANTERN: its (raw / normalised) codebook."""
-    codebook = torch.randn(vocab, 8, generator=torch.Generator().manual_seed(seed))
-    return SimpleNamespace(raw_codebook=codebook, codebook=torch.nn.functional.normalize(codebook, dim=1))
-
-
 # --------------------------------------------------------------------------- 1. exactness
-SMALL_TREE = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
 EAGLE25_DEPTH2 = [list(p) for p in EAGLE25 if len(p) <= 2]
 
 EXACT_CASES = {

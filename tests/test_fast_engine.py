@@ -24,7 +24,7 @@ from relaxspec.drafting.static_tree import StaticTree
 from relaxspec.drafting.tree_tables import tree_attention_mask
 from relaxspec.drafting.trees import TreeSpec
 from relaxspec.sampling import SamplingConfig
-from test_engine import SMALL_TREE, fake_vq, markov_pair
+from helpers.engine import SMALL_TREE, fake_vq, markov_pair
 
 #: Every method and draft structure, small enough to compile in seconds.
 METHODS = {

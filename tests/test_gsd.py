@@ -13,7 +13,7 @@ from relaxspec.acceptance.gsd import GroupRule
 from relaxspec.decoding import decode
 from relaxspec.decoding.ar import generate_ar
 from relaxspec.sampling import SamplingConfig
-from test_engine import fake_vq, markov_pair
+from helpers.engine import fake_vq, markov_pair
 
 V = 9
 
@@ -201,10 +201,10 @@ def test_gsd_reads_the_codebook_when_asked(markov):
     model, _ = markov
     vq = fake_vq(model.config.vocab_size)
     options = methods.resolve("gsd", {"group_latent": "codebook", "window": 4})
-    rule = options.family.rule(options, vq=vq, target=model)
+    _, rule = options.family.build(options, methods.BuildContext(target=model, tokenizer=vq))
     assert torch.equal(rule.embeddings, vq.codebook.float())
     options = methods.resolve("gsd")
-    rule = options.family.rule(options, target=model)
+    _, rule = options.family.build(options, methods.BuildContext(target=model))  # a rule's input: one field
     assert rule.embeddings.shape == (model.config.vocab_size, model.config.dim)
 
 

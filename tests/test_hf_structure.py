@@ -21,10 +21,20 @@ pytest.importorskip("transformers", reason="the families need transformers (pip 
 
 
 @pytest.fixture(scope="module")
-def families(tmp_path_factory):
+def lumina_files(tmp_path_factory):
+    """A tiny Lumina-mGPT model folder and Chameleon tokenizer folder (tests/helpers/lumina.py)."""
+    from helpers import lumina as lumina_fixtures
+
+    return lumina_fixtures.lumina_folders(tmp_path_factory.mktemp("lumina"))
+
+
+@pytest.fixture(scope="module")
+def families(tmp_path_factory, lumina_files):
     """name -> (target, cond, cond_mask, first decoder layer, CFG scale, image tokenizer)."""
-    import test_emu3
-    import test_janus
+    from helpers import emu3 as test_emu3
+    from helpers import janus as test_janus
+    from helpers import lumina as lumina_fixtures
+    from relaxspec.models import lumina
     from relaxspec.models.janus import load_janus
 
     folder = tmp_path_factory.mktemp("emu3")
@@ -35,11 +45,15 @@ def families(tmp_path_factory):
     test_janus.tiny_janus().save_pretrained(folder)
     janus, janus_vq = load_janus(folder, prompt_length=7)
     ids = test_janus.PROMPTS
+    chameleon = lumina.open_folder(lumina_files["model_path"], lumina_fixtures.PROMPTS,
+                                   image_size=lumina_fixtures.IMAGE_SIZE, tokenizer_path=lumina_files["tokenizer_path"])
     return {"emu3": (emu3, cond, None, emu3.hf.model.text_model.layers[0], 3.0, emu3_vq),
-            "janus": (janus, ids, ids != test_janus.PAD, janus.hf.model.language_model.layers[0], 5.0, janus_vq)}
+            "janus": (janus, ids, ids != test_janus.PAD, janus.hf.model.language_model.layers[0], 5.0, janus_vq),
+            "lumina": (chameleon.target, chameleon.cond, None, chameleon.target.hf.model.layers[0], 3.0,
+                       chameleon.tokenizer)}
 
 
-@pytest.mark.parametrize("family", ["emu3", "janus"])
+@pytest.mark.parametrize("family", ["emu3", "janus", "lumina"])
 def test_every_method_on_every_family(families, family, tmp_path, monkeypatch):
     """Drafter-free methods, and exact SD / LANTERN at delta 0 with an EAGLE drafter sized from
     the adapter (random weights: acceptance is rare, exactness is the point), give greedy AR's
@@ -74,7 +88,7 @@ def test_every_method_on_every_family(families, family, tmp_path, monkeypatch):
 CASES = [("ar", {}, 0), ("sjd", {"window": 4}, 1), ("gsd", {"window": 4}, 1)]
 
 
-@pytest.mark.parametrize("family", ["emu3", "janus"])
+@pytest.mark.parametrize("family", ["emu3", "janus", "lumina"])
 @pytest.mark.parametrize("temperature", [1.0, 0.0])
 @pytest.mark.parametrize("name, given, budget", CASES, ids=[case[0] for case in CASES])
 def test_host_syncs_per_step(families, family, temperature, name, given, budget):
@@ -90,7 +104,7 @@ def test_host_syncs_per_step(families, family, temperature, name, given, budget)
         assert window.host_copies == 0, f"step {index}: {window.host_copies} host->device copies"
 
 
-@pytest.mark.parametrize("family", ["emu3", "janus"])
+@pytest.mark.parametrize("family", ["emu3", "janus", "lumina"])
 def test_compiled_steps_have_no_graph_breaks(families, family):
     target, cond, mask, _, scale, _ = families[family]
     guided = GuidedTarget(target, cond, SamplingConfig(cfg_scale=scale), cond_mask=mask, scratch=8)
@@ -117,7 +131,7 @@ def test_compiled_equals_eager(families, family):
         assert torch.equal(compiled.tokens, eager), name
 
 
-@pytest.mark.parametrize("family", ["emu3", "janus"])
+@pytest.mark.parametrize("family", ["emu3", "janus", "lumina"])
 def test_the_kv_store_only_grows(families, family):
     """A decode that needs fewer slots (AR after a speculative method, as bench alternates them)
     runs on views of the cache the larger one made: no reallocation, the same tokens."""
@@ -131,20 +145,23 @@ def test_the_kv_store_only_grows(families, family):
 
 
 @pytest.fixture(scope="module")
-def folders(tmp_path_factory):
-    """name -> a tiny model folder with its processor, as a user downloads it."""
-    import test_emu3
-    import test_janus
+def folders(tmp_path_factory, lumina_files):
+    """name -> a tiny model folder with its processor (Lumina-mGPT: with its tokenizer folder), as
+    a user downloads it, and what opening it takes."""
+    from helpers import emu3 as test_emu3
+    from helpers import janus as test_janus
 
     emu3 = tmp_path_factory.mktemp("emu3-folder")
     test_emu3.tiny_processor().save_pretrained(emu3)
     test_emu3.tiny_emu3().save_pretrained(emu3)
     janus = tmp_path_factory.mktemp("janus-folder")
     test_janus.janus_folder_at(janus)
-    return {"emu3": (emu3, {"image_size": 32}), "janus": (janus, {})}
+    return {"emu3": (emu3, {"image_size": 32}), "janus": (janus, {}),
+            "lumina": (lumina_files["model_path"],
+                       {"image_size": 64, "tokenizer_path": lumina_files["tokenizer_path"]})}
 
 
-@pytest.mark.parametrize("family", ["emu3", "janus"])
+@pytest.mark.parametrize("family", ["emu3", "janus", "lumina"])
 def test_padding_prompts_longer_keeps_their_law(folders, family):
     """A folder opened for a longer prompt length (as the demo opens one for any prompt) decodes
     each prompt to the tokens it gets alone: the extra left padding is masked and skipped by the
@@ -170,7 +187,7 @@ def test_padding_prompts_longer_keeps_their_law(folders, family):
         wide.format(["a red fox " * 40])
 
 
-@pytest.mark.parametrize("family", ["emu3", "janus"])
+@pytest.mark.parametrize("family", ["emu3", "janus", "lumina"])
 def test_forward_costs_of_a_text_to_image_target(families, family):
     """bench.cost times a prompt-conditioned target's forwards given its condition (what the GPU
     script measures at the real shapes); without one it says what is missing."""

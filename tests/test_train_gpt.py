@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import interrupted_at
 from safetensors.torch import load_file
-from test_data_emoji import build_fake_dataset
+from helpers.data import build_fake_dataset
 
 from relaxspec.cli.train import add_train_gpt_parser
 from relaxspec.models.llamagen.checkpoints import load_gpt, save_model

@@ -35,7 +35,8 @@ from tqdm.auto import tqdm
 from relaxspec import __version__
 from relaxspec.bench.config import BASELINE, MethodSpec
 from relaxspec.decoding.ar import generate_ar
-from relaxspec.decoding.engine import build_rule, build_source, generate_speculative
+from relaxspec.decoding.engine import build_parts, generate_speculative
+from relaxspec.methods import BuildContext
 from relaxspec.decoding.result import DecodeResult
 from relaxspec.errors import RelaxspecError
 from relaxspec.sampling import SamplingConfig, batch_seed
@@ -64,8 +65,9 @@ class PreparedMethod:
             return cls(spec, sampling, options)
         if options.needs_drafter and drafter is None:
             raise RelaxspecError(f"{spec.label} needs a trained drafter (--drafter-ckpt)")
-        source = build_source(options, drafter, sampling, compile=options.compile)
-        return cls(spec, sampling, options, source, build_rule(options, vq, horizon=source.max_depth, target=target))
+        source, rule = build_parts(options, BuildContext(target=target, tokenizer=vq, drafter=drafter,
+                                                         sampling=sampling, compile=options.compile))
+        return cls(spec, sampling, options, source, rule)
 
 
 @dataclass

@@ -171,7 +171,9 @@ def _tree_for_this_machine(args: argparse.Namespace, rates: torch.Tensor):
 #: transformers model types relaxspec reads, and what for.
 TRANSFORMERS_USES = {"t5": "a text encoder: give it as --t5-path to encode --prompt for LlamaGen t2i models",
                      "janus": "a Janus / Janus-Pro target: relaxspec generate --model-path DIR --prompt TEXT",
-                     "emu3": "an Emu3 target (its Gen checkpoints): relaxspec generate --model-path DIR --prompt TEXT"}
+                     "emu3": "an Emu3 target (its Gen checkpoints): relaxspec generate --model-path DIR --prompt TEXT",
+                     "chameleon": "a Lumina-mGPT target: relaxspec generate --model-path DIR --tokenizer-path "
+                                  "CHAMELEON_TOKENIZER_DIR --prompt TEXT"}
 
 
 def transformers_folder(path: Path) -> dict | None:

@@ -23,19 +23,18 @@ from relaxspec.decoding.result import DecodeResult, add_counts
 from relaxspec.decoding.target import GuidedTarget
 from relaxspec.decoding.verify import verify_tree, walk_tree
 from relaxspec.drafting.tree_tables import tree_attention_mask
-from relaxspec.methods import MethodOptions
+from relaxspec.methods import BuildContext, MethodOptions
 from relaxspec.sampling import SamplingConfig, sample_from
 
 
-def build_source(options: MethodOptions, drafter, sampling: SamplingConfig, compile: bool = False):
-    """The draft source an options object describes (``compile``: the drafter's step compiled)."""
-    return options.family.source(options, drafter, sampling, compile=compile)
+def build_parts(options: MethodOptions, context: BuildContext):
+    """``(source, rule)``: what ``options``' method builds from ``context``."""
+    return options.family.build(options, context)
 
 
 def build_rule(options: MethodOptions, vq=None, horizon: int = 5, target=None) -> AcceptanceRule:
-    """The acceptance rule an options object describes (LANTERN reads the VQ codebook; a rule
-    may read the ``target`` model's token embeddings)."""
-    return options.family.rule(options, vq=vq, horizon=horizon, target=target)
+    """The acceptance rule alone (tests and tools that walk trees by hand)."""
+    return options.family.rule(options, BuildContext(target=target, tokenizer=vq), horizon=horizon)
 
 
 @torch.no_grad()
@@ -56,8 +55,9 @@ def generate_speculative(model, cond, sampling: SamplingConfig, options: MethodO
     ``seconds``)."""
     start = time.perf_counter()
     compile, record_tv = options.compile, options.record_tv
-    source = source or build_source(options, drafter, sampling, compile=compile)
-    rule = rule or build_rule(options, vq, horizon=source.max_depth, target=model)
+    context = BuildContext(target=model, tokenizer=vq, drafter=drafter, sampling=sampling, compile=compile)
+    source = source or options.family.source(options, context)  # what build_parts builds, either part given
+    rule = rule or options.family.rule(options, context, horizon=source.max_depth)
     greedy = sampling.greedy
     target = GuidedTarget(model, cond, sampling, cond_mask=cond_mask, scratch=source.max_nodes, compile=compile)
     batch, n_tok, cls, device = target.batch, target.num_tokens, target.cls, target.device

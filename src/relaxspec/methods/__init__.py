@@ -10,7 +10,7 @@ everywhere.
 
 from __future__ import annotations
 
-from relaxspec.methods.base import Method, Preset, Setting
+from relaxspec.methods.base import BuildContext, Method, Preset, Setting
 from relaxspec.methods.options import MethodOptions
 from relaxspec.methods.registry import bench_defaults, canonical, lookup, methods, names, presets, settings
 
@@ -27,5 +27,5 @@ def resolve(name: str, given: dict | None = None, model_presets: dict | None = N
     return options
 
 
-__all__ = ["Method", "MethodOptions", "Preset", "Setting", "bench_defaults", "canonical", "lookup", "methods",
+__all__ = ["BuildContext", "Method", "MethodOptions", "Preset", "Setting", "bench_defaults", "canonical", "lookup", "methods",
            "names", "presets", "resolve", "settings"]

@@ -104,6 +104,23 @@ class Preset:
     spellings: tuple[str, ...] = ()
 
 
+@dataclass
+class BuildContext:
+    """Everything a method may read to build its parts (:meth:`Method.build`). A rule or source
+    that needs a new input adds a field here, not a keyword threaded through every caller.
+
+    ``target``: the :class:`~relaxspec.models.base.TargetModel` (GSD reads its token embeddings);
+    ``tokenizer``: its image tokenizer (LANTERN's codebook neighbours); ``drafter``: the EAGLE
+    drafter or ``None``; ``sampling``: the :class:`~relaxspec.sampling.SamplingConfig` drafts are
+    drawn under; ``compile``: compile the drafter's step."""
+
+    target: object = None
+    tokenizer: object = None
+    drafter: object = None
+    sampling: object = None
+    compile: bool = False
+
+
 class Method:
     """A decoding method: subclass it in a family file and list the file in the registry.
 
@@ -164,14 +181,19 @@ class Method:
     def needs_drafter(self, options) -> bool:
         return options.draft in EAGLE_DRAFTS or str(options.draft).endswith(".json")
 
-    def source(self, options, drafter, sampling, compile: bool = False):
-        """The draft source (:class:`relaxspec.drafting.base.DraftSource`) ``options`` describe."""
-        return draft_source(self, options, drafter, sampling, compile=compile)
+    def build(self, options, context: BuildContext):
+        """``(draft source, acceptance rule)`` for ``options``, from what ``context`` holds: what
+        the engine takes."""
+        source = self.source(options, context)
+        return source, self.rule(options, context, horizon=source.max_depth)
 
-    def rule(self, options, *, vq=None, horizon: int = 5, target=None):
+    def source(self, options, context: BuildContext):
+        """The draft source (:class:`relaxspec.drafting.base.DraftSource`) ``options`` describe."""
+        return draft_source(self, options, context.drafter, context.sampling, compile=context.compile)
+
+    def rule(self, options, context: BuildContext, horizon: int = 5):
         """The acceptance rule (:class:`relaxspec.acceptance.AcceptanceRule`); ``horizon``: the
-        deepest draft the source proposes; ``vq``: the tokenizer (for rules that read the
-        codebook); ``target``: the model (for rules that read its token embeddings)."""
+        deepest draft the source proposes."""
         from relaxspec.acceptance import ExactRule
 
         return ExactRule()

@@ -27,7 +27,7 @@ class Cool(Method):
         if options.cool_delta <= 0:
             raise RelaxspecError(f"COOL-SD delta must be > 0, got {options.cool_delta}")
 
-    def rule(self, options, *, vq=None, horizon: int = 5, target=None):
+    def rule(self, options, context, horizon: int = 5):
         from relaxspec.acceptance import CoolRule
 
         return CoolRule(delta=options.cool_delta, nu=options.nu, normalisation=options.normalisation, horizon=horizon)

@@ -29,9 +29,10 @@ class GSD(Method):
                              "GSD: grouped acceptance (7 ranks, p gap 0.15, distance 0.5) on the Jacobi window of 16, "
                              "no drafter")}
 
-    def rule(self, options, *, vq=None, horizon: int = 5, target=None):
+    def rule(self, options, context, horizon: int = 5):
         from relaxspec.acceptance.gsd import GroupRule
 
+        vq, target = context.tokenizer, context.target
         if options.group_latent == "codebook":
             if vq is None:
                 raise RelaxspecError("GSD with --group-latent codebook needs the VQ tokenizer")

@@ -19,8 +19,8 @@ class SCD(Method):
     drafts = (JACOBI,)
     presets = {"scd": Preset({"window": 16}, "SJD with maximally coupled redraws (SCD-style), window 16, no drafter")}
 
-    def source(self, options, drafter, sampling, compile: bool = False):
-        return draft_source(self, options, drafter, sampling, compile=compile, coupled=True)
+    def source(self, options, context):
+        return draft_source(self, options, context.drafter, context.sampling, compile=context.compile, coupled=True)
 
 
 METHODS = (SJD(), SCD())

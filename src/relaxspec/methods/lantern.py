@@ -69,10 +69,11 @@ class Lantern(Method):
             used |= {"nu", "normalisation"}
         return used
 
-    def rule(self, options, *, vq=None, horizon: int = 5, target=None):
+    def rule(self, options, context, horizon: int = 5):
         from relaxspec.acceptance import LanternRule, cached_neighbour_table, cool_weights
         from relaxspec.acceptance.neighbours import default_cache_dir
 
+        vq = context.tokenizer
         if vq is None:
             raise RelaxspecError("LANTERN needs the VQ tokenizer (its codebook defines the latent neighbours)")
         codebook = vq.raw_codebook if options.geometry == "raw" else vq.codebook

@@ -12,18 +12,12 @@ prompt followed by the generated tokens and mixes the two log-softmaxes.
 Here the engine's vocabulary is the VQ codebook: logits are the LM head's rows of the visual
 tokens, in code order (what the prefix constraint leaves; CFG on raw logits differs from the
 log-softmax mix by a per-row constant, so the law is the same). End-of-line tokens are forced,
-never drafted or verified: every forward feeds, next to each input token, an end-of-line
-*companion* at the next position, written to a companion cache slot (slot ``max_seq + s`` for
-slot ``s``). Where the input token ends a row, the companion's output is what the forward returns
-(it predicts the next row's first token) and later queries attend the companion's slot, exactly as
-if the end-of-line had been generated; elsewhere the companion is computed and never seen. The
-price: twice the queries per forward and twice the cache slots. The trailing end-of-frame /
+never drafted or verified, by the row-end companions of :class:`relaxspec.models.hf.RowEndTarget`
+(twice the queries per forward and twice the cache slots). The trailing end-of-frame /
 end-of-image / end-of-sequence tokens are never needed for pixels and are not run.
 
 Conditions: ``[B, 2, S]`` token ids, the prompt and the negative prompt, each left-padded with
-``-1`` to ``S`` (:func:`format_prompts`); :meth:`Emu3Target.null_condition` swaps the two, so the
-unconditional rows run the negative prompt. Positions follow transformers: a row's first real
-token is position 0, and image token ``k`` (row ``r``) sits ``r`` end-of-lines further on.
+``-1`` to ``S`` (:func:`format_prompts`); the unconditional rows run the negative prompt.
 """
 
 from __future__ import annotations
@@ -31,7 +25,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from relaxspec.errors import RelaxspecError
 from relaxspec.models import hf
@@ -48,16 +42,15 @@ PROCESSOR_DOWNSAMPLE = 8
 EOL, WRAPPER = "<|extra_200|>", "<|image token|>"
 
 
-class Emu3Target(nn.Module):
-    """An Emu3 model as relaxspec's engine drives it.
+class Emu3Target(hf.RowEndTarget):
+    """An Emu3 model as relaxspec's engine drives it (:class:`relaxspec.models.hf.RowEndTarget`:
+    end-of-line companions, ``[B, 2, S]`` conditions).
 
     ``model``: an ``Emu3ForConditionalGeneration``; ``prompt_length``: the condition slots ``S``;
     ``grid``: image tokens per side (the processor's ``h = w`` for the image area).
     """
 
     def __init__(self, model, prompt_length: int, grid: int):
-        super().__init__()
-        self.hf = model.eval().requires_grad_(False)
         mapping = model.vocabulary_mapping
         codes = model.model.vqmodel.config.codebook_size
         img2bpe = mapping.img2bpe
@@ -67,112 +60,32 @@ class Emu3Target(nn.Module):
         vocab = mapping.vocab_map
         if EOL not in vocab or WRAPPER not in vocab:
             raise RelaxspecError(f"the Emu3 vocabulary map lacks {EOL} (end of line) or {WRAPPER} (image start)")
+        visual = torch.tensor([img2bpe[k] for k in range(codes)], dtype=torch.long)
+        super().__init__(model, visual, prompt_length, grid, model.config.text_config)
         self.eol, self.wrapper = vocab[EOL], vocab[WRAPPER]
-        visual = torch.tensor([img2bpe[k] for k in range(codes)], dtype=torch.long, device=self.device)
-        self.register_buffer("visual_ids", visual, persistent=False)
-        # The LM head's visual rows, in code order: logits over the codebook in one matmul.
-        self.register_buffer("head_weight", model.lm_head.weight[visual].detach().clone(), persistent=False)
-        text = model.config.text_config
-        self.grid = int(grid)
-        self.config = SimpleNamespace(vocab_size=codes, block_size=self.grid ** 2, grid_size=self.grid,
-                                      cls_token_num=int(prompt_length), dim=text.hidden_size, num_classes=0,
-                                      model_type="t2i", n_head=text.num_attention_heads)
-        self.class_names = None
-        self.max_seq = 0
-        self._kv = hf.KVStore()
-
-    # ---------------------------------------------------------------- TargetModel
-    @property
-    def device(self) -> torch.device:
-        return self.hf.lm_head.weight.device
+        self.row_end = self.eol
 
     @property
-    def dtype(self) -> torch.dtype:
-        return self.hf.lm_head.weight.dtype
+    def visual_ids(self) -> Tensor:
+        return self.code_ids
 
     @property
-    def token_embeddings(self) -> Tensor:
-        return self.embed_tokens(torch.arange(self.config.vocab_size, device=self.device))
+    def text_model(self):
+        return self.hf.model.text_model
 
-    def embed_tokens(self, tokens: Tensor) -> Tensor:
-        return self.hf.get_input_embeddings()(self.visual_ids[tokens])
-
-    def head(self, hidden: Tensor) -> Tensor:
-        return (hidden.to(self.head_weight.dtype) @ self.head_weight.T).float()
-
-    def null_condition(self, cond: Tensor) -> Tensor:
-        return cond.flip(1)  # the negative prompt where the prompt was
-
-    def setup_caches(self, rows: int, max_seq: int, dtype: torch.dtype | None = None) -> None:
-        # Slots 0..max_seq-1 as the engine numbers them, then each one's end-of-line companion.
-        self._kv.setup(self.hf.config.text_config, rows, 2 * max_seq, dtype or self.dtype, self.device)
-        if self.max_seq != max_seq or getattr(self, "_slot_pos", torch.empty(0)).shape != (rows, max_seq) \
-                or self._slot_pos.device != self.device:
-            self._slot_pos = torch.full((rows, max_seq), -1, dtype=torch.long, device=self.device)
-            self._keys = torch.arange(max_seq, device=self.device)
-        self.max_seq = max_seq
-
-    def clear_caches(self) -> None:
-        self._kv.clear()
-        self.max_seq = 0
-
-    def move_cache(self, src: Tensor, dst: Tensor) -> None:
-        self._kv.move(torch.cat([src, src + self.max_seq], 1), torch.cat([dst, dst + self.max_seq], 1))
-        self._slot_pos.scatter_(1, dst, self._slot_pos.gather(1, src))
-
-    def prefill(self, cond: Tensor, positions: Tensor, cache_slots: Tensor, attn_mask: Tensor):
+    def check_conditions(self, cond: Tensor) -> None:
         if cond.dim() != 3 or cond.shape[1] != 2:
             raise RelaxspecError("Emu3 conditions are [B, 2, S] token ids (prompt, negative prompt): format them with "
                                  "relaxspec.models.emu3.format_prompts")
         if cond.shape[2] != self.config.cls_token_num:
             raise RelaxspecError(f"these prompts are {cond.shape[2]} tokens; this target was made for "
                                  f"{self.config.cls_token_num} (load_emu3's prompt_length)")
-        ids = cond[:, 0]
-        valid = ids >= 0
-        # Checked once per decode: left padding, and the prompt ends with the image-start tokens.
+        valid = cond[:, 0] >= 0
+        # Left padding, and the prompt ends with the image-start tokens.
         if not bool((valid[:, 1:] >= valid[:, :-1]).all() and valid[:, -1].all()
                     and ((cond[:, 0, -1] == self.wrapper) | (cond[:, 1, -1] == self.wrapper)).all()):
             raise RelaxspecError("Emu3 prompts must be left-padded and end with the image-start tokens: format them "
                                  "with relaxspec.models.emu3.format_prompts")
-        rows = ids.shape[0]
-        self._pad = (~valid).sum(-1)
-        self._key_valid = torch.ones(rows, self.max_seq, dtype=torch.bool, device=self.device)
-        self._key_valid[:, : ids.shape[1]] = valid
-        self._slot_pos.fill_(-1)
-        self._slot_pos.scatter_(1, cache_slots, positions)
-        own = self._keys[None, None, :] == cache_slots[:, :, None]
-        mask = (attn_mask & self._key_valid[:, None, :]) | own  # a padded position still sees itself
-        mask = torch.cat([mask, torch.zeros_like(mask)], -1)  # no companions in the prompt
-        hidden = self._kv.run(self.hf.model.text_model, self.hf.get_input_embeddings()(ids.clamp(min=0)),
-                              self._real_positions(positions), cache_slots, mask)
-        return self.head(hidden), hidden
-
-    def step(self, tokens: Tensor, positions: Tensor, cache_slots: Tensor, attn_mask: Tensor):
-        rows, count = tokens.shape
-        cls, width = self.config.cls_token_num, self.grid
-        self._slot_pos.scatter_(1, cache_slots, positions)
-        slot_pos = self._slot_pos
-        ends_key = (slot_pos >= cls) & ((slot_pos - cls) % width == width - 1)  # [R, M] slots whose companion is real
-        ends_row = (positions >= cls) & ((positions - cls) % width == width - 1)  # [R, T]
-        own = self._keys[None, None, :] == cache_slots[:, :, None]
-        seen = attn_mask & self._key_valid[:, None, :]
-        companions = attn_mask & ends_key[:, None, :]
-        mask = torch.cat([torch.cat([seen, companions & ~own], -1),  # a token comes before its own end-of-line
-                          torch.cat([seen, companions | own], -1)], 1)  # an end-of-line sees itself
-        real = self._real_positions(positions)
-        embeds = torch.cat([self.embed_tokens(tokens),
-                            self.hf.get_input_embeddings().weight[self.eol].expand(rows, count, -1)], 1)
-        hidden = self._kv.run(self.hf.model.text_model, embeds.to(self.dtype), torch.cat([real, real + 1], 1),
-                              torch.cat([cache_slots, cache_slots + self.max_seq], 1), mask)
-        hidden = torch.where(ends_row[..., None], hidden[:, count:], hidden[:, :count])
-        return self.head(hidden), hidden
-
-    def _real_positions(self, positions: Tensor) -> Tensor:
-        """Engine positions -> transformers' position ids: left padding removed, and image token
-        ``k`` moved on by the ``k // grid`` end-of-lines before it."""
-        cls = self.config.cls_token_num
-        image = (positions - cls).clamp(min=0)
-        return (positions - self._pad[:, None]).clamp(min=0) + torch.where(positions >= cls, image // self.grid, 0)
 
 
 class Emu3ImageTokenizer:

@@ -16,7 +16,7 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 
 import torch
 from torch import Tensor
@@ -24,7 +24,7 @@ from torch import Tensor
 from relaxspec.errors import RelaxspecError
 
 #: ``model_type`` -> the module that adapts it (imported when used: transformers is optional).
-FAMILIES = {"janus": "relaxspec.models.janus", "emu3": "relaxspec.models.emu3"}
+FAMILIES = {"janus": "relaxspec.models.janus", "emu3": "relaxspec.models.emu3", "chameleon": "relaxspec.models.lumina"}
 #: The oldest transformers whose decoder layers take the cache the way the adapters pass it.
 MIN_TRANSFORMERS = (4, 56)
 
@@ -252,3 +252,129 @@ class KVStore:
                         position_embeddings=position_embeddings, **{self._cache_arg: cache})
             hidden = out[0] if isinstance(out, tuple) else out
         return text_model.norm(hidden)
+
+
+class RowEndTarget(torch.nn.Module):
+    """A transformers text model whose image rows each end with a forced token (Emu3's
+    end-of-line, Lumina-mGPT's new line), as a :class:`~relaxspec.models.base.TargetModel` over
+    the codebook.
+
+    The engine's vocabulary is the codebook: logits are the LM head's rows of the image tokens
+    (``code_ids``, in code order). Row-end tokens are forced, never drafted or verified: every
+    forward feeds, next to each input token, a row-end *companion* at the next position, written
+    to a companion cache slot (slot ``max_seq + s`` for slot ``s``). Where the input token ends a
+    row, the companion's output is what the forward returns (it predicts the next row's first
+    token) and later queries attend the companion's slot, exactly as if the row end had been
+    generated; elsewhere the companion is computed and never seen. The price: twice the queries
+    per forward and twice the cache slots.
+
+    Conditions are ``[B, 2, S]`` token ids, the prompt and the unconditional context, each
+    left-padded with ``-1``; :meth:`null_condition` swaps them. Positions follow transformers: a
+    row's first real token is position 0, and image token ``k`` (row ``r``) sits ``r`` row ends
+    further on. Subclasses set ``text_model``, ``text_config`` and ``row_end`` (the forced token's
+    id) and check their conditions in :meth:`check_conditions`.
+    """
+
+    def __init__(self, model, code_ids: Tensor, prompt_length: int, grid: int, text_config):
+        super().__init__()
+        self.hf = model.eval().requires_grad_(False)
+        self.register_buffer("code_ids", code_ids.to(self.device), persistent=False)
+        # The LM head's image rows, in code order: logits over the codebook in one matmul.
+        self.register_buffer("head_weight", model.lm_head.weight[self.code_ids].detach().clone(), persistent=False)
+        self.grid = int(grid)
+        self.config = SimpleNamespace(vocab_size=len(code_ids), block_size=self.grid ** 2, grid_size=self.grid,
+                                      cls_token_num=int(prompt_length), dim=text_config.hidden_size, num_classes=0,
+                                      model_type="t2i", n_head=text_config.num_attention_heads)
+        self.text_config = text_config
+        self.class_names = None
+        self.max_seq = 0
+        self._kv = KVStore()
+
+    text_model = None  # the decoder layers, norm and rotary embedding (a property in subclasses)
+    row_end: int = -1
+
+    def check_conditions(self, cond: Tensor) -> None:
+        """Refuse conditions this target was not made for (one line)."""
+
+    # ---------------------------------------------------------------- TargetModel
+    @property
+    def device(self) -> torch.device:
+        return self.hf.lm_head.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.hf.lm_head.weight.dtype
+
+    @property
+    def token_embeddings(self) -> Tensor:
+        return self.embed_tokens(torch.arange(self.config.vocab_size, device=self.device))
+
+    def embed_tokens(self, tokens: Tensor) -> Tensor:
+        return self.hf.get_input_embeddings()(self.code_ids[tokens])
+
+    def head(self, hidden: Tensor) -> Tensor:
+        return (hidden.to(self.head_weight.dtype) @ self.head_weight.T).float()
+
+    def null_condition(self, cond: Tensor) -> Tensor:
+        return cond.flip(1)  # the unconditional context where the prompt was
+
+    def setup_caches(self, rows: int, max_seq: int, dtype: torch.dtype | None = None) -> None:
+        # Slots 0..max_seq-1 as the engine numbers them, then each one's row-end companion.
+        self._kv.setup(self.text_config, rows, 2 * max_seq, dtype or self.dtype, self.device)
+        if self.max_seq != max_seq or getattr(self, "_slot_pos", torch.empty(0)).shape != (rows, max_seq) \
+                or self._slot_pos.device != self.device:
+            self._slot_pos = torch.full((rows, max_seq), -1, dtype=torch.long, device=self.device)
+            self._keys = torch.arange(max_seq, device=self.device)
+        self.max_seq = max_seq
+
+    def clear_caches(self) -> None:
+        self._kv.clear()
+        self.max_seq = 0
+
+    def move_cache(self, src: Tensor, dst: Tensor) -> None:
+        self._kv.move(torch.cat([src, src + self.max_seq], 1), torch.cat([dst, dst + self.max_seq], 1))
+        self._slot_pos.scatter_(1, dst, self._slot_pos.gather(1, src))
+
+    def prefill(self, cond: Tensor, positions: Tensor, cache_slots: Tensor, attn_mask: Tensor):
+        self.check_conditions(cond)  # once per decode: the host reads it here only
+        ids = cond[:, 0]
+        valid = ids >= 0
+        rows = ids.shape[0]
+        self._pad = (~valid).sum(-1)
+        self._key_valid = torch.ones(rows, self.max_seq, dtype=torch.bool, device=self.device)
+        self._key_valid[:, : ids.shape[1]] = valid
+        self._slot_pos.fill_(-1)
+        self._slot_pos.scatter_(1, cache_slots, positions)
+        own = self._keys[None, None, :] == cache_slots[:, :, None]
+        mask = (attn_mask & self._key_valid[:, None, :]) | own  # a padded position still sees itself
+        mask = torch.cat([mask, torch.zeros_like(mask)], -1)  # no companions in the prompt
+        hidden = self._kv.run(self.text_model, self.hf.get_input_embeddings()(ids.clamp(min=0)),
+                              self._real_positions(positions), cache_slots, mask)
+        return self.head(hidden), hidden
+
+    def step(self, tokens: Tensor, positions: Tensor, cache_slots: Tensor, attn_mask: Tensor):
+        rows, count = tokens.shape
+        cls, width = self.config.cls_token_num, self.grid
+        self._slot_pos.scatter_(1, cache_slots, positions)
+        slot_pos = self._slot_pos
+        ends_key = (slot_pos >= cls) & ((slot_pos - cls) % width == width - 1)  # [R, M] slots whose companion is real
+        ends_row = (positions >= cls) & ((positions - cls) % width == width - 1)  # [R, T]
+        own = self._keys[None, None, :] == cache_slots[:, :, None]
+        seen = attn_mask & self._key_valid[:, None, :]
+        companions = attn_mask & ends_key[:, None, :]
+        mask = torch.cat([torch.cat([seen, companions & ~own], -1),  # a token comes before its own row end
+                          torch.cat([seen, companions | own], -1)], 1)  # a row end sees itself
+        real = self._real_positions(positions)
+        embeds = torch.cat([self.embed_tokens(tokens),
+                            self.hf.get_input_embeddings().weight[self.row_end].expand(rows, count, -1)], 1)
+        hidden = self._kv.run(self.text_model, embeds.to(self.dtype), torch.cat([real, real + 1], 1),
+                              torch.cat([cache_slots, cache_slots + self.max_seq], 1), mask)
+        hidden = torch.where(ends_row[..., None], hidden[:, count:], hidden[:, :count])
+        return self.head(hidden), hidden
+
+    def _real_positions(self, positions: Tensor) -> Tensor:
+        """Engine positions -> transformers' position ids: left padding removed, and image token
+        ``k`` moved on by the ``k // grid`` row ends before it."""
+        cls = self.config.cls_token_num
+        image = (positions - cls).clamp(min=0)
+        return (positions - self._pad[:, None]).clamp(min=0) + torch.where(positions >= cls, image // self.grid, 0)
