@@ -167,10 +167,10 @@ def test_padding_prompts_longer_keeps_their_law(folders, family):
     each prompt to the tokens it gets alone: the extra left padding is masked and skipped by the
     positions. ``format`` pads further prompts to that length and refuses longer ones."""
     from relaxspec.errors import RelaxspecError
-    from relaxspec.models import hf
+    from relaxspec.pipelines.open import model_module
 
     folder, extra = folders[family]
-    module = hf.family(folder)
+    module = model_module(folder)
     greedy = SamplingConfig(cfg_scale=3.0, temperature=0.0, top_k=0)
     alone = {}
     for prompt in ("a red fox", "the blue cat under the rain"):

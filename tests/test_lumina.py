@@ -30,7 +30,7 @@ from relaxspec.sampling import SamplingConfig
 
 pytest.importorskip("transformers", reason="Lumina-mGPT needs transformers (pip install -e '.[test]')")
 
-from relaxspec.models import hf, lumina  # noqa: E402
+from relaxspec.models import lumina  # noqa: E402
 from relaxspec.models.chameleon_vqgan import load_vqgan  # noqa: E402
 
 
@@ -108,7 +108,9 @@ def official_greedy(files, prompt: str, scale: float, image_size: int = lf.IMAGE
 def test_the_adapter_implements_the_protocols(files, opened):
     target, tokenizer, cond = opened.target, opened.tokenizer, opened.cond
     assert isinstance(target, TargetModel) and isinstance(tokenizer, ImageTokenizer)
-    assert hf.family(files["model_path"]) is lumina
+    from relaxspec.pipelines.open import model_module
+
+    assert model_module(files["model_path"]) is lumina
     assert (target.config.block_size, target.config.grid_size, target.config.vocab_size) == (16, 4, lf.CODES)
     assert (tokenizer.config.codebook_size, tokenizer.config.downsample_factor) == (lf.CODES, 16)
     assert cond.shape[:2] == (3, 2) and cond.shape[2] == target.config.cls_token_num

@@ -169,11 +169,18 @@ def _tree_for_this_machine(args: argparse.Namespace, rates: torch.Tensor):
 
 
 #: transformers model types relaxspec reads, and what for.
-TRANSFORMERS_USES = {"t5": "a text encoder: give it as --t5-path to encode --prompt for LlamaGen t2i models",
-                     "janus": "a Janus / Janus-Pro target: relaxspec generate --model-path DIR --prompt TEXT",
-                     "emu3": "an Emu3 target (its Gen checkpoints): relaxspec generate --model-path DIR --prompt TEXT",
-                     "chameleon": "a Lumina-mGPT target: relaxspec generate --model-path DIR --tokenizer-path "
-                                  "CHAMELEON_TOKENIZER_DIR --prompt TEXT"}
+T5_USE = "a text encoder: give it as --t5-path to encode --prompt for LlamaGen t2i models"
+
+
+def transformers_use(model_type: str) -> str:
+    """What relaxspec does with a folder of ``model_type`` (the pipelines say it for theirs)."""
+    from relaxspec.pipelines.open import FOLDER_PIPELINES, pipeline_class
+
+    if model_type == "t5":
+        return T5_USE
+    if model_type in FOLDER_PIPELINES:
+        return pipeline_class(model_type).usage
+    return "nothing yet: this model type is not supported"
 
 
 def transformers_folder(path: Path) -> dict | None:
@@ -193,7 +200,7 @@ def transformers_folder(path: Path) -> dict | None:
             "architectures": config.get("architectures"), "hidden_size": config.get("d_model", config.get("hidden_size")),
             "safetensors": sorted(p.name for p in path.glob("*.safetensors")),
             "pickled (not read)": sorted(p.name for p in path.glob("*.bin")),
-            "relaxspec reads it as": TRANSFORMERS_USES.get(kind, "nothing yet: this model type is not supported")}
+            "relaxspec reads it as": transformers_use(kind)}
 
 
 def cmd_info(args: argparse.Namespace) -> int:

@@ -1,30 +1,30 @@
-"""What the transformers families (:mod:`relaxspec.models.janus`, :mod:`relaxspec.models.emu3`)
-share: reading a local ``save_pretrained`` folder (safetensors only, one-line errors), the
-processor, sampling defaults from ``generation_config.json``, and the per-row-slot KV store the
-engine writes through their decoder layers.
+"""What the transformers families (:mod:`relaxspec.models.janus`, :mod:`relaxspec.models.emu3`,
+:mod:`relaxspec.models.lumina`) share: reading a local ``save_pretrained`` folder (safetensors only,
+one-line errors), the processor, sampling defaults from ``generation_config.json``, the
+per-row-slot KV store the engine writes through their decoder layers, and forced row ends
+(:class:`RowEndTarget`).
 
 A family module exposes ``NAME`` (what users read), ``MODEL_TYPE`` (``config.json``'s
 ``model_type``), ``sampling_defaults(folder)`` and ``open_folder(folder, prompts, *, device, dtype,
-image_size, negative_prompt) -> Opened``; :func:`family` finds it from a folder's config.
+image_size, negative_prompt, prompt_length[, tokenizer_path]) -> Opened``; its pipeline
+(:mod:`relaxspec.pipelines`) names it, and ``relaxspec.pipelines.open.FOLDER_PIPELINES`` finds the
+pipeline from a folder's ``model_type``.
 """
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import ModuleType, SimpleNamespace
+from types import SimpleNamespace
 
 import torch
 from torch import Tensor
 
 from relaxspec.errors import RelaxspecError
 
-#: ``model_type`` -> the module that adapts it (imported when used: transformers is optional).
-FAMILIES = {"janus": "relaxspec.models.janus", "emu3": "relaxspec.models.emu3", "chameleon": "relaxspec.models.lumina"}
 #: The oldest transformers whose decoder layers take the cache the way the adapters pass it.
 MIN_TRANSFORMERS = (4, 56)
 
@@ -70,14 +70,6 @@ def read_config(path) -> dict:
     if not isinstance(config, dict):
         raise RelaxspecError(f"{path}: config.json is not a model config (a JSON object)")
     return config
-
-
-def family(path) -> ModuleType:
-    """The family module for a model folder, from its ``model_type``."""
-    model_type = read_config(path).get("model_type")
-    if model_type not in FAMILIES:
-        raise RelaxspecError(f"{path}: model type {model_type!r} is not supported ({', '.join(FAMILIES)} are)")
-    return importlib.import_module(FAMILIES[model_type])
 
 
 def transformers_module(name: str):

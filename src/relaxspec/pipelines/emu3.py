@@ -7,3 +7,4 @@ from relaxspec.pipelines.folders import FolderPipeline
 class Emu3Pipeline(FolderPipeline):
     family = "Emu3"
     MODEL = "relaxspec.models.emu3"
+    usage = "an Emu3 target (its Gen checkpoints): relaxspec generate --model-path DIR --prompt TEXT"

@@ -25,7 +25,8 @@ class FolderPipeline(ImagePipeline):
     (the model module's import path)."""
 
     takes = "prompts"
-    MODEL = ""
+    MODEL = ""  # the model module's import path
+    usage = ""  # what `relaxspec info` says a folder of this family is for
 
     def __init__(self, opened, model_module, drafter=None, *, path, sampling: dict | None = None):
         identity = {"model_path": str(Path(path).resolve()), "model_type": model_module.MODEL_TYPE,

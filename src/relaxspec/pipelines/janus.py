@@ -7,3 +7,4 @@ from relaxspec.pipelines.folders import FolderPipeline
 class JanusPipeline(FolderPipeline):
     family = "Janus"
     MODEL = "relaxspec.models.janus"
+    usage = "a Janus / Janus-Pro target: relaxspec generate --model-path DIR --prompt TEXT"

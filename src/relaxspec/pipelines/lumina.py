@@ -9,3 +9,4 @@ from relaxspec.pipelines.folders import FolderPipeline
 class LuminaPipeline(FolderPipeline):
     family = "Lumina-mGPT"
     MODEL = "relaxspec.models.lumina"
+    usage = "a Lumina-mGPT target: relaxspec generate --model-path DIR --tokenizer-path CHAMELEON_TOKENIZER_DIR --prompt TEXT"

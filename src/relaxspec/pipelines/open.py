@@ -32,10 +32,20 @@ def folder_pipeline_class(model_path):
 
     model_type = read_config(model_path).get("model_type")
     if model_type not in FOLDER_PIPELINES:
-        names = ", ".join(f"{t} ({_family(t)})" for t in FOLDER_PIPELINES)
+        names = ", ".join(f"{t} ({pipeline_class(t).family})" for t in FOLDER_PIPELINES)
         raise RelaxspecError(f"{model_path}: model type {model_type!r} is not supported ({names} are)")
+    return pipeline_class(model_type)
+
+
+def pipeline_class(model_type: str):
+    """The pipeline class registered for ``model_type`` (:data:`FOLDER_PIPELINES`)."""
     module, name = FOLDER_PIPELINES[model_type].split(":")
     return getattr(importlib.import_module(module), name)
+
+
+def model_module(model_path):
+    """The model module of a folder's family (:mod:`relaxspec.models.janus`, ...)."""
+    return importlib.import_module(folder_pipeline_class(model_path).MODEL)
 
 
 def folder_sampling(model_path) -> dict:
@@ -43,12 +53,7 @@ def folder_sampling(model_path) -> dict:
     documented recipe, over upstream LlamaGen's), without loading the weights."""
     from relaxspec.pipelines.base import UPSTREAM_SAMPLING
 
-    module = importlib.import_module(folder_pipeline_class(model_path).MODEL)
-    return {**UPSTREAM_SAMPLING, **module.sampling_defaults(model_path)}
-
-
-def _family(model_type: str) -> str:
-    return {"janus": "Janus", "emu3": "Emu3", "chameleon": "Lumina-mGPT"}.get(model_type, model_type)
+    return {**UPSTREAM_SAMPLING, **model_module(model_path).sampling_defaults(model_path)}
 
 
 def open_pipeline(*, gpt_ckpt=None, gpt_model: str | None = None, vq_ckpt=None, vq_model: str | None = "VQ-16",
