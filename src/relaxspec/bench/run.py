@@ -36,6 +36,7 @@ from relaxspec import __version__
 from relaxspec.bench.config import BASELINE, MethodSpec
 from relaxspec.decoding.ar import generate_ar
 from relaxspec.decoding.engine import build_parts, generate_speculative
+from relaxspec.conditions import class_ids
 from relaxspec.methods import BuildContext
 from relaxspec.decoding.result import DecodeResult
 from relaxspec.errors import RelaxspecError
@@ -260,9 +261,8 @@ def run_bench(target, vq, drafter, classes: Sequence[int] | PromptImages, method
     prompted = isinstance(classes, PromptImages)
     if prompted != (config.model_type != "c2i"):
         raise RelaxspecError("a text-to-image model is benchmarked on prompts, a class-conditional one on classes")
-    bad = [] if prompted else [c for c in classes if not 0 <= int(c) < config.num_classes]
-    if bad:
-        raise RelaxspecError(f"class id {bad[0]} is out of range: this model has classes 0..{config.num_classes - 1}")
+    if not prompted:
+        class_ids([int(c) for c in classes], config.num_classes)  # the one class check
     labels = [m.label for m in methods]
     if len(set(labels)) != len(labels):
         raise RelaxspecError("method labels must be unique")

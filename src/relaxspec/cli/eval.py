@@ -119,7 +119,7 @@ def _write_captions(path: Path, features: np.ndarray, mask: np.ndarray | None) -
 def generate_shard(args: argparse.Namespace, gen: argparse.Namespace, rank: int, world: int, local: int) -> Path:
     """Generate this rank's slice into its shard folder with ``relaxspec generate`` (resumable)."""
     from relaxspec.cli.generate import cmd_generate
-    from relaxspec.cli.options import DEFAULT_CLASSES, parse_classes
+    from relaxspec.cli.options import DEFAULT_CLASSES
 
     out = Path(gen.out)
     folder = shard_dir(out, rank, world)
@@ -141,8 +141,11 @@ def generate_shard(args: argparse.Namespace, gen: argparse.Namespace, rank: int,
         gen.caption_features, gen.caption_mask = str(captions), None
         count = len(mine)
     else:
-        classes = [c for c in parse_classes(gen.classes if gen.classes is not None else DEFAULT_CLASSES)
-                   for _ in range(repeat)]
+        # ids or names as given: generate checks them (relaxspec.conditions.class_ids) in each shard
+        given = gen.classes if gen.classes is not None else DEFAULT_CLASSES
+        classes = [c.strip() for c in given.split(",") if c.strip() for _ in range(repeat)]
+        if not classes:
+            raise RelaxspecError("no classes given")
         mine = [classes[i] for i in shard_range(len(classes), rank, world)]
         gen.classes = ",".join(map(str, mine))
         count = len(mine)

@@ -12,7 +12,7 @@ from relaxspec.errors import RelaxspecError
 from relaxspec.files import read_prompts_file
 from relaxspec.models.llamagen.gpt import GPT_SIZES
 from relaxspec.models.llamagen.vq import VQ_CONFIGS
-from relaxspec.pipelines.llamagen import DEFAULT_CLASSES, spec_id  # noqa: F401 - the commands' names for them
+from relaxspec.pipelines.llamagen import DEFAULT_CLASSES  # noqa: F401 - upstream's demo classes, for the help texts
 
 
 
@@ -86,22 +86,6 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
     if prompts and (getattr(args, "caption_features", None) or getattr(args, "caption_mask", None)):
         raise RelaxspecError("give prompts or --caption-features, not both")
     return prompts
-
-
-def parse_classes(text: str, names: list[str] | None = None) -> list[int]:
-    """Comma-separated class ids, or names when the model names its classes."""
-    if names is not None:
-        from relaxspec.data.emoji import resolve_classes
-
-        return resolve_classes(text, names)
-    try:
-        classes = [int(item) for item in text.split(",") if item.strip()]
-    except ValueError:
-        raise RelaxspecError(f"--classes must be comma-separated integer class ids (this model does not name its "
-                             f"classes), got {text!r}") from None
-    if not classes:
-        raise RelaxspecError("--classes is empty")
-    return classes
 
 
 def config_from_args(args: argparse.Namespace, config_cls, read_saved) -> tuple[object, bool]:

@@ -25,7 +25,6 @@ each recipe passing its padding and draw conventions explicitly.
 
 from __future__ import annotations
 
-import difflib
 import hashlib
 import io
 import json
@@ -398,37 +397,12 @@ def load_classes(path: str | Path | None = None) -> list[str]:
     return names
 
 
-def _normal(name: str) -> str:
-    return " ".join(name.lower().replace("_", " ").replace("-", " ").split())
-
-
 def resolve_classes(spec: str | list, names: list[str]) -> list[int]:
-    """Class ids for a comma-separated list of class names or ids (``"animal-mammal, 3"``).
+    """Class ids for a comma-separated list of class names or ids (``"animal-mammal, 3"``):
+    :func:`relaxspec.conditions.class_ids`, the one class check, over these names."""
+    from relaxspec.conditions import class_ids
 
-    Names match case-insensitively with ``-``, ``_`` and spaces interchangeable (``sky & weather``
-    = ``sky-&-weather``). Raises :class:`RelaxspecError` naming the closest classes for an
-    unknown one."""
-    parts = spec if isinstance(spec, (list, tuple)) else str(spec).split(",")
-    lookup = {_normal(n): i for i, n in enumerate(names)}
-    ids = []
-    for part in parts:
-        if isinstance(part, int) or str(part).strip().isdigit():
-            index = int(part)
-            if not 0 <= index < len(names):
-                raise RelaxspecError(f"class id {index} is out of range: there are {len(names)} classes (0 .. {len(names) - 1})")
-            ids.append(index)
-            continue
-        text = str(part).strip()
-        if not text:
-            continue
-        if _normal(text) not in lookup:
-            close = difflib.get_close_matches(text, names, n=3, cutoff=0.5)
-            hint = f"; did you mean {', '.join(close)}?" if close else f"; known classes: {', '.join(names[:8])}, ..."
-            raise RelaxspecError(f"unknown class {text!r}{hint}")
-        ids.append(lookup[_normal(text)])
-    if not ids:
-        raise RelaxspecError("no classes given")
-    return ids
+    return class_ids(spec, len(names), names)
 
 
 # ------------------------------------------------------------------------------------------
