@@ -8,9 +8,10 @@
    in bf16 at batch 1 with CFG: AR ms/token eager and compiled; the target forward's cost over
    1..64 tokens; per-step engine overhead (a step's time minus its forwards) of every method.
 3. **The embedded model's speed-ups** on the device (``relaxspec bench``, eager and compiled).
-4. **The transformers families at their real shapes** (random weights; parts ``janus`` and
-   ``emu3``, each under ten minutes on an H100, so run them as their own calls): a Janus-Pro-1B
-   and an Emu3-Gen (8B) language model in bf16 at batch 1 with CFG: greedy SJD == AR on the
+4. **The transformers families at their real shapes** (random weights; parts ``janus``, ``emu3``
+   and ``lumina``, each under ten minutes on an H100, so run them as their own calls): a
+   Janus-Pro-1B, an Emu3-Gen (8B) and a Lumina-mGPT-7B (512 px) language model in bf16 at batch 1
+   with CFG: greedy SJD == AR on the
    device, AR ms/token eager and compiled, the target forward's cost over 1..64 tokens (what a
    speculative step's verification costs), and per-step time and engine overhead of the drafter-
    free methods. Random weights accept nothing beyond chance (MAL ~1): these are costs, not
@@ -188,6 +189,37 @@ def emu3_shaped(device: torch.device, dtype: torch.dtype, quick: bool):
     return Emu3Target(model, cond.shape[2], grid), cond, None
 
 
+def lumina_shaped(device: torch.device, dtype: torch.dtype, quick: bool):
+    """A random Lumina-mGPT-7B-shaped target (Chameleon 7B: 32 layers, 4096 wide, 65536-token
+    vocabulary, 8192 image codes at ids 4..8195; tiny with ``quick``) painting a 512-px image
+    (32x32 codes, each row ending with a forced new line), and its conditions ``[1, 2, S]``."""
+    from types import SimpleNamespace
+
+    from transformers import ChameleonConfig, ChameleonForConditionalGeneration
+
+    from relaxspec.models.lumina import LuminaTarget
+
+    if quick:
+        width, layers, heads, inner, vocab, codes, grid = 64, 2, 4, 128, 12000, 8192, 8
+    else:
+        width, layers, heads, inner, vocab, codes, grid = 4096, 32, 32, 11008, 65536, 8192, 32
+    names = {"<image>": 8711, **{f"IMGIMG{i}Z": 4 + i for i in range(codes)}}  # transformers reads the map
+    config = ChameleonConfig(vocabulary_map=names, vocab_size=vocab, hidden_size=width, intermediate_size=inner, num_hidden_layers=layers,
+                             num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=4096,
+                             vq_config=dict(embed_dim=4, num_embeddings=codes, base_channels=32, channel_multiplier=[1],
+                                            latent_channels=4, resolution=16, attn_resolutions=[], num_res_blocks=1))
+    model = _built(lambda: ChameleonForConditionalGeneration(config), device, dtype)
+    # Meta's layout: image codes at 4 .. 8195, <reservedNNNNN> at NNNNN + 4.
+    vocabulary = SimpleNamespace(image_ids=list(range(4, 4 + codes)), new_line=8803, image_start=8197,
+                                 grid_id=lambda units: 8804 + units)
+    head = [8197, 8804 + grid // 2, 8804 + grid // 2]
+    prompt = torch.cat([torch.tensor([0]), torch.randint(9000, vocab, (30,)), torch.tensor([8710]),
+                        torch.tensor(head)])
+    uncond = torch.cat([torch.full((prompt.shape[0] - 3,), -1), torch.tensor(head)])
+    cond = torch.stack([prompt, uncond])[None].to(device)
+    return LuminaTarget(model, vocabulary, cond.shape[2], grid), cond, None
+
+
 def _built(make, device: torch.device, dtype: torch.dtype):
     """``make()`` built on ``device`` in ``dtype`` (an 8B model never passes through the CPU)."""
     default = torch.get_default_dtype()
@@ -208,9 +240,9 @@ def family_costs(name: str, device: torch.device, quick: bool) -> dict:
     forward costs over 1..64 tokens, and each drafter-free method's per-step time and overhead."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     torch.manual_seed(0)
-    build = {"janus": janus_shaped, "emu3": emu3_shaped}[name]
+    build = {"janus": janus_shaped, "emu3": emu3_shaped, "lumina": lumina_shaped}[name]
     (target, cond, mask), seconds = timed(lambda: build(device, dtype, quick), device)
-    scale = {"janus": 5.0, "emu3": 3.0}[name]
+    scale = {"janus": 5.0, "emu3": 3.0, "lumina": 3.0}[name]
     out = {"model": f"{name} ({'tiny' if quick else 'real shape'}, random weights)", "dtype": str(dtype),
            "tokens": target.config.block_size, "build_seconds": seconds}
     print(f"{out['model']}: built in {seconds:.1f} s", flush=True)
@@ -252,8 +284,8 @@ def main() -> None:
     parser.add_argument("--out", default="gpu-results")
     parser.add_argument("--quick", action="store_true", help="small sizes: a smoke test of this script")
     parser.add_argument("--parts", default="checks,xl,embedded",
-                        help="comma-separated subset of checks, xl, embedded, janus, emu3 (default: the first three; "
-                             "run janus and emu3 as their own calls)")
+                        help="comma-separated subset of checks, xl, embedded, janus, emu3, lumina (default: the first "
+                             "three; run janus, emu3 and lumina as their own calls)")
     args = parser.parse_args()
     device = torch.device(args.device)
     out = Path(args.out)
@@ -267,7 +299,7 @@ def main() -> None:
         report["xl"] = gpt_xl(device, args.quick)
     if "embedded" in parts:
         report["embedded"] = embedded_speedups(device, out, args.quick)
-    for family in ("janus", "emu3"):
+    for family in ("janus", "emu3", "lumina"):
         if family in parts:
             report[family] = family_costs(family, device, args.quick)
     name = "gpu.json" if parts <= {"checks", "xl", "embedded"} else f"gpu-{'-'.join(sorted(parts))}.json"

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything docs/BENCHMARKS.md reports for a GPU, in one command, on a machine with a CUDA build
 # of torch (nothing is downloaded):  bash benchmarks/gpu.sh [OUT] [PARTS]   (default OUT: gpu-results)
-# With PARTS (e.g. "janus" or "emu3": the transformers families at their real shapes, each its own
+# With PARTS (e.g. "janus", "emu3" or "lumina": the transformers families at their real shapes, each its own
 # call of under ten minutes on an H100) only benchmarks/gpu.py --parts PARTS runs.
 #   1. the test suite, with the engine's CUDA-specific paths exercised by benchmarks/gpu.py
 #   2. benchmarks/gpu.py --device cuda: greedy equality on CUDA (eager, compiled, vs AR),
