@@ -73,19 +73,10 @@ class Emu3Target(hf.RowEndTarget):
     def text_model(self):
         return self.hf.model.text_model
 
-    def check_conditions(self, cond: Tensor) -> None:
-        if cond.dim() != 3 or cond.shape[1] != 2:
-            raise RelaxspecError("Emu3 conditions are [B, 2, S] token ids (prompt, negative prompt): format them with "
-                                 "relaxspec.models.emu3.format_prompts")
-        if cond.shape[2] != self.config.cls_token_num:
-            raise RelaxspecError(f"these prompts are {cond.shape[2]} tokens; this target was made for "
-                                 f"{self.config.cls_token_num} (load_emu3's prompt_length)")
-        valid = cond[:, 0] >= 0
-        # Left padding, and the prompt ends with the image-start tokens.
-        if not bool((valid[:, 1:] >= valid[:, :-1]).all() and valid[:, -1].all()
-                    and ((cond[:, 0, -1] == self.wrapper) | (cond[:, 1, -1] == self.wrapper)).all()):
-            raise RelaxspecError("Emu3 prompts must be left-padded and end with the image-start tokens: format them "
-                                 "with relaxspec.models.emu3.format_prompts")
+    family, formatter, prompt_end = NAME, "relaxspec.models.emu3.format_prompts", "the image-start tokens"
+
+    def ends_well(self, cond: Tensor, valid: Tensor) -> Tensor:
+        return valid[:, -1].all() & ((cond[:, 0, -1] == self.wrapper) | (cond[:, 1, -1] == self.wrapper)).all()
 
 
 class Emu3ImageTokenizer:
@@ -175,13 +166,7 @@ def open_folder(path, prompts: list[str], *, device="cpu", dtype=torch.float32, 
     cond, grid = format_prompts(processor, prompts, image_size=image_size, negative_prompt=negative)
     context = hf.read_config(path).get("text_config", {}).get("max_position_embeddings")
     image = grid * (grid + 1) + 3  # transformers' sequence after the prompt: rows + end-of-lines, 3 end tokens
-    if prompt_length is not None:  # at most what the context leaves, never less than these prompts need
-        room = context - image if isinstance(context, int) else prompt_length
-        cond, _ = hf.left_pad(cond, None, max(cond.shape[2], min(prompt_length, room)), -1)
-    needed = cond.shape[2] + image
-    if isinstance(context, int) and needed > context:
-        raise RelaxspecError(f"a {grid}x{grid}-token image after a {cond.shape[2]}-token prompt is {needed} positions; "
-                             f"the model's context is {context}: give a smaller --image-size or a shorter prompt")
+    cond = hf.fit_prompts(cond, prompt_length, context, image, f"a {grid}x{grid}-token image")
     image_processor = getattr(processor, "image_processor", None)
     target, tokenizer = load_emu3(path, cond.shape[2], grid, device=device, dtype=dtype,
                                   mean=getattr(image_processor, "image_mean", None),

@@ -57,6 +57,20 @@ def left_pad(cond: Tensor, mask: Tensor | None, length: int | None, value: int) 
     return cond, None if mask is None else torch.nn.functional.pad(mask, (extra, 0), value=False)
 
 
+def fit_prompts(cond: Tensor, prompt_length: int | None, context, image: int, what: str) -> Tensor:
+    """Prompts ``[N, 2, S]`` (left-padded with -1) padded on the left to ``prompt_length`` -- at
+    most what the ``context`` leaves after the ``image`` positions, never less than they need --
+    and refused (one line naming ``what`` the image is) when prompt and image exceed the context."""
+    if prompt_length is not None:
+        room = context - image if isinstance(context, int) else prompt_length
+        cond, _ = left_pad(cond, None, max(cond.shape[-1], min(prompt_length, room)), -1)
+    needed = cond.shape[-1] + image
+    if isinstance(context, int) and needed > context:
+        raise RelaxspecError(f"{what} after a {cond.shape[-1]}-token prompt is {needed} positions; the model's context "
+                             f"is {context}: give a smaller --image-size or a shorter prompt")
+    return cond
+
+
 def read_config(path) -> dict:
     """``config.json`` of a transformers model folder, as a dict (one-line errors)."""
     folder = Path(path)
@@ -284,9 +298,27 @@ class RowEndTarget(torch.nn.Module):
 
     text_model = None  # the decoder layers, norm and rotary embedding (a property in subclasses)
     row_end: int = -1
+    family = "model"  # what messages call it
+    formatter = ""  # the function that formats its prompts, for messages
+    prompt_end = ""  # what a formatted prompt ends with, for messages
 
     def check_conditions(self, cond: Tensor) -> None:
-        """Refuse conditions this target was not made for (one line)."""
+        """Refuse conditions this target was not made for (one line): ``[B, 2, S]`` of this
+        target's prompt length, left-padded, ending as :meth:`ends_well` says."""
+        if cond.dim() != 3 or cond.shape[1] != 2:
+            raise RelaxspecError(f"{self.family} conditions are [B, 2, S] token ids (prompt, unconditional context): "
+                                 f"format them with {self.formatter}")
+        if cond.shape[2] != self.config.cls_token_num:
+            raise RelaxspecError(f"these prompts are {cond.shape[2]} tokens; this target was made for "
+                                 f"{self.config.cls_token_num} (its prompt_length)")
+        valid = cond[:, 0] >= 0
+        if not bool((valid[:, 1:] >= valid[:, :-1]).all() and self.ends_well(cond, valid)):
+            raise RelaxspecError(f"{self.family} prompts must be left-padded and end with {self.prompt_end}: format "
+                                 f"them with {self.formatter}")
+
+    def ends_well(self, cond: Tensor, valid: Tensor) -> Tensor:
+        """Whether every formatted prompt ends as this family's image generation starts."""
+        return valid[:, -1].all()
 
     # ---------------------------------------------------------------- TargetModel
     @property

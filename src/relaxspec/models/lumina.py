@@ -161,19 +161,15 @@ class LuminaTarget(hf.RowEndTarget):
     def text_model(self):
         return self.hf.model
 
-    def check_conditions(self, cond: Tensor) -> None:
-        if cond.dim() != 3 or cond.shape[1] != 2:
-            raise RelaxspecError("Lumina-mGPT conditions are [B, 2, S] token ids (prompt, unconditional context): "
-                                 "format them with relaxspec.models.lumina.format_prompts")
-        if cond.shape[2] != self.config.cls_token_num:
-            raise RelaxspecError(f"these prompts are {cond.shape[2]} tokens; this target was made for "
-                                 f"{self.config.cls_token_num} (load_lumina's prompt_length)")
-        valid = cond[:, 0] >= 0
-        # Left padding, and both contexts end with this target's image start and grid tokens.
-        if not bool((valid[:, 1:] >= valid[:, :-1]).all() and (cond[:, :, -3:] == self.image_head).all()):
-            raise RelaxspecError(f"Lumina-mGPT prompts must be left-padded and end with the image start and the grid "
-                                 f"tokens of a {self.grid * DOWNSAMPLE}-pixel image: format them with "
-                                 "relaxspec.models.lumina.format_prompts")
+    family, formatter = NAME, "relaxspec.models.lumina.format_prompts"
+
+    @property
+    def prompt_end(self) -> str:
+        return f"the image start and the grid tokens of a {self.grid * DOWNSAMPLE}-pixel image"
+
+    def ends_well(self, cond: Tensor, valid: Tensor) -> Tensor:
+        # Both contexts end with this target's image start and grid tokens.
+        return (cond[:, :, -3:] == self.image_head).all()
 
 
 def to_uint8(pixels: Tensor) -> Tensor:
@@ -399,14 +395,8 @@ def open_folder(path, prompts: list[str], *, device="cpu", dtype=torch.float32, 
     grid = image_size // DOWNSAMPLE
     context = config.get("max_position_embeddings")
     image = grid * (grid + 1)  # the codes and a new line after each row; <eoss> and the end of turn are never run
-    if prompt_length is not None:  # at most what the context leaves, never less than these prompts need
-        room = context - image if isinstance(context, int) else prompt_length
-        cond, _ = hf.left_pad(cond, None, max(cond.shape[2], min(prompt_length, room)), -1)
-    needed = cond.shape[2] + image
-    if isinstance(context, int) and needed > context:
-        raise RelaxspecError(f"a {image_size}x{image_size} image ({grid}x{grid} codes and their new lines) after a "
-                             f"{cond.shape[2]}-token prompt is {needed} positions; the model's context is {context}: "
-                             "give a smaller --image-size or a shorter prompt")
+    cond = hf.fit_prompts(cond, prompt_length, context, image,
+                          f"a {image_size}x{image_size} image ({grid}x{grid} codes and their new lines)")
     target, tokenizer = _load(path, tokenizer_path, vocabulary, cond.shape[2], image_size, device=device, dtype=dtype)
     length = cond.shape[2]
 
