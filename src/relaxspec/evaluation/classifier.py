@@ -9,7 +9,8 @@ trained on (e.g. emoji, one class per emoji subcategory). It gives
   ``feature_dim``-d, 256 by default), the feature space of the FID-like distance and of
   precision/recall in :mod:`relaxspec.evaluation.metrics`.
 
-The recipe is one readable loop (nanoGPT style): a validated :class:`ClassifierTrainConfig`,
+The recipe runs the loop every training recipe shares (nanoGPT style,
+:func:`relaxspec.training.common.run_training`): a validated :class:`ClassifierTrainConfig`,
 augmentation by small random translations (replicate padding, then a random crop) and horizontal
 flips, AdamW with linear warm-up and cosine decay, label smoothing, top-1 / top-5 on the
 validation split after every epoch. Seeded: the same config and data give the same weights on
@@ -46,6 +47,7 @@ from relaxspec.data.emoji import ImageSet, check_image_set, flippable, load_data
 from relaxspec.data.emoji import augment as data_augment
 from relaxspec.errors import RelaxspecError
 from relaxspec.devices import resolve_device
+from relaxspec.training import common
 from relaxspec.training.common import RecipeConfig
 from relaxspec.evaluation.metrics import topk_hits
 
@@ -345,42 +347,48 @@ def train_classifier(train: ImageSet | tuple, val: ImageSet | tuple, config: Cla
             return config.lr * (step + 1) / warmup
         return config.lr * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, total - warmup)))
 
+    # One generator draws each epoch's order and then its batches' augmentation, in that sequence.
     generator = torch.Generator().manual_seed(config.seed)
     history: list[dict] = []
-    bar = tqdm(total=total, desc="train-classifier", unit="step", disable=not config.progress)
-    began, step = time.perf_counter(), 0
-    for epoch in range(config.epochs):
-        model.train()
-        order = torch.randperm(len(labels), generator=generator)
-        seen, loss_sum, correct = 0, 0.0, 0
-        for start in range(0, len(order), config.batch_size):
-            index = order[start : start + config.batch_size]
-            flip = False if may_flip is None else may_flip[labels[index]]
-            x = to_model_input(data_augment(images[index], flip, generator, config.translate, **AUGMENT))
-            x = x.to(device).contiguous(memory_format=torch.channels_last)
-            y = labels[index].to(device)
-            for group in optimizer.param_groups:
-                group["lr"] = lr_at(step)
-            logits = model(x)
-            loss = F.cross_entropy(logits, y, label_smoothing=config.label_smoothing)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            step += 1
-            seen += len(index)
-            loss_sum += float(loss.detach()) * len(index)
-            correct += int((logits.detach().argmax(1) == y).sum())
-            bar.update(1)
-            bar.set_postfix(epoch=epoch + 1, loss=f"{loss_sum / seen:.3f}", acc=f"{correct / seen:.3f}", refresh=False)
-        record = {"epoch": epoch + 1, "train_loss": loss_sum / seen, "train_top1": correct / seen}
+    tally = {"epoch": 1, "images": 0, "loss": 0.0, "correct": 0}  # this epoch's training batches so far
+
+    def step_loss(step: int, index: torch.Tensor):
+        flip = False if may_flip is None else may_flip[labels[index]]
+        x = to_model_input(data_augment(images[index], flip, generator, config.translate, **AUGMENT))
+        x = x.to(device).contiguous(memory_format=torch.channels_last)
+        y = labels[index].to(device)
+        logits = model(x)
+        loss = F.cross_entropy(logits, y, label_smoothing=config.label_smoothing)
+        return loss, {"loss": loss, "correct": (logits.detach().argmax(1) == y).sum(), "images": len(index)}
+
+    def count(step: int, metrics: dict) -> None:
+        tally["epoch"] = step // steps_per_epoch + 1
+        tally["images"] += int(metrics["images"])
+        tally["loss"] += metrics["loss"] * int(metrics["images"])
+        tally["correct"] += int(metrics["correct"])
+
+    def end_epoch(done: int) -> None:
+        epoch = tally["epoch"]
+        record = {"epoch": epoch, "train_loss": tally["loss"] / tally["images"],
+                  "train_top1": tally["correct"] / tally["images"]}
+        tally.update(images=0, loss=0.0, correct=0)
         if len(val_labels):
             val_logits = model.logits(val_images)
             record.update({f"val_top{k}": float(topk_hits(val_logits, val_labels, k).mean()) for k in (1, 5)})
         history.append(record)
         if config.progress:
             shown = ", ".join(f"{k} {v:.4f}" for k, v in record.items() if k != "epoch")
-            tqdm.write(f"epoch {epoch + 1}/{config.epochs}: {shown}")
-    bar.close()
+            tqdm.write(f"epoch {epoch}/{config.epochs}: {shown}")
+
+    began = time.perf_counter()
+    model.train()
+    common.run_training(
+        step_loss, optimizer, steps=total, size=len(labels), batch_size=config.batch_size,
+        order=lambda epoch: torch.randperm(len(labels), generator=generator), lr=lr_at, on_step=count,
+        hooks=[common.Every(steps_per_epoch, end_epoch)],
+        postfix=lambda m: {"epoch": tally["epoch"], "loss": f"{tally['loss'] / tally['images']:.3f}",
+                           "acc": f"{tally['correct'] / tally['images']:.3f}"},
+        desc="train-classifier", progress=config.progress)
     model.to(memory_format=torch.contiguous_format).eval()
     final = history[-1]
     model.metrics = {

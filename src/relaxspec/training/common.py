@@ -12,6 +12,10 @@ Every file is replaced atomically (written beside, then ``os.replace``), so an i
 leaves the previous consistent checkpoint. A resumed run must keep its recipe: only the fields a
 recipe names as run fields (length, output, device, progress ...) may change, or the
 continuation would not be the run it claims to be.
+
+Every recipe trains with :func:`run_training`, the one loop (nanoGPT's): it walks the steps,
+draws each epoch's data order, sets the learning rate, steps the optimizer and calls the recipe's
+hooks; a recipe supplies only its batch loss and what to do at its intervals.
 """
 
 from __future__ import annotations
@@ -20,7 +24,10 @@ import json
 import math
 import os
 import shutil
+import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, Iterable
 
 import torch
 from tqdm.auto import tqdm
@@ -143,6 +150,128 @@ def warmup_cosine(step: int, total: int, lr: float, warmup: int, min_lr: float) 
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (lr - min_lr)
 
 
+def warmup_constant(step: int, lr: float, warmup: int) -> float:
+    """Learning rate of 0-based ``step``: linear warm-up over ``warmup`` steps, then ``lr`` for
+    good (no step's rate depends on the run's length, so a finished run can be extended exactly)."""
+    return lr * min(1.0, (step + 1) / warmup) if warmup else lr
+
+
+def shuffled(size: int, seed: int) -> Callable[[int], torch.Tensor]:
+    """The default data order: epoch ``e`` visits ``randperm(size)`` drawn from a generator seeded
+    ``mix(seed, e)``. Any step's batch is known without replaying the steps before it, which is
+    what lets a resumed run continue bit for bit."""
+
+    def order(epoch: int) -> torch.Tensor:
+        return torch.randperm(size, generator=torch.Generator().manual_seed(mix(seed, epoch)))
+
+    return order
+
+
+# ------------------------------------------------------------------------------------------
+# The loop
+# ------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Every:
+    """A hook of :func:`run_training`: ``fn(done)`` after every ``interval``-th step and after the
+    last step of the run (``done`` counts the steps done, so it is the step to resume from).
+    ``fn`` returning True stops the run there; the hooks after it are not called for that step."""
+
+    interval: int
+    fn: Callable[[int], bool | None]
+
+    def due(self, done: int, total: int) -> bool:
+        return done % self.interval == 0 or done == total
+
+
+@dataclass
+class LoopResult:
+    step: int  # steps done in all (a resumed run's earlier ones included): where to resume
+    seconds: float  # time spent in training steps (no evaluations or checkpoints)
+    examples: int  # examples trained on by this call
+    stopped: bool  # a hook stopped the run before ``steps``
+
+    @property
+    def per_second(self) -> float:
+        return self.examples / self.seconds if self.seconds else 0.0
+
+
+#: ``step_loss(step, index [batch]) -> (loss, metrics)``: a recipe's forward pass on one batch.
+StepLoss = Callable[[int, torch.Tensor], "tuple[torch.Tensor, dict]"]
+
+
+def run_training(step_loss: StepLoss, optimizer: torch.optim.Optimizer, *, steps: int, size: int,
+                 batch_size: int, lr: Callable[[int], float], first: int = 0, seed: int = 0,
+                 order: Callable[[int], torch.Tensor] | None = None, grad_clip: float = 0.0,
+                 parameters: Iterable[torch.Tensor] | None = None,
+                 on_step: Callable[[int, dict], None] | None = None, hooks: Iterable[Every] = (),
+                 postfix: Callable[[dict], dict] | None = None, desc: str = "train",
+                 progress: bool = True) -> LoopResult:
+    """Train steps ``first .. steps - 1`` over a data set of ``size`` examples; the one loop of
+    every recipe (nanoGPT's). Step ``s`` (0-based):
+
+    1. its batch: ``index``, slot ``s % steps_per_epoch`` of epoch ``s // steps_per_epoch``'s
+       order (``batch_size`` positions; an epoch's last batch may be short). ``order(epoch)``
+       (default :func:`shuffled` from ``seed``) is called once per epoch, at its first step;
+    2. ``lr(s)`` (e.g. :func:`warmup_cosine`, :func:`warmup_constant`) on every param group;
+    3. ``loss, metrics = step_loss(s, index)``: the recipe's forward pass, where it draws its own
+       per-step randomness; ``metrics``: named scalars (tensors or numbers) for on_step and the bar;
+    4. zero_grad, backward, ``clip_grad_norm_(parameters, grad_clip)`` when ``grad_clip > 0``
+       (``parameters``: the model's, in its order; default the optimizer's), ``optimizer.step()``;
+       ``metrics`` become floats (on a GPU this waits for the step);
+    5. ``on_step(s, metrics)``: the recipe's per-step bookkeeping (counted in the step's time);
+    6. the bar's postfix (``postfix(metrics)``, default every metric), then each ``hooks`` entry
+       that is due (evaluation, checkpoint), in order; one returning True stops the run.
+
+    Everything random is drawn from what ``s`` and the seed determine, so a run resumed at
+    ``first`` (its model, optimizer and hook state restored) continues bit for bit."""
+    order = order or shuffled(size, seed)
+    if parameters is None:
+        parameters = [p for group in optimizer.param_groups for p in group["params"]]
+    parameters, hooks = list(parameters), list(hooks)  # clip_grad_norm_ sums in this order, every step
+    steps_per_epoch = math.ceil(size / batch_size)
+    seconds, examples, done, stopped = 0.0, 0, first, False
+    epoch_order, drawn_epoch = None, -1
+    bar = step_bar(first, steps, desc, progress)
+    try:
+        for step in bar:
+            epoch, slot = divmod(step, steps_per_epoch)
+            if epoch != drawn_epoch:
+                epoch_order, drawn_epoch = order(epoch), epoch
+            index = epoch_order[slot * batch_size : (slot + 1) * batch_size]
+            rate = lr(step)
+            for group in optimizer.param_groups:
+                group["lr"] = rate
+
+            start = time.perf_counter()
+            loss, metrics = step_loss(step, index)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            if grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(parameters, grad_clip)
+            optimizer.step()
+            metrics = {name: float(value.detach() if isinstance(value, torch.Tensor) else value)
+                       for name, value in metrics.items()}
+            if on_step is not None:
+                on_step(step, metrics)
+            seconds += time.perf_counter() - start
+            examples += len(index)
+
+            shown = postfix(metrics) if postfix else {name: f"{value:.4f}" for name, value in metrics.items()}
+            bar.set_postfix(refresh=False, **shown)
+            done = step + 1
+            for hook in hooks:
+                if hook.due(done, steps) and hook.fn(done):
+                    stopped = True
+                    break
+            if stopped:
+                break
+    finally:
+        bar.close()
+    return LoopResult(done, seconds, examples, stopped)
+
+
 # ------------------------------------------------------------------------------------------
 # Progress and logs
 # ------------------------------------------------------------------------------------------
@@ -150,7 +279,8 @@ def warmup_cosine(step: int, total: int, lr: float, warmup: int, min_lr: float) 
 
 def step_bar(first: int, total: int, desc: str, enabled: bool):
     """A tqdm over steps ``first .. total - 1`` that shows a resumed run's progress so far."""
-    return tqdm(range(first, total), initial=first, total=max(total, first), desc=desc, disable=not enabled)
+    return tqdm(range(first, total), initial=first, total=max(total, first), desc=desc, unit="step",
+                disable=not enabled)
 
 
 def log_metrics(out: str | Path, record: dict, line: str | None = None) -> None:

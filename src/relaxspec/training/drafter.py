@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import math
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -42,8 +41,7 @@ from relaxspec.models.base import TargetModel, TeacherForcedTarget
 from relaxspec.models.llamagen.vq import VQModel
 from relaxspec.sampling import SamplingConfig
 from relaxspec.training import common
-from relaxspec.training.common import TRAIN_STATE, step_bar
-from relaxspec.training.common import mix as _mix
+from relaxspec.training.common import TRAIN_STATE
 from relaxspec.devices import resolve_device as _device
 
 STATE_VERSION = 1
@@ -377,7 +375,7 @@ def sample_prompts(target: TargetModel, cond: torch.Tensor, cond_mask: torch.Ten
         if start < done:
             continue
         rows = slice(start, start + batch_size)
-        generator = torch.Generator(device=target.device).manual_seed(_mix(seed, batch))
+        generator = torch.Generator(device=target.device).manual_seed(common.mix(seed, batch))
         tokens[rows] = generate_ar(target, conds[rows], sampling, generator=generator,
                                    cond_mask=None if masks is None else masks[rows]).tokens.cpu().numpy()
         done = min(start + batch_size, count)
@@ -743,45 +741,26 @@ def train_drafter(config: DrafterTrainConfig, *, target: TeacherForcedTarget | N
                                         f"{metrics['feature_loss']:.4f} ce {metrics['ce']:.4f} draft accuracy "
                                         f"{metrics['accuracy']:.3f}")
 
+    def checkpoint(at: int) -> None:
+        _save_checkpoint(out, drafter, optimizer, at, config, history)
+
+    def step_loss(step: int, index: torch.Tensor):
+        noise = torch.Generator(device=device).manual_seed(common.mix(config.seed, step))
+        losses = batch_loss(drafter, train_set.tokens[index], train_set.labels[index], config, noise_generator=noise,
+                            cond_mask=None if train_set.cond_mask is None else train_set.cond_mask[index])
+        return losses["loss"], losses
+
     first = step
     if first == 0 and total > 0:
         evaluate(0)
-    seconds, sequences = 0.0, 0
-    bar = step_bar(first, total, "train-drafter", config.progress)
-    order, order_epoch = None, -1
-    for step in bar:
-        # data: epoch e visits a permutation drawn from (seed, e); a short last batch is kept
-        epoch, slot = divmod(step, steps_per_epoch)
-        if epoch != order_epoch:
-            order = torch.randperm(len(train_set), generator=torch.Generator().manual_seed(_mix(config.seed, epoch)))
-            order_epoch = epoch
-        index = order[slot * config.batch_size : (slot + 1) * config.batch_size]
-        lr = config.lr * min(1.0, (step + 1) / config.warmup_steps) if config.warmup_steps else config.lr
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-
-        start = time.perf_counter()
-        noise = torch.Generator(device=device).manual_seed(_mix(config.seed, step))
-        losses = batch_loss(drafter, train_set.tokens[index], train_set.labels[index], config, noise_generator=noise,
-                            cond_mask=None if train_set.cond_mask is None else train_set.cond_mask[index])
-        optimizer.zero_grad(set_to_none=True)
-        losses["loss"].backward()
-        if config.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(drafter.parameters(), config.grad_clip)
-        optimizer.step()
-        shown = {name: float(value.detach()) for name, value in losses.items()}  # also waits for the device
-        seconds += time.perf_counter() - start
-        sequences += len(index)
-
-        bar.set_postfix(loss=f"{shown['loss']:.4f}", ce=f"{shown['ce']:.3f}", acc=f"{shown['accuracy']:.3f}",
-                        refresh=False)
-        done = step + 1
-        if done % config.eval_interval == 0 or done == total:
-            evaluate(done)
-        if done % config.checkpoint_interval == 0 or done == total:
-            _save_checkpoint(out, drafter, optimizer, done, config, history)
-    bar.close()
-    step = max(first, total)
-    if first >= total:  # nothing left to train (e.g. resumed at the end): still leave a checkpoint
-        _save_checkpoint(out, drafter, optimizer, step, config, history)
-    return DrafterTrainResult(drafter.eval(), step, history, seconds, sequences / seconds if seconds else 0.0)
+    # epoch e visits a permutation drawn from (seed, e) (common.shuffled); a short last batch is kept
+    run = common.run_training(
+        step_loss, optimizer, steps=total, first=first, size=len(train_set), batch_size=config.batch_size,
+        seed=config.seed, grad_clip=config.grad_clip, parameters=drafter.parameters(),
+        lr=lambda at: common.warmup_constant(at, config.lr, config.warmup_steps),
+        hooks=[common.Every(config.eval_interval, evaluate), common.Every(config.checkpoint_interval, checkpoint)],
+        postfix=lambda m: {"loss": f"{m['loss']:.4f}", "ce": f"{m['ce']:.3f}", "acc": f"{m['accuracy']:.3f}"},
+        desc="train-drafter", progress=config.progress)
+    if run.step == first:  # nothing left to train (e.g. resumed at the end): still leave a checkpoint
+        checkpoint(first)
+    return DrafterTrainResult(drafter.eval(), run.step, history, run.seconds, run.per_second)

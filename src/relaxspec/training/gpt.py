@@ -43,6 +43,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+from tqdm.auto import tqdm
 
 from relaxspec.models.llamagen.checkpoints import load_gpt, load_strict, load_vq, read_state, save_model
 from relaxspec.data.emoji import ImageSet, augment, load_classes
@@ -391,48 +392,36 @@ def train_gpt(config: GPTTrainConfig, *, vq: VQModel | None = None, train: Image
             "history": history, "best": best, "bad_evals": bad_evals, "running": running,
         })
 
-    first = done = step
-    if first == 0 and config.steps > 0:
-        evaluate(0)
-    seconds, seen = 0.0, 0
-    stopped = bool(config.patience) and bad_evals >= config.patience  # a resumed run that had stopped
-    bar = common.step_bar(first, first if stopped else config.steps, "train-gpt", config.progress)
-    order, order_epoch = None, -1
-    for step in bar:
-        epoch, slot = divmod(step, steps_per_epoch)
-        if epoch != order_epoch:
-            order = torch.randperm(len(data.train), generator=torch.Generator().manual_seed(common.mix(config.seed, epoch)))
-            order_epoch = epoch
-        index = order[slot * config.batch_size : (slot + 1) * config.batch_size]
-        lr = common.warmup_cosine(step, config.steps, config.lr, config.warmup_steps, config.min_lr)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
+    def evaluate_or_stop(at: int) -> bool:
+        evaluate(at)
+        if config.patience and bad_evals >= config.patience:
+            checkpoint(at)
+            tqdm.write(f"stopping early: no better val NLL in {bad_evals} evaluations (best: step {best['step']})")
+            return True
+        return False
 
-        start = time.perf_counter()
+    def step_loss(step: int, index: torch.Tensor):
         generator = torch.Generator().manual_seed(common.mix(config.seed + 1, step))
         labels = data.train.labels[index].clone()
         labels[torch.rand(len(index), generator=generator) < config.class_dropout] = num_classes  # the null class
         loss = token_nll(model, labels.to(device), data.train.tokens[index].to(device), config.bf16)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        if config.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
-        optimizer.step()
-        running.append(float(loss.detach()))
-        seconds += time.perf_counter() - start
-        seen += len(index)
-        bar.set_postfix(loss=f"{running[-1]:.4f}", lr=f"{lr:.2e}", refresh=False)
-        done = step + 1
-        if done % config.eval_interval == 0 or done == config.steps:
-            evaluate(done)
-            if config.patience and bad_evals >= config.patience:
-                stopped = True
-                checkpoint(done)
-                bar.write(f"stopping early: no better val NLL in {bad_evals} evaluations (best: step {best['step']})")
-                break
-        if done % config.checkpoint_interval == 0 or done == config.steps:
-            checkpoint(done)
-    bar.close()
+        return loss, {"loss": loss}
+
+    first = step
+    if first == 0 and config.steps > 0:
+        evaluate(0)
+    stopped = bool(config.patience) and bad_evals >= config.patience  # a resumed run that had stopped
+    run = common.run_training(
+        step_loss, optimizer, steps=first if stopped else config.steps, first=first, size=len(data.train),
+        batch_size=config.batch_size, seed=config.seed, grad_clip=config.grad_clip, parameters=model.parameters(),
+        lr=lambda at: common.warmup_cosine(at, config.steps, config.lr, config.warmup_steps, config.min_lr),
+        on_step=lambda at, metrics: running.append(metrics["loss"]),
+        hooks=[common.Every(config.eval_interval, evaluate_or_stop),
+               common.Every(config.checkpoint_interval, checkpoint)],
+        postfix=lambda m: {"loss": f"{m['loss']:.4f}", "lr": f"{optimizer.param_groups[0]['lr']:.2e}"},
+        desc="train-gpt", progress=config.progress)
+    stopped = stopped or run.stopped
+    done = run.step
     if done == first:  # nothing left to train (resumed at the end): still leave a checkpoint
         checkpoint(done)
     if best:  # hand back (and export) the best-val weights, not the last
@@ -442,7 +431,7 @@ def train_gpt(config: GPTTrainConfig, *, vq: VQModel | None = None, train: Image
     model.eval()
     if config.export:
         export_gpt(model, config.export, {**extra, "best": best}, {"train": probe, "val": data.val})
-    return GPTTrainResult(model, done, best, history, seconds, seen / seconds if seconds else 0.0, data.seconds, stopped)
+    return GPTTrainResult(model, done, best, history, run.seconds, run.per_second, data.seconds, stopped)
 
 
 def export_gpt(model: Transformer, folder: str | Path, training: dict, measure: dict[str, TokenSet]) -> dict:

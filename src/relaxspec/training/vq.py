@@ -27,7 +27,6 @@ One command: ``relaxspec train-vq --data data/emoji --out out/vq`` (options: :mo
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -314,55 +313,47 @@ def train_vq(config: VQTrainConfig, *, train: ImageSet | None = None, val: Image
                            f"(train {record['train']['psnr']:.2f}) usage {shown['usage']:.3f} "
                            f"perplexity {shown['perplexity']:.0f} loss {last_loss.get('loss', float('nan')):.4f}")
 
-    first = step
-    if first == 0 and config.steps > 0:
-        evaluate(0)
-    seconds, seen = 0.0, 0
-    bar = common.step_bar(first, config.steps, "train-vq", config.progress)
-    order, order_epoch = None, -1
-    train_may_flip = train.may_flip & config.flip
-    for step in bar:
-        epoch, slot = divmod(step, steps_per_epoch)
-        if epoch != order_epoch:
-            order = torch.randperm(len(train), generator=torch.Generator().manual_seed(common.mix(config.seed, epoch)))
-            order_epoch = epoch
-        index = order[slot * config.batch_size : (slot + 1) * config.batch_size]
-        lr = common.warmup_cosine(step, config.steps, config.lr, config.warmup_steps, config.min_lr)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
+    def checkpoint(at: int) -> None:
+        _save_checkpoint(out, vq, optimizer, at, usage, restarted, config, history)
 
-        start = time.perf_counter()
+    train_may_flip = train.may_flip & config.flip
+    batch: dict = {}  # the last step's codes, encoder outputs and generator, for the dead-code restart
+
+    def step_loss(step: int, index: torch.Tensor):
         generator = torch.Generator().manual_seed(common.mix(config.seed + 1, step))
         pixels = to_pixels(augment(train.images[index], train_may_flip[index], generator, config.max_shift,
                                    **AUGMENT)).to(device)
         losses = vq_loss(vq, pixels, config)
-        optimizer.zero_grad(set_to_none=True)
-        losses["loss"].backward()
-        if config.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(vq.parameters(), config.grad_clip)
-        optimizer.step()
-        usage += torch.bincount(losses["indices"].flatten().cpu(), minlength=config.codebook_size)
+        batch.update(indices=losses["indices"], z=losses["z"], generator=generator)
+        return losses["loss"], {k: losses[k] for k in ("loss", "l1", "l2", "codebook_loss", "commit_loss")}
+
+    def after_step(step: int, metrics: dict) -> None:
+        nonlocal restarted, last_loss
+        usage.add_(torch.bincount(batch["indices"].flatten().cpu(), minlength=config.codebook_size))
         done = step + 1
         # no restarts in the last tenth: let the final codes settle with the decoder
         if config.restart_interval and done % config.restart_interval == 0 and done <= 0.9 * config.steps:
-            restarted += restart_dead_codes(vq, optimizer, usage.to(device), losses["z"].flatten(0, 2), generator)
+            restarted += restart_dead_codes(vq, optimizer, usage.to(device), batch["z"].flatten(0, 2),
+                                            batch["generator"])
             usage.zero_()
-        last_loss = {k: float(losses[k].detach()) for k in ("loss", "l1", "l2", "codebook_loss", "commit_loss")}
-        seconds += time.perf_counter() - start
-        seen += len(index)
-        bar.set_postfix(loss=f"{last_loss['loss']:.4f}", l1=f"{last_loss['l1']:.4f}", refresh=False)
-        if done % config.eval_interval == 0 or done == config.steps:
-            evaluate(done)
-        if done % config.checkpoint_interval == 0 or done == config.steps:
-            _save_checkpoint(out, vq, optimizer, done, usage, restarted, config, history)
-    bar.close()
-    step = max(first, config.steps)
-    if first >= config.steps:
-        _save_checkpoint(out, vq, optimizer, step, usage, restarted, config, history)
+        last_loss = metrics
+
+    first = step
+    if first == 0 and config.steps > 0:
+        evaluate(0)
+    run = common.run_training(
+        step_loss, optimizer, steps=config.steps, first=first, size=len(train), batch_size=config.batch_size,
+        seed=config.seed, grad_clip=config.grad_clip, parameters=vq.parameters(), on_step=after_step,
+        lr=lambda at: common.warmup_cosine(at, config.steps, config.lr, config.warmup_steps, config.min_lr),
+        hooks=[common.Every(config.eval_interval, evaluate), common.Every(config.checkpoint_interval, checkpoint)],
+        postfix=lambda m: {"loss": f"{m['loss']:.4f}", "l1": f"{m['l1']:.4f}"},
+        desc="train-vq", progress=config.progress)
+    if run.step == first:  # nothing left to train (resumed at the end): still leave a checkpoint
+        checkpoint(first)
     vq.eval()
     if config.export:
         export_vq(vq, config.export, history[-1] if history else {}, val)
-    return VQTrainResult(vq, step, history, seconds, seen / seconds if seconds else 0.0)
+    return VQTrainResult(vq, run.step, history, run.seconds, run.per_second)
 
 
 def export_vq(vq: VQModel, folder: str | Path, metrics: dict, val: ImageSet | None = None) -> dict:
