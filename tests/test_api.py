@@ -16,6 +16,7 @@ from relaxspec.errors import RelaxspecError
 CLASSES = "heart,animal-mammal,time"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", [None, "ar"])
 def test_generate_equals_the_command_line(method, tmp_path, capsys):
     got = relaxspec.generate(CLASSES, method, seed=4)
@@ -32,6 +33,7 @@ def test_generate_equals_the_command_line(method, tmp_path, capsys):
     assert (got.result.mean_accepted_length > 1).all() == (expected != "ar")
 
 
+@pytest.mark.slow
 def test_upscale_ids_options_and_sampling(tmp_path):
     small = relaxspec.generate([50, 3], "ar", seed=1, sampling={"temperature": 0})
     big = relaxspec.generate([50, 3], MethodOptions("ar"), seed=1, sampling={"temperature": 0}, upscale=4)

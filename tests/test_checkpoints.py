@@ -53,6 +53,7 @@ def test_every_official_layout_loads_with_identical_logits(layout, tiny_gpt, tmp
     torch.testing.assert_close(logits_of(loaded), expected, atol=0, rtol=0)
 
 
+@pytest.mark.slow
 def test_gpt_b_official_files_both_layouts(tmp_path):
     """GPT-B as upstream ships it ({"model": sd}, fp32) and as a raw state dict with freqs_cis
     (XXL / 3B style), written from the REFERENCE key list with random weights: both load under

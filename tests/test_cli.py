@@ -370,6 +370,7 @@ def test_other_commands_errors_and_help(tiny_ckpts, bad_files, tmp_path, capsys)
     assert code == 0 and "--drafter-ckpt" in stdout and "--caption-features" in stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("argv,expected", [
     (["generate", "--gpt-ckpt", "g.pt", "--vq-ckpt", "v.pt", "--out", "o", "--bogus"], "unrecognized arguments"),
     (["info", "/nonexistent/ckpt.pt"], "no such file"),
@@ -382,6 +383,7 @@ def test_console_errors_in_a_real_process(argv, expected, bad_files):
     assert_one_line_error(proc.returncode, proc.stdout, proc.stderr, expected)
 
 
+@pytest.mark.slow
 def test_compile_flag_gives_the_eager_tokens(tiny_ckpts, tmp_path, capsys):
     """``--compile`` (the compiled AR baseline here) commits the tokens eager decoding commits."""
     tokens = {}
@@ -453,6 +455,7 @@ def test_the_api_and_the_command_refuse_an_input_with_the_same_line(flags, keywo
     assert not (tmp_path / "out").exists() or not list((tmp_path / "out").glob("*.png"))
 
 
+@pytest.mark.slow
 def test_the_output_side_cap_admits_the_largest_upscale(tmp_path, capsys):
     import relaxspec
 
@@ -460,6 +463,7 @@ def test_the_output_side_cap_admits_the_largest_upscale(tmp_path, capsys):
     assert images[0].size == (8192, 8192)
 
 
+@pytest.mark.slow
 def test_the_default_grid_has_no_empty_cell(tmp_path, capsys):
     """Issue 20: ``relaxspec generate --out out`` laid its 8 images in a 3 x 3 grid whose ninth cell
     was black; now 2 rows of 4, every cell a picture. Layouts where some cell must stay empty

@@ -76,6 +76,7 @@ def test_heat_map_colours_each_token_by_its_step():
     assert (cells[0] == cells[6]).all() and not (cells[0] == cells[1]).all()
 
 
+@pytest.mark.slow
 def test_a_lane_streams_and_ends_with_generate_tokens(model, monkeypatch):
     from relaxspec.demo import race
 
@@ -92,6 +93,7 @@ def test_a_lane_streams_and_ends_with_generate_tokens(model, monkeypatch):
     assert "speed-up vs AR" in describe_lane(final, final) and "sum of one-step TVs" in describe_lane(final)
 
 
+@pytest.mark.slow
 def test_an_abandoned_lane_stops_its_decode(model):
     """A cancelled request (the page closed mid-race) stops the decode thread at its next step, so
     no decode keeps running on the model's cache under the next race."""
@@ -120,6 +122,7 @@ def read_race(race) -> list[tuple]:
     return [tuple(read(value) if i in (0, 2, 4) else value for i, value in enumerate(update)) for update in race]
 
 
+@pytest.mark.slow
 def test_race_handler_streams_both_sides_and_keeps_the_run(model, tmp_path):
     import threading
 
@@ -171,6 +174,7 @@ def served(model, tmp_path, monkeypatch):
         app.close()
 
 
+@pytest.mark.slow
 def test_the_served_page_races_through_gradios_client(served):
     from gradio_client import Client
 
@@ -186,6 +190,7 @@ def test_the_served_page_races_through_gradios_client(served):
     assert bad.startswith("**Not run:**") and "additive TV budget" in bad
 
 
+@pytest.mark.slow
 def test_several_races_at_once_serve_every_file_whole(served, capfd, caplog, monkeypatch):
     """Issue 20: six races submitted at once all answered, but the server logged
     ``h11 LocalProtocolError: Too little data for declared Content-Length``: a file was served
@@ -236,6 +241,7 @@ def test_several_races_at_once_serve_every_file_whole(served, capfd, caplog, mon
 CHROMIUM, DRIVER = shutil.which("chromium"), shutil.which("chromedriver")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(CHROMIUM is None or DRIVER is None,
                     reason="no headless browser: install Debian's chromium and chromium-driver (.ci/run does)")
 def test_a_real_browser_presses_race_and_sees_both_images(served):
@@ -293,6 +299,7 @@ def test_demo_command_errors(tmp_path, capsys, argv, message):
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_the_demo_command_serves_the_page_on_loopback(tmp_path):
     """``relaxspec demo`` as a user starts it: the page answers on 127.0.0.1, and the process is
     always stopped."""

@@ -28,6 +28,7 @@ def test_shipped_parts_fit_and_stay_small() -> None:
         assert load_tree(name).num_nodes >= 2
 
 
+@pytest.mark.slow
 def test_generate_with_no_checkpoint_uses_the_embedded_model_and_its_defaults(tmp_path, capsys) -> None:
     defaults = embedded.defaults()
     out = tmp_path / "out"
@@ -55,6 +56,7 @@ def test_generate_with_no_checkpoint_uses_the_embedded_model_and_its_defaults(tm
         assert totals["tv_sum_mean"] > 1.0 and totals["tv_certified"] == 1.0  # vacuous, and said so
 
 
+@pytest.mark.slow
 def test_cool_with_every_weight_below_one_is_greedy_ar(tmp_path) -> None:
     """Issue 9's end-to-end reproducer: COOL-SD with --cool-delta 0.3 on a depth-5 chain has every
     weight <= 1 (lossless); at temperature 0 it used to differ from AR in 5 and 32 of 64 tokens."""

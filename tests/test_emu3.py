@@ -232,6 +232,7 @@ def test_teacher_forced_features_are_the_decoding_ones(emu3):
     assert hidden.shape == (6, 16, 32) and torch.equal(guided.argmax(-1), tokens)
 
 
+@pytest.mark.slow
 def test_train_drafter_on_an_emu3_folder_then_generate(emu3_folder, tmp_path, capsys):
     """``train-drafter --model-path DIR --prompts-file F`` trains on the model's own samples; the
     drafter it writes serves ``generate --drafter-ckpt``, losslessly at temperature 0."""

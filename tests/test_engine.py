@@ -180,6 +180,7 @@ def run_case(model, drafter, options: dict, sampling: SamplingConfig, rule=None,
                                                    drafter=drafter, rule=rule)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(EXACT_CASES))
 def test_whole_image_law_is_exact(tiny, name, tmp_path):
     model, drafter = tiny
@@ -198,6 +199,7 @@ def test_whole_image_law_is_exact(tiny, name, tmp_path):
     assert mal > 1.05, f"{name}: MAL {mal:.3f}, the drafts are never accepted (a weak test)"
 
 
+@pytest.mark.slow
 def test_whole_image_chi_square_has_power(tiny, monkeypatch, tmp_path):
     """The same machinery rejects LANTERN with a large additive budget (not lossless)."""
     model, drafter = tiny
@@ -252,6 +254,7 @@ RELAXED_CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(RELAXED_CASES))
 def test_relaxed_first_token_law_matches_one_step_law(tiny, name, monkeypatch, tmp_path):
     """Token 1 is always decided by one test at depth 1 of the first step, so its law given
@@ -374,6 +377,7 @@ def jacobi_decode_law(model: Transformer, cls: int, sampling: SamplingConfig, wi
 JACOBI_LAW_CASES = {"sjd-cfg1-topk3": (False, 1.0, 3), "scd-cfg2": (True, 2.0, 0)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(JACOBI_LAW_CASES))
 def test_jacobi_window_law_by_enumeration(tiny, name):
     """SJD / SCD's law of (image, accept length of every step): the enumeration's image marginal is

@@ -14,6 +14,8 @@ import json
 import pytest
 import torch
 
+pytestmark = pytest.mark.slow  # compiles every step (torch.compile)
+
 from relaxspec.acceptance import LanternRule, neighbour_table
 from relaxspec.bench.counting import StepCounter, is_sync
 from relaxspec.decoding import MethodOptions, decode

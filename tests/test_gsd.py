@@ -208,6 +208,7 @@ def test_gsd_reads_the_codebook_when_asked(markov):
     assert rule.embeddings.shape == (model.config.vocab_size, model.config.dim)
 
 
+@pytest.mark.slow
 def test_gsd_from_the_command_line(tmp_path):
     """``relaxspec generate --method gsd`` on the embedded model: drafter-free, its settings and
     only those recorded, a TV record kept."""
@@ -230,6 +231,7 @@ def test_gsd_from_the_command_line(tmp_path):
                  "--out", str(tmp_path / "no")]) == 2  # a drafter GSD's Jacobi window would not read
 
 
+@pytest.mark.slow
 def test_gsd_compiled_gives_the_eager_tokens(markov):
     """The tree walk with GSD's rule inside compiles (fullgraph) and decodes what eager decoding
     decodes, sampled and greedy."""

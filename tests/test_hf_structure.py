@@ -104,6 +104,7 @@ def test_host_syncs_per_step(families, family, temperature, name, given, budget)
         assert window.host_copies == 0, f"step {index}: {window.host_copies} host->device copies"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["emu3", "janus", "lumina"])
 def test_compiled_steps_have_no_graph_breaks(families, family):
     target, cond, mask, _, scale, _ = families[family]
@@ -120,6 +121,7 @@ def test_compiled_steps_have_no_graph_breaks(families, family):
         assert report.graph_count == 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["emu3"])
 def test_compiled_equals_eager(families, family):
     """Compiling costs ~10 s per graph on this CPU: one family, AR and Jacobi (a T > 1 step)."""

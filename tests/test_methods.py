@@ -125,6 +125,7 @@ def test_a_new_family_needs_only_its_file_and_a_registry_entry(toy_family):
 RELAXED = [name for name in NAMES if methods.resolve(name).family.relaxed]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", RELAXED)
 def test_no_relaxed_method_commits_a_token_outside_the_users_top_k(name):
     """Issue 20: at --top-k 50 on the embedded model the LANTERN preset committed 63 of 512 tokens

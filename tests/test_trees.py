@@ -57,6 +57,7 @@ def test_expected_accept_length_is_the_walks_expectation() -> None:
     assert expected_accept_length(chain, RATES) == pytest.approx(0.6 + 0.6 * 0.5 + 0.6 * 0.5 * 0.45)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("budget", [1, 2, 3, 4, 5])
 def test_build_tree_is_optimal_for_its_budget(budget) -> None:
     best = max(walk_value(spec, RATES) for spec in all_trees(3, 3, budget))
