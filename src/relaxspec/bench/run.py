@@ -1,6 +1,6 @@
 """The benchmark loop: every method on the same images and seeds, in one process, interleaved.
 
-Image ``i`` (class ``classes[i]``, or prompt ``i`` of a :class:`PromptImages`) is decoded by every method before image ``i + 1`` starts, and
+Image ``i`` (class ``classes[i]``, or prompt ``i`` of a pipeline's :class:`~relaxspec.conditions.Condition`) is decoded by every method before image ``i + 1`` starts, and
 the order of the methods rotates by one each image, so slow drift of the machine (other jobs,
 thermal state, caches) falls on all methods alike and no method always runs first. Each decode
 gets its own generator seeded ``seed * 1000003 + unit`` (``unit`` = the image, or the batch with
@@ -26,7 +26,7 @@ import json
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -36,7 +36,7 @@ from relaxspec import __version__
 from relaxspec.bench.config import BASELINE, MethodSpec
 from relaxspec.decoding.ar import generate_ar
 from relaxspec.decoding.engine import build_parts, generate_speculative
-from relaxspec.conditions import class_ids
+from relaxspec.conditions import Condition, class_ids
 from relaxspec.methods import BuildContext
 from relaxspec.decoding.result import DecodeResult
 from relaxspec.errors import RelaxspecError
@@ -71,18 +71,9 @@ class PreparedMethod:
         return cls(spec, sampling, options, source, rule)
 
 
-@dataclass
-class PromptImages:
-    """Text-to-image bench images: image ``i`` is ``prompts[i]``, its condition ``cond[i]`` as the
-    target's family formats it (mask ``cond_mask[i]`` where the engine masks conditions)."""
-
-    prompts: list[str]
-    cond: torch.Tensor
-    cond_mask: torch.Tensor | None = None
-    settings: dict = field(default_factory=dict)  # what the pipeline records about the prompts
-
-    def __len__(self) -> int:
-        return len(self.prompts)
+def prompts_of(condition: Condition) -> list[str]:
+    """The prompt of each image of a text-to-image bench (a pipeline's :class:`Condition`)."""
+    return [record["prompt"] for record in condition.records]
 
 
 def decode_method(method: PreparedMethod, target, cond: torch.Tensor, generator: torch.Generator,
@@ -115,9 +106,9 @@ def model_identity(target, vq=None, drafter=None) -> dict:
             for name, m in (("target", target), ("vq", vq), ("drafter", drafter))}
 
 
-def bench_settings(methods: Sequence[MethodSpec], classes: Sequence[int] | PromptImages, seed: int,
+def bench_settings(methods: Sequence[MethodSpec], classes: Sequence[int] | Condition, seed: int,
                    sampling: SamplingConfig, threads: int, batch_size: int, num_tokens: int, identity: dict) -> dict:
-    images = {"prompts": list(classes.prompts)} if isinstance(classes, PromptImages) else {
+    images = {"prompts": prompts_of(classes)} if isinstance(classes, Condition) else {
         "classes": [int(c) for c in classes]}
     return {
         "methods": [m.to_dict() for m in methods], "baseline": BASELINE, **images,
@@ -236,12 +227,12 @@ def result_records(result: DecodeResult, wall: float, method: MethodSpec, indice
     return records
 
 
-def run_bench(target, vq, drafter, classes: Sequence[int] | PromptImages, methods: Sequence[MethodSpec],
+def run_bench(target, vq, drafter, classes: Sequence[int] | Condition, methods: Sequence[MethodSpec],
               sampling: SamplingConfig,
               out_dir: str | Path, *, seed: int = 0, threads: int | None = 1, warmup: int = 1, batch_size: int = 1,
               progress: bool = True, identity: dict | None = None, overwrite: bool = False) -> list[dict]:
     """Benchmark ``methods`` on images ``i = 0 .. len(classes) - 1`` (image ``i`` conditioned on
-    ``classes[i]``: a class id, or a prompt of :class:`PromptImages`) and return every record of the
+    ``classes[i]``: a class id, or a prompt of a :class:`~relaxspec.conditions.Condition`) and return every record of the
     run (resumed ones included).
 
     ``threads``: ``torch.set_num_threads`` for the run (restored afterwards; ``None`` leaves it).
@@ -258,7 +249,7 @@ def run_bench(target, vq, drafter, classes: Sequence[int] | PromptImages, method
         raise RelaxspecError(f"batch size and threads must be >= 1 and warm-up >= 0 "
                              f"(got {batch_size}, {threads}, {warmup})")
     config = target.config
-    prompted = isinstance(classes, PromptImages)
+    prompted = isinstance(classes, Condition)
     if prompted != (config.model_type != "c2i"):
         raise RelaxspecError("a text-to-image model is benchmarked on prompts, a class-conditional one on classes")
     if not prompted:
@@ -286,8 +277,8 @@ def run_bench(target, vq, drafter, classes: Sequence[int] | PromptImages, method
 
         def conditions(index: list[int]) -> tuple[list, torch.Tensor, torch.Tensor | None]:
             if prompted:
-                mask = None if classes.cond_mask is None else classes.cond_mask[index].to(device)
-                return [classes.prompts[i] for i in index], classes.cond[index].to(device), mask
+                part = classes.select(index).to(device)
+                return prompts_of(part), part.cond, part.mask
             labels = [int(classes[i]) for i in index]
             return labels, torch.tensor(labels, device=device), None
 
@@ -325,7 +316,7 @@ __all__ = [
     "RECORDS_FILE",
     "SETTINGS_FILE",
     "PreparedMethod",
-    "PromptImages",
+    "prompts_of",
     "bench_settings",
     "decode_method",
     "model_identity",

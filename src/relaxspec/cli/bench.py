@@ -12,7 +12,6 @@ import sys
 from pathlib import Path
 
 from relaxspec.bench.config import BASELINE, DEFAULT_METHODS, expand_methods, parse_methods
-from relaxspec.bench.run import PromptImages
 from relaxspec.cli.options import add_model_options, open_from_args, read_prompts
 from relaxspec.conditions import class_ids
 from relaxspec.errors import RelaxspecError
@@ -221,7 +220,7 @@ def run_bench_cli(args: argparse.Namespace) -> int:
                 "files": {key: file_identity(path) for key, path in pipeline.files.items()},
                 "drafter_ckpt": None if not drafting else str(Path(pipeline.drafter_path).resolve()),
                 "precision": args.precision, "device": str(pipeline.device), "torch": torch.__version__}
-    if isinstance(images, PromptImages):
+    if pipeline.takes == "prompts":
         identity.update({k: v for k, v in images.settings.items() if k != "prompts"})
     if drafting:
         identity["files"]["drafter_ckpt"] = file_identity(pipeline.drafter_path)
@@ -245,14 +244,12 @@ def _prompts(args: argparse.Namespace) -> list[str]:
 def bench_images(args: argparse.Namespace, pipeline, prompts: list[str], classifier):
     """Image ``i``'s condition: the class list cycled (so an interrupted run covers every class),
     or the prompts; every input checked before anything is decoded."""
-    from relaxspec.bench.run import PromptImages
-
+    
     if pipeline.takes == "prompts":
         if not prompts:
             raise RelaxspecError(f"this is a text-to-image model ({pipeline.family}): give --prompt / --prompts-file"
                                  + (" with --t5-path DIR" if hasattr(pipeline, "caption_condition") else ""))
-        condition = pipeline.conditions(prompts=prompts)
-        return PromptImages(prompts, condition.cond, condition.mask, condition.settings)
+        return pipeline.conditions(prompts=prompts)
     if prompts or getattr(args, "t5_path", None):
         raise RelaxspecError("this is a class-conditional (c2i) model: give --classes, not prompts")
     num_classes = pipeline.target.config.num_classes
