@@ -14,13 +14,12 @@ ROOT = Path(__file__).resolve().parents[1]
 PAGES = ["README.md", "docs/API.md"]
 BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
 
-pytestmark = pytest.mark.slow  # runs every Python block of the docs
-
 
 def python_blocks(page: str) -> list[str]:
     return BLOCK.findall((ROOT / page).read_text())
 
 
+@pytest.mark.slow  # runs every Python block of the docs against the embedded model
 @pytest.mark.parametrize("page", PAGES)
 def test_every_python_block_runs(page, tmp_path, monkeypatch):
     blocks = python_blocks(page)
