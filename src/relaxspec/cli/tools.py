@@ -11,10 +11,10 @@ from pathlib import Path
 
 import torch
 
-from relaxspec.models.llamagen.checkpoints import describe, load_gpt, load_vq
+from relaxspec.models.llamagen.checkpoints import describe
 from relaxspec.cli.options import device_option
 from relaxspec.decoding.result import add_counts
-from relaxspec.drafting.eagle import load_drafter
+from relaxspec.pipelines import open_pipeline
 from relaxspec.errors import RelaxspecError
 from relaxspec.models.llamagen.gpt import GPT_SIZES, GPTConfig, Transformer, gpt_config
 from relaxspec.models.llamagen.vq import VQ_CONFIGS, VQConfig, VQModel
@@ -139,8 +139,8 @@ def _tree_for_this_machine(args: argparse.Namespace, rates: torch.Tensor):
     from relaxspec.drafting.trees import best_tree_for_cost
 
     settings = json.loads(Path(args.stats[0]).read_text()).get("settings", {})
-    if not settings.get("gpt_ckpt") or not settings.get("drafter_ckpt"):
-        raise RelaxspecError(f"{args.stats[0]}: --budget auto needs a run that names its GPT and drafter checkpoints "
+    if not (settings.get("gpt_ckpt") or settings.get("model_path")) or not settings.get("drafter_ckpt"):
+        raise RelaxspecError(f"{args.stats[0]}: --budget auto needs a run that names its model and drafter checkpoints "
                              "(a relaxspec generate run with a drafter method)")
     device = device_option(settings.get("device", "cpu"))
     threads = args.threads if args.threads is not None else (1 if device.type == "cpu" else None)
@@ -148,16 +148,23 @@ def _tree_for_this_machine(args: argparse.Namespace, rates: torch.Tensor):
         if threads < 1:
             raise RelaxspecError(f"--threads must be >= 1, got {threads}")
         torch.set_num_threads(threads)
-    if settings.get("vq_config"):  # the run recorded its tokenizer: no need to load it for its grid
-        downsample = VQConfig(**{**settings["vq_config"], "ch_mult": tuple(settings["vq_config"]["ch_mult"])}).downsample_factor
-    else:
-        downsample = load_vq(settings["vq_ckpt"], settings.get("vq_model")).config.downsample_factor
-    model = load_gpt(settings["gpt_ckpt"], settings.get("gpt_model"), image_size=settings.get("image_size"),
-                     downsample=downsample, precision=settings.get("precision", "fp32"), device=device)
-    drafter = load_drafter(settings["drafter_ckpt"], model)
+    # The run's own model, reopened as the run opened it (any family the pipelines serve).
+    prompts = settings.get("prompts")
+    folder = settings.get("model_path")
+    pipeline = open_pipeline(
+        gpt_ckpt=settings.get("gpt_ckpt"), gpt_model=settings.get("gpt_model"), vq_ckpt=settings.get("vq_ckpt"),
+        vq_model=settings.get("vq_model", "VQ-16") if not folder else "VQ-16", t5_path=settings.get("t5_path"),
+        model_path=folder, tokenizer_path=settings.get("tokenizer_path"), drafter_ckpt=settings["drafter_ckpt"],
+        device=device, precision=settings.get("precision", "fp32"),
+        image_size=settings.get("image_size"),
+        prompts=prompts[:1] if folder and prompts else None, negative_prompt=settings.get("negative_prompt"))
+    condition = pipeline.conditions(prompts=prompts[:1]) if pipeline.takes == "prompts" else None
     sampling = SamplingConfig(**settings.get("sampling", {}))
-    costs = measure_forward_costs(model, drafter, sampling=sampling,
-                                  target_sizes=sorted({1, 2, 4, 8, 12, 16, 24, 32, 48, 64, args.max_budget + 1}))
+    costs = measure_forward_costs(pipeline.target, pipeline.drafter, sampling=sampling,
+                                  target_sizes=sorted({1, 2, 4, 8, 12, 16, 24, 32, 48, 64, args.max_budget + 1}),
+                                  cond=None if condition is None else condition.cond.to(pipeline.device),
+                                  cond_mask=None if condition is None or condition.mask is None
+                                  else condition.mask.to(pipeline.device))
     spec, curve = best_tree_for_cost(rates, costs.step_seconds, args.max_budget, args.max_depth, args.max_children)
     ar = costs.target_seconds(1)
     print("nodes  depth  expected MAL  step ms  tokens/s  est. speed-up vs AR (forwards only)")
