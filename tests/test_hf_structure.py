@@ -55,8 +55,8 @@ def families(tmp_path_factory, lumina_files):
 
 @pytest.mark.parametrize("family", ["emu3", "janus", "lumina"])
 def test_every_method_on_every_family(families, family, tmp_path, monkeypatch):
-    """Drafter-free methods, and exact SD / LANTERN at delta 0 with an EAGLE drafter sized from
-    the adapter (random weights: acceptance is rare, exactness is the point), give greedy AR's
+    """Drafter-free methods, and exact SD / LANTERN at delta 0 with an EAGLE drafter of the
+    family's own decoder layer (random weights: acceptance is rare, exactness is the point), give greedy AR's
     tokens; trees put drafts in scratch slots, so the adapters' KV compaction (Emu3's end-of-line
     companions too) is exercised. Relaxed methods, sampled, paint whole images with neighbour
     tables and groups from the family's own codebook and embeddings."""

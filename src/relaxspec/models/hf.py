@@ -1,8 +1,9 @@
 """What the transformers families (:mod:`relaxspec.models.janus`, :mod:`relaxspec.models.emu3`,
 :mod:`relaxspec.models.lumina`) share: reading a local ``save_pretrained`` folder (safetensors only,
 one-line errors), the processor, sampling defaults from ``generation_config.json``, the
-per-row-slot KV store the engine writes through their decoder layers, and forced row ends
-(:class:`RowEndTarget`).
+per-row-slot KV store the engine writes through their decoder layers (and an EAGLE drafter
+through its own layers of the family, :mod:`relaxspec.drafting.family`), forced row ends
+(:class:`RowEndTarget`), and where a target's text model is (:func:`text_model_of`).
 
 A family module exposes ``NAME`` (what users read), ``MODEL_TYPE`` (``config.json``'s
 ``model_type``), ``sampling_defaults(folder)`` and ``open_folder(folder, prompts, *, device, dtype,
@@ -214,10 +215,10 @@ class KVStore:
     speculative methods) runs on views of the first rows and slots, so no decode reallocates
     inside its timing, and an old cache is freed before a larger one is made."""
 
-    def __init__(self):
+    def __init__(self, cache_arg: str | None = None):
         self._full: list[tuple[Tensor, Tensor]] = []
         self.store: list[tuple[Tensor, Tensor]] = []  # views [rows, heads, slots, head_dim]
-        self._cache_arg: str | None = None
+        self._cache_arg = cache_arg  # the layers' cache keyword (cache_argument), found on first use if None
 
     def setup(self, text_config, rows: int, slots: int, dtype: torch.dtype, device) -> None:
         heads = text_config.num_key_value_heads or text_config.num_attention_heads
@@ -247,17 +248,75 @@ class KVStore:
         """The decoder layers and final norm of ``text_model`` over ``hidden [R, T, D]`` at
         ``position_ids``, writing ``slots [R, T]`` and attending by ``attn_mask [R, T, slots]``."""
         position_embeddings = text_model.rotary_emb(hidden, position_ids)
-        cache = SlotCache(self.store, slots)
-        mask = torch.zeros(attn_mask.shape, dtype=hidden.dtype, device=hidden.device)
-        mask = mask.masked_fill(~attn_mask, torch.finfo(hidden.dtype).min)[:, None]
-        if self._cache_arg is None:  # "cache" since transformers 5.x, "past_key_values" before
-            names = inspect.signature(text_model.layers[0].forward).parameters
-            self._cache_arg = "cache" if "cache" in names else "past_key_values"
-        for layer in text_model.layers:
-            out = layer(hidden, attention_mask=mask, position_ids=position_ids, use_cache=True, cache_position=None,
-                        position_embeddings=position_embeddings, **{self._cache_arg: cache})
-            hidden = out[0] if isinstance(out, tuple) else out
+        hidden = self.run_layers(text_model.layers, hidden, position_ids, position_embeddings, slots, attn_mask)
         return text_model.norm(hidden)
+
+    def run_layers(self, layers, hidden: Tensor, position_ids: Tensor, position_embeddings: tuple[Tensor, Tensor],
+                   slots: Tensor, attn_mask: Tensor) -> Tensor:
+        """Decoder ``layers`` (no final norm) over ``hidden [R, T, D]`` with the rotary
+        ``position_embeddings`` (cos, sin) of ``position_ids``, writing ``slots [R, T]`` and attending
+        by ``attn_mask [R, T, slots]``: what :meth:`run` does between the rotary embedding and the
+        norm, and what an EAGLE drafter built of the family's layers runs
+        (:mod:`relaxspec.drafting.family`)."""
+        cache = SlotCache(self.store, slots)
+        if self._cache_arg is None:
+            self._cache_arg = cache_argument(layers[0])
+        mask = additive_mask(attn_mask, hidden.dtype)
+        return run_decoder_layers(layers, hidden, position_ids, position_embeddings, mask, **{self._cache_arg: cache})
+
+    @property
+    def slots(self) -> int:
+        """Slots per row of the current views (0 before :meth:`setup`)."""
+        return self.store[0][0].shape[2] if self.store else 0
+
+
+def cache_argument(layer) -> str:
+    """The keyword a decoder layer takes its cache by: ``cache`` since transformers 5.x,
+    ``past_key_values`` before."""
+    return "cache" if "cache" in inspect.signature(layer.forward).parameters else "past_key_values"
+
+
+def additive_mask(attn_mask: Tensor, dtype: torch.dtype) -> Tensor:
+    """A boolean mask ``[R, T, S]`` (True = attend) as the additive ``[R, 1, T, S]`` the layers take."""
+    mask = torch.zeros(attn_mask.shape, dtype=dtype, device=attn_mask.device)
+    return mask.masked_fill(~attn_mask, torch.finfo(dtype).min)[:, None]
+
+
+def run_decoder_layers(layers, hidden: Tensor, position_ids: Tensor, position_embeddings: tuple[Tensor, Tensor],
+                       mask: Tensor, **cache) -> Tensor:
+    """transformers decoder ``layers`` in turn over ``hidden [R, T, D]`` with the additive ``mask``
+    ``[R, 1, T, S]`` and, where given, the cache keyword (:func:`cache_argument`)."""
+    for layer in layers:
+        out = layer(hidden, attention_mask=mask, position_ids=position_ids, use_cache=bool(cache), cache_position=None,
+                    position_embeddings=position_embeddings, **cache)
+        hidden = out[0] if isinstance(out, tuple) else out
+    return hidden
+
+
+def text_model_of(target):
+    """The transformers text model a transformers-family target runs (decoder ``layers``, ``norm``,
+    ``rotary_emb`` and their ``config``): the target's ``text_model`` where it names one (Emu3,
+    Lumina-mGPT), else its model's decoder (Janus: ``model.language_model``); ``None`` for any
+    other target (LlamaGen, or a model known only by the protocol)."""
+    model = getattr(target, "hf", None)
+    candidates = [getattr(target, "text_model", None)]
+    if model is not None:
+        candidates += [model.get_decoder() if hasattr(model, "get_decoder") else None,
+                       getattr(getattr(model, "model", None), "language_model", None)]
+    for text_model in candidates:
+        if text_model is not None and all(hasattr(text_model, name) for name in ("layers", "rotary_emb", "config")):
+            return text_model
+    return None
+
+
+def family_of(target) -> str | None:
+    """A transformers-family target's ``model_type`` (``config.json``'s: ``janus``, ``emu3``,
+    ``chameleon``), ``None`` for any other target."""
+    text_model = text_model_of(target)
+    if text_model is None:
+        return None
+    config = getattr(getattr(target, "hf", None), "config", None)
+    return str(getattr(config, "model_type", None) or text_model.config.model_type)
 
 
 class RowEndTarget(torch.nn.Module):

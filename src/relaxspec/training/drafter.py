@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from relaxspec.models.llamagen.checkpoints import PRECISIONS, load_gpt, load_strict, load_vq
-from relaxspec.drafting.eagle import DrafterConfig, EagleDrafter, drafter_target_config, load_drafter
+from relaxspec.drafting.eagle import LLAMAGEN, DrafterConfig, EagleDrafter, drafter_config, load_drafter
 from relaxspec.errors import RelaxspecError
 from relaxspec.models.base import TargetModel, TeacherForcedTarget
 from relaxspec.models.llamagen.vq import VQModel
@@ -616,6 +616,7 @@ def _save_checkpoint(out: Path, drafter: EagleDrafter, optimizer: torch.optim.Op
         "optimizer": optimizer.state_dict(),
         "rng": common.rng_state(),
         "config": config.to_dict(),
+        "drafter": drafter.config.to_dict(),  # what a resume rebuilds
         "history": history,
     })
 
@@ -674,7 +675,9 @@ def _open_folder(config: DrafterTrainConfig, device) -> tuple[TargetModel, tuple
 
 def train_drafter(config: DrafterTrainConfig, *, target: TeacherForcedTarget | None = None,
                   dataset: DrafterDataset | None = None, resume: bool = False) -> DrafterTrainResult:
-    """Train (or, with ``resume``, continue training) an EAGLE drafter for ``target``.
+    """Train (or, with ``resume``, continue training) an EAGLE drafter for ``target``, of its
+    family (:func:`relaxspec.drafting.eagle.drafter_config`: LlamaGen blocks, or a transformers
+    target's own decoder layers).
 
     ``target`` and ``dataset`` default to what ``config`` names (``gpt_ckpt``; ``data`` /
     ``self_samples`` / ``images``). The target is frozen in place (``eval()``, no gradients).
@@ -710,12 +713,24 @@ def train_drafter(config: DrafterTrainConfig, *, target: TeacherForcedTarget | N
     train_set, val_set = dataset.split(config.val_fraction, config.seed)
     eval_set, eval_name = (val_set, "val") if len(val_set) else (train_set, "train")
 
+    # The drafter is of the target's family (LlamaGen blocks, or a transformers target's own decoder
+    # layers); a resumed run rebuilds the one it saved (a run saved before drafters had families
+    # trained LlamaGen blocks).
+    if saved is None:
+        shape = drafter_config(target, config.n_layer)
+    elif "drafter" in saved:
+        shape = DrafterConfig(**saved["drafter"])
+    else:
+        shape = drafter_config(target, config.n_layer, family=LLAMAGEN)
     torch.manual_seed(config.seed)
-    drafter = EagleDrafter(DrafterConfig(target=drafter_target_config(target), n_layer=config.n_layer)).to(device).attach(target)
+    drafter = EagleDrafter(shape, target).to(device).attach(target)
     if config.init_from and saved is None:
         # Warm start: the drafter's own weights (fc + blocks) carry over when the target's width,
         # vocabulary and grid match; a resumed run loads its own weights below.
         start = load_drafter(config.init_from, target)
+        if start.config.family != drafter.config.family:
+            raise RelaxspecError(f"--init-from {config.init_from}: that drafter is of the {start.config.family} "
+                                 f"family, this run trains one of the {drafter.config.family} family")
         if start.config.n_layer != config.n_layer:
             raise RelaxspecError(f"--init-from {config.init_from}: that drafter has {start.config.n_layer} blocks, "
                                  f"this run trains {config.n_layer}")

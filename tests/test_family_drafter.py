@@ -1,0 +1,305 @@
+"""EAGLE drafters of the transformers families (relaxspec.drafting.family): built of the target's
+own decoder layers and rotary embedding, the same function trained and decoding, trained by
+``relaxspec train-drafter --model-path`` on each tiny family folder and lossless with it; older
+LlamaGen-block drafters still load; a drafter is refused by a target of another family or shape."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from relaxspec import methods
+from relaxspec.decoding import decode
+from relaxspec.errors import RelaxspecError
+from relaxspec.sampling import SamplingConfig
+
+pytest.importorskip("transformers", reason="the families need transformers (pip install -e '.[test]')")
+
+FAMILIES = ["emu3", "janus", "lumina"]
+MODEL_TYPES = {"emu3": "emu3", "janus": "janus", "lumina": "chameleon"}
+PROMPTS = ["a red fox", "the blue cat under the rain"]
+SCALES = {"emu3": 3.0, "janus": 5.0, "lumina": 3.0}
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    """name -> what ``open_pipeline`` takes to open the tiny family folder (tests/helpers)."""
+    from helpers import emu3, janus, lumina
+
+    root = tmp_path_factory.mktemp("families")
+    (root / "emu3").mkdir()
+    emu3.emu3_folder_at(root / "emu3")
+    (root / "janus").mkdir()
+    janus.janus_folder_at(root / "janus")
+    chameleon = lumina.lumina_folders(root / "lumina")
+    return {"emu3": {"model_path": str(root / "emu3"), "image_size": 32},
+            "janus": {"model_path": str(root / "janus")},
+            "lumina": {"model_path": str(chameleon["model_path"]), "tokenizer_path": str(chameleon["tokenizer_path"]),
+                       "image_size": lumina.IMAGE_SIZE}}
+
+
+@pytest.fixture(scope="module")
+def pipelines(folders):
+    from relaxspec.pipelines import open_pipeline
+
+    return {name: open_pipeline(prompts=PROMPTS, **folder) for name, folder in folders.items()}
+
+
+def greedy(family: str) -> SamplingConfig:
+    return SamplingConfig(cfg_scale=SCALES[family], temperature=0.0, top_k=0)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_drafter_is_built_of_the_targets_own_layers(pipelines, family):
+    """Its layers are the target's decoder-layer class from a layer config read off the target's
+    (plain JSON, dropout off), and a layer given the target's weights computes what the target's
+    layer computes at the same 1D positions: the recorded fields are all the layer reads."""
+    from relaxspec.drafting.eagle import EagleDrafter
+    from relaxspec.models import hf
+
+    target = pipelines[family].target
+    text_model = hf.text_model_of(target)
+    drafter = EagleDrafter.for_target(target, n_layer=2)
+    assert drafter.config.family == MODEL_TYPES[family]
+    assert len(drafter.layers) == 2 and all(type(layer) is type(text_model.layers[0]) for layer in drafter.layers)
+    assert json.loads(json.dumps(drafter.config.to_dict())) == drafter.config.to_dict()
+    assert drafter.layers.text_config.attention_dropout == 0.0
+    head_dim = target.config.dim // text_model.config.num_attention_heads
+    assert drafter.rope.shape == (target.config.block_size, 2, head_dim)
+
+    one = EagleDrafter.for_target(target)
+    one.layers[0].load_state_dict(text_model.layers[0].state_dict())
+    torch.manual_seed(0)
+    h = torch.randn(2, 5, target.config.dim)
+    positions = torch.tensor([[0, 1, 2, 3, 4], [7, 8, 9, 10, 11]])
+    causal = torch.ones(5, 5, dtype=torch.bool).tril()[None].expand(2, -1, -1)
+    with torch.no_grad():
+        theirs = hf.run_decoder_layers(text_model.layers[:1], h, positions, text_model.rotary_emb(h, positions),
+                                       hf.additive_mask(causal, h.dtype))
+        ours = one.layers.run(h, one.rope[positions], positions, None, None, None)
+    torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_cached_steps_compute_the_training_pass(pipelines, family):
+    """Decoding's cached forwards (a catch-up in pieces, then a draft written to a scratch slot
+    that attends by an explicit mask) give what training's single causal pass gives at every
+    pair: positions and masks mean the same in both."""
+    from relaxspec.drafting.eagle import EagleDrafter
+
+    target = pipelines[family].target
+    torch.manual_seed(1)
+    drafter = EagleDrafter.for_target(target, n_layer=2).eval()
+    rows, count = 2, 9
+    features = torch.randn(rows, count, target.config.dim)
+    tokens = torch.randint(target.config.vocab_size, (rows, count))
+    positions = torch.arange(count).expand(rows, -1)
+    with torch.no_grad():
+        whole_features, whole_logits = drafter(features, tokens, positions)
+        drafter.setup_caches(rows, 24)
+        assert drafter.cache_length == 24
+        pieces = []
+        for start, stop in ((0, 4), (4, 5), (5, 8)):
+            slots = positions[:, start:stop]
+            pieces.append(drafter(features[:, start:stop], tokens[:, start:stop], slots, cache_slots=slots)[0])
+        # pair 8 as a draft node: scratch slot 20, attending slots 0..7 and itself
+        mask = torch.zeros(rows, 1, 24, dtype=torch.bool)
+        mask[:, :, :8] = mask[:, :, 20] = True
+        draft, logits = drafter(features[:, 8:], tokens[:, 8:], positions[:, 8:], cache_slots=torch.full((rows, 1), 20),
+                                attn_mask=mask)
+        drafter.clear_caches()
+    torch.testing.assert_close(torch.cat(pieces + [draft], 1), whole_features, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(logits, whole_logits[:, 8:], atol=1e-4, rtol=1e-5)
+    assert drafter.cache_length == 0
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_train_drafter_on_a_folder_then_decode(folders, pipelines, family, tmp_path, capsys, monkeypatch):
+    """``train-drafter --model-path`` writes a drafter of the family's layers; loaded for the
+    folder it drives exact SD (chain, static and dynamic tree) and LANTERN at delta 0 to greedy
+    AR's tokens, and relaxed LANTERN, sampled, paints whole images."""
+    from relaxspec.cli import main
+    from relaxspec.pipelines import open_pipeline
+
+    monkeypatch.setenv("RELAXSPEC_CACHE", str(tmp_path / "cache"))  # LANTERN's neighbour table
+    folder = folders[family]
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(PROMPTS) + "\n")
+    out = tmp_path / "drafter"
+    extra = [arg for key in ("tokenizer_path", "image_size") if key in folder
+             for arg in (f"--{key.replace('_', '-')}", str(folder[key]))]
+    args = ["train-drafter", "--model-path", folder["model_path"], "--prompts-file", str(prompts), *extra,
+            "--self-samples", "4", "--steps", "3", "--batch-size", "2", "--out", str(out), "--no-progress"]
+    assert main(args) == 0, capsys.readouterr().err
+    saved = json.loads((out / "config.json").read_text())["config"]
+    assert saved["family"] == MODEL_TYPES[family] and saved["layer"]["config"]["num_hidden_layers"] == 1
+
+    pipeline = open_pipeline(prompts=PROMPTS, drafter_ckpt=str(out), **folder)
+    text_layer = type(pipeline.target.hf.get_decoder().layers[0]) if family == "janus" \
+        else type(pipeline.target.text_model.layers[0])
+    assert type(pipeline.drafter.layers[0]) is text_layer
+    condition = pipeline.conditions(prompts=PROMPTS)
+    ar = pipeline.generate(condition, methods.resolve("ar"), greedy(family)).tokens
+    for name, given in [("sd", {"draft": "chain", "depth": 3}), ("sd-static", {"tree": "eagle25"}), ("eagle2", {}),
+                        ("lantern", {"draft": "chain", "delta": 0.0, "k": 8})]:
+        assert torch.equal(pipeline.generate(condition, methods.resolve(name, given), greedy(family)).tokens, ar), name
+    sampled = pipeline.generate(condition, methods.resolve("lantern", {"draft": "chain", "k": 8, "delta": 0.3}),
+                                SamplingConfig(cfg_scale=SCALES[family], top_k=20),
+                                generator=torch.Generator().manual_seed(0))
+    assert [sum(a) for a in sampled.accept_lengths] == [pipeline.target.config.block_size] * len(PROMPTS)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_drafter_steps_need_no_host_sync(pipelines, family, tmp_path, monkeypatch):
+    """The family drafter adds no host sync and no host->device copy to a speculative step:
+    at most the engine's one per step, with the drafter's forwards counted."""
+    from relaxspec.bench.counting import StepCounter
+    from relaxspec.drafting.eagle import EagleDrafter
+    from relaxspec.models import hf
+
+    monkeypatch.setenv("RELAXSPEC_CACHE", str(tmp_path))
+    pipeline = pipelines[family]
+    target, layer = pipeline.target, hf.text_model_of(pipeline.target).layers[0]
+    condition = pipeline.conditions(prompts=PROMPTS)
+    torch.manual_seed(2)
+    drafter = EagleDrafter.for_target(target)
+    for name, given, sampling in [("eagle2", {}, greedy(family)),
+                                  ("lantern", {"draft": "chain", "k": 8}, SamplingConfig(cfg_scale=2.0, top_k=20))]:
+        with StepCounter(layer, drafter) as counter:
+            result = decode(target, condition.cond, sampling, methods.resolve(name, given), drafter=drafter,
+                            vq=pipeline.tokenizer, cond_mask=condition.mask, generator=torch.Generator().manual_seed(0))
+        steps = counter.steps
+        assert len(steps) == int(result.target_forwards.max()) - 2 and len(steps) >= 2
+        assert all(window.drafter_ops > 0 for window in steps)
+        for index, window in enumerate(steps, start=1):
+            assert window.syncs <= 1, f"{name} step {index}: {window.sync_sites}"
+            assert window.host_copies == 0, f"{name} step {index}"
+
+
+def test_llamagen_drafters_still_load_and_serve(pipelines, tmp_path):
+    """A drafter of LlamaGen blocks (what train-drafter made for these families before) is
+    written as before (no family field), loads as one, and stays lossless; so does the embedded
+    model's shipped drafter, whose config reads back as its file has it."""
+    from relaxspec import embedded
+    from relaxspec.drafting.eagle import LLAMAGEN, EagleDrafter, load_drafter
+    from relaxspec.models.llamagen.checkpoints import save_model
+    from relaxspec.models.llamagen.gpt import TransformerBlock
+
+    pipeline = pipelines["emu3"]
+    torch.manual_seed(3)
+    old = EagleDrafter.for_target(pipeline.target, family=LLAMAGEN)
+    save_model(old, tmp_path / "old", kind="drafter")
+    config = json.loads((tmp_path / "old" / "config.json").read_text())["config"]
+    assert sorted(config) == ["n_layer", "target"]
+    loaded = load_drafter(tmp_path / "old", pipeline.target)
+    assert loaded.config.family == LLAMAGEN and isinstance(loaded.layers[0], TransformerBlock)
+    condition = pipeline.conditions(prompts=PROMPTS)
+    ar = pipeline.generate(condition, methods.resolve("ar"), greedy("emu3")).tokens
+    result = decode(pipeline.target, condition.cond, greedy("emu3"), methods.resolve("eagle2"), drafter=loaded)
+    assert torch.equal(result.tokens, ar)
+
+    if embedded.available("drafter"):
+        _, _, shipped = embedded.load()
+        on_file = json.loads((embedded.path("drafter") / "config.json").read_text())["config"]
+        assert shipped.config.family == LLAMAGEN and shipped.config.to_dict() == on_file
+
+
+def test_mismatched_drafters_are_refused(pipelines, tmp_path):
+    """One line each: a drafter for another family, for a LlamaGen target, for another grid, of
+    a layer class the family lacks, or a family built for a target not of it."""
+    from relaxspec.drafting.eagle import EagleDrafter, load_drafter
+    from relaxspec.models.llamagen.checkpoints import save_model
+    from relaxspec.models.llamagen.gpt import GPTConfig, Transformer
+
+    def refused(call, message):
+        with pytest.raises(RelaxspecError, match=message) as caught:
+            call()
+        assert "\n" not in str(caught.value)
+
+    emu3, janus = pipelines["emu3"].target, pipelines["janus"].target
+    folder = save_model(EagleDrafter.for_target(emu3), tmp_path / "emu3", kind="drafter")
+    refused(lambda: load_drafter(folder, janus), "of the emu3 family .its target.s layers.; this target is janus")
+    gpt = Transformer(GPTConfig(dim=32, n_layer=1, n_head=4, vocab_size=48, num_classes=2, block_size=16))
+    refused(lambda: load_drafter(folder, gpt), "this target is not a transformers model")
+    refused(lambda: EagleDrafter.for_target(janus, family="emu3"), "this target is janus")
+
+    meta = json.loads((folder / "config.json").read_text())
+    for change, message in [(lambda c: c["target"].update(block_size=64), "different target"),
+                            (lambda c: c["layer"].update({"class": "NoSuchLayer"}), "NoSuchLayer"),
+                            (lambda c: c.update(colour="blue"), "unknown fields colour"),
+                            (lambda c: c.pop("layer"), "needs 'layer'")]:
+        bad = json.loads(json.dumps(meta))
+        change(bad["config"])
+        (folder / "config.json").write_text(json.dumps(bad))
+        refused(lambda: load_drafter(folder, emu3), message)
+    (folder / "config.json").write_text(json.dumps(meta))
+    assert load_drafter(folder, emu3).config.family == "emu3"
+
+
+def test_a_family_run_resumes_exactly_and_warm_starts_only_from_its_family(pipelines, tmp_path):
+    """The train state records the drafter it trains, so a resumed run rebuilds it and ends
+    where an uninterrupted one does; --init-from a LlamaGen-block drafter is refused."""
+    from relaxspec.drafting.eagle import LLAMAGEN, EagleDrafter
+    from relaxspec.models.llamagen.checkpoints import save_model
+    from relaxspec.training.drafter import DrafterDataset, DrafterTrainConfig, train_drafter
+
+    pipeline = pipelines["janus"]
+    condition = pipeline.conditions(prompts=PROMPTS)
+    tokens = pipeline.generate(condition, methods.resolve("ar"), greedy("janus")).tokens
+    dataset = DrafterDataset(tokens.repeat(2, 1), condition.cond.repeat(2, 1), condition.mask.repeat(2, 1))
+
+    def config(out, steps, **extra):
+        return DrafterTrainConfig(out=str(tmp_path / out), steps=steps, batch_size=2, lr=3e-3, warmup_steps=1,
+                                  val_fraction=0.0, progress=False, **extra)
+
+    straight = train_drafter(config("a", 4), target=pipeline.target, dataset=dataset)
+    assert straight.drafter.config.family == "janus"
+    train_drafter(config("b", 2), target=pipeline.target, dataset=dataset)
+    resumed = train_drafter(config("b", 4), target=pipeline.target, dataset=dataset, resume=True)
+    for name, value in straight.drafter.state_dict().items():
+        assert torch.equal(value, resumed.drafter.state_dict()[name]), name
+
+    save_model(EagleDrafter.for_target(pipeline.target, family=LLAMAGEN), tmp_path / "old", kind="drafter")
+    with pytest.raises(RelaxspecError, match="of the llamagen family, this run trains one of the janus family"):
+        train_drafter(config("c", 0, init_from=str(tmp_path / "old")), target=pipeline.target, dataset=dataset)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_compiled_drafter_step_has_no_graph_breaks(pipelines, family):
+    """What ``--compile`` compiles for the drafter (``drafter_step``) is one graph for a catch-up
+    (default mask) and for a tree level (explicit mask)."""
+    from relaxspec.drafting.eagle import EagleDrafter
+    from relaxspec.drafting.eagle_source import drafter_step
+
+    target = pipelines[family].target
+    drafter = EagleDrafter.for_target(target)
+    rows, count = 2, 3
+    drafter.setup_caches(2 * rows, 24)
+    features = torch.randn(2 * rows, count, target.config.dim)
+    tokens = torch.randint(target.config.vocab_size, (rows, count))
+    slots = 4 + torch.arange(count).expand(rows, -1)
+    mask = torch.ones(rows, count, 24, dtype=torch.bool).tril(4)
+    for given in (None, mask):
+        report = torch._dynamo.explain(drafter_step)(drafter, features, tokens, slots, slots, given, greedy(family), 2)
+        assert report.graph_break_count == 0, report.break_reasons
+        assert report.graph_count == 1
+    drafter.clear_caches()
+
+
+@pytest.mark.slow
+def test_compiled_decoding_commits_the_eager_tokens(pipelines):
+    """``--compile`` with a family drafter (~25 s of compiling on this CPU: one family, a chain):
+    exact SD still commits greedy AR's tokens."""
+    from relaxspec.drafting.eagle import EagleDrafter
+
+    pipeline = pipelines["emu3"]
+    condition = pipeline.conditions(prompts=PROMPTS)
+    torch.manual_seed(4)
+    drafter = EagleDrafter.for_target(pipeline.target)
+    ar = pipeline.generate(condition, methods.resolve("ar"), greedy("emu3")).tokens
+    compiled = decode(pipeline.target, condition.cond, greedy("emu3"),
+                      methods.resolve("sd", {"draft": "chain", "depth": 3, "compile": True}), drafter=drafter)
+    assert torch.equal(compiled.tokens, ar)
