@@ -157,8 +157,8 @@ def command_condition(args: argparse.Namespace, pipeline, prompts: list[str]) ->
                          "--prompts-file FILE")
 
 
-def cmd_generate(args: argparse.Namespace) -> int:
-    wall = time.perf_counter()
+def check_inputs(args: argparse.Namespace) -> list[str]:
+    """Everything that can be checked before a model loads (one line each); returns the prompts."""
     if args.image_size is not None:
         check_at_least("image size", args.image_size, 1)
     check_at_least("batch size", args.batch_size, 1)
@@ -193,6 +193,33 @@ def cmd_generate(args: argparse.Namespace) -> int:
                         early.get("presets"))
     else:
         methods.resolve(args.method or "ar", given_settings(args))
+    return prompts
+
+
+def run_settings(args: argparse.Namespace, pipeline, options, sampling, condition: Condition) -> dict:
+    """What stats.json records and the resume check compares: the model's identity, the images,
+    sampling, the method's settings (only those it reads), seeding, and the files read."""
+    drafter_path = pipeline.drafter_path if options.needs_drafter else None  # not read, so not recorded
+    files = {**pipeline.files, "drafter_ckpt": drafter_path, "caption_features": args.caption_features,
+             "caption_mask": args.caption_mask, "t5_path": args.t5_path, "prompts_file": args.prompts_file}
+    settings = {
+        **pipeline.identity,
+        "image_size": pipeline.image_size, "image_tokens": pipeline.image_tokens, **condition.settings,
+        "sampling": sampling.to_dict(), "method": options.to_dict(),
+        "drafter_ckpt": None if drafter_path is None else str(Path(drafter_path).resolve()),
+        "seed": args.seed, "seeding": "batch b: torch.Generator().manual_seed(seed * 1000003 + b)",
+        "batch_size": args.batch_size, "precision": args.precision, "device": str(pipeline.device),
+        "files": {key: file_identity(path) for key, path in files.items() if path},
+    }
+    if args.upscale != 1:  # recorded only when used, so runs from before the flag still resume
+        settings["upscale"] = args.upscale
+    return settings
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    wall = time.perf_counter()
+    prompts = check_inputs(args)
+    out = Path(args.out)
     pipeline = open_from_args(args, prompts=prompts if args.model_path is not None and prompts else None)
     sampling = pipeline.sampling(cfg_scale=args.cfg_scale, temperature=args.temperature, top_k=args.top_k,
                                  top_p=args.top_p)
@@ -203,26 +230,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise RelaxspecError("--drafter-ckpt is required: this method drafts with an EAGLE drafter trained for the "
                              "target (train one with relaxspec train-drafter)")
     condition = command_condition(args, pipeline, prompts)
-    image_size = pipeline.image_size
-    check_upscale(args.upscale, image_size)
-    model, device = pipeline.target, pipeline.device
-    drafter_path = pipeline.drafter_path if options.needs_drafter else None  # not read, so not recorded
-
-    files = {**pipeline.files, "drafter_ckpt": drafter_path, "caption_features": args.caption_features,
-             "caption_mask": args.caption_mask, "t5_path": args.t5_path, "prompts_file": args.prompts_file}
-    settings = {
-        **pipeline.identity,
-        "image_size": image_size, "image_tokens": model.config.block_size, **condition.settings,
-        "sampling": sampling.to_dict(), "method": options.to_dict(),
-        "drafter_ckpt": None if drafter_path is None else str(Path(drafter_path).resolve()),
-        "seed": args.seed, "seeding": "batch b: torch.Generator().manual_seed(seed * 1000003 + b)",
-        "batch_size": args.batch_size, "precision": args.precision, "device": str(device),
-        "files": {key: file_identity(path) for key, path in files.items() if path},
-    }
-    if args.upscale != 1:  # recorded only when used, so runs from before the flag still resume
-        settings["upscale"] = args.upscale
+    check_upscale(args.upscale, pipeline.image_size)
+    device = pipeline.device
+    settings = run_settings(args, pipeline, options, sampling, condition)
     settings_hash = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
-    num_images, num_tokens = len(condition), model.config.block_size
+    num_images, num_tokens = len(condition), pipeline.image_tokens
     out.mkdir(parents=True, exist_ok=True)
     records, tokens, old_counts = previous_run(out, settings, settings_hash, num_images, num_tokens, args.overwrite)
     batch_counts = kept_batch_counts(old_counts, records, args.batch_size, num_images)
@@ -277,25 +289,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     write_grid(out, [records[i]["file"] for i in range(min(num_images, args.grid_max))])
     done = [records[i] for i in range(num_images)]
-    forwards = sum(r["target_forwards"] for r in done)
-    tv_sums = [record_tv_sum(r) for r in done]
-    recorded = not any(math.isnan(v) for v in tv_sums)  # --no-tv-record: no certificate
-    stats.update(complete=True, images=done, totals={
-        "images": num_images, "generated_this_run": generated,
-        "seconds": sum(r["seconds"] for r in done),
-        "seconds_per_image": sum(r["seconds"] for r in done) / num_images,
-        "vq_seconds_per_image": sum(r["vq_seconds"] for r in done) / num_images,
-        # where the decoding time went (records of runs before forwards were timed count as 0)
-        **{f"{part}_share": sum(r.get(f"{part}_seconds", 0.0) for r in done) / max(sum(r["seconds"] for r in done), 1e-12)
-           for part in ("target_forward", "drafter_forward")},
-        "target_forwards_per_image": forwards / num_images,
-        "mean_accepted_length": num_images * num_tokens / forwards,
-        # the certificate: min(1, mean of the per-image sums), never a mean of capped values
-        "tv_sum_mean": sum(tv_sums) / num_images if recorded else None,
-        "tv_per_token_mean": sum(tv_sums) / (num_images * num_tokens) if recorded else None,
-        "tv_certified": certified_tv(tv_sums) if recorded else None,
-        "load_seconds": load_seconds, "wall_seconds_this_run": time.perf_counter() - wall,
-    })
+    stats.update(complete=True, images=done, totals=run_totals(done, num_tokens, generated))
+    stats["totals"].update(load_seconds=load_seconds, wall_seconds_this_run=time.perf_counter() - wall)
     write_atomic(out / TOKENS_FILE, lambda path: np.save(path, tokens))
     write_json(out / STATS_FILE, stats)
     totals = stats["totals"]
@@ -303,6 +298,30 @@ def cmd_generate(args: argparse.Namespace) -> int:
           f"{totals['seconds_per_image']:.2f} s/image, {totals['target_forwards_per_image']:.1f} target forwards/image, "
           f"MAL {totals['mean_accepted_length']:.2f}")
     return 0
+
+
+def run_totals(done: list[dict], num_tokens: int, generated: int) -> dict:
+    """stats.json's totals over the finished images' records: times and where they went, target
+    forwards, MAL, and the TV certificate (``min(1, mean of the per-image sums)``, never a mean of
+    capped values; none when the record was off)."""
+    num_images = len(done)
+    forwards = sum(r["target_forwards"] for r in done)
+    seconds = sum(r["seconds"] for r in done)
+    tv_sums = [record_tv_sum(r) for r in done]
+    recorded = not any(math.isnan(v) for v in tv_sums)  # --no-tv-record: no certificate
+    return {
+        "images": num_images, "generated_this_run": generated,
+        "seconds": seconds, "seconds_per_image": seconds / num_images,
+        "vq_seconds_per_image": sum(r["vq_seconds"] for r in done) / num_images,
+        # where the decoding time went (records of runs before forwards were timed count as 0)
+        **{f"{part}_share": sum(r.get(f"{part}_seconds", 0.0) for r in done) / max(seconds, 1e-12)
+           for part in ("target_forward", "drafter_forward")},
+        "target_forwards_per_image": forwards / num_images,
+        "mean_accepted_length": num_images * num_tokens / forwards,
+        "tv_sum_mean": sum(tv_sums) / num_images if recorded else None,
+        "tv_per_token_mean": sum(tv_sums) / (num_images * num_tokens) if recorded else None,
+        "tv_certified": certified_tv(tv_sums) if recorded else None,
+    }
 
 
 def kept_batch_counts(old: dict, records: dict[int, dict], batch_size: int, num_images: int) -> dict[str, dict]:
