@@ -149,6 +149,14 @@ def test_train_drafter_on_a_folder_then_decode(folders, pipelines, family, tmp_p
                                 SamplingConfig(cfg_scale=SCALES[family], top_k=20),
                                 generator=torch.Generator().manual_seed(0))
     assert [sum(a) for a in sampled.accept_lengths] == [pipeline.target.config.block_size] * len(PROMPTS)
+    # build-tree --budget auto reopens such a run's model through the pipelines and times it here.
+    run = tmp_path / "run"
+    prompts_args = [arg for p in PROMPTS for arg in ("--prompt", p)]
+    assert main(["generate", "--model-path", folder["model_path"], *extra, *prompts_args, "--drafter-ckpt", str(out),
+                 "--method", "sd", "--draft", "static", "--tree", "probe3x3", "--no-progress", "--out", str(run)]) == 0
+    assert main(["build-tree", "--stats", str(run / "stats.json"), "--budget", "auto", "--max-budget", "4",
+                 "--threads", "1", "--out", str(tmp_path / "tree.json")]) == 0, capsys.readouterr().err
+    assert json.loads((tmp_path / "tree.json").read_text())["costs"]["target_seconds"]
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -213,6 +213,10 @@ def run_settings(args: argparse.Namespace, pipeline, options, sampling, conditio
     }
     if args.upscale != 1:  # recorded only when used, so runs from before the flag still resume
         settings["upscale"] = args.upscale
+    if args.model_path is not None and args.image_size is not None:
+        # A folder family reads --image-size its own way (Emu3: the processor's image area), so the
+        # flag as given is what reopens this run's model (build-tree --budget auto).
+        settings["image_size_given"] = args.image_size
     return settings
 
 

@@ -156,7 +156,7 @@ def _tree_for_this_machine(args: argparse.Namespace, rates: torch.Tensor):
         vq_model=settings.get("vq_model", "VQ-16") if not folder else "VQ-16", t5_path=settings.get("t5_path"),
         model_path=folder, tokenizer_path=settings.get("tokenizer_path"), drafter_ckpt=settings["drafter_ckpt"],
         device=device, precision=settings.get("precision", "fp32"),
-        image_size=settings.get("image_size"),
+        image_size=settings.get("image_size_given") if folder else settings.get("image_size"),
         prompts=prompts[:1] if folder and prompts else None, negative_prompt=settings.get("negative_prompt"))
     condition = pipeline.conditions(prompts=prompts[:1]) if pipeline.takes == "prompts" else None
     sampling = SamplingConfig(**settings.get("sampling", {}))
