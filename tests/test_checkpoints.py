@@ -206,6 +206,7 @@ def test_own_format_round_trip(tiny_gpt, tiny_vq, tmp_path):
     torch.testing.assert_close(logits_of(load_gpt(single, config=tiny_gpt.config)), logits_of(tiny_gpt), atol=0, rtol=0)
 
 
+@pytest.mark.slow
 def test_vq16_official_layout_loads(tmp_path):
     torch.manual_seed(0)
     source = VQModel(VQ_CONFIGS["VQ-16"]).eval()

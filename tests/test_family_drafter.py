@@ -115,6 +115,7 @@ def test_cached_steps_compute_the_training_pass(pipelines, family):
     assert drafter.cache_length == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_train_drafter_on_a_folder_then_decode(folders, pipelines, family, tmp_path, capsys, monkeypatch):
     """``train-drafter --model-path`` writes a drafter of the family's layers; loaded for the

@@ -30,6 +30,7 @@ def folder_args(files) -> list[str]:
             "--image-size", str(lf.IMAGE_SIZE)]
 
 
+@pytest.mark.slow
 def test_generate_writes_codes_and_official_pixels_and_the_api_agrees(files, tmp_path, capsys):
     """Greedy AR and SJD from the command give the same codes (row-major, no new lines); the PNGs
     are the official pixel conversion of those codes; relaxspec.generate gives the same tokens."""
@@ -62,6 +63,7 @@ def test_generate_writes_codes_and_official_pixels_and_the_api_agrees(files, tmp
     assert np.array_equal(np.asarray(images[0]), pixels[0])
 
 
+@pytest.mark.slow
 def test_bench_and_eval_take_a_lumina_folder(files, tmp_path, capsys):
     code = main(["bench", *folder_args(files), "--prompt", PROMPTS[0], "--num-images", "2", "--methods", "ar,sjd,gsd",
                  "--no-plots", "--no-progress", "--warmup", "0", "--out", str(tmp_path / "bench")])
