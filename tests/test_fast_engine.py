@@ -84,6 +84,26 @@ def test_the_counter_sees_every_kind_of_sync():
     assert not is_sync("repeat_interleave", (x, torch.tensor([1] * 6)), {"output_size": 6})
 
 
+def test_the_counter_sees_a_tensor_made_on_the_host():
+    """Issue 22: the counter treated every tensor as a device tensor, so ``torch.arange(batch)``
+    without ``device=`` indexing device tensors (a pageable copy and a stream sync on a GPU, twice
+    per step in the EAGLE source) went unseen. A factory without ``device=`` makes a host tensor;
+    using one with device tensors is a copy, moving it with ``.to`` is one copy, what ops make of
+    host tensors alone stays on the host."""
+    model = torch.nn.Linear(2, 2)
+    with StepCounter(model) as counter:
+        on_device = torch.zeros(4, 3, device="cpu")
+        on_device[torch.arange(2, device=on_device.device)]  # made on the device: no copy
+        rows = torch.arange(2)
+        on_device[rows]  # 1
+        on_device[rows + 1]  # 1: still a host tensor
+        moved = torch.arange(2).to(on_device.device)  # 1
+        on_device[moved], on_device * 2  # none
+    window = counter.windows[0]
+    assert window.host_copies == 3, window.copy_sites
+    assert [site.split(" at ")[0] for site in window.copy_sites] == ["__getitem__", "__getitem__", "to"]
+
+
 @pytest.mark.parametrize("temperature", [1.0, 0.0])
 @pytest.mark.parametrize("name", list(METHODS))
 def test_host_syncs_per_step(pair, name, temperature, tmp_path, monkeypatch):

@@ -130,7 +130,8 @@ class LanternRule(AcceptanceRule):
         self.lam = None if lam is None else float(lam)
         self.delta_schedule = delta_schedule
         self.residual_kind: ResidualKind = residual
-        self._tables: dict[torch.device, Tensor] = {table.device: table}
+        self._host_table = table  # moved to each device once (prepare), never indexed on the host
+        self._tables: dict[torch.device, Tensor] = {}
         self._schedules: dict[torch.device, Tensor] = {}
 
     # ------------------------------------------------------------------ helpers
@@ -147,7 +148,7 @@ class LanternRule(AcceptanceRule):
 
     def _table(self, device: torch.device) -> Tensor:
         if device not in self._tables:
-            self._tables[device] = next(iter(self._tables.values())).to(device)
+            self._tables[device] = self._host_table.to(device)
         return self._tables[device]
 
     def prepare(self, device: torch.device) -> None:

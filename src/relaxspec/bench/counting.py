@@ -13,7 +13,11 @@ that would make the host wait for the device counts as a **sync** wherever it ru
 * ``torch.multinomial`` (it reads its input's validity back on CUDA).
 
 Building a tensor from host data (``torch.tensor``, ``as_tensor``, ``from_numpy``) counts as a
-**host->device copy**. Every other call is an **op** (metadata queries such as ``size`` or
+**host->device copy**. So does every use, next to other tensors, of a tensor a factory made
+without ``device=`` (``torch.arange(n)``, ``torch.zeros(...)``): on an accelerator that tensor
+lives on the host, and indexing or combining device tensors with it is a pageable copy and a
+stream sync. Such a tensor is tracked as a *host* tensor, and so is what ops make of host
+tensors alone; ``.to(device)`` of one counts one copy. Every other call is an **op** (metadata queries such as ``size`` or
 ``dim`` excepted), attributed to the target's forward, the drafter's forward or the engine.
 
 Calls are grouped into **windows** that each start when the target model's forward is entered:
@@ -25,6 +29,7 @@ lands in the last window.
 from __future__ import annotations
 
 import traceback
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -36,10 +41,31 @@ SYNC_CALLS = frozenset({
     "multinomial", "equal", "allclose",
 })
 HOST_DATA_CALLS = frozenset({"tensor", "as_tensor", "from_numpy"})
+#: Factories that make a tensor on the default device (the host) unless given ``device=``.
+HOST_FACTORIES = frozenset({"arange", "zeros", "ones", "full", "empty", "eye", "linspace", "logspace", "rand",
+                            "randn", "randint", "randperm", "tril_indices", "triu_indices"})
 METADATA_CALLS = frozenset({
     "__get__", "size", "dim", "numel", "__len__", "stride", "is_floating_point", "is_complex", "data_ptr",
     "element_size", "is_contiguous", "storage_offset", "get_device", "__hash__",
 })
+
+
+def _tensors(values) -> list[torch.Tensor]:
+    """The tensors among ``values``, one level into tuples and lists (indices, shapes)."""
+    found = []
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            found.append(value)
+        elif isinstance(value, (tuple, list)):
+            found.extend(v for v in value if isinstance(v, torch.Tensor))
+    return found
+
+
+def _site(name: str) -> str:
+    """``name at relaxspec/<file>:<line>``: the innermost relaxspec frame that made the call."""
+    frame = next((f for f in reversed(traceback.extract_stack()[:-2]) if "relaxspec" in f.filename
+                  and "counting.py" not in f.filename), None)
+    return f"{name} at {frame.filename.split('src/')[-1]}:{frame.lineno}" if frame else name
 
 
 def _name(func) -> str:
@@ -70,6 +96,7 @@ class Window:
     drafter_ops: int = 0
     engine_ops: int = 0
     sync_sites: list[str] = field(default_factory=list)
+    copy_sites: list[str] = field(default_factory=list)
 
 
 class StepCounter(TorchFunctionMode):
@@ -82,6 +109,7 @@ class StepCounter(TorchFunctionMode):
     def __init__(self, model: torch.nn.Module, drafter: torch.nn.Module | None = None, sites: bool = True):
         super().__init__()
         self.windows: list[Window] = [Window()]
+        self._host: dict[int, weakref.ref] = {}  # tensors made on the host, by id (see the module docstring)
         self.sites = sites
         self._in_target = self._in_drafter = 0
         self._hooks = []
@@ -118,9 +146,7 @@ class StepCounter(TorchFunctionMode):
         if is_sync(name, args, kwargs):
             window.syncs += 1
             if self.sites:
-                frame = next((f for f in reversed(traceback.extract_stack()[:-1]) if "relaxspec" in f.filename
-                              and "counting.py" not in f.filename), None)
-                window.sync_sites.append(f"{name} at {frame.filename.split('src/')[-1]}:{frame.lineno}" if frame else name)
+                window.sync_sites.append(_site(name))
         elif name in HOST_DATA_CALLS:
             window.host_copies += 1
         elif name not in METADATA_CALLS:
@@ -130,7 +156,47 @@ class StepCounter(TorchFunctionMode):
                 window.drafter_ops += 1
             else:
                 window.engine_ops += 1
-        return func(*args, **kwargs)
+        result = func(*args, **kwargs)
+        if name not in METADATA_CALLS and name not in HOST_DATA_CALLS:
+            self._track_host(name, args, kwargs, result, window)
+        return result
+
+    # ------------------------------------------------------------------ host tensors
+    def _is_host(self, tensor: torch.Tensor) -> bool:
+        ref = self._host.get(id(tensor))
+        return ref is not None and ref() is tensor
+
+    def _mark_host(self, value) -> None:
+        if isinstance(value, torch.Tensor):
+            ident = id(value)
+            self._host[ident] = weakref.ref(value, lambda _, ident=ident: self._host.pop(ident, None))
+
+    def _track_host(self, name: str, args, kwargs, result, window: Window) -> None:
+        """Host tensors: made by a factory without ``device=``, or by ops on host tensors alone;
+        one mixed into a call with device tensors, or moved with ``.to``, is a host->device copy."""
+        if name in HOST_FACTORIES:
+            if "device" not in kwargs:
+                self._mark_host(result)
+            return
+        tensors = [t for t in _tensors(args) + _tensors(tuple(kwargs.values()))]
+        if not tensors:
+            return
+        host = [t for t in tensors if self._is_host(t)]
+        if not host:
+            return
+        if name in ("to", "cuda"):  # moved to the device: one copy, and the result is a device tensor
+            window.host_copies += 1
+            if self.sites:
+                window.copy_sites.append(_site(name))
+            self._host.pop(id(result), None)
+            return
+        if len(host) < len(tensors):
+            window.host_copies += len(host)
+            if self.sites:
+                window.copy_sites.append(_site(name))
+            return
+        for out in _tensors(result if isinstance(result, (tuple, list)) else (result,)):
+            self._mark_host(out)
 
     # ------------------------------------------------------------------ summaries
     @property

@@ -51,6 +51,9 @@ class EagleSource:
         was drawn from ``first_probs [B, V]`` and the hidden state that predicted it
         ``first_hidden [S*B, 1, d]``. Feeds pair 0 so the first proposal has its root law."""
         self.batch, self.streams = first_tokens.shape[0], streams
+        # Row indices made once on the device: an index made on the host is a copy and a sync per step.
+        self._image_rows = torch.arange(self.batch, device=first_tokens.device)
+        self._stream_rows = torch.arange(self.batch * streams, device=first_tokens.device)
         self.drafter.setup_caches(self.batch * streams, num_tokens + self.structure.drafter_slots + 1)
         self.cache_length = self.drafter.cache_length
         device = first_tokens.device
@@ -85,8 +88,8 @@ class EagleSource:
         slots = first[:, None] + torch.arange(width, device=first.device)
         feats, q = self.expand(features, tokens, slots, slots, None)
         last = (count - 1).clamp(min=0)
-        self.root_q = q[torch.arange(self.batch), last]
-        self.root_feature = feats[torch.arange(feats.shape[0]), self.rows(last)]
+        self.root_q = q[self._image_rows, last]
+        self.root_feature = feats[self._stream_rows, self.rows(last)]
 
     def propose(self, roots: torch.Tensor, root_index: torch.Tensor, generator, greedy: bool) -> DraftTree:
         return self.structure.draft(self, roots, root_index, generator, greedy)
