@@ -6,6 +6,7 @@ import json
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 from relaxspec import embedded
@@ -73,3 +74,29 @@ def test_cool_with_every_weight_below_one_is_greedy_ar(tmp_path) -> None:
 
 def target_class(name: str) -> int:
     return embedded.load(with_drafter=False)[0].class_names.index(name)
+
+
+@pytest.mark.slow  # the counter sees every torch call: 40 s for the nine
+@pytest.mark.parametrize("name", ["sd", "eagle2", "lantern", "lantern++", "cool", "sjd", "scd", "gsd", "ar"])
+def test_a_decode_reads_the_device_about_once_per_step_set_up_included(name):
+    """Issue 22: per-decode set-up (tree tables, neighbour tables and their checks, weight
+    schedules) is kept per (model, shape, device) across decodes and the results are read in one
+    copy, so a decode of 64-token images reads the device at most 1.1 times per step, set-up and
+    read-out included; AR reads once per image; no step copies host data to the device."""
+    from relaxspec.bench.counting import StepCounter
+    from relaxspec.pipelines import open_pipeline
+
+    pipeline = open_pipeline()
+    condition = pipeline.conditions(classes="heart,time")
+    options = pipeline.method(name)
+    pipeline.generate(condition, options, generator=torch.Generator().manual_seed(0))  # the set-up, once
+    with StepCounter(pipeline.target, pipeline.drafter) as counter:
+        result = pipeline.generate(condition, options, generator=torch.Generator().manual_seed(1))
+    reads = sum(window.syncs for window in counter.windows)
+    steps = int(result.target_forwards.max()) - 1
+    assert pipeline.image_tokens == 64
+    if name == "ar":
+        assert reads == 1 and all(window.syncs == 0 for window in counter.steps)
+    else:
+        assert reads / steps <= 1.1, [window.sync_sites for window in counter.windows if window.syncs]
+    assert sum(window.host_copies for window in counter.windows) == 0, [w.copy_sites for w in counter.windows]

@@ -75,7 +75,7 @@ def test_the_counter_sees_every_kind_of_sync():
         x.sum().item(), x.tolist(), bool(x.any()), int(x[0]), float(x[1]), x.nonzero(), x.cpu()
         x[x > 2], torch.multinomial(x + 1, 1), x.unique(), range(x[2].long()), torch.where(x > 2)
         x * 2, torch.where(x > 1, x, 0), x.argmax()
-        torch.tensor([1, 2])
+        torch.tensor([1, 2], device="cpu")  # host data sent to the device
     window = counter.windows[0]
     assert window.syncs == 12
     assert window.host_copies == 1

@@ -26,6 +26,12 @@ class PerObject:
         self._entries: dict[int, tuple[weakref.ref, dict[Hashable, Any]]] = {}
 
     def get(self, owner: object, key: Hashable, build: Callable[[], Any]) -> Any:
+        """``build()``'s value for ``owner`` and ``key``, built once while ``owner`` lives (an
+        owner that cannot be weakly referenced is never cached: ``build()`` every time)."""
+        try:
+            weakref.ref(owner)
+        except TypeError:
+            return build()
         ident = id(owner)
         entry = self._entries.get(ident)
         if entry is None or entry[0]() is not owner:

@@ -77,7 +77,7 @@ class GroupRule(AcceptanceRule):
     def prepare(self, device: torch.device) -> None:
         """Move the tables to ``device`` and build the closeness table there (once)."""
         self.embeddings = self.embeddings.to(device)
-        self.offsets = self.offsets.to(device)
+        self.offsets = torch.arange(-self.ranks, max(self.ranks, 1), device=device)  # made there: no copy
         self.close_table(device)
 
     def close_table(self, device: torch.device) -> Tensor:

@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 
 from relaxspec.acceptance.base import AcceptanceRule, as_depth, gather_at, normalise
+from relaxspec.caching import PerObject
 from relaxspec.errors import RelaxspecError
 
 # S_j is a float cumulative sum of float32 probabilities; a prefix whose exact sum equals the
@@ -43,6 +44,26 @@ PREFIX_RTOL = 1e-7
 LAW_CHUNK_ELEMENTS = 1 << 22
 
 ResidualKind = Literal["relaxed", "plain"]
+
+
+#: Neighbour tables checked and moved to a device, per live table object (see LanternRule).
+_PREPARED = PerObject(kept=4)
+
+
+def _checked_table(neighbours: Tensor, k: int, vocab: int) -> Tensor:
+    """The first ``k`` columns as an int64 host table, refused when they are not a neighbour table."""
+    table = neighbours[:, :k].to(dtype=torch.long, device="cpu").contiguous()
+    if table.numel():
+        if int(table.min()) < 0 or int(table.max()) >= vocab:
+            raise RelaxspecError(f"The neighbour table holds ids outside [0, {vocab}).")
+        # The table excludes each code itself: x's own mass is already in p~(x), and a
+        # self-entry would double-count it (and break the scatter that builds p~_x).
+        if bool((table == torch.arange(vocab).unsqueeze(1)).any()):
+            raise RelaxspecError("The neighbour table must exclude each code itself (row c must not contain c).")
+        ordered = table.sort(dim=1).values
+        if bool((ordered[:, 1:] == ordered[:, :-1]).any()):
+            raise RelaxspecError("The neighbour table has a repeated code in a row.")
+    return table
 
 
 def merged_prefix(neighbour_probs: Tensor, budget: Tensor) -> Tensor:
@@ -112,17 +133,10 @@ class LanternRule(AcceptanceRule):
         if residual not in ("relaxed", "plain"):
             raise RelaxspecError(f"LANTERN residual must be 'relaxed' or 'plain', got {residual!r}.")
 
-        table = neighbours[:, :k].to(dtype=torch.long, device="cpu").contiguous()
-        if table.numel():
-            if int(table.min()) < 0 or int(table.max()) >= vocab:
-                raise RelaxspecError(f"The neighbour table holds ids outside [0, {vocab}).")
-            # The table excludes each code itself: x's own mass is already in p~(x), and a
-            # self-entry would double-count it (and break the scatter that builds p~_x).
-            if bool((table == torch.arange(vocab).unsqueeze(1)).any()):
-                raise RelaxspecError("The neighbour table must exclude each code itself (row c must not contain c).")
-            ordered = table.sort(dim=1).values
-            if bool((ordered[:, 1:] == ordered[:, :-1]).any()):
-                raise RelaxspecError("The neighbour table has a repeated code in a row.")
+        # Checked once per table object and k (the methods' cache hands every decode of a model
+        # the same table): the checks read the table.
+        self._source, self._key = neighbours, (k, neighbours._version)
+        table = _PREPARED.get(neighbours, self._key, lambda: _checked_table(neighbours, k, vocab))
 
         self.vocab = vocab
         self.k = k
@@ -147,8 +161,9 @@ class LanternRule(AcceptanceRule):
         return all(b == 0.0 for b in self.delta_schedule)
 
     def _table(self, device: torch.device) -> Tensor:
-        if device not in self._tables:
-            self._tables[device] = self._host_table.to(device)
+        if device not in self._tables:  # one copy per table and device, kept across decodes
+            self._tables[device] = _PREPARED.get(self._source, (*self._key, str(device)),
+                                                 lambda: self._host_table.to(device))
         return self._tables[device]
 
     def prepare(self, device: torch.device) -> None:

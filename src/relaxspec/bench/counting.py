@@ -12,12 +12,14 @@ that would make the host wait for the device counts as a **sync** wherever it ru
   ``masked_select``, boolean-mask indexing, ``repeat_interleave`` without ``output_size``;
 * ``torch.multinomial`` (it reads its input's validity back on CUDA).
 
-Building a tensor from host data (``torch.tensor``, ``as_tensor``, ``from_numpy``) counts as a
-**host->device copy**. So does every use, next to other tensors, of a tensor a factory made
-without ``device=`` (``torch.arange(n)``, ``torch.zeros(...)``): on an accelerator that tensor
-lives on the host, and indexing or combining device tensors with it is a pageable copy and a
-stream sync. Such a tensor is tracked as a *host* tensor, and so is what ops make of host
-tensors alone; ``.to(device)`` of one counts one copy. Every other call is an **op** (metadata queries such as ``size`` or
+A read of tensors made on the host (below) is host work, not a sync.
+
+A tensor made without ``device=`` -- by a factory (``torch.arange(n)``, ``torch.zeros(...)``)
+or from host data (``torch.tensor``, ``as_tensor``, ``from_numpy``) -- lives on the host on an
+accelerator, and so does a ``.cpu()`` copy and what ops make of host tensors alone. Every use of
+a host tensor next to device tensors counts as a **host->device copy** (indexing or combining
+device tensors with it is a pageable copy and a stream sync), and so do ``.to(device)`` of one
+and host data given ``device=``. Every other call is an **op** (metadata queries such as ``size`` or
 ``dim`` excepted), attributed to the target's forward, the drafter's forward or the engine.
 
 Calls are grouped into **windows** that each start when the target model's forward is entered:
@@ -143,12 +145,13 @@ class StepCounter(TorchFunctionMode):
         kwargs = kwargs or {}
         name = _name(func)
         window = self.windows[-1]
-        if is_sync(name, args, kwargs):
+        if is_sync(name, args, kwargs) and not self._on_host(args):
             window.syncs += 1
             if self.sites:
                 window.sync_sites.append(_site(name))
         elif name in HOST_DATA_CALLS:
-            window.host_copies += 1
+            if "device" in kwargs:  # host data sent to the device at once
+                window.host_copies += 1
         elif name not in METADATA_CALLS:
             if self._in_target:
                 window.target_ops += 1
@@ -157,11 +160,20 @@ class StepCounter(TorchFunctionMode):
             else:
                 window.engine_ops += 1
         result = func(*args, **kwargs)
-        if name not in METADATA_CALLS and name not in HOST_DATA_CALLS:
+        if name in ("cpu", "numpy") and isinstance(result, torch.Tensor) and args and result is args[0]:
+            # On this machine .cpu() hands back the tensor itself; on an accelerator it is a new
+            # host tensor, which only the copy must stand for.
+            result = result.view_as(result)
+        if name not in METADATA_CALLS:
             self._track_host(name, args, kwargs, result, window)
         return result
 
     # ------------------------------------------------------------------ host tensors
+    def _on_host(self, args) -> bool:
+        """A read of host tensors alone (set-up work on the host) makes nothing wait for the device."""
+        tensors = _tensors(args)
+        return bool(tensors) and all(self._is_host(t) for t in tensors)
+
     def _is_host(self, tensor: torch.Tensor) -> bool:
         ref = self._host.get(id(tensor))
         return ref is not None and ref() is tensor
@@ -174,9 +186,12 @@ class StepCounter(TorchFunctionMode):
     def _track_host(self, name: str, args, kwargs, result, window: Window) -> None:
         """Host tensors: made by a factory without ``device=``, or by ops on host tensors alone;
         one mixed into a call with device tensors, or moved with ``.to``, is a host->device copy."""
-        if name in HOST_FACTORIES:
+        if name in HOST_FACTORIES or name in HOST_DATA_CALLS:
             if "device" not in kwargs:
                 self._mark_host(result)
+            return
+        if name in ("cpu", "numpy"):  # a copy to the host: what follows is host work
+            self._mark_host(result)
             return
         tensors = [t for t in _tensors(args) + _tensors(tuple(kwargs.values()))]
         if not tensors:

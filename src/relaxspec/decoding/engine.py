@@ -141,17 +141,21 @@ def generate_speculative(model, cond, sampling: SamplingConfig, options: MethodO
         target.close()
         source.close()
     if rank_tests is None:  # a one-token image: no step was taken
-        rank_tests = rank_accepts = torch.zeros(max(source.max_depth, 1), 1, dtype=torch.long)
-    # The results are read once, after the loop.
-    step_counts, per_step = steps.tolist(), lengths.tolist()
+        rank_tests = rank_accepts = torch.zeros(max(source.max_depth, 1), 1, dtype=torch.long, device=device)
+    # The results are read once, after the loop, in one copy: every int64 result and the TV
+    # record's float32 bits packed into one buffer (issue 22: a decode's reads are its steps').
+    parts = [tokens[:, :n_tok], steps, lengths, drafter_forwards,
+             step_tv[:, :n_tok].float().contiguous().view(torch.int32), rank_tests, rank_accepts]
+    host = torch.cat([part.reshape(-1).long() for part in parts]).cpu()
+    tokens_h, steps_h, lengths_h, drafter_h, tv_bits, tests_h, accepts_h = (
+        chunk.view(part.shape) for chunk, part in zip(host.split([part.numel() for part in parts]), parts))
+    step_counts, per_step = steps_h.tolist(), lengths_h.tolist()
     accept_lengths = [[1] + row[1 : count + 1] for row, count in zip(per_step, step_counts)]
-    return DecodeResult(tokens=tokens[:, :n_tok].cpu(), target_forwards=torch.tensor(step_counts) + 1,
-                        drafter_forwards=drafter_forwards.cpu(), step_tv=step_tv[:, :n_tok].cpu(),
-                        accept_lengths=accept_lengths, seconds=time.perf_counter() - start,
-                        drafter_seconds=drafter_seconds, target_forward_seconds=target.watch.seconds,
-                        drafter_forward_seconds=_watched(source),
-                        rank_tests=rank_tests.cpu(), rank_accepts=rank_accepts.cpu(),
-                        tv_recorded=record_tv or rule.lossless)
+    return DecodeResult(tokens=tokens_h, target_forwards=steps_h + 1, drafter_forwards=drafter_h,
+                        step_tv=tv_bits.int().view(torch.float32), accept_lengths=accept_lengths,
+                        seconds=time.perf_counter() - start, drafter_seconds=drafter_seconds,
+                        target_forward_seconds=target.watch.seconds, drafter_forward_seconds=_watched(source),
+                        rank_tests=tests_h, rank_accepts=accepts_h, tv_recorded=record_tv or rule.lossless)
 
 
 def _watched(source) -> float:

@@ -11,10 +11,17 @@ from relaxspec.drafting.tree_tables import ancestor_matrix, static_children, tre
 from relaxspec.drafting.trees import TreeSpec
 
 
+#: Index tables of recent tree shapes, by (paths, device): a decode builds a new StaticTree, and its
+#: tables -- tens of small host->device copies -- depend on the shape alone (issue 22).
+_SHAPE_TABLES: dict[tuple, dict] = {}
+_SHAPE_TABLES_KEPT = 16
+
+
 class StaticTree:
     """A fixed tree shape (:class:`TreeSpec`); siblings "sampled" from ``q`` without replacement
     or deterministic "topk". A chain is ``TreeSpec.chain(L)``. Every table the step needs
-    (parents, depths, ancestors, children, per-level slots and ranks) is built once per device."""
+    (parents, depths, ancestors, children, per-level slots and ranks) is built once per shape and
+    device, and kept across decodes."""
 
     def __init__(self, spec: TreeSpec, siblings: str = "sampled"):
         self.spec, self.siblings = spec, siblings
@@ -23,30 +30,40 @@ class StaticTree:
         self._tables: dict[torch.device, dict] = {}
 
     def tables(self, device: torch.device) -> dict:
-        """The shape's index tables on ``device`` (copied there once)."""
+        """The shape's index tables on ``device``, made once per shape and device for every tree
+        of that shape (read-only: nothing writes into them)."""
         if device not in self._tables:
-            spec = self.spec
-            children, widths = static_children(spec)
-            levels = []
-            # Per level: its nodes, the parents that have children there, each child's (parent
-            # slot, rank), the width of the sibling draw and the nodes whose q the drafter computes.
-            for d in range(1, spec.depth + 1):
-                nodes = spec.level(d)
-                parents = spec.parents[nodes]
-                parent_list = torch.unique(parents)
-                slot = torch.searchsorted(parent_list, parents)
-                expand = nodes[spec.num_children[nodes] > 0]
-                levels.append(dict(nodes=nodes, node_parents=parents, parent_list=parent_list, slot=slot,
-                                   ranks=spec.ranks[nodes], width=int(spec.num_children[parent_list].max()),
-                                   expand=expand, expand_parents=spec.parents[expand]))
-            host = dict(parents=spec.parents[None], depths=spec.depths[None],
-                        ancestors=ancestor_matrix(spec.parents[None], spec.depth), children=children)
-            moved = {k: v.to(device) for k, v in host.items()}
-            moved["levels"] = [{k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in lv.items()}
-                               for lv in levels]
-            moved["level_widths"] = widths
-            self._tables[device] = moved
+            key = (tuple(tuple(path) for path in self.spec.paths), str(device))
+            if key not in _SHAPE_TABLES:
+                while len(_SHAPE_TABLES) >= _SHAPE_TABLES_KEPT:
+                    _SHAPE_TABLES.pop(next(iter(_SHAPE_TABLES)))
+                _SHAPE_TABLES[key] = self._build_tables(device)
+            self._tables[device] = _SHAPE_TABLES[key]
         return self._tables[device]
+
+    def _build_tables(self, device: torch.device) -> dict:
+        """The index tables, built on the host and copied to ``device``."""
+        spec = self.spec
+        children, widths = static_children(spec)
+        levels = []
+        # Per level: its nodes, the parents that have children there, each child's (parent
+        # slot, rank), the width of the sibling draw and the nodes whose q the drafter computes.
+        for d in range(1, spec.depth + 1):
+            nodes = spec.level(d)
+            parents = spec.parents[nodes]
+            parent_list = torch.unique(parents)
+            slot = torch.searchsorted(parent_list, parents)
+            expand = nodes[spec.num_children[nodes] > 0]
+            levels.append(dict(nodes=nodes, node_parents=parents, parent_list=parent_list, slot=slot,
+                               ranks=spec.ranks[nodes], width=int(spec.num_children[parent_list].max()),
+                               expand=expand, expand_parents=spec.parents[expand]))
+        host = dict(parents=spec.parents[None], depths=spec.depths[None],
+                    ancestors=ancestor_matrix(spec.parents[None], spec.depth), children=children)
+        moved = {k: v.to(device) for k, v in host.items()}
+        moved["levels"] = [{k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in lv.items()}
+                           for lv in levels]
+        moved["level_widths"] = widths
+        return moved
 
     def draft(self, source: FeatureDrafter, roots, root_index, generator, greedy: bool) -> DraftTree:
         spec, batch = self.spec, roots.shape[0]

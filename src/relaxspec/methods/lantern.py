@@ -4,6 +4,7 @@ multiplicative bound ``lam``."""
 
 from __future__ import annotations
 
+from relaxspec.caching import PerObject
 from relaxspec.errors import RelaxspecError
 from relaxspec.methods.base import Method, Preset, Setting
 from relaxspec.methods.cool import NORMALISATION, NU
@@ -17,6 +18,10 @@ GEOMETRY = Setting("geometry", str, "raw", "LANTERN neighbour geometry: raw code
                    choices=("raw", "normalised"))
 ANNEAL = Setting("anneal", bool, False, "LANTERN: anneal the additive budget over draft depth (COOL-SD's schedule, "
                                         "--nu / --normalisation)")
+
+
+#: Neighbour tables per live tokenizer (keyed by geometry, k and the codebook's version).
+_NEIGHBOURS = PerObject(kept=4)
 
 
 class Lantern(Method):
@@ -76,9 +81,14 @@ class Lantern(Method):
         vq = context.tokenizer
         if vq is None:
             raise RelaxspecError("LANTERN needs the VQ tokenizer (its codebook defines the latent neighbours)")
-        codebook = vq.raw_codebook if options.geometry == "raw" else vq.codebook
-        k = min(options.k, codebook.shape[0] - 1)
-        table = cached_neighbour_table(codebook.detach().float().cpu(), k, options.geometry, default_cache_dir())
+        raw = vq.raw_codebook
+        k = min(options.k, raw.shape[0] - 1)
+
+        def table():  # read from the codebook (a device read) and the disk cache once per tokenizer
+            codebook = raw if options.geometry == "raw" else vq.codebook
+            return cached_neighbour_table(codebook.detach().float().cpu(), k, options.geometry, default_cache_dir())
+
+        table = _NEIGHBOURS.get(vq, (options.geometry, k, tuple(raw.shape), raw._version), table)
         if options.anneal:
             # Budgets are TV masses (<= 1): capped, with the mean kept at delta (docs/METHODS.md).
             schedule = cool_weights(options.delta, options.nu, options.normalisation, horizon, cap=1.0)
