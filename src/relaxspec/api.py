@@ -48,6 +48,8 @@ def pipeline_of(model: tuple | ImagePipeline, t5_path: str | None = None) -> Ima
         raise RelaxspecError("model must be (target, vq, drafter) or a pipeline; drafter may be None")
     target, vq, drafter = model
     if getattr(target.config, "model_type", "c2i") == "c2i":
+        if t5_path is not None:
+            raise RelaxspecError("this is a class-conditional (c2i) model: give classes, not prompts")
         return LlamaGenC2I(target, vq, drafter)
     if not hasattr(target.config, "caption_dim"):
         raise RelaxspecError("relaxspec.generate encodes prompts for LlamaGen t2i models; for a Janus, Emu3 or "
@@ -102,8 +104,6 @@ def generate(classes: str | Sequence[int | str] | None = None, method: str | Met
                 raise RelaxspecError("device and precision apply to the embedded model; load your own model on the "
                                      "device and in the precision you want")
             pipeline = pipeline_of(model, t5_path)
-            if t5_path is not None and getattr(pipeline, "t5_path", None) != t5_path:
-                raise RelaxspecError("this is a class-conditional (c2i) model: give classes, not prompts")
     condition = pipeline.conditions(classes=classes, prompts=None if prompts is None else list(prompts))
     options = pipeline.method(method, method_fields)
     check_upscale(upscale, pipeline.image_size)

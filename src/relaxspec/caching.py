@@ -1,4 +1,5 @@
-"""Values derived from a live object, kept while that object lives.
+"""Set-up kept across decodes: values derived from a live object, kept while that object lives
+(:class:`PerObject`), or derived from content alone, kept by that content (:class:`ByContent`).
 
 Set-up that depends only on a model (GSD's closeness table, tree tables, neighbour tables) is
 worth keeping across decodes, but a key made of an address, a shape and a dtype is not an
@@ -61,3 +62,20 @@ class PerObject:
 
     def clear(self) -> None:
         self._entries.clear()
+
+
+class ByContent:
+    """``get(key, build)``: ``build()`` once per ``key``, a hashable description of the content
+    the value depends on (a tree's paths and a device, a weight schedule and a device). At most
+    ``kept`` values are held; the oldest is dropped first."""
+
+    def __init__(self, kept: int = 16) -> None:
+        self.kept = kept
+        self._values: dict[Hashable, Any] = {}
+
+    def get(self, key: Hashable, build: Callable[[], Any]) -> Any:
+        if key not in self._values:
+            while len(self._values) >= self.kept:
+                self._values.pop(next(iter(self._values)))
+            self._values[key] = build()
+        return self._values[key]

@@ -24,11 +24,12 @@ import torch
 from torch import Tensor
 
 from relaxspec.acceptance.base import AcceptanceRule, as_depth, gather_at, normalise
+from relaxspec.caching import ByContent
 from relaxspec.errors import RelaxspecError
 
 
 #: Weight schedules on a device, by (weights, device): each decode builds a new rule (issue 22).
-_WEIGHT_TABLES: dict[tuple, Tensor] = {}
+_WEIGHT_TABLES = ByContent(kept=16)
 
 def cool_weights(delta: float, nu: float = 0.7, normalisation: str = "mean", horizon: int = 5,
                  cap: float | None = None) -> tuple[float, ...]:
@@ -121,12 +122,10 @@ class CoolRule(AcceptanceRule):
             depth = as_depth(depth, batch, torch.device(device))
         table = self._tables.get(depth.device)
         if table is None:  # one host->device copy per schedule and device, kept across decodes
-            key = (tuple(self.weights), str(depth.device))
-            if key not in _WEIGHT_TABLES:
-                while len(_WEIGHT_TABLES) >= 16:
-                    _WEIGHT_TABLES.pop(next(iter(_WEIGHT_TABLES)))
-                _WEIGHT_TABLES[key] = torch.tensor(self.weights, dtype=torch.float64, device=depth.device)
-            table = self._tables[depth.device] = _WEIGHT_TABLES[key]
+            device = depth.device
+            table = self._tables[device] = _WEIGHT_TABLES.get(
+                (tuple(self.weights), str(device)),
+                lambda: torch.tensor(self.weights, dtype=torch.float64, device=device))
         return table[depth.long().clamp(1, self.horizon) - 1]
 
     def prepare(self, device: torch.device) -> None:

@@ -12,6 +12,7 @@ import torch
 from relaxspec.cli.options import add_model_options, open_from_args
 from relaxspec.errors import RelaxspecError
 from relaxspec.inputs import check_at_least
+from relaxspec.pipelines.folders import DEFAULT_PROMPT_TOKENS
 
 
 def add_demo_parser(subparsers) -> argparse.ArgumentParser:
@@ -37,7 +38,7 @@ def add_demo_parser(subparsers) -> argparse.ArgumentParser:
 
 
 #: Prompt tokens the page's model is opened for: any prompt up to this length races.
-PAGE_PROMPT_TOKENS = 128
+PAGE_PROMPT_TOKENS = DEFAULT_PROMPT_TOKENS
 #: The prompt the page starts with, unless --prompt says.
 DEFAULT_PROMPT = "a red fox in the snow"
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from relaxspec.caching import ByContent
 from relaxspec.drafting.base import DraftTree, FeatureDrafter
 from relaxspec.drafting.siblings import sample_siblings, topk_siblings
 from relaxspec.drafting.tree_tables import ancestor_matrix, static_children, tree_attention_mask
@@ -13,8 +14,7 @@ from relaxspec.drafting.trees import TreeSpec
 
 #: Index tables of recent tree shapes, by (paths, device): a decode builds a new StaticTree, and its
 #: tables -- tens of small host->device copies -- depend on the shape alone (issue 22).
-_SHAPE_TABLES: dict[tuple, dict] = {}
-_SHAPE_TABLES_KEPT = 16
+_SHAPE_TABLES = ByContent(kept=16)
 
 
 class StaticTree:
@@ -34,11 +34,7 @@ class StaticTree:
         of that shape (read-only: nothing writes into them)."""
         if device not in self._tables:
             key = (tuple(tuple(path) for path in self.spec.paths), str(device))
-            if key not in _SHAPE_TABLES:
-                while len(_SHAPE_TABLES) >= _SHAPE_TABLES_KEPT:
-                    _SHAPE_TABLES.pop(next(iter(_SHAPE_TABLES)))
-                _SHAPE_TABLES[key] = self._build_tables(device)
-            self._tables[device] = _SHAPE_TABLES[key]
+            self._tables[device] = _SHAPE_TABLES.get(key, lambda: self._build_tables(device))
         return self._tables[device]
 
     def _build_tables(self, device: torch.device) -> dict:

@@ -124,10 +124,13 @@ class ImagePipeline:
             options = method
         else:
             options = methods.resolve(method or self.default_method, fields, self.presets)
+        self._check_drafter(options)
+        return options
+
+    def _check_drafter(self, options: MethodOptions) -> None:
         if options.needs_drafter and self.drafter is None:
             raise RelaxspecError(f"method {options.method!r} drafts with an EAGLE drafter and this model has none: "
                                  "give a drafter (relaxspec train-drafter trains one), or choose sjd, scd or gsd")
-        return options
 
     # ---------------------------------------------------------------- decoding and pixels
     def generate(self, condition: Condition, options: MethodOptions | None = None,
@@ -137,8 +140,7 @@ class ImagePipeline:
         model's default method) and ``sampling`` (default: the model's)."""
         options = options if options is not None else self.method()
         sampling = sampling if sampling is not None else self.sampling()
-        if options.needs_drafter and self.drafter is None:
-            raise RelaxspecError(f"method {options.method!r} drafts with an EAGLE drafter and this model has none")
+        self._check_drafter(options)
         condition = condition.to(self.device)
         return decode(self.target, condition.cond, sampling, options, generator=generator,
                       drafter=self.drafter if options.needs_drafter else None, vq=self.tokenizer,

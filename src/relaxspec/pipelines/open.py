@@ -23,7 +23,6 @@ FOLDER_PIPELINES = {
     "emu3": "relaxspec.pipelines.emu3:Emu3Pipeline",
     "chameleon": "relaxspec.pipelines.lumina:LuminaPipeline",
 }
-PRECISION_NAMES = ("fp32", "bf16", "fp16")
 
 
 def folder_pipeline_class(model_path):
@@ -65,8 +64,10 @@ def open_pipeline(*, gpt_ckpt=None, gpt_model: str | None = None, vq_ckpt=None, 
     drafter trained for the target (the embedded model brings its own; ``with_drafter=False``
     leaves it out). ``prompts`` / ``prompt_length``: what a transformers folder is opened for
     (its target is made for a prompt length). Every argument is checked with a one-line error."""
-    if precision not in PRECISION_NAMES:
-        raise RelaxspecError(f"precision must be one of {', '.join(PRECISION_NAMES)}, got {precision!r}")
+    from relaxspec.models.llamagen.checkpoints import PRECISIONS
+
+    if precision not in PRECISIONS:
+        raise RelaxspecError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
     if image_size is not None and (isinstance(image_size, bool) or not isinstance(image_size, int) or image_size < 1):
         raise RelaxspecError(f"image size must be a whole number >= 1, got {image_size!r}")
     device = resolve_device(str(device), "--device")
