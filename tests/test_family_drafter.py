@@ -115,10 +115,34 @@ def test_cached_steps_compute_the_training_pass(pipelines, family):
     assert drafter.cache_length == 0
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_unrolled_depths_are_the_chains_decoding_drafts(pipelines, family):
+    """Distillation's parallel pass over draft depths (training.drafter.unrolled, with its
+    attention mask) gives, at every depth and pair, what the drafter computes fed its own guesses
+    one at a time, in the family's own layers too."""
+    from helpers.engine import explicit_chain
+    from relaxspec.drafting.eagle import EagleDrafter
+    from relaxspec.training.drafter import unrolled
+
+    target = pipelines[family].target
+    torch.manual_seed(2)
+    drafter = EagleDrafter.for_target(target, n_layer=2).eval()
+    rows, count, depths = 2, 8, 3
+    features = torch.randn(rows, count, target.config.dim)
+    tokens = torch.randint(target.config.vocab_size, (rows, count))
+    with torch.no_grad():
+        _, logits = unrolled(drafter, features, tokens, depths)
+        for depth in range(1, depths + 1):
+            for pair in range(depth - 1, count - 1):
+                want = explicit_chain(drafter, features, tokens, pair - depth + 1, depth)
+                torch.testing.assert_close(logits[:, depth - 1, pair], want, atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_train_drafter_on_a_folder_then_decode(folders, pipelines, family, tmp_path, capsys, monkeypatch):
-    """``train-drafter --model-path`` writes a drafter of the family's layers; loaded for the
+    """``train-drafter --model-path`` (distilling the guided law over two depths) writes a drafter
+    of the family's layers and logs 1 - TV per depth; loaded for the
     folder it drives exact SD (chain, static and dynamic tree) and LANTERN at delta 0 to greedy
     AR's tokens, and relaxed LANTERN, sampled, paints whole images."""
     from relaxspec.cli import main
@@ -132,8 +156,12 @@ def test_train_drafter_on_a_folder_then_decode(folders, pipelines, family, tmp_p
     extra = [arg for key in ("tokenizer_path", "image_size") if key in folder
              for arg in (f"--{key.replace('_', '-')}", str(folder[key]))]
     args = ["train-drafter", "--model-path", folder["model_path"], "--prompts-file", str(prompts), *extra,
-            "--self-samples", "4", "--steps", "3", "--batch-size", "2", "--out", str(out), "--no-progress"]
+            "--self-samples", "4", "--steps", "3", "--batch-size", "2", "--out", str(out), "--no-progress",
+            "--law-loss", "kl+tv", "--train-depths", "2", "--eval-depths", "3"]  # distilled, on its guided laws
     assert main(args) == 0, capsys.readouterr().err
+    evaluations = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [len(e["accept"]) for e in evaluations] == [3, 3] and all(0 <= a <= 1 for a in evaluations[-1]["accept"])
+    assert (out / "best" / "model.safetensors").is_file()
     saved = json.loads((out / "config.json").read_text())["config"]
     assert saved["family"] == MODEL_TYPES[family] and saved["layer"]["config"]["num_hidden_layers"] == 1
 

@@ -89,22 +89,26 @@ def test_pairing_matches_incremental_decoding(target: Transformer, dataset: Draf
         features, logits = target_features(target, tokens, labels, null_rows)
         features, logits = features[-batch:], logits[-batch:]
         in_features, in_tokens, positions = drafter_inputs(features, tokens)
-        next_features, next_probs = drafter_targets(features, logits)
+        next_features, next_logits = drafter_targets(features, logits)
+        next_probs = next_logits.softmax(dim=-1)
         assert in_features.shape == next_features.shape == (batch, n - 1, TINY.dim)
-        assert next_probs.shape == (batch, n - 1, TINY.vocab_size)
+        assert next_logits.shape == (batch, n - 1, TINY.vocab_size)
         torch.testing.assert_close(in_features, incremental[:, :-1], atol=1e-5, rtol=1e-5)
         assert torch.equal(in_tokens, tokens[:, :-1])
         assert torch.equal(positions, torch.arange(n - 1).expand(batch, -1))
 
-        oracle_features = incremental[:, 1:]  # the state after consuming t_j
-        oracle_logits = incremental_logits[:, 1:]
-        losses = drafter_loss(oracle_features, oracle_logits, next_features, next_probs)
+        oracle_features = incremental[:, 1:, None].transpose(1, 2)  # [B, 1 depth, T, dim]: the state after t_j
+        oracle_logits = incremental_logits[:, 1:, None].transpose(1, 2)
+        plain = SamplingConfig(cfg_scale=1.0)
+        losses = drafter_loss(oracle_features, oracle_logits, next_features, next_logits, sampling=plain)
         assert float(losses["feature_loss"]) < 1e-9
         entropy = -(next_probs * next_probs.clamp_min(1e-30).log()).sum(-1).mean()
         torch.testing.assert_close(losses["ce"], entropy, atol=1e-4, rtol=1e-4)
         assert float(losses["accuracy"]) == 1.0
+        torch.testing.assert_close(losses["accept"], torch.ones(1), atol=1e-5, rtol=0)
         # The test can tell: an oracle one position off is far from zero.
-        shifted = drafter_loss(incremental[:, :-1], incremental_logits[:, :-1], next_features, next_probs)
+        shifted = drafter_loss(incremental[:, None, :-1], incremental_logits[:, None, :-1], next_features,
+                               next_logits, sampling=plain)
         assert float(shifted["feature_loss"]) > 1e-3
 
 

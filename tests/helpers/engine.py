@@ -79,3 +79,20 @@ def fake_vq(vocab: int, seed: int = 3) -> SimpleNamespace:
     """What the engine reads from a tokenizer for LANTERN: its (raw / normalised) codebook."""
     codebook = torch.randn(vocab, 8, generator=torch.Generator().manual_seed(seed))
     return SimpleNamespace(raw_codebook=codebook, codebook=torch.nn.functional.normalize(codebook, dim=1))
+
+
+def explicit_chain(drafter: EagleDrafter, features: torch.Tensor, tokens: torch.Tensor, committed: int,
+                   depth: int) -> torch.Tensor:
+    """The ``depth``-th draft's logits after committed pair ``committed``, made as decoding makes
+    it: one causal sequence of the committed pairs, then the drafter's own guesses fed back."""
+    in_features, in_tokens = features[:, : committed + 1], tokens[:, : committed + 1]
+    for _ in range(depth):
+        count = in_tokens.shape[1]
+        positions = torch.arange(count).expand(tokens.shape[0], -1)
+        guess, logits = drafter(in_features, in_tokens, positions)
+        next_pair = count  # the pair the guess feeds: (guessed feature, the path's token there)
+        if next_pair >= tokens.shape[1]:
+            break
+        in_features = torch.cat([in_features, guess[:, -1:]], dim=1)
+        in_tokens = torch.cat([in_tokens, tokens[:, next_pair : next_pair + 1]], dim=1)
+    return logits[:, -1]

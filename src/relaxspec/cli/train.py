@@ -158,8 +158,10 @@ def add_train_drafter_parser(subparsers) -> argparse.ArgumentParser:
         "train-drafter", help="train an EAGLE drafter on a target's features",
         description="Train the EAGLE drafter (REFERENCE §1.6) on a frozen target's features: a LlamaGen "
                     "checkpoint (--gpt-ckpt; a t2i one with --t5-path) or a transformers folder (--model-path: "
-                    "Janus, Emu3); text-to-image targets train on their own samples of --prompts-file. Writes "
-                    "OUT/model.safetensors + config.json and OUT/train_state.pt.",
+                    "Janus, Emu3, Lumina-mGPT); text-to-image targets train on their own samples of --prompts-file. "
+                    "Every evaluation logs the mean 1 - TV(p, q) per draft depth (exact acceptance) on the held-out "
+                    "sequences; --law-loss kl distils the decoding law. Writes OUT/model.safetensors + config.json "
+                    "(last), OUT/best/ (best chain MAL) and OUT/train_state.pt (--resume continues).",
         argument_default=argparse.SUPPRESS)
 
     option = Options(parser, defaults)
@@ -185,10 +187,12 @@ def add_train_drafter_parser(subparsers) -> argparse.ArgumentParser:
            metavar="TEXT")
     option("--classes", "classes of the self-samples, e.g. '1 2 3' or '1,2,3' (default: uniform)", type=class_ids,
            nargs="+", metavar="CLASS")
-    option("--cfg-scale", "CFG scale of the self-samples (--model-path: default its own)", type=float)
-    option("--temperature", "temperature of the self-samples (--model-path: default its own)", type=float)
-    option("--top-k", "top-k of the self-samples (0 = off; --model-path: default its own)", type=int)
-    option("--top-p", "top-p of the self-samples (1 = off; --model-path: default its own)", type=float)
+    option("--cfg-scale", "CFG scale of the self-samples and of the laws measured and distilled (--model-path: "
+           "default its own)", type=float)
+    option("--temperature", "temperature of the self-samples and the laws (--model-path: default its own)",
+           type=float)
+    option("--top-k", "top-k of the self-samples and the laws (0 = off; --model-path: default its own)", type=int)
+    option("--top-p", "top-p of the self-samples and the laws (1 = off; --model-path: default its own)", type=float)
     option("--images", "folder of images (class sub-folders or --label) to encode with the VQ model", metavar="DIR")
     option("--vq-ckpt", "VQ tokenizer checkpoint for --images", metavar="PATH")
     option("--vq-model", "VQ model name for an official VQ checkpoint")
@@ -206,7 +210,17 @@ def add_train_drafter_parser(subparsers) -> argparse.ArgumentParser:
     option("--warmup-steps", "linear learning-rate warm-up", type=int)
     option("--grad-clip", "gradient-norm clip (0 = off)", type=float)
     option("--noise", "uniform feature noise amplitude a: U(-a, a)", type=float)
-    option("--ce-weight", "weight of the cross-entropy term", type=float)
+    option("--feature-weight", "weight of the feature (SmoothL1) term", type=float)
+    option("--law-loss", "how the drafter's law is fitted: 'ce' (EAGLE's cross-entropy to each stream's raw law) "
+           "or distilled on the decoding law (guided by --cfg-scale, tempered and filtered as decoding does): 'kl' "
+           "(forward KL), 'tv', 'kl+tv'", choices=["ce", "kl", "tv", "kl+tv"])
+    option("--ce-weight", "weight of the cross-entropy term (--law-loss ce)", type=float)
+    option("--distill-weight", "weight of the distillation term (--law-loss kl, tv, kl+tv)", type=float)
+    option("--train-depths", "draft depths trained: depth d from the drafter's own d-1 guesses, as decoding drafts",
+           type=int)
+    option("--eval-depths", "draft depths whose 1 - TV(p, q) each evaluation measures", type=int)
+    option("--patience", "evaluations without a better chain MAL before stopping (0 = never stop early)", type=int)
+    option("--export", "also write the best weights here in fp16 (model.safetensors + config.json)", metavar="DIR")
     option("--null-fraction", "share of each batch also trained under the null condition", type=float)
     option("--seed", "seed (data order, noise, init, self-samples)", type=int)
     option("--bf16", "bf16 autocast", action="store_true")
@@ -232,8 +246,14 @@ def run_train_drafter(args: argparse.Namespace) -> int:
     config, resume = config_from_args(args, DrafterTrainConfig, read_drafter_state)
     result = train_drafter(config, resume=resume)
     last = result.history[-1] if result.history else {}
-    print(json.dumps({"out": config.out, "step": result.step, "sequences_per_second": round(result.sequences_per_second, 2),
-                      **{k: round(v, 5) for k, v in last.items() if isinstance(v, float)}}))
+
+    def rounded(value):
+        return [round(v, 5) for v in value] if isinstance(value, list) else round(value, 5)
+
+    print(json.dumps({"out": config.out, "step": result.step, "stopped_early": result.stopped_early,
+                      "sequences_per_second": round(result.sequences_per_second, 2),
+                      **{k: rounded(v) for k, v in last.items() if isinstance(v, (float, list))},
+                      "best": {k: rounded(v) if isinstance(v, (float, list)) else v for k, v in result.best.items()}}))
     return 0
 
 

@@ -16,6 +16,27 @@ that pairing as pure functions.
 With CFG the drafter runs on both streams, so each sequence is also used under the null
 condition (``null_fraction`` of every batch; 1.0 = every sequence contributes both streams).
 
+**Distillation** (``law_loss`` ``"kl"``, ``"tv"`` or ``"kl+tv"``). Exact acceptance of a draft
+token is ``1 - TV(p, q)`` between the laws decoding compares: the target's and the drafter's
+logits each guided with the CFG scale (``[cond; null]`` rows), divided by the temperature and
+filtered (top-k / top-p) exactly as :func:`relaxspec.sampling.process_logits` does while
+decoding. The distillation losses compare those laws (forward KL against the drafter's guided
+law renormalised on the support of the target's filtered one, so it stays finite and is 0 when
+the laws agree; TV against the drafter's filtered law), instead of EAGLE's per-stream
+cross-entropy to the raw law (``"ce"``).
+
+**Depths.** While decoding, the drafter's ``d``-th draft after a committed token is made from its
+own guesses of the ``d - 1`` features before it. :func:`unrolled` runs those depths in parallel
+(a "training-time test"): level ``d`` reads level ``d - 1``'s output one position back, and an
+attention mask (:func:`unrolled_mask`) lets it see the target's features only up to the committed
+token, then its own chain. ``train_depths`` levels are trained (equal weights); ``eval_depths``
+are measured. The metric logged at every evaluation and written to the model card is the mean
+``1 - TV(p, q)`` per depth on held-out self-samples: with the target's own samples as the path, it
+is the probability that exact speculative decoding accepts the ``d``-th draft given it accepted
+the ones before. ``chain_mal`` (``1 + sum_d prod_{i <= d} accept_i``, tokens per step of a chain
+of ``eval_depths`` drafts) scores the evaluations: the best weights are kept in ``out/best`` and
+training stops after ``patience`` evaluations without a better one.
+
 Randomness is a pure function of ``(seed, step)``: the data order of epoch ``e`` comes from
 ``(seed, e)`` and the feature noise of step ``s`` from ``(seed, s)``. Resuming from
 ``out/train_state.pt`` (weights, optimizer, step, config; plain tensors and dicts, so it loads
@@ -39,19 +60,24 @@ from relaxspec.drafting.eagle import LLAMAGEN, DrafterConfig, EagleDrafter, draf
 from relaxspec.errors import RelaxspecError
 from relaxspec.models.base import TargetModel, TeacherForcedTarget
 from relaxspec.models.llamagen.vq import VQModel
-from relaxspec.sampling import SamplingConfig
+from relaxspec.sampling import SamplingConfig, guide, process_logits
 from relaxspec.training import common
 from relaxspec.training.common import TRAIN_STATE
 from relaxspec.devices import resolve_device as _device
 
 STATE_VERSION = 1
-#: A --model-path run's self-samples, saved batch by batch (sampling them is the slow part).
+#: A run's self-samples, saved batch by batch (sampling them is the slow part).
 SELF_SAMPLES = "self_samples.npz"
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 #: Fields a resumed run may change: how long it runs, where, and how chatty it is. Everything
 #: else is the recipe and must stay what it was, or the continuation would not be exact.
 RUN_FIELDS = ("out", "epochs", "steps", "device", "bf16", "progress", "checkpoint_interval",
-              "eval_interval", "eval_sequences", "gpt_ckpt", "vq_ckpt", "model_path", "prompts_file", "t5_path")
+              "eval_interval", "eval_sequences", "gpt_ckpt", "vq_ckpt", "model_path", "prompts_file", "t5_path",
+              "patience", "export", "eval_depths")
+#: Fields added after the first train states were written, and what a state without them did.
+ADDED_FIELDS = {"law_loss": "ce", "distill_weight": 1.0, "train_depths": 1}
+LAW_LOSSES = ("ce", "kl", "tv", "kl+tv")
+BEST = "best"
 
 
 # ------------------------------------------------------------------------------------------
@@ -107,7 +133,13 @@ class DrafterTrainConfig(common.RecipeConfig):
     grad_clip: float = 0.5  # EAGLE's; 0 = off
     noise: float = 0.1  # input features get U(-noise, noise) (EAGLE)
     feature_weight: float = 1.0
-    ce_weight: float = 0.1
+    ce_weight: float = 0.1  # weight of the cross-entropy term (law_loss "ce")
+    law_loss: str = "ce"  # "ce" (EAGLE's), or distil the decoding law: "kl", "tv", "kl+tv"
+    distill_weight: float = 1.0  # weight of the distillation term (law_loss "kl" / "tv" / "kl+tv")
+    train_depths: int = 1  # draft depths trained (unrolled on the drafter's own features)
+    eval_depths: int = 4  # draft depths measured (1 - TV per depth)
+    patience: int = 0  # evaluations without a better chain_mal before stopping; 0 = never stop early
+    export: str | None = None  # also write the best weights here in fp16 (the shipped format)
     null_fraction: float = 1.0  # share of each batch also trained under the null condition
     seed: int = 0
     bf16: bool = False  # bf16 autocast (CPU or CUDA)
@@ -146,6 +178,16 @@ class DrafterTrainConfig(common.RecipeConfig):
         need(self.feature_weight >= 0 and self.ce_weight >= 0 and self.feature_weight + self.ce_weight > 0,
              f"loss weights must be >= 0 and not both 0, got {self.feature_weight}, {self.ce_weight}")
         need(0 <= self.null_fraction <= 1, f"null_fraction must lie in [0, 1], got {self.null_fraction}")
+        need(self.law_loss in LAW_LOSSES, f"law_loss must be one of {', '.join(LAW_LOSSES)}, got {self.law_loss!r}")
+        need(self.distill_weight >= 0, f"distill_weight must be >= 0, got {self.distill_weight}")
+        need(self.train_depths >= 1, f"train_depths must be >= 1, got {self.train_depths}")
+        need(self.eval_depths >= 1, f"eval_depths must be >= 1, got {self.eval_depths}")
+        need(self.patience >= 0, f"patience must be >= 0 (0 = never stop early), got {self.patience}")
+        if self.law_loss != "ce":
+            need(self.temperature > 0, "distilling the decoding law needs temperature > 0 (greedy decoding "
+                                       "accepts by argmax, not by the law)")
+            need(self.null_fraction == 1 or self.cfg_scale == 1.0,
+                 "distilling the guided law needs both CFG streams of every sequence: null_fraction 1")
         need(self.checkpoint_interval >= 1, f"checkpoint_interval must be >= 1, got {self.checkpoint_interval}")
         need(self.eval_interval >= 1, f"eval_interval must be >= 1, got {self.eval_interval}")
         need(self.eval_sequences >= 1, f"eval_sequences must be >= 1, got {self.eval_sequences}")
@@ -316,11 +358,11 @@ def _generate_labels(stats: Path) -> tuple[list[int] | None, list[int] | None]:
 @torch.no_grad()
 def sample_from_target(target: TeacherForcedTarget, count: int, *, classes: list[int] | None = None,
                        sampling: SamplingConfig | None = None, seed: int = 0, batch_size: int = 16,
-                       progress: bool = False) -> DrafterDataset:
-    """``count`` images sampled from the target itself with :func:`generate_ar` (classes cycled
-    from ``classes``, or drawn uniformly)."""
-    from relaxspec.decoding.ar import generate_ar
-
+                       progress: bool = False, cache: str | Path | None = None) -> DrafterDataset:
+    """``count`` images sampled from a class-conditional target with :func:`generate_ar` (classes
+    cycled from ``classes``, or drawn uniformly from ``seed``), batch by batch as
+    :func:`sample_prompts` draws them: with ``cache``, an interrupted run picks up where it
+    stopped."""
     sampling = sampling or SamplingConfig()
     if classes and max(classes) >= target.config.num_classes:
         raise RelaxspecError(f"self-sample classes must lie in [0, {target.config.num_classes}), got {max(classes)}")
@@ -328,13 +370,8 @@ def sample_from_target(target: TeacherForcedTarget, count: int, *, classes: list
         labels = torch.tensor(classes)[torch.arange(count) % len(classes)]
     else:
         labels = torch.randint(target.config.num_classes, (count,), generator=torch.Generator().manual_seed(seed))
-    device = target.device
-    generator = torch.Generator(device=device).manual_seed(seed)
-    chunks = []
-    for start in tqdm(range(0, count, batch_size), desc="self-samples", disable=not progress, leave=False):
-        cond = labels[start : start + batch_size].to(device)
-        chunks.append(generate_ar(target, cond, sampling, generator=generator).tokens)
-    return DrafterDataset(torch.cat(chunks) if chunks else torch.empty(0, target.config.block_size, dtype=torch.long), labels)
+    return sample_prompts(target, labels.to(target.device), None, count, sampling=sampling, seed=seed,
+                          batch_size=batch_size, progress=progress, cache=cache)
 
 
 @torch.no_grad()
@@ -462,7 +499,8 @@ def build_dataset(config: DrafterTrainConfig, target: TargetModel, prompts=None)
                                     cache=Path(config.out) / SELF_SAMPLES))
     elif config.self_samples:
         parts.append(sample_from_target(target, config.self_samples, classes=config.classes, sampling=config.sampling,
-                                        seed=config.seed, batch_size=config.batch_size, progress=config.progress))
+                                        seed=config.seed, batch_size=config.batch_size, progress=config.progress,
+                                        cache=Path(config.out) / SELF_SAMPLES))
     if config.images is not None:
         vq = load_vq(config.vq_ckpt, config.vq_model, device=target.device)
         size = target.config.grid_size * vq.config.downsample_factor
@@ -536,66 +574,184 @@ def drafter_inputs(features: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.
 
 def drafter_targets(features: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """What pair ``j`` must predict: the feature that predicts ``t_{j+1}`` and the target's
-    distribution of ``t_{j+1}``.
+    logits of ``t_{j+1}``.
 
     ``features [R, N, dim]``, ``logits [R, N, vocab]`` -> ``next_features [R, N-1, dim]``,
-    ``next_probs [R, N-1, vocab]`` (fp32, unprocessed: temperature 1, no guidance)."""
-    return features[:, 1:], logits[:, 1:].float().softmax(dim=-1)
+    ``next_logits [R, N-1, vocab]`` (raw: no guidance, temperature or filter)."""
+    return features[:, 1:], logits[:, 1:]
+
+
+def unrolled_mask(count: int, depths: int, device=None) -> torch.Tensor:
+    """Who may attend whom when ``depths`` levels of ``count`` pairs run as one sequence (level
+    ``d`` occupies positions ``(d - 1) * count .. d * count - 1``), as :func:`unrolled` lays them
+    out: ``[depths * count, depths * count]`` bool, True = may attend.
+
+    Level ``k``'s query at pair ``i`` is the ``k``-th draft after committed token
+    ``j = i - k + 1``: it sees level 1 (the target's features) at pairs ``<= j``, and level ``m``
+    (``2 <= m <= k``) only at pair ``j + m - 1``, the drafts of its own chain (itself included).
+    Level 1 alone is the causal mask."""
+    level = torch.arange(depths, device=device).repeat_interleave(count)
+    pair = torch.arange(count, device=device).repeat(depths)
+    q_level, q_pair, k_level, k_pair = level[:, None], pair[:, None], level[None, :], pair[None, :]
+    committed = (k_level == 0) & (k_pair <= q_pair - q_level)
+    chain = (k_level >= 1) & (k_level <= q_level) & (k_pair == q_pair - q_level + k_level)
+    return committed | chain
+
+
+def unrolled(drafter: EagleDrafter, features: torch.Tensor, tokens: torch.Tensor, depths: int, *,
+             noise: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The drafter's guesses at draft depths ``1 .. depths`` for every pair, as decoding makes
+    them: depth 1 from the target's features (``features [R, N, dim]`` of ``tokens [R, N]``,
+    plus ``noise`` on them when given), depth ``d`` at pair ``i`` from its own depth-``d - 1``
+    guess at pair ``i - 1`` and token ``t_i`` (:func:`unrolled_mask`).
+
+    Returns ``features [R, depths, N-1, dim]`` and logits ``[R, depths, N-1, vocab]``; at depth
+    ``d`` pairs ``i < d - 1`` have no chain (their values are meaningless). Levels below the last
+    are computed without gradients (each pass recomputes the levels before it); the last pass,
+    which produces every output, carries them. One depth is the plain causal pass."""
+    in_features, in_tokens, positions = drafter_inputs(features, tokens)
+    rows, count = in_tokens.shape
+    levels = [in_features.float() if noise is None else in_features.float() + noise]
+    out_features = out_logits = None
+    for depth in range(1, depths + 1):
+        if depth > 1:  # level d, pair i reads level d-1's guess at pair i-1 (pair 0 has no chain)
+            previous = out_features[:, (depth - 2) * count : (depth - 1) * count].detach().float()
+            levels.append(torch.cat([torch.zeros_like(previous[:, :1]), previous[:, :-1]], dim=1))
+        mask = None if depth == 1 else unrolled_mask(count, depth, tokens.device).expand(rows, -1, -1)
+        with torch.set_grad_enabled(torch.is_grad_enabled() and depth == depths):
+            out_features, out_logits = drafter(torch.cat(levels, dim=1), in_tokens.repeat(1, depth),
+                                               positions.repeat(1, depth), attn_mask=mask)
+    return (out_features.reshape(rows, depths, count, -1), out_logits.reshape(rows, depths, count, -1))
+
+
+def guided_log_law(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
+    """Log of the decoding law before its filters: ``[cond; null]`` rows guided, divided by the
+    temperature, ``log_softmax`` (fp32)."""
+    logits = logits.float()
+    if sampling.use_cfg:
+        logits = guide(logits, sampling.cfg_scale)
+    return (logits / max(sampling.temperature, 1e-5)).log_softmax(dim=-1)
 
 
 def drafter_loss(pred_features: torch.Tensor, pred_logits: torch.Tensor, next_features: torch.Tensor,
-                 next_probs: torch.Tensor, *, feature_weight: float = 1.0, ce_weight: float = 0.1) -> dict[str, torch.Tensor]:
-    """EAGLE's loss: ``feature_weight * SmoothL1(features) + ce_weight * CE(next_probs, drafter)``.
+                 next_logits: torch.Tensor, *, feature_weight: float = 1.0, ce_weight: float = 0.1,
+                 law_loss: str = "ce", distill_weight: float = 1.0, sampling: SamplingConfig | None = None,
+                 train_depths: int | None = None) -> dict[str, torch.Tensor]:
+    """The loss over draft depths, and what it measures per depth.
 
-    All inputs ``[R, T, ...]``. The cross-entropy is against the target's soft distribution (so its
-    floor is the target's entropy, not 0). ``accuracy``: the drafter's argmax equals the target's."""
-    feature_loss = F.smooth_l1_loss(pred_features.float(), next_features.float())
-    ce = -(next_probs * pred_logits.float().log_softmax(dim=-1)).sum(dim=-1).mean()
-    accuracy = (pred_logits.argmax(dim=-1) == next_probs.argmax(dim=-1)).float().mean()
-    return {"loss": feature_weight * feature_loss + ce_weight * ce, "feature_loss": feature_loss, "ce": ce,
-            "accuracy": accuracy}
+    ``pred_features [R, D, T, dim]`` / ``pred_logits [R, D, T, vocab]`` (:func:`unrolled`),
+    ``next_features [R, T, dim]`` / ``next_logits [R, T, vocab]`` (:func:`drafter_targets`). At
+    depth ``d`` pairs ``i >= d - 1`` count. Over the first ``train_depths`` depths (default all),
+    equally weighted:
+
+    - ``feature_loss``: SmoothL1 to the target's next feature (EAGLE);
+    - ``ce`` (``law_loss="ce"``, EAGLE's): cross-entropy of each row's raw law under the drafter's
+      (its floor is the target's entropy, not 0);
+    - ``kl`` / ``tv`` (distillation): forward KL from the decoding law ``p`` (guided, tempered,
+      filtered: :func:`~relaxspec.sampling.process_logits` with ``sampling``) to the drafter's
+      guided, tempered law renormalised on ``p``'s support, and TV between the two decoding laws;
+      ``"kl+tv"`` adds them.
+
+    ``loss = feature_weight * feature_loss + ce_weight * ce`` (or ``+ distill_weight * law``).
+    Measured on every depth: ``accept [D]``, the mean ``1 - TV(p, q)`` of the decoding laws;
+    ``top1 [D]``, how often the drafter's most likely token is the target's; ``accuracy`` = depth
+    1's ``top1``. ``chain_mal``: ``1 + sum_d prod_{i <= d} accept_i``."""
+    sampling = sampling or SamplingConfig()
+    rows, depths, count = pred_logits.shape[:3]
+    train_depths = depths if train_depths is None else train_depths
+    device = pred_logits.device
+    # [D, T]: depth d (0-based) has a chain from pair d on
+    valid = torch.arange(count, device=device)[None, :] >= torch.arange(depths, device=device)[:, None]
+    per_depth = valid.sum(dim=1).clamp_min(1).float()
+
+    def mean_per_depth(values: torch.Tensor) -> torch.Tensor:  # [rows, D, T] -> [D]
+        return (values * valid).sum(dim=(0, 2)) / (per_depth * values.shape[0])
+
+    trained = slice(0, train_depths)
+    feature = F.smooth_l1_loss(pred_features.float(), next_features[:, None].float().expand_as(pred_features),
+                               reduction="none").mean(dim=-1)
+    result = {"feature_loss": mean_per_depth(feature)[trained].mean()}
+    if law_loss == "ce":
+        probs = next_logits.float().softmax(dim=-1)[:, None]
+        ce = -(probs * pred_logits.float().log_softmax(dim=-1)).sum(dim=-1)
+        result["ce"] = mean_per_depth(ce)[trained].mean()
+        law = ce_weight * result["ce"]
+    p = process_logits(next_logits, sampling)[:, None]  # [B, 1, T, V]: the decoding laws
+    q = process_logits(pred_logits, sampling)  # [B, D, T, V]
+    tv = 0.5 * (p - q).abs().sum(dim=-1)
+    if law_loss != "ce":
+        law = torch.zeros((), device=device)
+        if "kl" in law_loss:
+            log_q = guided_log_law(pred_logits, sampling)
+            if sampling.top_k > 0 or sampling.top_p < 1.0:  # q renormalised on p's support: finite, 0 at q = p
+                log_q = log_q - torch.logsumexp(log_q.masked_fill(p == 0, float("-inf")), dim=-1, keepdim=True)
+            kl = (torch.xlogy(p, p) - p * log_q).sum(dim=-1)
+            result["kl"] = mean_per_depth(kl)[trained].mean()
+            law = law + result["kl"]
+        if "tv" in law_loss:
+            result["tv"] = mean_per_depth(tv)[trained].mean()
+            law = law + result["tv"]
+        law = distill_weight * law
+    result["loss"] = feature_weight * result["feature_loss"] + law
+    with torch.no_grad():
+        accept = mean_per_depth(1 - tv)
+        top1 = mean_per_depth((q.argmax(dim=-1) == p.argmax(dim=-1)).float())
+    result.update(accept=accept, top1=top1, accuracy=top1[0], chain_mal=1 + accept.cumprod(dim=0).sum())
+    return result
 
 
 def batch_loss(drafter: EagleDrafter, tokens: torch.Tensor, labels: torch.Tensor, config: DrafterTrainConfig, *,
-               noise_generator: torch.Generator | None = None,
-               cond_mask: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-    """Target features for one batch, the drafter on the (noised) pairs, the loss."""
+               noise_generator: torch.Generator | None = None, cond_mask: torch.Tensor | None = None,
+               depths: int | None = None) -> dict[str, torch.Tensor]:
+    """Target features for one batch, the drafter unrolled over ``depths`` draft depths (default
+    ``config.train_depths``; the loss counts the first ``train_depths``) on the (noised) pairs,
+    the loss and its per-depth measures (:func:`drafter_loss`)."""
     target = drafter.target
     device = target.device
     tokens, labels = tokens.to(device), labels.to(device)
     null_rows = round(config.null_fraction * tokens.shape[0])
+    depths = max(depths or 1, config.train_depths)
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=config.bf16):
         features, logits = target_features(target, tokens, labels, null_rows,
                                            None if cond_mask is None else cond_mask.to(device))
-        in_features, in_tokens, positions = drafter_inputs(features, torch.cat([tokens, tokens[:null_rows]]))
-        next_features, next_probs = drafter_targets(features, logits)
-        in_features = in_features.float()
+        noise = None
         if noise_generator is not None and config.noise > 0:
-            uniform = torch.rand(in_features.shape, generator=noise_generator, device=device)
-            in_features = in_features + (2 * uniform - 1) * config.noise
-        pred_features, pred_logits = drafter(in_features, in_tokens, positions)
-    return drafter_loss(pred_features, pred_logits, next_features, next_probs,
-                        feature_weight=config.feature_weight, ce_weight=config.ce_weight)
+            uniform = torch.rand(features[:, :-1].shape, generator=noise_generator, device=device)
+            noise = (2 * uniform - 1) * config.noise
+        pred_features, pred_logits = unrolled(drafter, features, torch.cat([tokens, tokens[:null_rows]]), depths,
+                                              noise=noise)
+        next_features, next_logits = drafter_targets(features, logits)
+    return drafter_loss(pred_features, pred_logits, next_features, next_logits, feature_weight=config.feature_weight,
+                        ce_weight=config.ce_weight, law_loss=config.law_loss, distill_weight=config.distill_weight,
+                        sampling=config.sampling, train_depths=config.train_depths)
 
 
 @torch.no_grad()
 def evaluate_drafter(drafter: EagleDrafter, dataset: DrafterDataset, config: DrafterTrainConfig | None = None,
-                     *, max_sequences: int | None = None) -> dict[str, float]:
-    """Loss, feature loss, CE and draft accuracy (top-1 agreement with the target) without noise,
-    averaged over the rows of ``dataset`` (both streams per ``config.null_fraction``)."""
+                     *, max_sequences: int | None = None) -> dict:
+    """Without noise, averaged over the rows of ``dataset`` (both streams per
+    ``config.null_fraction``): the loss and its terms, and per draft depth ``1 ..
+    config.eval_depths`` the mean ``1 - TV(p, q)`` (``accept``, a list) and top-1 agreement
+    (``top1``); ``accuracy`` is depth 1's, ``chain_mal`` the chain's tokens per step."""
     config = config or DrafterTrainConfig()
     count = len(dataset) if max_sequences is None else min(len(dataset), max_sequences)
-    totals: dict[str, float] = {}
+    totals: dict[str, torch.Tensor] = {}
     was_training = drafter.training
     drafter.eval()
     for start in range(0, count, config.batch_size):
         stop = min(start + config.batch_size, count)
         losses = batch_loss(drafter, dataset.tokens[start:stop], dataset.labels[start:stop], config,
-                            cond_mask=None if dataset.cond_mask is None else dataset.cond_mask[start:stop])
+                            cond_mask=None if dataset.cond_mask is None else dataset.cond_mask[start:stop],
+                            depths=config.eval_depths)
         for name, value in losses.items():
-            totals[name] = totals.get(name, 0.0) + float(value) * (stop - start)
+            if name in ("accept", "top1"):
+                value = value[: config.eval_depths]
+            totals[name] = totals.get(name, 0.0) + value.double() * (stop - start)
     drafter.train(was_training)
-    return {name: value / max(count, 1) for name, value in totals.items()}
+    means = {name: value / max(count, 1) for name, value in totals.items()}
+    if "accept" in means:  # the chain's tokens per step from the mean per-depth rates
+        means["chain_mal"] = 1 + means["accept"].cumprod(dim=0).sum()
+    return {name: value.tolist() if value.ndim else float(value) for name, value in means.items()}
 
 
 # ------------------------------------------------------------------------------------------
@@ -604,7 +760,8 @@ def evaluate_drafter(drafter: EagleDrafter, dataset: DrafterDataset, config: Dra
 
 
 def _save_checkpoint(out: Path, drafter: EagleDrafter, optimizer: torch.optim.Optimizer, step: int,
-                     config: DrafterTrainConfig, history: list[dict]) -> None:
+                     config: DrafterTrainConfig, history: list[dict], best: dict | None = None,
+                     bad_evals: int = 0) -> None:
     """``model.safetensors`` + ``config.json`` (what decoding loads) and ``train_state.pt`` (what
     ``--resume`` loads: weights too, so it alone is a consistent snapshot), each replaced atomically."""
     common.publish_model(out, drafter, kind="drafter",
@@ -618,7 +775,16 @@ def _save_checkpoint(out: Path, drafter: EagleDrafter, optimizer: torch.optim.Op
         "config": config.to_dict(),
         "drafter": drafter.config.to_dict(),  # what a resume rebuilds
         "history": history,
+        "best": best or {},
+        "bad_evals": bad_evals,
     })
+
+
+def export_drafter(source: str | Path, folder: str | Path, target: TargetModel, training: dict) -> None:
+    """Write the drafter in ``source`` to ``folder`` in fp16 (the shipped format), recording
+    ``training`` in its config.json."""
+    drafter = load_drafter(source, target)
+    common.publish_model(folder, drafter, kind="drafter", dtype=torch.float16, extra={"training": training})
 
 
 def read_train_state(out: str | Path) -> dict:
@@ -635,9 +801,11 @@ def read_train_state(out: str | Path) -> dict:
 class DrafterTrainResult:
     drafter: EagleDrafter
     step: int
-    history: list[dict]  # evaluations: {"step", "loss", "feature_loss", "ce", "accuracy"}
+    history: list[dict]  # evaluations: {"step", "loss", "feature_loss", "ce" | "kl" | "tv", "accept", "top1", ...}
     seconds: float  # training steps only (no evaluation, checkpoints or data preparation)
     sequences_per_second: float
+    best: dict = field(default_factory=dict)  # the evaluation of the weights in out/best
+    stopped_early: bool = False
 
 
 def _read_prompts(config: DrafterTrainConfig) -> list[str]:
@@ -690,7 +858,7 @@ def train_drafter(config: DrafterTrainConfig, *, target: TeacherForcedTarget | N
 
         config.prompts_sha256 = hashlib.sha256("\n".join(_read_prompts(config)).encode()).hexdigest()
     if saved is not None:
-        common.check_resumable(saved["config"], config.to_dict(), RUN_FIELDS)
+        common.check_resumable({**ADDED_FIELDS, **saved["config"]}, config.to_dict(), RUN_FIELDS)
     device = _device(config.device)
     prompts = None
     if target is None and config.model_path is not None:
@@ -737,45 +905,70 @@ def train_drafter(config: DrafterTrainConfig, *, target: TeacherForcedTarget | N
         drafter.load_state_dict(start.state_dict())
     drafter.train()
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=config.lr, betas=config.betas, weight_decay=config.weight_decay)
-    step, history = 0, []
+    step, history, best, bad_evals = 0, [], {}, 0
     if saved is not None:
         load_strict(drafter, saved["model"], str(out / TRAIN_STATE))
         optimizer.load_state_dict(saved["optimizer"])
         common.set_rng_state(saved["rng"])
         step, history = int(saved["step"]), list(saved["history"])
+        best, bad_evals = dict(saved.get("best") or {}), int(saved.get("bad_evals", 0))
+        common.rewrite_metrics(out, history)
     out.mkdir(parents=True, exist_ok=True)
 
     steps_per_epoch = math.ceil(len(train_set) / config.batch_size)
     total = config.steps if config.steps is not None else math.ceil(config.epochs * steps_per_epoch)
+    extra = {"recipe": "relaxspec train-drafter", "law_loss": config.law_loss, "train_depths": config.train_depths}
 
-    def evaluate(at: int) -> None:
+    def evaluate(at: int) -> bool:
+        nonlocal best, bad_evals
         metrics = evaluate_drafter(drafter, eval_set, config, max_sequences=config.eval_sequences)
-        record = {"step": at, "split": eval_name, **metrics}
+        improved = not best or metrics["chain_mal"] > best["chain_mal"]
+        record = {"step": at, "split": eval_name, **metrics, "best": improved}
+        if improved:
+            best, bad_evals = dict(record), 0
+            common.publish_model(out, drafter, kind="drafter", name=BEST, extra={"training": {**extra, "best": record}})
+        else:
+            bad_evals += 1
         history.append(record)
+        law = " ".join(f"{name} {metrics[name]:.4f}" for name in ("ce", "kl", "tv") if name in metrics)
+        accept = " ".join(f"{a:.3f}" for a in metrics["accept"])
         common.log_metrics(out, record, f"step {at}: {eval_name} loss {metrics['loss']:.4f} feature "
-                                        f"{metrics['feature_loss']:.4f} ce {metrics['ce']:.4f} draft accuracy "
-                                        f"{metrics['accuracy']:.3f}")
+                                        f"{metrics['feature_loss']:.4f} {law} | 1-TV by depth {accept} | chain MAL "
+                                        f"{metrics['chain_mal']:.3f} | top-1 {metrics['accuracy']:.3f}"
+                                        + (" (best)" if improved else f" (best: step {best['step']})"))
+        if config.patience and bad_evals >= config.patience:
+            tqdm.write(f"stopping: no better chain MAL in {bad_evals} evaluations (best: step {best['step']})")
+            checkpoint(at)
+            return True
+        return False
 
     def checkpoint(at: int) -> None:
-        _save_checkpoint(out, drafter, optimizer, at, config, history)
+        _save_checkpoint(out, drafter, optimizer, at, config, history, best, bad_evals)
 
     def step_loss(step: int, index: torch.Tensor):
         noise = torch.Generator(device=device).manual_seed(common.mix(config.seed, step))
         losses = batch_loss(drafter, train_set.tokens[index], train_set.labels[index], config, noise_generator=noise,
                             cond_mask=None if train_set.cond_mask is None else train_set.cond_mask[index])
-        return losses["loss"], losses
+        scalars = {name: value for name, value in losses.items() if value.ndim == 0}
+        return losses["loss"], {**scalars, "accept_1": losses["accept"][0]}
 
     first = step
     if first == 0 and total > 0:
         evaluate(0)
+    stopped_before = bool(config.patience) and bad_evals >= config.patience  # a resumed run that had stopped
+    law_name = "ce" if config.law_loss == "ce" else config.law_loss.split("+")[0]
     # epoch e visits a permutation drawn from (seed, e) (common.shuffled); a short last batch is kept
     run = common.run_training(
-        step_loss, optimizer, steps=total, first=first, size=len(train_set), batch_size=config.batch_size,
-        seed=config.seed, grad_clip=config.grad_clip, parameters=drafter.parameters(),
+        step_loss, optimizer, steps=first if stopped_before else total, first=first, size=len(train_set),
+        batch_size=config.batch_size, seed=config.seed, grad_clip=config.grad_clip, parameters=drafter.parameters(),
         lr=lambda at: common.warmup_constant(at, config.lr, config.warmup_steps),
         hooks=[common.Every(config.eval_interval, evaluate), common.Every(config.checkpoint_interval, checkpoint)],
-        postfix=lambda m: {"loss": f"{m['loss']:.4f}", "ce": f"{m['ce']:.3f}", "acc": f"{m['accuracy']:.3f}"},
+        postfix=lambda m: {"loss": f"{m['loss']:.4f}", law_name: f"{m[law_name]:.3f}",
+                           "1-TV": f"{m['accept_1']:.3f}"},
         desc="train-drafter", progress=config.progress)
     if run.step == first:  # nothing left to train (e.g. resumed at the end): still leave a checkpoint
         checkpoint(first)
-    return DrafterTrainResult(drafter.eval(), run.step, history, run.seconds, run.per_second)
+    if config.export and best:
+        export_drafter(out / BEST, config.export, target, {**extra, "best": best})
+    return DrafterTrainResult(drafter.eval(), run.step, history, run.seconds, run.per_second, best,
+                              run.stopped or stopped_before)
