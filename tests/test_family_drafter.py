@@ -138,6 +138,25 @@ def test_unrolled_depths_are_the_chains_decoding_drafts(pipelines, family):
                 torch.testing.assert_close(logits[:, depth - 1, pair], want, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_deeper_drafter_grows_from_a_trained_one(pipelines, family):
+    """Growth (train-drafter --init-from a shallower drafter): the family's new layer starts as
+    the identity, so the two-layer drafter computes what the one-layer one does."""
+    from relaxspec.drafting.eagle import EagleDrafter
+    from relaxspec.training.drafter import grow_drafter
+
+    target = pipelines[family].target
+    torch.manual_seed(3)
+    one, two = EagleDrafter.for_target(target, n_layer=1).eval(), EagleDrafter.for_target(target, n_layer=2).eval()
+    grow_drafter(two, one)
+    features = torch.randn(2, 6, target.config.dim)
+    tokens = torch.randint(target.config.vocab_size, (2, 6))
+    positions = torch.arange(6).expand(2, -1)
+    with torch.no_grad():
+        torch.testing.assert_close(two(features, tokens, positions)[1], one(features, tokens, positions)[1],
+                                   atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_train_drafter_on_a_folder_then_decode(folders, pipelines, family, tmp_path, capsys, monkeypatch):

@@ -175,8 +175,16 @@ def test_init_from_starts_at_the_given_drafter(tmp_path, target: Transformer, da
         assert torch.equal(value, warm.drafter.state_dict()[name]), name
     cold = train_drafter(quick(tmp_path / "cold", steps=0), target=target, dataset=dataset)
     assert not torch.equal(cold.drafter.fc.weight, first.drafter.fc.weight)
-    with pytest.raises(RelaxspecError, match="blocks"):
-        train_drafter(quick(tmp_path / "two", steps=0, n_layer=2, init_from=str(tmp_path / "first")), target=target,
+    # A deeper drafter grows from it: the new block starts as the identity, the same function.
+    grown = train_drafter(quick(tmp_path / "two", steps=0, n_layer=2, init_from=str(tmp_path / "first")),
+                          target=target, dataset=dataset)
+    features, _ = target_features(target, dataset.tokens[:2], dataset.labels[:2], null_rows=0)
+    inputs = drafter_inputs(features, dataset.tokens[:2])
+    with torch.no_grad():
+        torch.testing.assert_close(grown.drafter(*inputs)[1], first.drafter(*inputs)[1], atol=1e-5, rtol=1e-5)
+    assert float(grown.drafter.layers[1].attention.wo.weight.abs().sum()) == 0
+    with pytest.raises(RelaxspecError, match="keeps or adds blocks"):
+        train_drafter(quick(tmp_path / "one", steps=0, n_layer=1, init_from=str(tmp_path / "two")), target=target,
                       dataset=dataset)
 
 

@@ -334,3 +334,26 @@ def need(ok: bool, message: str) -> None:
         from relaxspec.errors import RelaxspecError
 
         raise RelaxspecError(message)
+
+
+#: The projections that write a transformer layer's attention and MLP back into the residual
+#: stream: LlamaGen's ``wo`` / ``w2``, the transformers families' ``o_proj`` / ``down_proj``.
+RESIDUAL_OUTPUTS = ("wo", "w2", "o_proj", "down_proj")
+
+
+@torch.no_grad()
+def start_as_identity(layer: torch.nn.Module) -> None:
+    """Zero a pre-norm transformer layer's residual output projections (:data:`RESIDUAL_OUTPUTS`)
+    so that it passes its input through unchanged until training wakes it up (function-preserving
+    growth, Net2Net, arXiv 1511.05641)."""
+    zeroed = 0
+    for name, module in layer.named_modules():
+        if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1] in RESIDUAL_OUTPUTS:
+            module.weight.zero_()
+            if module.bias is not None:
+                module.bias.zero_()
+            zeroed += 1
+    if zeroed < 2:
+        raise RelaxspecError(f"{type(layer).__name__}: found no attention and MLP output projections to start "
+                             f"it as the identity (looked for {', '.join(RESIDUAL_OUTPUTS)})")
+

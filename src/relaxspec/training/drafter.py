@@ -121,7 +121,7 @@ class DrafterTrainConfig(common.RecipeConfig):
     val_fraction: float = 0.02  # held out to measure draft accuracy
     # drafter
     n_layer: int = 1
-    init_from: str | None = None  # start from this drafter's weights (e.g. one trained for a shallower target)
+    init_from: str | None = None  # start from this drafter's weights (or grow one with fewer blocks: grow_drafter)
     # optimisation
     epochs: float = 20.0
     steps: int | None = None  # overrides epochs
@@ -841,6 +841,26 @@ def _open_folder(config: DrafterTrainConfig, device) -> tuple[TargetModel, tuple
     return pipeline.target, (condition.cond, condition.mask)
 
 
+@torch.no_grad()
+def grow_drafter(drafter: EagleDrafter, start: EagleDrafter, name: str = "init_from") -> None:
+    """Warm-start ``drafter`` from the trained ``start`` of the same family and target: ``fc`` and
+    ``start``'s layers carry over, and any further layers start as the identity
+    (:func:`relaxspec.training.common.start_as_identity`), so a deeper drafter begins as exactly
+    the function ``start`` computes."""
+    if start.config.family != drafter.config.family:
+        raise RelaxspecError(f"--init-from {name}: that drafter is of the {start.config.family} "
+                             f"family, this run trains one of the {drafter.config.family} family")
+    if start.config.n_layer > drafter.config.n_layer:
+        raise RelaxspecError(f"--init-from {name}: that drafter has {start.config.n_layer} blocks, this run trains "
+                             f"{drafter.config.n_layer} (a warm start keeps or adds blocks)")
+    drafter.fc.load_state_dict(start.fc.state_dict())
+    for index, layer in enumerate(drafter.layers):
+        if index < len(start.layers):
+            layer.load_state_dict(start.layers[index].state_dict())
+        else:
+            common.start_as_identity(layer)
+
+
 def train_drafter(config: DrafterTrainConfig, *, target: TeacherForcedTarget | None = None,
                   dataset: DrafterDataset | None = None, resume: bool = False) -> DrafterTrainResult:
     """Train (or, with ``resume``, continue training) an EAGLE drafter for ``target``, of its
@@ -893,16 +913,7 @@ def train_drafter(config: DrafterTrainConfig, *, target: TeacherForcedTarget | N
     torch.manual_seed(config.seed)
     drafter = EagleDrafter(shape, target).to(device).attach(target)
     if config.init_from and saved is None:
-        # Warm start: the drafter's own weights (fc + blocks) carry over when the target's width,
-        # vocabulary and grid match; a resumed run loads its own weights below.
-        start = load_drafter(config.init_from, target)
-        if start.config.family != drafter.config.family:
-            raise RelaxspecError(f"--init-from {config.init_from}: that drafter is of the {start.config.family} "
-                                 f"family, this run trains one of the {drafter.config.family} family")
-        if start.config.n_layer != config.n_layer:
-            raise RelaxspecError(f"--init-from {config.init_from}: that drafter has {start.config.n_layer} blocks, "
-                                 f"this run trains {config.n_layer}")
-        drafter.load_state_dict(start.state_dict())
+        grow_drafter(drafter, load_drafter(config.init_from, target), config.init_from)
     drafter.train()
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=config.lr, betas=config.betas, weight_decay=config.weight_decay)
     step, history, best, bad_evals = 0, [], {}, 0

@@ -293,8 +293,7 @@ def grow(model: Transformer, source: Transformer) -> list[int]:
             if index in placed:
                 layer.load_state_dict(source.layers[placed.index(index)].state_dict())
             else:
-                layer.attention.wo.weight.zero_()
-                layer.feed_forward.w2.weight.zero_()
+                common.start_as_identity(layer)
         for name in ("cls_embedding", "tok_embeddings", "norm", "output"):
             getattr(model, name).load_state_dict(getattr(source, name).state_dict())
     return placed
