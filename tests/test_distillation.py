@@ -152,6 +152,11 @@ def test_distillation_raises_acceptance_at_every_depth(tmp_path, target, dataset
     assert last["chain_mal"] > first["chain_mal"]
     lines = [json.loads(line) for line in (tmp_path / "kl" / "metrics.jsonl").read_text().splitlines()]
     assert [line["step"] for line in lines] == [0, 40, 80] and lines[-1]["accept"] == last["accept"]
+    pytest.importorskip("matplotlib")
+    from PIL import Image
+
+    with Image.open(tmp_path / "kl" / "accept.png") as plot:  # 1 - TV per depth against the steps
+        assert plot.size[0] > 500
 
 
 def test_training_the_deeper_depths_helps_the_deeper_drafts(tmp_path, target, dataset) -> None:

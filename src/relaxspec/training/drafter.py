@@ -780,6 +780,38 @@ def _save_checkpoint(out: Path, drafter: EagleDrafter, optimizer: torch.optim.Op
     })
 
 
+ACCEPT_PLOT = "accept.png"
+
+
+def plot_acceptance(history: list[dict], path: str | Path) -> Path | None:
+    """``1 - TV(p, q)`` per draft depth against training steps (and the chain MAL), from the
+    evaluations in ``history``; ``None`` (nothing written) without matplotlib or evaluations."""
+    records = [r for r in history if r.get("accept")]
+    try:
+        import matplotlib
+    except ImportError:
+        return None
+    if not records:
+        return None
+    matplotlib.use("Agg", force=False)
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(7, 3.6), layout="constrained")
+    accept, chain = figure.subplots(1, 2, width_ratios=[3, 2])
+    steps = [r["step"] for r in records]
+    for depth in range(len(records[-1]["accept"])):
+        accept.plot(steps, [r["accept"][depth] if depth < len(r["accept"]) else float("nan") for r in records],
+                    marker=".", label=f"depth {depth + 1}")
+    accept.set(xlabel="step", ylabel="mean 1 - TV(p, q)", title="exact acceptance per draft depth")
+    accept.grid(alpha=0.3)
+    accept.legend(fontsize=8)
+    chain.plot(steps, [r["chain_mal"] for r in records], marker=".", color="black")
+    chain.set(xlabel="step", ylabel="tokens per step", title=f"chain of {len(records[-1]['accept'])} drafts")
+    chain.grid(alpha=0.3)
+    figure.savefig(path, dpi=110)
+    return Path(path)
+
+
 def export_drafter(source: str | Path, folder: str | Path, target: TargetModel, training: dict) -> None:
     """Write the drafter in ``source`` to ``folder`` in fp16 (the shipped format), recording
     ``training`` in its config.json."""
@@ -979,6 +1011,7 @@ def train_drafter(config: DrafterTrainConfig, *, target: TeacherForcedTarget | N
         desc="train-drafter", progress=config.progress)
     if run.step == first:  # nothing left to train (e.g. resumed at the end): still leave a checkpoint
         checkpoint(first)
+    plot_acceptance(history, out / ACCEPT_PLOT)
     if config.export and best:
         export_drafter(out / BEST, config.export, target, {**extra, "best": best})
     return DrafterTrainResult(drafter.eval(), run.step, history, run.seconds, run.per_second, best,
