@@ -205,6 +205,7 @@ def test_a_distilled_run_resumes_exactly(tmp_path, target, dataset) -> None:
         assert torch.equal(value, resumed.drafter.state_dict()[key]), key
     # the same evaluations, and one more where the first part of the split run ended
     assert [r["step"] for r in resumed.history] == [0, 3, 5, 6, 8] and [r["step"] for r in straight.history] == [0, 3, 6, 8]
+    assert not [r for r in resumed.history if r["step"] == 5][0]["best"]  # off the schedule: never the best
     same = [r for r in resumed.history if r["step"] != 5]
     assert [r["accept"] for r in same] == [r["accept"] for r in straight.history]
 
@@ -232,6 +233,8 @@ def test_a_state_saved_before_distillation_resumes(tmp_path, target, dataset) ->
     (dict(eval_depths=0), "eval_depths must be >= 1"),
     (dict(patience=-1), "patience must be >= 0"),
     (dict(distill_weight=-1.0), "distill_weight must be >= 0"),
+    (dict(null_fraction=0.0), "null_fraction must be > 0"),
+    (dict(law_loss="kl", feature_weight=0.0, distill_weight=0.0), "not both 0"),
 ])
 def test_bad_distillation_settings_are_refused(tmp_path, fields, message) -> None:
     with pytest.raises(RelaxspecError, match=message):
@@ -241,3 +244,12 @@ def test_bad_distillation_settings_are_refused(tmp_path, fields, message) -> Non
 def test_without_guidance_any_null_fraction_distils(tmp_path, target, dataset) -> None:
     config = quick(tmp_path / "plain", steps=2, law_loss="kl", cfg_scale=1.0, null_fraction=0.5)
     assert train_drafter(config, target=target, dataset=dataset).step == 2
+
+
+@pytest.mark.parametrize("batch_size", [3, 4])
+def test_part_of_the_batch_under_the_null_condition_measures_the_paired_rows(tmp_path, target, dataset, batch_size):
+    """EAGLE's loss with only some sequences also under the null condition (an odd number of rows
+    included) measures 1 - TV on the sequences that have both streams."""
+    config = quick(tmp_path / "half", steps=2, null_fraction=0.5, batch_size=batch_size)
+    result = train_drafter(config, target=target, dataset=dataset)
+    assert all(0 <= a <= 1 for a in result.history[-1]["accept"])

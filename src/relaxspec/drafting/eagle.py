@@ -261,10 +261,11 @@ class EagleDrafter(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
 
-def load_drafter(path: str | Path, target: TargetModel) -> EagleDrafter:
+def load_drafter(path: str | Path, target: TargetModel, dtype: torch.dtype | None = None) -> EagleDrafter:
     """Read a drafter folder written by ``relaxspec train-drafter``
     (:func:`relaxspec.training.drafter.train_drafter`) (``kind == "drafter"``), build it of its
-    family's layers and attach it to ``target`` (its dtype and device); a drafter made for another
+    family's layers and attach it to ``target`` (its device, and its dtype unless ``dtype`` is
+    given: training reads fp32 weights as fp32 whatever the target's precision); a drafter made for another
     family or shape of target is refused."""
     loaded = read_state(path)
     if loaded.layout != "relaxspec":
@@ -286,4 +287,4 @@ def load_drafter(path: str | Path, target: TargetModel) -> EagleDrafter:
     except RelaxspecError as err:
         raise RelaxspecError(f"{path}: {err}") from None
     load_strict(drafter, loaded.state_dict, str(path))
-    return drafter.to(device=target.device, dtype=target.dtype).eval().attach(target)
+    return drafter.to(device=target.device, dtype=dtype or target.dtype).eval().attach(target)

@@ -31,10 +31,12 @@ own guesses of the ``d - 1`` features before it. :func:`unrolled` runs those dep
 attention mask (:func:`unrolled_mask`) lets it see the target's features only up to the committed
 token, then its own chain. ``train_depths`` levels are trained (equal weights); ``eval_depths``
 are measured. The metric logged at every evaluation and written to the model card is the mean
-``1 - TV(p, q)`` per depth on held-out self-samples: with the target's own samples as the path, it
-is the probability that exact speculative decoding accepts the ``d``-th draft given it accepted
-the ones before. ``chain_mal`` (``1 + sum_d prod_{i <= d} accept_i``, tokens per step of a chain
-of ``eval_depths`` drafts) scores the evaluations: the best weights are kept in ``out/best`` and
+``1 - TV(p, q)`` per depth on held-out self-samples. With the target's own samples as the path
+(accepted tokens are distributed as the target's), it estimates the probability that exact
+speculative decoding accepts the ``d``-th draft given it accepted the ones before (for sampling;
+greedy decoding accepts by argmax). ``chain_mal`` (``1 + sum_d prod_{i <= d} accept_i``, an
+estimate of a chain of ``eval_depths`` drafts' tokens per step that treats the depths' mean rates
+as independent) scores the evaluations: the best weights are kept in ``out/best`` and
 training stops after ``patience`` evaluations without a better one.
 
 Randomness is a pure function of ``(seed, step)``: the data order of epoch ``e`` comes from
@@ -175,8 +177,10 @@ class DrafterTrainConfig(common.RecipeConfig):
         need(self.warmup_steps >= 0, f"warmup_steps must be >= 0, got {self.warmup_steps}")
         need(self.grad_clip >= 0, f"grad_clip must be >= 0 (0 = off), got {self.grad_clip}")
         need(self.noise >= 0, f"noise must be >= 0, got {self.noise}")
-        need(self.feature_weight >= 0 and self.ce_weight >= 0 and self.feature_weight + self.ce_weight > 0,
-             f"loss weights must be >= 0 and not both 0, got {self.feature_weight}, {self.ce_weight}")
+        law_weight = self.ce_weight if self.law_loss == "ce" else self.distill_weight
+        need(self.feature_weight >= 0 and self.ce_weight >= 0 and self.feature_weight + law_weight > 0,
+             f"loss weights must be >= 0 and not both 0, got feature {self.feature_weight} and "
+             f"{'ce' if self.law_loss == 'ce' else 'distill'} {law_weight}")
         need(0 <= self.null_fraction <= 1, f"null_fraction must lie in [0, 1], got {self.null_fraction}")
         need(self.law_loss in LAW_LOSSES, f"law_loss must be one of {', '.join(LAW_LOSSES)}, got {self.law_loss!r}")
         need(self.distill_weight >= 0, f"distill_weight must be >= 0, got {self.distill_weight}")
@@ -188,6 +192,8 @@ class DrafterTrainConfig(common.RecipeConfig):
                                        "accepts by argmax, not by the law)")
             need(self.null_fraction == 1 or self.cfg_scale == 1.0,
                  "distilling the guided law needs both CFG streams of every sequence: null_fraction 1")
+        need(self.null_fraction > 0 or self.cfg_scale == 1.0,
+             "with CFG the drafter runs on both streams while decoding: null_fraction must be > 0")
         need(self.checkpoint_interval >= 1, f"checkpoint_interval must be >= 1, got {self.checkpoint_interval}")
         need(self.eval_interval >= 1, f"eval_interval must be >= 1, got {self.eval_interval}")
         need(self.eval_sequences >= 1, f"eval_sequences must be >= 1, got {self.eval_sequences}")
@@ -636,7 +642,7 @@ def guided_log_law(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tens
 def drafter_loss(pred_features: torch.Tensor, pred_logits: torch.Tensor, next_features: torch.Tensor,
                  next_logits: torch.Tensor, *, feature_weight: float = 1.0, ce_weight: float = 0.1,
                  law_loss: str = "ce", distill_weight: float = 1.0, sampling: SamplingConfig | None = None,
-                 train_depths: int | None = None) -> dict[str, torch.Tensor]:
+                 train_depths: int | None = None, law_rows: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """The loss over draft depths, and what it measures per depth.
 
     ``pred_features [R, D, T, dim]`` / ``pred_logits [R, D, T, vocab]`` (:func:`unrolled`),
@@ -651,6 +657,9 @@ def drafter_loss(pred_features: torch.Tensor, pred_logits: torch.Tensor, next_fe
       filtered: :func:`~relaxspec.sampling.process_logits` with ``sampling``) to the drafter's
       guided, tempered law renormalised on ``p``'s support, and TV between the two decoding laws;
       ``"kl+tv"`` adds them.
+
+    The laws are those of ``law_rows`` (default all): the ``[cond; null]`` pairs under CFG, the
+    condition's rows without (decoding runs no other stream).
 
     ``loss = feature_weight * feature_loss + ce_weight * ce`` (or ``+ distill_weight * law``).
     Measured on every depth: ``accept [D]``, the mean ``1 - TV(p, q)`` of the decoding laws;
@@ -676,9 +685,12 @@ def drafter_loss(pred_features: torch.Tensor, pred_logits: torch.Tensor, next_fe
         ce = -(probs * pred_logits.float().log_softmax(dim=-1)).sum(dim=-1)
         result["ce"] = mean_per_depth(ce)[trained].mean()
         law = ce_weight * result["ce"]
+    if law_rows is not None:  # the rows decoding compares: paired [cond; null] under CFG, else cond
+        pred_logits, next_logits = pred_logits[law_rows], next_logits[law_rows]
     p = process_logits(next_logits, sampling)[:, None]  # [B, 1, T, V]: the decoding laws
-    q = process_logits(pred_logits, sampling)  # [B, D, T, V]
-    tv = 0.5 * (p - q).abs().sum(dim=-1)
+    with torch.set_grad_enabled(torch.is_grad_enabled() and "tv" in law_loss):  # else a measure only
+        q = process_logits(pred_logits, sampling)  # [B, D, T, V]
+        tv = 0.5 * (p - q).abs().sum(dim=-1)
     if law_loss != "ce":
         law = torch.zeros((), device=device)
         if "kl" in law_loss:
@@ -721,9 +733,15 @@ def batch_loss(drafter: EagleDrafter, tokens: torch.Tensor, labels: torch.Tensor
         pred_features, pred_logits = unrolled(drafter, features, torch.cat([tokens, tokens[:null_rows]]), depths,
                                               noise=noise)
         next_features, next_logits = drafter_targets(features, logits)
+    batch = tokens.shape[0]
+    law_rows = None  # every row: [cond B; null B] under CFG
+    if config.sampling.use_cfg and null_rows < batch:
+        law_rows = torch.cat([torch.arange(null_rows), torch.arange(batch, batch + null_rows)]).to(device)
+    elif not config.sampling.use_cfg and null_rows:  # decoding runs the condition's stream only
+        law_rows = torch.arange(batch, device=device)
     return drafter_loss(pred_features, pred_logits, next_features, next_logits, feature_weight=config.feature_weight,
                         ce_weight=config.ce_weight, law_loss=config.law_loss, distill_weight=config.distill_weight,
-                        sampling=config.sampling, train_depths=config.train_depths)
+                        sampling=config.sampling, train_depths=config.train_depths, law_rows=law_rows)
 
 
 @torch.no_grad()
@@ -761,7 +779,7 @@ def evaluate_drafter(drafter: EagleDrafter, dataset: DrafterDataset, config: Dra
 
 def _save_checkpoint(out: Path, drafter: EagleDrafter, optimizer: torch.optim.Optimizer, step: int,
                      config: DrafterTrainConfig, history: list[dict], best: dict | None = None,
-                     bad_evals: int = 0) -> None:
+                     bad_evals: int = 0, measure: dict | None = None) -> None:
     """``model.safetensors`` + ``config.json`` (what decoding loads) and ``train_state.pt`` (what
     ``--resume`` loads: weights too, so it alone is a consistent snapshot), each replaced atomically."""
     common.publish_model(out, drafter, kind="drafter",
@@ -777,7 +795,13 @@ def _save_checkpoint(out: Path, drafter: EagleDrafter, optimizer: torch.optim.Op
         "history": history,
         "best": best or {},
         "bad_evals": bad_evals,
+        "measure": measure,  # what the best's score was measured on
     })
+
+
+def _measure(config: DrafterTrainConfig) -> dict:
+    """What an evaluation's chain MAL depends on besides the weights (a resume may change it)."""
+    return {"eval_depths": config.eval_depths, "eval_sequences": config.eval_sequences}
 
 
 ACCEPT_PLOT = "accept.png"
@@ -788,13 +812,11 @@ def plot_acceptance(history: list[dict], path: str | Path) -> Path | None:
     evaluations in ``history``; ``None`` (nothing written) without matplotlib or evaluations."""
     records = [r for r in history if r.get("accept")]
     try:
-        import matplotlib
+        from matplotlib.figure import Figure  # no pyplot: the caller's backend is left alone
     except ImportError:
         return None
     if not records:
         return None
-    matplotlib.use("Agg", force=False)
-    from matplotlib.figure import Figure
 
     figure = Figure(figsize=(7, 3.6), layout="constrained")
     accept, chain = figure.subplots(1, 2, width_ratios=[3, 2])
@@ -815,7 +837,7 @@ def plot_acceptance(history: list[dict], path: str | Path) -> Path | None:
 def export_drafter(source: str | Path, folder: str | Path, target: TargetModel, training: dict) -> None:
     """Write the drafter in ``source`` to ``folder`` in fp16 (the shipped format), recording
     ``training`` in its config.json."""
-    drafter = load_drafter(source, target)
+    drafter = load_drafter(source, target, dtype=torch.float32)  # fp32 -> fp16 directly, never via the target's
     common.publish_model(folder, drafter, kind="drafter", dtype=torch.float16, extra={"training": training})
 
 
@@ -945,7 +967,7 @@ def train_drafter(config: DrafterTrainConfig, *, target: TeacherForcedTarget | N
     torch.manual_seed(config.seed)
     drafter = EagleDrafter(shape, target).to(device).attach(target)
     if config.init_from and saved is None:
-        grow_drafter(drafter, load_drafter(config.init_from, target), config.init_from)
+        grow_drafter(drafter, load_drafter(config.init_from, target, dtype=torch.float32), config.init_from)
     drafter.train()
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=config.lr, betas=config.betas, weight_decay=config.weight_decay)
     step, history, best, bad_evals = 0, [], {}, 0
@@ -955,6 +977,8 @@ def train_drafter(config: DrafterTrainConfig, *, target: TeacherForcedTarget | N
         common.set_rng_state(saved["rng"])
         step, history = int(saved["step"]), list(saved["history"])
         best, bad_evals = dict(saved.get("best") or {}), int(saved.get("bad_evals", 0))
+        if saved.get("measure") != _measure(config):  # scores of another measure do not compare
+            best, bad_evals = {}, 0
         common.rewrite_metrics(out, history)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -963,22 +987,26 @@ def train_drafter(config: DrafterTrainConfig, *, target: TeacherForcedTarget | N
     extra = {"recipe": "relaxspec train-drafter", "law_loss": config.law_loss, "train_depths": config.train_depths}
 
     def evaluate(at: int) -> bool:
+        # Only the evaluations on the schedule compete for out/best and count for patience: a run's
+        # last step is evaluated too, and a split run would otherwise not stop where a whole one does.
         nonlocal best, bad_evals
         metrics = evaluate_drafter(drafter, eval_set, config, max_sequences=config.eval_sequences)
-        improved = not best or metrics["chain_mal"] > best["chain_mal"]
+        scheduled = at % config.eval_interval == 0
+        improved = scheduled and (not best or metrics["chain_mal"] > best["chain_mal"])
         record = {"step": at, "split": eval_name, **metrics, "best": improved}
+        history.append(record)
         if improved:
             best, bad_evals = dict(record), 0
             common.publish_model(out, drafter, kind="drafter", name=BEST, extra={"training": {**extra, "best": record}})
-        else:
+            checkpoint(at)  # the saved state always names what out/best holds
+        elif scheduled:
             bad_evals += 1
-        history.append(record)
         law = " ".join(f"{name} {metrics[name]:.4f}" for name in ("ce", "kl", "tv") if name in metrics)
         accept = " ".join(f"{a:.3f}" for a in metrics["accept"])
         common.log_metrics(out, record, f"step {at}: {eval_name} loss {metrics['loss']:.4f} feature "
                                         f"{metrics['feature_loss']:.4f} {law} | 1-TV by depth {accept} | chain MAL "
                                         f"{metrics['chain_mal']:.3f} | top-1 {metrics['accuracy']:.3f}"
-                                        + (" (best)" if improved else f" (best: step {best['step']})"))
+                                        + (" (best)" if improved else f" (best: step {best.get('step')})"))
         if config.patience and bad_evals >= config.patience:
             tqdm.write(f"stopping: no better chain MAL in {bad_evals} evaluations (best: step {best['step']})")
             checkpoint(at)
@@ -986,7 +1014,7 @@ def train_drafter(config: DrafterTrainConfig, *, target: TeacherForcedTarget | N
         return False
 
     def checkpoint(at: int) -> None:
-        _save_checkpoint(out, drafter, optimizer, at, config, history, best, bad_evals)
+        _save_checkpoint(out, drafter, optimizer, at, config, history, best, bad_evals, _measure(config))
 
     def step_loss(step: int, index: torch.Tensor):
         noise = torch.Generator(device=device).manual_seed(common.mix(config.seed, step))
@@ -1011,7 +1039,10 @@ def train_drafter(config: DrafterTrainConfig, *, target: TeacherForcedTarget | N
         desc="train-drafter", progress=config.progress)
     if run.step == first:  # nothing left to train (e.g. resumed at the end): still leave a checkpoint
         checkpoint(first)
-    plot_acceptance(history, out / ACCEPT_PLOT)
+    try:
+        plot_acceptance(history, out / ACCEPT_PLOT)
+    except (OSError, ValueError, RuntimeError) as err:  # a plot never costs the run its export
+        tqdm.write(f"could not plot {out / ACCEPT_PLOT}: {err}")
     if config.export and best:
         export_drafter(out / BEST, config.export, target, {**extra, "best": best})
     return DrafterTrainResult(drafter.eval(), run.step, history, run.seconds, run.per_second, best,
