@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from helpers.engine import explicit_chain
+from helpers.engine import explicit_chain, peaked_target
 from relaxspec.drafting.eagle import EagleDrafter, drafter_config, load_drafter
 from relaxspec.errors import RelaxspecError
 from relaxspec.models.llamagen.gpt import GPTConfig, Transformer
@@ -33,17 +33,9 @@ TINY = GPTConfig(dim=64, n_layer=2, n_head=4, vocab_size=64, num_classes=10, blo
 GUIDED = SamplingConfig(cfg_scale=3.0, temperature=1.0)
 
 
-def make_target(seed: int = 0) -> Transformer:
-    torch.manual_seed(seed)
-    target = Transformer(TINY)
-    with torch.no_grad():
-        target.output.weight.mul_(10)
-    return target.eval()
-
-
 @pytest.fixture(scope="module")
 def target() -> Transformer:
-    return make_target()
+    return peaked_target(TINY, head_scale=10.0)
 
 
 @pytest.fixture(scope="module")

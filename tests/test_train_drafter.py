@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from helpers.engine import peaked_target
 from relaxspec.cli.train import add_train_drafter_parser, run_train_drafter
 from relaxspec.models.llamagen.checkpoints import save_model
 from relaxspec.drafting.eagle import EagleDrafter
@@ -35,11 +36,7 @@ TINY = GPTConfig(dim=64, n_layer=2, n_head=4, vocab_size=64, num_classes=10, blo
 
 
 def make_target(config: GPTConfig = TINY, seed: int = 0) -> Transformer:
-    torch.manual_seed(seed)
-    target = Transformer(config)
-    with torch.no_grad():
-        target.output.weight.mul_(20)  # peaked distributions, so the CE has something to learn
-    return target.eval()
+    return peaked_target(config, seed)  # peaked distributions, so the CE has something to learn
 
 
 @pytest.fixture(scope="module")

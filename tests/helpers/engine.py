@@ -32,6 +32,16 @@ def tiny_target(seed: int = 1, scale: float = 4.0) -> Transformer:
     return model
 
 
+def peaked_target(config: GPTConfig, seed: int = 0, head_scale: float = 20.0) -> Transformer:
+    """A random LlamaGen target in eval mode whose output head is scaled by ``head_scale``: its
+    laws are peaked, so a drafter has something to learn (drafter-training tests)."""
+    torch.manual_seed(seed)
+    target = Transformer(config)
+    with torch.no_grad():
+        target.output.weight.mul_(head_scale)
+    return target.eval()
+
+
 def tiny_drafter(model: Transformer, seed: int = 1, scale: float = 4.0) -> EagleDrafter:
     """An untrained EAGLE drafter with scaled weights: its q is far from uniform and far from p."""
     torch.manual_seed(seed)

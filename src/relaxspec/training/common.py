@@ -37,6 +37,8 @@ from relaxspec.errors import RelaxspecError
 
 TRAIN_STATE = "train_state.pt"
 METRICS = "metrics.jsonl"
+#: Where a recipe keeps its best-scoring weights (model.safetensors + config.json).
+BEST = "best"
 
 
 # ------------------------------------------------------------------------------------------

@@ -79,7 +79,7 @@ RUN_FIELDS = ("out", "epochs", "steps", "device", "bf16", "progress", "checkpoin
 #: Fields added after the first train states were written, and what a state without them did.
 ADDED_FIELDS = {"law_loss": "ce", "distill_weight": 1.0, "train_depths": 1}
 LAW_LOSSES = ("ce", "kl", "tv", "kl+tv")
-BEST = "best"
+BEST = common.BEST
 
 
 # ------------------------------------------------------------------------------------------
@@ -639,6 +639,12 @@ def guided_log_law(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tens
     return (logits / max(sampling.temperature, 1e-5)).log_softmax(dim=-1)
 
 
+def chain_mal(accept: torch.Tensor) -> torch.Tensor:
+    """Tokens per step of a chain of ``len(accept)`` drafts accepted at those per-depth rates:
+    ``1 + sum_d prod_{i <= d} accept_i``."""
+    return 1 + accept.cumprod(dim=0).sum()
+
+
 def drafter_loss(pred_features: torch.Tensor, pred_logits: torch.Tensor, next_features: torch.Tensor,
                  next_logits: torch.Tensor, *, feature_weight: float = 1.0, ce_weight: float = 0.1,
                  law_loss: str = "ce", distill_weight: float = 1.0, sampling: SamplingConfig | None = None,
@@ -708,7 +714,7 @@ def drafter_loss(pred_features: torch.Tensor, pred_logits: torch.Tensor, next_fe
     with torch.no_grad():
         accept = mean_per_depth(1 - tv)
         top1 = mean_per_depth((q.argmax(dim=-1) == p.argmax(dim=-1)).float())
-    result.update(accept=accept, top1=top1, accuracy=top1[0], chain_mal=1 + accept.cumprod(dim=0).sum())
+    result.update(accept=accept, top1=top1, accuracy=top1[0], chain_mal=chain_mal(accept))
     return result
 
 
@@ -768,7 +774,7 @@ def evaluate_drafter(drafter: EagleDrafter, dataset: DrafterDataset, config: Dra
     drafter.train(was_training)
     means = {name: value / max(count, 1) for name, value in totals.items()}
     if "accept" in means:  # the chain's tokens per step from the mean per-depth rates
-        means["chain_mal"] = 1 + means["accept"].cumprod(dim=0).sum()
+        means["chain_mal"] = chain_mal(means["accept"])
     return {name: value.tolist() if value.ndim else float(value) for name, value in means.items()}
 
 

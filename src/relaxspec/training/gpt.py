@@ -57,7 +57,7 @@ from relaxspec.training.vq import AUGMENT, load_images, to_pixels
 STATE_VERSION = 1
 RECIPE = "gpt"
 TOKENS = "tokens.npz"
-BEST = "best"
+BEST = common.BEST
 RUN_FIELDS = ("out", "data", "vq_ckpt", "device", "threads", "progress", "checkpoint_interval", "export",
               "patience")  # patience only decides when to stop: a stopped run may continue with more
 
