@@ -62,7 +62,8 @@ def generate(classes: str | Sequence[int | str] | None = None, method: str | Met
              device: str | torch.device | None = None, precision: str | None = None, upscale: int = 1,
              progress: bool = False, prompts: Sequence[str] | None = None, t5_path: str | None = None,
              model_path: str | None = None, tokenizer_path: str | None = None, drafter_ckpt: str | None = None,
-             negative_prompt: str | None = None, image_size: int | None = None, **method_fields) -> Generation:
+             negative_prompt: str | None = None, image_size: int | None = None, preset: str | None = None,
+             **method_fields) -> Generation:
     """Generate one image per class (or per prompt, for a text-to-image model).
 
     ``classes``: class ids, or names for a model that names its classes (``"heart,animal-mammal"``
@@ -79,6 +80,11 @@ def generate(classes: str | Sequence[int | str] | None = None, method: str | Met
     folder) for a LlamaGen t2i target; ``model_path``: a transformers folder (Janus / Janus-Pro,
     Emu3, Lumina-mGPT with ``tokenizer_path``), opened as ``relaxspec generate --model-path`` opens
     it for ``prompts``, with ``drafter_ckpt``, ``negative_prompt`` (Emu3) and ``image_size``.
+
+    ``preset``: a preset file written by ``relaxspec tune`` for this model on this kind of machine
+    (:mod:`relaxspec.pipelines.presets`): its method and settings become the default method (its
+    sampling the default sampling); ``method_fields`` still set fields over it. A preset made for
+    another model or machine is refused.
     """
     check_upscale(upscale)  # and the output side, once the model's image size is known
     check_seed(seed)
@@ -104,6 +110,12 @@ def generate(classes: str | Sequence[int | str] | None = None, method: str | Met
                 raise RelaxspecError("device and precision apply to the embedded model; load your own model on the "
                                      "device and in the precision you want")
             pipeline = pipeline_of(model, t5_path)
+    if preset is not None:
+        from relaxspec.pipelines.presets import with_preset
+
+        if method is not None:
+            raise RelaxspecError("a preset names its method: give preset or method, not both")
+        pipeline = with_preset(pipeline, preset)
     condition = pipeline.conditions(classes=classes, prompts=None if prompts is None else list(prompts))
     options = pipeline.method(method, method_fields)
     check_upscale(upscale, pipeline.image_size)

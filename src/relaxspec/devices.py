@@ -21,3 +21,30 @@ def resolve_device(name: str, what: str = "device") -> torch.device:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise RelaxspecError(f"{what} {name}: CUDA is not available on this machine (this torch build: {torch.__version__})")
     return device
+
+
+def machine_identity(device: torch.device | str = "cpu") -> dict:
+    """What kind of machine ``device`` is, for a timing result that only holds there (a tuned
+    preset): the device type and its name (the CPU model from ``/proc/cpuinfo``, or CUDA's
+    device name), and the torch build. Threads are a setting of the run, not of the machine."""
+    import platform
+
+    device = torch.device(device)
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+    else:
+        name = platform.processor() or platform.machine()
+        try:
+            with open("/proc/cpuinfo") as handle:
+                for line in handle:
+                    if line.lower().startswith("model name"):
+                        name = line.split(":", 1)[1].strip()
+                        break
+        except OSError:
+            pass
+    return {"device_type": device.type, "name": name, "torch": torch.__version__}
+
+
+def machine_kind(identity: dict) -> str:
+    """One line naming a :func:`machine_identity`: ``cpu: Intel(R) Xeon(R) ...``."""
+    return f"{identity.get('device_type', '?')}: {identity.get('name', '?')}"

@@ -6,7 +6,7 @@ Subcommands (one module each; every module only calls library functions):
   PNGs, ``grid.png``, ``tokens.npy`` and ``stats.json``; resumable.
 * ``info``, ``build-tree``, ``make-test-checkpoints`` (:mod:`.tools`).
 * ``data``, ``train-vq``, ``train-gpt``, ``train-drafter``, ``train-classifier`` (:mod:`.train`).
-* ``bench`` (:mod:`.bench`) and ``eval`` (:mod:`.eval`).
+* ``bench`` (:mod:`.bench`), ``tune`` (:mod:`.tune`) and ``eval`` (:mod:`.eval`).
 * ``demo`` (:mod:`.demo`): the web page of :mod:`relaxspec.demo`.
 
 Every mistake a user can make ends in one line ``relaxspec: error: ...`` on stderr and exit code 2.
@@ -23,11 +23,11 @@ from relaxspec import __version__
 from relaxspec.cli.options import Parser, UsageError
 from relaxspec.errors import RelaxspecError
 
-COMMANDS = "generate,info,data,train-vq,train-gpt,train-drafter,train-classifier,build-tree,bench,eval,demo,make-test-checkpoints"
+COMMANDS = "generate,info,data,train-vq,train-gpt,train-drafter,train-classifier,build-tree,bench,tune,eval,demo,make-test-checkpoints"
 
 
 def build_parser() -> Parser:
-    from relaxspec.cli import bench, demo, eval, generate, tools, train
+    from relaxspec.cli import bench, demo, eval, generate, tools, train, tune
 
     parser = Parser(prog="relaxspec", description="Exact and relaxed speculative decoding for autoregressive image generators: "
                                                          "LlamaGen, and Janus / Emu3 through transformers.")
@@ -40,6 +40,7 @@ def build_parser() -> Parser:
     train.add_train_gpt_parser(commands)
     train.add_train_drafter_parser(commands)
     bench.add_bench_parser(commands)
+    tune.add_tune_parser(commands)
     eval.add_eval_parser(commands)
     demo.add_demo_parser(commands)
     train.add_train_classifier_parser(commands)

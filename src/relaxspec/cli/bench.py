@@ -72,6 +72,9 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     methods.add_argument("--sweep", action="append", default=[], metavar="NAME:FIELD=V1,V2,...", help=(
         "run NAME once per value instead of once with its default, e.g. lantern:delta=0.05,0.1,0.2,0.4, "
         "lantern++:lam=2,5,10, cool:cool_delta=1.1,2,4 (repeatable; sweeps of one name multiply)"))
+    methods.add_argument("--preset", metavar="TUNE_JSON", help=(
+        "a preset file from relaxspec tune: benchmarked as the method 'tuned' beside --methods (default with a "
+        "preset: ar and tuned only), under the sampling it was tuned with"))
     methods.add_argument("--list-methods", action="store_true", help="describe the named methods and exit")
 
     sampling = bench.add_argument_group("sampling (upstream order: CFG, temperature, top-k, top-p)")
@@ -119,6 +122,23 @@ def list_methods(model_presets: dict | None = None) -> str:
     for name, fields in (model_presets or {}).items():
         lines.append(f"this model's {name}: " + ", ".join(f"{k}={v}" for k, v in fields.items()))
     return "\n".join(lines)
+
+
+#: The label a --preset's setting is benchmarked under.
+TUNED = "tuned"
+
+
+def preset_spec(preset: dict):
+    """The bench method a preset file stands for: its method with its settings as the model's
+    preset of that name, labelled :data:`TUNED`."""
+    from relaxspec.bench.config import MethodSpec, check_spec
+
+    fields = dict(preset["method"])
+    name = fields.pop("method")
+    spec = MethodSpec(label=TUNED, options={"method": name}, family=TUNED, preset=fields,
+                      description=f"the preset {preset['path']}: " + ", ".join(f"{k}={v}" for k, v in fields.items()))
+    check_spec(spec)
+    return spec
 
 
 def _positive(args: argparse.Namespace, *names: str) -> None:
@@ -194,7 +214,16 @@ def run_bench_cli(args: argparse.Namespace) -> int:
 
     from relaxspec.files import file_identity
 
+    preset = None
+    if args.preset is not None:
+        from relaxspec.pipelines.presets import read_preset
+
+        preset = read_preset(args.preset)
+        if args.methods is None:
+            args.methods = BASELINE
     specs = expand_methods(parse_methods(args.methods, bench_defaults.get("methods")), args.sweep, model_presets)
+    if preset is not None:
+        specs.append(preset_spec(preset))
     if args.compile:
         for spec in specs:
             if spec.label != BASELINE:
@@ -210,6 +239,10 @@ def run_bench_cli(args: argparse.Namespace) -> int:
     pipeline = open_from_args(args, prompts=prompts if args.model_path is not None and prompts else None,
                               with_drafter=bool(drafting))
     args.drafter_ckpt = drafter_ckpt
+    if preset is not None:
+        from relaxspec.pipelines.presets import with_preset
+
+        pipeline = with_preset(pipeline, preset)
     if drafting and pipeline.drafter is None:
         raise RelaxspecError(f"{', '.join(drafting)} draft with an EAGLE drafter and this model has none: give "
                              "--drafter-ckpt, or choose drafter-free --methods such as ar,sjd,scd")

@@ -29,6 +29,8 @@ def add_demo_parser(subparsers) -> argparse.ArgumentParser:
     models.add_argument("--negative-prompt", metavar="TEXT", help="Emu3: the guidance's negative prompt "
                                                                   "(default: its family's)")
     models.add_argument("--threads", type=int, help="CPU threads for torch (default 1 for the embedded model)")
+    models.add_argument("--preset", metavar="TUNE_JSON", help="a preset file from relaxspec tune for this model on "
+                                                             "this kind of machine: the page races its setting")
     page = demo.add_argument_group("page")
     page.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     page.add_argument("--port", type=int, default=7860, help="port (default 7860)")
@@ -51,6 +53,13 @@ def load_demo_model(args: argparse.Namespace):
     if args.model_path is None and (args.prompt is not None or args.negative_prompt is not None):
         raise RelaxspecError("--prompt / --negative-prompt go with --model-path")
     embedded = args.gpt_ckpt is None and args.model_path is None
+    preset = None
+    if getattr(args, "preset", None) is not None:
+        from relaxspec.pipelines.presets import read_preset
+
+        preset = read_preset(args.preset)  # checked before any weights load
+        if args.threads is None and preset.get("threads"):
+            args.threads = int(preset["threads"])
     if args.threads is None and embedded:
         args.threads = 1
     if args.threads is not None:
@@ -65,6 +74,10 @@ def load_demo_model(args: argparse.Namespace):
         if pipeline.takes != "classes":
             raise RelaxspecError("relaxspec demo takes class-conditional LlamaGen checkpoints, or a Janus, Emu3 or "
                                  "Lumina-mGPT folder with --model-path: a LlamaGen t2i checkpoint is not served yet")
+    if preset is not None:
+        from relaxspec.pipelines.presets import with_preset
+
+        pipeline = with_preset(pipeline, preset)
     has_drafter = pipeline.drafter is not None
     if pipeline.default_method not in (None, "ar"):
         default = pipeline.default_method

@@ -96,6 +96,9 @@ def add_generate_parser(subparsers) -> argparse.ArgumentParser:
                              "method, MODEL_CARD.md); a model's own presets tune a name (the embedded model's "
                              "--method lantern is its tuned LANTERN)")
     method.add_argument("--drafter-ckpt", metavar="PATH", help="EAGLE drafter (methods that draft with it)")
+    method.add_argument("--preset", metavar="TUNE_JSON", help="a preset file from relaxspec tune for this model on this "
+                                                             "kind of machine: its method, settings, sampling and "
+                                                             "threads (flags set over it)")
     add_setting_flags(method)
 
     output = gen.add_argument_group("output")
@@ -166,6 +169,9 @@ def check_inputs(args: argparse.Namespace) -> list[str]:
     check_upscale(args.upscale)  # the output side is checked once the model's image size is known
     check_seed(args.seed)
     embedded = args.gpt_ckpt is None and args.model_path is None
+    preset = preset_option(args)
+    if args.threads is None and preset is not None and preset.get("threads"):
+        args.threads = int(preset["threads"])  # the threads it was timed with
     if args.threads is None and embedded:
         # A model this small is fastest on one thread, and far slower with two when anything else
         # runs on the other core (thread hand-offs, not arithmetic, dominate).
@@ -185,7 +191,10 @@ def check_inputs(args: argparse.Namespace) -> list[str]:
             raise RelaxspecError(f"this {family} model takes text prompts: --prompt TEXT or --prompts-file FILE")
     if args.model_path is None and args.tokenizer_path is not None:
         raise RelaxspecError("--tokenizer-path goes with --model-path (a Lumina-mGPT folder)")
-    if embedded:  # the method is checked before any weights load (the embedded model's presets are a file)
+    if preset is not None:
+        fields = dict(preset["method"])
+        methods.resolve(fields.pop("method"), given_settings(args), {preset["method"]["method"]: fields})
+    elif embedded:  # the method is checked before any weights load (the embedded model's presets are a file)
         from relaxspec import embedded as shipped
 
         early = shipped.defaults()
@@ -194,6 +203,18 @@ def check_inputs(args: argparse.Namespace) -> list[str]:
     else:
         methods.resolve(args.method or "ar", given_settings(args))
     return prompts
+
+
+def preset_option(args: argparse.Namespace) -> dict | None:
+    """The ``--preset`` file, read and checked (``None`` without one); it names the method, so
+    ``--method`` is refused beside it."""
+    if getattr(args, "preset", None) is None:
+        return None
+    from relaxspec.pipelines.presets import read_preset
+
+    if getattr(args, "method", None) is not None:
+        raise RelaxspecError("--preset names the method: leave out --method (setting flags still apply over it)")
+    return read_preset(args.preset)
 
 
 def run_settings(args: argparse.Namespace, pipeline, options, sampling, condition: Condition) -> dict:
@@ -225,10 +246,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
     prompts = check_inputs(args)
     out = Path(args.out)
     pipeline = open_from_args(args, prompts=prompts if args.model_path is not None and prompts else None)
+    if args.preset is not None:
+        from relaxspec.pipelines.presets import with_preset
+
+        pipeline = with_preset(pipeline, args.preset)
     sampling = pipeline.sampling(cfg_scale=args.cfg_scale, temperature=args.temperature, top_k=args.top_k,
                                  top_p=args.top_p)
     options = methods.resolve(args.method or pipeline.default_method, given_settings(args), pipeline.presets)
-    if args.drafter_ckpt is not None and not options.needs_drafter:
+    if args.drafter_ckpt is not None and not options.needs_drafter and args.preset is None:
         raise RelaxspecError(f"--drafter-ckpt is not used by {options.family.where(options)}")
     if options.needs_drafter and pipeline.drafter is None:
         raise RelaxspecError("--drafter-ckpt is required: this method drafts with an EAGLE drafter trained for the "

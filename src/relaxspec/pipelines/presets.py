@@ -1,0 +1,157 @@
+"""Preset files: the setting ``relaxspec tune`` chose for one model on one kind of machine.
+
+A preset file (``tune.json``) names a method and every setting it reads, the sampling it was tuned
+under, what it measured (speed-up with its interval on held-out images, TV or quality figures),
+and the identities it holds for: the model's weights (target and drafter, by content, so a copied
+checkpoint keeps its presets) and the machine (device type and name). ``generate``, ``bench``,
+``demo`` and :func:`relaxspec.generate` take one with ``--preset FILE`` / ``preset=``; a preset
+made for another model, drafter or machine kind is refused with one line, because a timing
+result says nothing about another machine and a tree says nothing about another drafter.
+
+A tree the preset drafts with is a JSON file beside it (``trees/NAME.json``), named relative to
+the preset's folder, so the folder can be moved or copied as a whole.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+
+from relaxspec import __version__, methods
+from relaxspec.devices import machine_identity, machine_kind
+from relaxspec.errors import RelaxspecError
+
+#: What a preset file says it is, and the format version this code writes and reads.
+PRESET_KIND, PRESET_VERSION = "relaxspec-preset", 1
+#: Leading elements of a weight tensor that enter the fingerprint (the whole tensor when smaller).
+FINGERPRINT_ELEMENTS = 1 << 16
+
+
+def weights_fingerprint(module) -> str | None:
+    """A short content hash of a module: its config and the leading elements of its first and
+    last weight tensors (as fp32 bytes on the host, so device and file location do not matter).
+    ``None`` for ``None``."""
+    if module is None:
+        return None
+    digest = hashlib.sha256()
+    config = getattr(module, "config", None)
+    if config is not None:
+        data = config.to_dict() if hasattr(config, "to_dict") else repr(config)
+        digest.update(json.dumps(data, sort_keys=True, default=str).encode())
+    params = list(module.parameters())
+    for tensor in (params[0], params[-1]) if params else ():
+        flat = tensor.detach().reshape(-1)[:FINGERPRINT_ELEMENTS].to("cpu", torch.float32)
+        digest.update(str(tuple(tensor.shape)).encode())
+        digest.update(flat.numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def model_fingerprint(pipeline) -> dict:
+    """What a preset is tied to about the model: its family, image tokens, the target's and the
+    drafter's content fingerprints and the precision the weights run in."""
+    target = pipeline.target
+    dtype = next(target.parameters()).dtype if list(target.parameters()) else None
+    return {"family": pipeline.family, "image_tokens": pipeline.image_tokens,
+            "target": weights_fingerprint(target), "drafter": weights_fingerprint(pipeline.drafter),
+            "dtype": str(dtype).replace("torch.", "") if dtype is not None else None}
+
+
+def preset_record(options, sampling, *, pipeline, threads: int | None, batch_size: int, measured: dict,
+                  budget: dict, command: str, tree_root: Path | None = None) -> dict:
+    """The dictionary a preset file holds (:func:`write_preset`). ``options``: the chosen
+    :class:`~relaxspec.methods.MethodOptions`; a JSON tree file it drafts with is recorded
+    relative to ``tree_root`` (the preset's folder)."""
+    fields = options.to_dict()
+    draft = fields.get("draft")
+    if tree_root is not None and isinstance(draft, str) and draft.endswith(".json"):
+        try:
+            fields["draft"] = Path(draft).resolve().relative_to(Path(tree_root).resolve()).as_posix()
+        except ValueError:
+            pass  # a tree outside the preset's folder keeps its path
+    return {"kind": PRESET_KIND, "version": PRESET_VERSION, "relaxspec_version": __version__,
+            "method": fields, "sampling": sampling.to_dict(), "budget": budget, "measured": measured,
+            "model": model_fingerprint(pipeline), "machine": machine_identity(pipeline.device),
+            "threads": threads, "batch_size": batch_size, "command": command}
+
+
+def read_preset(path) -> dict:
+    """A preset file, checked (one-line errors): what it is, its method and settings (a tree file
+    it names is resolved against the file's folder and must exist)."""
+    path = Path(path)
+    if not path.is_file():
+        raise RelaxspecError(f"--preset {path}: no such file")
+    try:
+        data = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as err:
+        raise RelaxspecError(f"--preset {path}: not JSON ({err})") from None
+    if not isinstance(data, dict) or data.get("kind") != PRESET_KIND:
+        raise RelaxspecError(f"--preset {path}: not a relaxspec preset file (write one with relaxspec tune)")
+    if data.get("version") != PRESET_VERSION:
+        raise RelaxspecError(f"--preset {path}: preset format version {data.get('version')!r}; this relaxspec reads "
+                             f"version {PRESET_VERSION}")
+    fields = data.get("method")
+    if not isinstance(fields, dict) or not isinstance(fields.get("method"), str):
+        raise RelaxspecError(f"--preset {path}: it names no method")
+    fields = dict(fields)
+    draft = fields.get("draft")
+    if isinstance(draft, str) and draft.endswith(".json"):
+        tree = Path(draft) if Path(draft).is_absolute() else path.parent / draft
+        if not tree.is_file():
+            raise RelaxspecError(f"--preset {path}: its tree {draft} is missing (keep the trees/ folder beside it)")
+        fields["draft"] = str(tree.resolve())
+    name = fields.pop("method")
+    try:
+        methods.resolve(name, fields)
+    except RelaxspecError as err:
+        raise RelaxspecError(f"--preset {path}: {err}") from None
+    return {**data, "method": {"method": name, **fields}, "path": str(path)}
+
+
+def check_preset(preset: dict, pipeline) -> None:
+    """Refuse, with one line, a preset made for another model, drafter, precision or machine kind."""
+    where = f"--preset {preset.get('path', 'file')}"
+    made, here = preset.get("model") or {}, model_fingerprint(pipeline)
+    if made.get("family") != here["family"] or made.get("target") != here["target"] or \
+            made.get("image_tokens") != here["image_tokens"]:
+        raise RelaxspecError(f"{where} was tuned for another model ({made.get('family')}, weights "
+                             f"{made.get('target')}); this is {here['family']}, weights {here['target']}: tune this "
+                             "model with relaxspec tune")
+    name = preset["method"]["method"]
+    needs = methods.resolve(name, {k: v for k, v in preset["method"].items() if k != "method"}).needs_drafter
+    if needs and made.get("drafter") != here["drafter"]:
+        raise RelaxspecError(f"{where} was tuned with another drafter (weights {made.get('drafter')}; this model's "
+                             f"is {here['drafter']}): its trees and settings belong to that drafter")
+    if made.get("dtype") != here["dtype"]:
+        raise RelaxspecError(f"{where} was tuned with the weights in {made.get('dtype')}; they are in {here['dtype']} "
+                             "now: open the model in that precision, or tune again")
+    machine = preset.get("machine") or {}
+    current = machine_identity(pipeline.device)
+    if (machine.get("device_type"), machine.get("name")) != (current["device_type"], current["name"]):
+        raise RelaxspecError(f"{where} was tuned on another kind of machine ({machine_kind(machine)}); this is "
+                             f"{machine_kind(current)}: timings do not carry over, tune here with relaxspec tune")
+
+
+def with_preset(pipeline, preset):
+    """A copy of ``pipeline`` whose default method is the preset's setting (its own preset of
+    that method name) and whose sampling defaults are the ones it was tuned under; ``preset``: a
+    path or what :func:`read_preset` returned. The pipeline itself is left alone (the Python API
+    caches the embedded one)."""
+    if not isinstance(preset, dict):
+        preset = read_preset(preset)
+    check_preset(preset, pipeline)
+    tuned = copy.copy(pipeline)
+    fields = dict(preset["method"])
+    name = fields.pop("method")
+    tuned.presets = {**pipeline.presets, name: fields}
+    tuned.default_method = name
+    tuned.sampling_defaults = {**pipeline.sampling_defaults, **(preset.get("sampling") or {})}
+    tuned.preset = preset
+    return tuned
+
+
+__all__ = ["PRESET_KIND", "PRESET_VERSION", "check_preset", "model_fingerprint", "preset_record", "read_preset",
+           "weights_fingerprint", "with_preset"]

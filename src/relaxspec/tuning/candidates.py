@@ -1,0 +1,143 @@
+"""The settings a tuning run tries: each method's knobs over the trees built for this machine.
+
+Trees come from the probe (per-(depth, rank) acceptance measured with a wide tree) and the cost
+curve (target and drafter forwards timed here): for each acceptance rule the tree that commits the
+most tokens per second, the best chain and its neighbours, and a wider tree in case the cost model
+is off. The knob grids are the ranges the papers and our benchmarks found useful (delta / k / lam
+for LANTERN and LANTERN++, cool_delta for COOL-SD, group_p_gap and window for GSD, windows for the
+Jacobi methods, dynamic-tree sizes for EAGLE-2); ``compile`` is tried on the finalists only,
+because compiling costs a fixed price per setting.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from relaxspec import methods
+from relaxspec.bench.config import MethodSpec, format_value
+from relaxspec.drafting.trees import TreeSpec, best_tree_for_cost, expected_accept_length
+
+#: The acceptance rules the probe measures: exact, and LANTERN at a middle relaxation (its trees
+#: serve every relaxed method: relaxed rules accept deeper, so they want deeper trees).
+PROBE_RULES = {"exact": {"method": "sd"}, "relaxed": {"method": "lantern", "delta": 0.2, "k": 64}}
+PROBE_TREE = "probe6x6"
+
+
+@dataclass
+class Candidate:
+    """One setting: a registry method name and the fields over its preset; ``tree``: the tree
+    name it drafts with (``None`` when it has none)."""
+
+    label: str
+    method: str
+    fields: dict = field(default_factory=dict)
+    tree: str | None = None
+
+    def options(self):
+        return methods.resolve(self.method, self.fields)
+
+    @property
+    def relaxed(self) -> bool:
+        return bool(self.options().family.relaxed)
+
+    def spec(self) -> MethodSpec:
+        return MethodSpec(label=self.label, options={"method": self.method, **self.fields}, family=self.method)
+
+    def compiled(self) -> "Candidate":
+        return Candidate(f"{self.label}+compile", self.method, {**self.fields, "compile": True}, self.tree)
+
+    def to_dict(self) -> dict:
+        return {"label": self.label, "method": self.method, "fields": dict(self.fields), "tree": self.tree}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Candidate":
+        return cls(data["label"], data["method"], dict(data["fields"]), data.get("tree"))
+
+
+def label_of(method: str, fields: dict, tree: str | None = None) -> str:
+    hidden = {"draft", "tree"} | ({"dynamic_top_k", "depth", "total_tokens"} if str(tree).startswith("dynamic") else set())
+    shown = {k: v for k, v in fields.items() if k not in hidden}
+    parts = ([f"tree={tree}"] if tree else []) + [f"{k}={format_value(v)}" for k, v in shown.items()]
+    return f"{method}[{','.join(parts)}]" if parts else method
+
+
+def candidate_trees(rates, step_seconds, max_nodes: int = 48) -> list[tuple[str, TreeSpec, dict]]:
+    """``(name, tree, facts)`` for one rule's rates: the tree with the most expected tokens per
+    second, the best chain and the chains one shorter and longer, and the best tree of about
+    twice the winner's size (facts: nodes, depth, expected MAL, estimated speed-up over AR from
+    the forwards alone)."""
+    best, curve = best_tree_for_cost(rates, step_seconds, max_nodes)
+    ar_rate = 1.0 / step_seconds(TreeSpec.chain(1)) if curve else 0.0
+    chosen: dict[tuple, tuple[str, TreeSpec]] = {}
+    if best is not None:
+        chosen[best.paths] = (f"best{len(best.paths)}", best)
+
+    def chain_rate(depth: int) -> float:
+        spec = TreeSpec.chain(depth)
+        return (1.0 + expected_accept_length(spec, rates)) / step_seconds(spec)
+
+    depth_cap = max(1, min(int(rates.shape[0]), 8))
+    top = max(range(1, depth_cap + 1), key=chain_rate)
+    for depth in (top, top - 1, top + 1):
+        if 1 <= depth <= depth_cap:
+            spec = TreeSpec.chain(depth)
+            chosen.setdefault(spec.paths, (f"chain{depth}", spec))
+    if best is not None and curve:
+        wide = [row for row in curve if row["nodes"] >= 2 * len(best.paths)]
+        if wide:
+            row = max(wide, key=lambda r: r["tokens_per_second"])
+            from relaxspec.drafting.trees import build_tree
+
+            spec = build_tree(rates, row["nodes"])
+            chosen.setdefault(spec.paths, (f"wide{row['nodes']}", spec))
+    trees = []
+    for name, spec in chosen.values():
+        mal = 1.0 + expected_accept_length(spec, rates)
+        rate = mal / step_seconds(spec)
+        trees.append((name, spec, {"nodes": len(spec.paths), "depth": spec.depth, "expected_mal": mal,
+                                   "estimated_speedup": rate / ar_rate if ar_rate else None}))
+    trees.sort(key=lambda item: -(item[2]["estimated_speedup"] or 0))
+    return trees
+
+
+def build_candidates(budget, trees: dict[str, list[dict]], has_drafter: bool) -> list[Candidate]:
+    """Every setting a run with ``budget`` tries. ``trees[rule]``: ``{"name", "path"}`` per tree,
+    best first (``rule``: ``exact`` / ``relaxed``)."""
+    found: list[Candidate] = []
+
+    def add(method: str, fields: dict, tree: str | None = None) -> None:
+        label = label_of(method, fields, tree)
+        if all(c.label != label for c in found):
+            found.append(Candidate(label, method, fields, tree))
+
+    if has_drafter:
+        for tree in trees.get("exact", []):
+            add("sd", {"draft": tree["path"]}, tree["name"])
+        for top_k, depth, total in ((10, 5, 59), (4, 4, 16)):
+            add("sd", {"draft": "dynamic", "dynamic_top_k": top_k, "depth": depth, "total_tokens": total},
+                f"dynamic{total}")
+    for window in (8, 16):
+        add("sjd", {"window": window})
+    add("scd", {"window": 16})
+    if not budget.relaxed_allowed:
+        return found
+    relaxed = trees.get("relaxed", [])
+    if has_drafter:
+        for tree in relaxed:
+            for delta in (0.1, 0.2, 0.3, 0.5):
+                add("lantern", {"draft": tree["path"], "k": 64, "delta": delta}, tree["name"])
+        for tree in relaxed[:1]:
+            for k in (16, 256):
+                add("lantern", {"draft": tree["path"], "k": k, "delta": 0.3}, tree["name"])
+        for tree in relaxed[:2]:
+            for lam in (2.0, 5.0, 10.0):
+                add("lantern", {"draft": tree["path"], "lam": lam}, tree["name"])
+            for cool_delta in (1.1, 2.0, 4.0, 8.0):
+                add("cool", {"draft": tree["path"], "cool_delta": cool_delta}, tree["name"])
+    for window in (8, 16):
+        for gap in (0.15, 0.3):
+            add("gsd", {"window": window, "group_p_gap": gap})
+    return found
+
+
+__all__ = ["Candidate", "PROBE_RULES", "PROBE_TREE", "build_candidates", "candidate_trees", "label_of"]

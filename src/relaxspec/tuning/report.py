@@ -1,0 +1,177 @@
+"""What a tuning run leaves: ``tune.json`` (the preset), ``frontier.png`` (every tried setting's
+speed-up against its TV per token, the choice marked), ``settings.csv`` (the numbers behind it)
+and ``report.md``."""
+
+from __future__ import annotations
+
+import csv
+import io
+from pathlib import Path
+
+from relaxspec import methods
+from relaxspec.devices import machine_identity, machine_kind
+from relaxspec.files import write_atomic, write_json
+from relaxspec.pipelines.presets import preset_record
+
+PRESET_FILE, REPORT_FILE, FRONTIER_FILE, TABLE_FILE = "tune.json", "report.md", "frontier.png", "settings.csv"
+COLUMNS = ("label", "method", "tree", "relaxed", "compile", "pairs", "speedup", "speedup_lo", "speedup_hi", "seconds",
+           "mal", "tv_per_token", "quality_ok")
+
+
+def _interval(value, lo, hi, digits: int = 2) -> str:
+    if value is None:
+        return "–"
+    return f"{value:.{digits}f}" + ("" if lo is None else f" [{lo:.{digits}f}, {hi:.{digits}f}]")
+
+
+def describe_row(row: dict) -> str:
+    """``lantern[...]: 2.31x [2.10, 2.52] AR, TV 0.012 / token``."""
+    tv = row.get("tv_per_token")
+    return (f"{row['label']}: {_interval(row.get('speedup'), row.get('speedup_lo'), row.get('speedup_hi'))}x eager AR"
+            + ("" if not row.get("relaxed") or tv is None else f", TV {tv:.4f} / token"))
+
+
+def closest_message(budget, closest: dict | None) -> str:
+    """The line printed when no setting within the budget beats AR."""
+    if closest is None:
+        return f"no setting within the budget ({budget.describe()}) beats eager AR, and none was measured faster"
+    if closest.get("relaxed") and budget.kind == "tv":
+        return (f"no setting within the budget ({budget.describe()}) beats eager AR; the closest is "
+                f"{describe_row(closest)} (budget {budget.max_tv_per_token:g}): raise --max-tv-per-token or tune "
+                "for longer")
+    if closest.get("relaxed") and budget.kind == "quality":
+        verdict = "failed" if closest.get("quality_ok") is False else "was not judged on"
+        return (f"no setting within the budget ({budget.describe()}) beats eager AR; the closest is "
+                f"{describe_row(closest)}, which {verdict} the quality test: tune for longer (more images narrow "
+                "the intervals) or use --max-tv-per-token")
+    return (f"no setting within the budget ({budget.describe()}) beats eager AR on this machine; the fastest within "
+            f"it is {describe_row(closest)}")
+
+
+def write_results(out: Path, result: dict, tuner) -> dict:
+    """Write ``settings.csv``, ``frontier.png`` (with matplotlib), ``report.md`` and, when a
+    setting was chosen, ``tune.json``. Returns the paths written and the preset (or ``None``)."""
+    out = Path(out)
+    rows = sorted(result["rows"], key=lambda r: -(r.get("speedup") or 0))
+    written = [out / TABLE_FILE]
+    write_atomic(out / TABLE_FILE, lambda temp: temp.write_text(_csv(rows)))
+    plot = frontier_plot(rows, result, tuner.config.budget, out / FRONTIER_FILE)
+    if plot is not None:
+        written.append(plot)
+    preset = None
+    chosen = result["chosen"]
+    if chosen is not None:
+        candidate = result["candidates"][chosen["label"]]
+        options = methods.resolve(candidate.method, candidate.fields)
+        measured = {"baseline": "eager AR (the model's plain sampling, same images and seeds)",
+                    "heldout": result["heldout"], "tune": {k: chosen.get(k) for k in COLUMNS if k in chosen},
+                    "settings_tried": len(rows) - 1, "rounds": len(tuner.state["rounds"]),
+                    "spent_minutes": round(result["spent_seconds"] / 60, 2)}
+        preset = preset_record(options, tuner.sampling, pipeline=tuner.pipeline, threads=tuner.config.threads,
+                               batch_size=tuner.config.batch_size, measured=measured,
+                               budget=tuner.config.budget.to_dict(), command=tuner.config.command, tree_root=out)
+        write_json(out / PRESET_FILE, preset)
+        written.append(out / PRESET_FILE)
+    elif (out / PRESET_FILE).exists():
+        (out / PRESET_FILE).unlink()  # a stale preset of an earlier run must not outlive this verdict
+    text = markdown(rows, result, tuner, preset)
+    write_atomic(out / REPORT_FILE, lambda temp: temp.write_text(text))
+    written.append(out / REPORT_FILE)
+    return {"files": written, "preset": preset}
+
+
+def _csv(rows: list[dict]) -> str:
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=COLUMNS, extrasaction="ignore")
+    writer.writeheader()
+    for row in rows:
+        writer.writerow({k: row.get(k) for k in COLUMNS})
+    return buffer.getvalue()
+
+
+def frontier_plot(rows: list[dict], result: dict, budget, path: Path) -> Path | None:
+    """Speed-up against eager AR (median, interval) over TV per token for every tried setting;
+    the chosen one circled, the TV budget a dashed line. ``None`` without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg", force=False)
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    families = sorted({r["method"] + ("+compile" if r.get("compile") else "") for r in rows if r["label"] != "ar"})
+    colours = {f: plt.cm.tab10(i % 10) for i, f in enumerate(families)}
+    for row in rows:
+        if row["label"] == "ar" or row.get("speedup") is None:
+            continue
+        family = row["method"] + ("+compile" if row.get("compile") else "")
+        x = row.get("tv_per_token") or 0.0
+        lo, hi = row.get("speedup_lo"), row.get("speedup_hi")
+        err = None if lo is None else [[row["speedup"] - lo], [hi - row["speedup"]]]
+        marker = "x" if row.get("quality_ok") is False else "o"
+        ax.errorbar([x], [row["speedup"]], yerr=err, fmt=marker, color=colours[family], alpha=0.8, ms=5,
+                    label=family)
+    chosen = result.get("chosen")
+    if chosen is not None and chosen.get("speedup") is not None:
+        ax.scatter([chosen.get("tv_per_token") or 0.0], [chosen["speedup"]], s=220, facecolors="none",
+                   edgecolors="black", linewidths=1.5, label=f"chosen: {chosen['label']}", zorder=5)
+    if budget.kind == "tv":
+        ax.axvline(budget.max_tv_per_token, color="grey", linestyle="--", label="TV budget")
+    ax.axhline(1.0, color="grey", linewidth=0.8)
+    handles, labels = ax.get_legend_handles_labels()
+    unique = dict(zip(labels, handles))
+    ax.legend(unique.values(), unique.keys(), fontsize=7, loc="best")
+    ax.set_xlabel("mean one-step TV per token (0: exact)")
+    ax.set_ylabel("speed-up vs eager AR (median, 95% CI)")
+    ax.set_title(f"relaxspec tune: {len(rows) - 1} settings ({budget.describe()})", fontsize=9)
+    fig.tight_layout()
+    write_atomic(path, lambda temp: fig.savefig(temp, format="png", dpi=110))
+    plt.close(fig)
+    return path
+
+
+def markdown(rows: list[dict], result: dict, tuner, preset: dict | None) -> str:
+    budget, config = tuner.config.budget, tuner.config
+    lines = ["# relaxspec tune", "", f"- budget: {budget.describe()}; {config.minutes:g} minutes "
+             f"({result['spent_seconds'] / 60:.1f} spent)",
+             f"- model: {tuner.pipeline.describe()}; machine: {machine_kind(machine_identity(tuner.device))}, "
+             f"{config.threads} thread(s), batch size {config.batch_size}",
+             f"- tuned on {len(config.tune)} classes / prompts, held out {len(config.heldout)}; "
+             f"{len(rows) - 1} settings tried in {len(tuner.state['rounds'])} rounds of successive halving"]
+    if config.budget.kind == "quality":
+        lines.append(f"- quality source: {config.quality_source}")
+    lines.append("")
+    chosen, heldout = result["chosen"], result["heldout"]
+    if chosen is None:
+        lines += ["**No preset:** " + closest_message(budget, result.get("closest")), ""]
+    else:
+        speed = heldout["speedup"]
+        setting = " ".join(f"{k}={v}" for k, v in preset["method"].items())
+        lines += [f"**Chosen:** `{chosen['label']}`: `{setting}`", "",
+                  f"- on the tune images: {describe_row(chosen)} ({chosen['pairs']} paired images)",
+                  f"- held out ({heldout['images']} images): **{_interval(*speed)}x eager AR**, MAL {heldout['mal']:.2f}"
+                  + ("" if heldout.get("tv_per_token") is None or not chosen["relaxed"]
+                     else f", TV {heldout['tv_per_token']:.4f} / token")]
+        if heldout.get("quality"):
+            q = heldout["quality"]
+            lines.append(f"- held-out quality within AR's intervals: {q['ok']}")
+        lines += ["", f"Use it: `relaxspec generate --preset {Path(tuner.out) / PRESET_FILE} ...` "
+                  "(also bench, demo, relaxspec.generate(preset=...))", ""]
+    lines += ["| setting | speed-up vs AR [95% CI] | pairs | MAL | TV / token | within budget |", "|---|---|---|---|---|---|"]
+    from relaxspec.tuning.budget import within
+
+    for row in rows:
+        if row["label"] == "ar":
+            continue
+        ok = within(row, budget)
+        tv = row.get("tv_per_token")
+        lines.append(f"| `{row['label']}` | {_interval(row.get('speedup'), row.get('speedup_lo'), row.get('speedup_hi'))} "
+                     f"| {row['pairs']} | {row['mal']:.2f} | {'–' if tv is None else f'{tv:.4f}'} | "
+                     f"{'yes' if ok else 'no' if ok is False else 'not judged'} |")
+    lines += ["", f"![frontier]({FRONTIER_FILE})", ""]
+    return "\n".join(lines)
+
+
+__all__ = ["FRONTIER_FILE", "PRESET_FILE", "REPORT_FILE", "TABLE_FILE", "closest_message", "describe_row",
+           "frontier_plot", "write_results"]

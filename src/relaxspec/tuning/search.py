@@ -1,0 +1,536 @@
+"""``relaxspec tune``'s search: the fastest setting for one model on this machine within a quality
+budget, found in a wall-clock budget.
+
+The phases, each kept in the output folder so that running the same command again continues:
+
+1. **cost curve** (``costs.json``): target forwards over 1..64 tokens and drafter forwards, timed
+   here (:func:`relaxspec.bench.cost.measure_forward_costs`);
+2. **probe** (``probe.json``): per-(depth, rank) acceptance counts from decoding the tune images
+   with a wide tree, once with the exact rule and (relaxed budgets) once with LANTERN;
+3. **trees** (``trees/``): per rule, the trees that commit the most tokens per second
+   (:func:`relaxspec.tuning.candidates.candidate_trees`);
+4. **successive halving** (``rounds/rN``): every candidate setting decodes the same new tune
+   images as eager AR, alternated image by image (``relaxspec bench``'s runner); after each round
+   the settings over budget are dropped and the slower half goes, so the finalists are measured
+   on the most images. Compiled variants of the finalists (and compiled AR) join the last rounds;
+5. **quality** (``--within-ar-quality``, ``quality/``): the relaxed finalists and AR decode fresh
+   tune images, scored with the classifier against real images or, without them, against an
+   independent AR sample of the same classes; a setting passes when its paired intervals against
+   AR hold 0;
+6. **held-out** (``heldout/``): the chosen setting and AR on images of classes (or prompts) the
+   search never saw: the speed-up the preset reports.
+
+Decisions (the survivors and size of each round, the choice) are written to ``state.json`` as
+they are made, so a resumed run never re-decides differently; the time spent is kept there too
+and counts against ``--minutes`` across resumptions.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from relaxspec.bench.config import BASELINE, MethodSpec
+from relaxspec.bench.report import _bootstrap, pairwise_speedups, quality_metrics, within_baseline_quality
+from relaxspec.bench.run import read_records, run_bench
+from relaxspec.decoding.result import add_counts
+from relaxspec.errors import RelaxspecError
+from relaxspec.files import write_json
+from relaxspec.pipelines.presets import model_fingerprint
+from relaxspec.tuning.budget import Budget, choose, pareto, survivors, within
+from relaxspec.tuning.candidates import PROBE_RULES, PROBE_TREE, Candidate, build_candidates, candidate_trees
+
+STATE_FILE = "state.json"
+#: Shares of the budget kept for the held-out measurement and for the quality test.
+HELDOUT_SHARE, QUALITY_SHARE = 0.15, 0.2
+#: Compiling a setting costs about this on a CPU (seconds, assumed before it is measured).
+COMPILE_GUESS_S = {"cpu": 30.0, "cuda": 30.0}
+#: Fewest images the quality test scores per setting (its intervals need a sample).
+MIN_QUALITY_IMAGES = 16
+#: A round's settings: at most this many finalists get a compiled variant.
+COMPILED_FINALISTS = 2
+MIN_PROBE_TESTS = 10
+#: Successive halving stops after this many rounds.
+MAX_ROUNDS = 8
+
+
+@dataclass
+class TuneConfig:
+    """What a tuning run is asked: the budget, the wall-clock minutes, the tune and held-out
+    conditions (class ids, or prompts for a text-to-image model), seeding, threads, batch size,
+    whether to try compilation, and the quality source (a classifier, and real images or
+    ``None`` for an independent AR reference sample)."""
+
+    budget: Budget
+    minutes: float
+    tune: list
+    heldout: list
+    seed: int = 0
+    threads: int | None = 1
+    batch_size: int = 1
+    compile: bool = True
+    classifier: object = None
+    real_images: np.ndarray | None = None
+    real_labels: np.ndarray | None = None
+    quality_source: str | None = None
+    progress: bool = True
+    command: str = "relaxspec tune"
+    extra_identity: dict = field(default_factory=dict)
+
+
+class Tuner:
+    """One tuning run of ``pipeline`` under ``sampling`` into ``out`` (see the module docstring);
+    :meth:`run` returns the result dict that :mod:`relaxspec.tuning.report` writes up."""
+
+    def __init__(self, pipeline, sampling, out, config: TuneConfig, *, overwrite: bool = False):
+        if config.minutes is None or not config.minutes > 0:
+            raise RelaxspecError(f"--minutes must be > 0, got {config.minutes}")
+        if config.budget.kind == "quality" and config.classifier is None:
+            raise RelaxspecError("--within-ar-quality needs a quality source: --classifier DIR (and --real-data NPZ)")
+        if len(config.tune) < 1 or len(config.heldout) < 1:
+            raise RelaxspecError("tuning needs at least one tune and one held-out class (or prompt)")
+        self.pipeline, self.sampling, self.out, self.config = pipeline, sampling, Path(out), config
+        self.device = pipeline.device
+        self.budget_s = 60.0 * config.minutes
+        self.settings = self._settings()
+        digest = hashlib.sha256(json.dumps(self.settings, sort_keys=True, default=str).encode()).hexdigest()[:16]
+        self.state = self._open_state(digest, overwrite)
+        self.started = time.perf_counter()
+        self.spent_before = float(self.state.get("spent_seconds", 0.0))
+
+    # ------------------------------------------------------------------ state
+    def _settings(self) -> dict:
+        c = self.config
+        return {"budget": c.budget.to_dict(), "model": model_fingerprint(self.pipeline), "sampling": self.sampling.to_dict(),
+                "tune": [str(x) for x in c.tune], "heldout": [str(x) for x in c.heldout], "seed": c.seed,
+                "threads": c.threads, "batch_size": c.batch_size, "compile": c.compile,
+                "quality_source": c.quality_source, **c.extra_identity}
+
+    def _open_state(self, digest: str, overwrite: bool) -> dict:
+        if self.out.exists() and not self.out.is_dir():
+            raise RelaxspecError(f"--out {self.out}: exists and is not a folder")
+        path = self.out / STATE_FILE
+        if path.exists():
+            try:
+                state = json.loads(path.read_text())
+            except ValueError:
+                state = None
+            if state is not None and state.get("settings_hash") == digest:
+                return state
+            if not overwrite:
+                before = (state or {}).get("settings", {})
+                now = json.loads(json.dumps(self.settings, default=str))
+                changed = sorted(k for k in set(now) | set(before) if now.get(k) != before.get(k))
+                raise RelaxspecError(f"--out {self.out} holds a tuning run with other settings (changed: "
+                                     f"{', '.join(changed) or '?'}); choose another folder or pass --overwrite")
+            import shutil
+
+            for name in ("costs.json", "probe.json", "trees", "rounds", "quality", "quality-reference", "heldout",
+                         "heldout-reference", STATE_FILE):
+                target = self.out / name
+                if target.is_dir():
+                    shutil.rmtree(target)
+                elif target.exists():
+                    target.unlink()
+        self.out.mkdir(parents=True, exist_ok=True)
+        state = {"settings_hash": digest, "settings": json.loads(json.dumps(self.settings, default=str)),
+                 "spent_seconds": 0.0, "rounds": []}
+        write_json(path, state)
+        return state
+
+    def spent(self) -> float:
+        return self.spent_before + time.perf_counter() - self.started
+
+    def left(self) -> float:
+        return self.budget_s - self.spent()
+
+    def save(self) -> None:
+        self.state["spent_seconds"] = self.spent()
+        write_json(self.out / STATE_FILE, self.state)
+
+    def say(self, text: str) -> None:
+        if self.config.progress:
+            print(f"tune [{self.spent() / 60:5.1f}/{self.config.minutes:g} min]: {text}", file=sys.stderr)
+
+    # ------------------------------------------------------------------ images
+    def images(self, pool: list, start: int, count: int):
+        """``count`` conditions cycling through ``pool`` from ``start``: class ids, or a
+        :class:`~relaxspec.conditions.Condition` of prompts."""
+        picked = [pool[(start + i) % len(pool)] for i in range(count)]
+        if self.pipeline.takes == "prompts":
+            return self.pipeline.conditions(prompts=[str(p) for p in picked])
+        return [int(c) for c in picked]
+
+    def bench(self, folder: str, candidates: list[Candidate], images, seed: int, warmup: int) -> list[dict]:
+        specs = [MethodSpec(label=BASELINE, options={"method": "ar"}, family=BASELINE)] + [c.spec() for c in candidates]
+        identity = {"model": model_fingerprint(self.pipeline)}
+        return run_bench(self.pipeline.target, self.pipeline.tokenizer, self.pipeline.drafter, images, specs,
+                         self.sampling, self.out / folder, seed=seed, threads=self.config.threads, warmup=warmup,
+                         batch_size=self.config.batch_size, progress=self.config.progress, identity=identity)
+
+    # ------------------------------------------------------------------ phases
+    def run(self) -> dict:
+        try:
+            costs = self.cost_curve()
+            trees = self.trees(costs) if self.pipeline.drafter is not None else {}
+            candidates = self.candidates(trees)
+            self.halving(candidates)
+            if self.config.budget.kind == "quality":
+                self.quality_test()
+            rows = self.rows()
+            chosen = self.choice(rows)
+            heldout = self.heldout(chosen) if chosen is not None else None
+            self.state["done"] = True
+            return {"rows": rows, "chosen": chosen, "heldout": heldout, "trees": trees, "costs": costs,
+                    "closest": self.state.get("closest"), "spent_seconds": self.spent(),
+                    "candidates": {c.label: c for c in self.all_candidates()}}
+        finally:
+            self.save()
+
+    def cost_curve(self) -> dict:
+        path = self.out / "costs.json"
+        if path.exists():
+            return json.loads(path.read_text())
+        from relaxspec.bench.cost import measure_forward_costs
+
+        self.say("timing the target and drafter forwards (the cost curve)")
+        cond = mask = None
+        if self.pipeline.takes == "prompts":
+            first = self.images(self.config.tune, 0, 1)
+            cond, mask = first.cond.to(self.device), None if first.mask is None else first.mask.to(self.device)
+        with _threads(self.config.threads):
+            costs = measure_forward_costs(self.pipeline.target, self.pipeline.drafter, sampling=self.sampling,
+                                          reps=7 if self.budget_s >= 300 else 3, warmup=1, cond=cond, cond_mask=mask)
+        data = costs.to_dict()
+        data["ar_image_seconds_estimate"] = costs.target_seconds(1) * self.pipeline.image_tokens
+        write_json(path, data)
+        self.save()
+        return data
+
+    def trees(self, costs: dict) -> dict:
+        from relaxspec.bench.cost import ForwardCosts
+
+        path = self.out / "probe.json"
+        probes = json.loads(path.read_text()) if path.exists() else {}
+        rules = ["exact"] + (["relaxed"] if self.config.budget.relaxed_allowed else [])
+        count = max(2, min(12, int(self.budget_s / 150)))
+        for rule in rules:
+            if rule in probes:
+                continue
+            self.say(f"probing acceptance per (depth, rank) with the {PROBE_TREE} tree, {rule} rule, {count} images")
+            fields = dict(PROBE_RULES[rule])
+            options = self.pipeline.method(fields.pop("method"), {"draft": "static", "tree": PROBE_TREE, **fields})
+            tests = accepts = None
+            with _threads(self.config.threads):
+                for start in range(0, count, max(1, self.config.batch_size)):
+                    n = min(max(1, self.config.batch_size), count - start)
+                    condition = self._condition(self.images(self.config.tune, start, n))
+                    generator = torch.Generator(device=self.device).manual_seed(self.config.seed * 1000003 + 77 + start)
+                    result = self.pipeline.generate(condition, options, self.sampling, generator=generator)
+                    tests, accepts = add_counts(tests, result.rank_tests.double().cpu()), \
+                        add_counts(accepts, result.rank_accepts.double().cpu())
+            probes[rule] = {"tests": tests.tolist(), "accepts": accepts.tolist(), "images": count}
+            write_json(path, probes)
+            self.save()
+        table = ForwardCosts({int(k): v for k, v in costs["target_seconds"].items()},
+                             {int(k): v for k, v in costs["drafter_seconds"].items()})
+        folder = self.out / "trees"
+        folder.mkdir(exist_ok=True)
+        found = {}
+        for rule in rules:
+            tests = torch.tensor(probes[rule]["tests"], dtype=torch.float64)
+            accepts = torch.tensor(probes[rule]["accepts"], dtype=torch.float64)
+            rates = torch.where(tests >= MIN_PROBE_TESTS, accepts / tests.clamp(min=1), torch.zeros_like(tests))
+            found[rule] = []
+            for name, spec, facts in candidate_trees(rates, table.step_seconds):
+                tree_path = folder / f"{rule}-{name}.json"
+                if not tree_path.exists():
+                    tree_path.write_text(json.dumps({"paths": [list(p) for p in spec.paths], **facts}) + "\n")
+                found[rule].append({"name": f"{rule}-{name}", "path": str(tree_path.resolve()), **facts})
+        return found
+
+    def _condition(self, images):
+        if isinstance(images, list):
+            return self.pipeline.conditions(classes=images)
+        return images
+
+    def candidates(self, trees: dict) -> list[Candidate]:
+        if "candidates" not in self.state:
+            found = build_candidates(self.config.budget, trees, self.pipeline.drafter is not None)
+            self.state["candidates"] = [c.to_dict() for c in found]
+            self.save()
+        return [Candidate.from_dict(c) for c in self.state["candidates"]]
+
+    def all_candidates(self) -> list[Candidate]:
+        extra = [Candidate.from_dict(c) for c in self.state.get("compiled", [])]
+        return [Candidate.from_dict(c) for c in self.state["candidates"]] + extra
+
+    # ------------------------------------------------------------------ halving
+    def _reserve(self) -> float:
+        share = HELDOUT_SHARE + (QUALITY_SHARE if self.config.budget.kind == "quality" else 0.0)
+        return share * self.budget_s
+
+    def _seconds_per_image(self, rows: dict[str, dict], label: str) -> float:
+        row = rows.get(label)
+        if row and row.get("seconds"):
+            return row["seconds"]
+        ar = rows.get(BASELINE, {}).get("seconds")
+        if ar:
+            return ar
+        costs = json.loads((self.out / "costs.json").read_text())
+        return costs["ar_image_seconds_estimate"] * 1.5
+
+    def halving(self, candidates: list[Candidate]) -> None:
+        by_label = {c.label: c for c in self.all_candidates()}
+        rounds = self.state["rounds"]
+        used = sum(r["images"] for r in rounds)
+        while True:
+            if rounds and not rounds[-1].get("complete"):
+                current = rounds[-1]
+            else:
+                current = self._next_round(by_label, used)
+                if current is None:
+                    break
+                rounds.append(current)
+                by_label = {c.label: c for c in self.all_candidates()}
+                self.save()
+            index = len(rounds)
+            self.say(f"round {index}: {len(current['labels'])} settings x {current['images']} images, paired with AR")
+            self.bench(f"rounds/r{index}", [by_label[label] for label in current["labels"]],
+                       self.images(self.config.tune, current["start"], current["images"]), current["seed"],
+                       warmup=current["warmup"])
+            current["complete"] = True
+            used = current["start"] + current["images"]
+            self.save()
+
+    def _next_round(self, by_label: dict, used: int) -> dict | None:
+        """The next round's settings and image count, or ``None`` when the search is over (one
+        setting left, or no time for a round that measures more images than the last)."""
+        rounds = self.state["rounds"]
+        if len(rounds) >= MAX_ROUNDS:
+            return None
+        variants: list[Candidate] = []
+        if not rounds:
+            labels = self.state_labels()
+        else:
+            labels = self.finalists()
+            variants = self._compiled_variants(labels)
+            if len(labels) + len(variants) <= 1:
+                return None
+            labels = labels + [v.label for v in variants]
+        rows = {r["label"]: r for r in self.rows()}
+        per_image = sum(self._seconds_per_image(rows, l) for l in labels) + self._seconds_per_image(rows, BASELINE)
+        measured = {l for r in rounds for l in r["labels"]}
+        compiling = sum(1 for l in labels if l.endswith("+compile") and l not in measured)
+        fixed = compiling * COMPILE_GUESS_S.get(self.device.type, 30.0)
+        left = self.left() - self._reserve() - fixed
+        rounds_left = max(1, math.ceil(math.log2(max(len(labels), 2))))
+        affordable = int(left / max(per_image * rounds_left, 1e-9))
+        if not rounds:
+            images = max(1, min(affordable, 8))
+        else:
+            floor = rounds[-1]["images"]
+            if affordable < 1:
+                return None  # no time for another round: the estimates so far decide
+            images = max(1, min(max(affordable, floor), 4 * floor, 256))
+        if rounds and variants:  # they are tried from now on
+            self.state["compiled"] = [v.to_dict() for v in variants]
+            self.state["compiled_added"] = True
+        return {"labels": labels, "images": images, "start": used, "seed": self.config.seed * 7919 + 101 + len(rounds),
+                "warmup": 1 if compiling else 0, "complete": False}
+
+    def finalists(self) -> list[str]:
+        """The survivors of the last complete round (:func:`relaxspec.tuning.budget.survivors`:
+        the faster half within budget, plus the speed / TV front while quality is unknown)."""
+        rounds = [r for r in self.state["rounds"] if r.get("complete")]
+        if not rounds:
+            return []
+        rows = {r["label"]: r for r in self.rows()}
+        previous = rounds[-1]["labels"]
+        return survivors([rows[l] for l in previous if l in rows], self.config.budget, math.ceil(len(previous) / 2))
+
+    def state_labels(self) -> list[str]:
+        return [c["label"] for c in self.state["candidates"]]
+
+    def _compiled_variants(self, labels: list[str]) -> list[Candidate]:
+        """Compiled variants of the fastest finalists (and compiled AR): they join, once, when few
+        settings are left (compiling costs a fixed price per setting)."""
+        if not self.config.compile or self.state.get("compiled_added") or len(labels) > 2 * COMPILED_FINALISTS:
+            return []
+        base = {c.label: c for c in self.all_candidates()}
+        variants = [base[l].compiled() for l in labels[:COMPILED_FINALISTS] if not base[l].fields.get("compile")]
+        return variants + [Candidate("ar+compile", "ar", {"compile": True})]
+
+    # ------------------------------------------------------------------ measurements
+    def _folders(self) -> list[Path]:
+        folders = [self.out / f"rounds/r{i + 1}" for i, r in enumerate(self.state["rounds"])]
+        if (self.out / "quality").exists():
+            folders.append(self.out / "quality")
+        return folders
+
+    def rows(self) -> list[dict]:
+        """One row per tried setting over every tune image it decoded (rounds and the quality
+        test, each paired with AR in its own folder): median paired speed-up with a bootstrap
+        interval, mean TV per token, seconds per image, images, and the quality verdict."""
+        ratios: dict[str, list] = {}
+        tv: dict[str, list] = {}
+        seconds: dict[str, list] = {}
+        mal: dict[str, list] = {}
+        for folder in self._folders():
+            records = read_records(folder)
+            for label in dict.fromkeys(r["method"] for r in records):
+                mine = [r for r in records if r["method"] == label]
+                seconds.setdefault(label, []).extend(r["seconds"] for r in mine)
+                mal.setdefault(label, []).extend(r["mal"] for r in mine)
+                tv.setdefault(label, []).extend(r["tv_per_token"] for r in mine if r.get("tv_per_token") is not None)
+                if label != BASELINE:
+                    ratios.setdefault(label, []).extend(pairwise_speedups(records, label).tolist())
+        candidates = {c.label: c for c in self.all_candidates()}
+        quality = self.state.get("quality", {})
+        rows = []
+        for label, secs in seconds.items():
+            cand = candidates.get(label)
+            relaxed = cand.relaxed if cand is not None else False
+            r = np.asarray(ratios.get(label, []), dtype=np.float64)
+            speed = _bootstrap(np.median, r, n_boot=200) if len(r) else [None, None, None]
+            row = {"label": label, "method": cand.method if cand else "ar", "relaxed": relaxed,
+                   "tree": cand.tree if cand else None, "speedup": speed[0], "speedup_lo": speed[1],
+                   "speedup_hi": speed[2], "pairs": int(len(r)), "seconds": float(np.mean(secs)),
+                   "mal": float(np.mean(mal[label])),
+                   "tv_per_token": (float(np.mean(tv[label])) if tv.get(label) else None) if relaxed else 0.0,
+                   "compile": bool(cand.fields.get("compile")) if cand else False}
+            if label in quality:
+                row["quality_ok"] = quality[label]["ok"]
+                row["quality"] = quality[label]["metrics"]
+            rows.append(row)
+        return rows
+
+    # ------------------------------------------------------------------ quality
+    def quality_test(self) -> None:
+        if "quality" in self.state and self.state.get("quality_complete"):
+            return
+        rows = [r for r in self.rows() if r["label"] != BASELINE]
+        last = set(self.finalists())
+        pending = [r for r in rows if r["relaxed"] and within(r, self.config.budget) is None and r["label"] in last]
+        exact_best = max((r["speedup"] for r in rows if not r["relaxed"] and r["speedup"] is not None), default=1.0)
+        finalists = sorted([r for r in pareto(pending) if r["speedup"] > exact_best], key=lambda r: -r["speedup"])[:4]
+        if "quality_plan" not in self.state:
+            per_image = sum(r["seconds"] for r in finalists) + 2 * self._seconds_per_image(
+                {r["label"]: r for r in self.rows()}, BASELINE)
+            images = int(max(self.left() - HELDOUT_SHARE * self.budget_s, 0) / max(per_image, 1e-9))
+            used = sum(r["images"] for r in self.state["rounds"])
+            self.state["quality_plan"] = {"labels": [r["label"] for r in finalists], "images": max(MIN_QUALITY_IMAGES, min(images, 400)),
+                                          "start": used, "seed": self.config.seed * 7919 + 31}
+            self.save()
+        plan = self.state["quality_plan"]
+        if not plan["labels"]:
+            self.state["quality"], self.state["quality_complete"] = {}, True
+            return
+        by_label = {c.label: c for c in self.all_candidates()}
+        self.say(f"quality: {len(plan['labels'])} relaxed finalists x {plan['images']} images, against AR")
+        images = self.images(self.config.tune, plan["start"], plan["images"])
+        records = self.bench("quality", [by_label[l] for l in plan["labels"]], images, plan["seed"], warmup=0)
+        self.state["quality"] = self.judge(records, plan["labels"], images, "quality-reference", plan["seed"] + 1)
+        self.state["quality_complete"] = True
+        self.save()
+
+    def judge(self, records: list[dict], labels: list[str], images, reference_folder: str, reference_seed: int) -> dict:
+        """Per label: its quality metrics against the reference and whether its paired intervals
+        against AR hold 0 (:func:`relaxspec.bench.report.within_baseline_quality`)."""
+        if self.pipeline.takes != "classes":
+            raise RelaxspecError("the quality budget scores class-conditional images (a classifier); for a prompt "
+                                 "model use --lossless or --max-tv-per-token")
+        fake = {}
+        indices = {}
+        for label in [BASELINE] + labels:
+            mine = sorted((r for r in records if r["method"] == label), key=lambda r: r["index"])
+            tokens = torch.tensor([r["tokens"] for r in mine])
+            fake[label] = (self.pipeline.pixels(tokens), np.array([r["class"] for r in mine]))
+            indices[label] = [r["index"] for r in mine]
+        if self.config.real_images is not None:
+            classes = set(int(c) for c in (images if isinstance(images, list) else []))
+            keep = np.isin(self.config.real_labels, sorted(classes))
+            reference = self.config.real_images[keep]
+            if len(reference) < 2:
+                raise RelaxspecError("--real-data holds fewer than two images of the tuned classes")
+        else:
+            self.say("quality reference: an independent AR sample of the same classes")
+            ref = run_bench(self.pipeline.target, self.pipeline.tokenizer, None, images,
+                            [MethodSpec(label=BASELINE, options={"method": "ar"}, family=BASELINE)], self.sampling,
+                            self.out / reference_folder, seed=reference_seed, threads=self.config.threads, warmup=0,
+                            batch_size=self.config.batch_size, progress=self.config.progress,
+                            identity={"model": model_fingerprint(self.pipeline)})
+            ref = sorted(ref, key=lambda r: r["index"])
+            reference = self.pipeline.pixels(torch.tensor([r["tokens"] for r in ref]))
+        metrics = quality_metrics(fake, self.config.classifier, reference, indices=indices, n_boot=200)
+        return {label: {"ok": bool(within_baseline_quality({"quality": metrics[label]})), "metrics": metrics[label]}
+                for label in labels} | {BASELINE: {"ok": True, "metrics": metrics[BASELINE]}}
+
+    # ------------------------------------------------------------------ the choice
+    def choice(self, rows: list[dict]) -> dict | None:
+        if "chosen" in self.state:
+            label = self.state["chosen"]
+            return next((r for r in rows if r["label"] == label), None) if label else None
+        pool = [r for r in rows if r["label"] != BASELINE]
+        chosen, closest = choose(pool, self.config.budget)
+        self.state["chosen"] = chosen["label"] if chosen else None
+        self.state["closest"] = closest
+        self.save()
+        return chosen
+
+    def heldout(self, chosen: dict) -> dict:
+        by_label = {c.label: c for c in self.all_candidates()}
+        if "heldout_plan" not in self.state:
+            rows = {r["label"]: r for r in self.rows()}
+            per_image = rows[chosen["label"]]["seconds"] + self._seconds_per_image(rows, BASELINE)
+            if self.config.budget.kind == "quality":
+                per_image += self._seconds_per_image(rows, BASELINE)
+            images = int(max(self.left(), 0) / max(per_image, 1e-9))
+            self.state["heldout_plan"] = {"images": max(4, min(images, 400)), "seed": self.config.seed * 7919 + 57}
+            self.save()
+        plan = self.state["heldout_plan"]
+        self.say(f"held-out: {chosen['label']} and AR on {plan['images']} images of classes or prompts the search "
+                 "never saw")
+        images = self.images(self.config.heldout, 0, plan["images"])
+        records = self.bench("heldout", [by_label[chosen["label"]]], images, plan["seed"], warmup=1)
+        ratios = pairwise_speedups(records, chosen["label"])
+        speed = _bootstrap(np.median, ratios, n_boot=500)
+        mine = [r for r in records if r["method"] == chosen["label"]]
+        tv = [r["tv_per_token"] for r in mine if r.get("tv_per_token") is not None]
+        result = {"images": len(mine), "speedup": speed, "seconds": float(np.mean([r["seconds"] for r in mine])),
+                  "ar_seconds": float(np.mean([r["seconds"] for r in records if r["method"] == BASELINE])),
+                  "mal": float(np.mean([r["mal"] for r in mine])),
+                  "tv_per_token": float(np.mean(tv)) if tv and chosen["relaxed"] else (0.0 if not chosen["relaxed"] else None)}
+        if self.config.budget.kind == "quality" and chosen["relaxed"]:
+            if "heldout_quality" not in self.state:
+                self.state["heldout_quality"] = self.judge(records, [chosen["label"]], images, "heldout-reference",
+                                                           plan["seed"] + 1)[chosen["label"]]
+                self.save()
+            result["quality"] = self.state["heldout_quality"]
+        return result
+
+
+class _threads:
+    """Pin torch's CPU threads for a block (``None`` leaves them)."""
+
+    def __init__(self, threads: int | None):
+        self.threads = threads
+
+    def __enter__(self):
+        self.before = torch.get_num_threads()
+        if self.threads is not None:
+            torch.set_num_threads(self.threads)
+
+    def __exit__(self, *exc):
+        torch.set_num_threads(self.before)
+
+
+__all__ = ["STATE_FILE", "TuneConfig", "Tuner"]

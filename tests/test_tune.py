@@ -1,0 +1,453 @@
+"""``relaxspec tune`` and preset files.
+
+* the budget logic on its own: over many random rows, a setting over budget never survives a
+  round and is never chosen; with nothing within budget beating AR, nothing is chosen and the
+  closest setting is named;
+* the command on the tiny LlamaGen-format files (with a drafter), a Janus ``--model-path`` folder
+  and the embedded model: its phases, outputs, the budget held, and resumption;
+* the preset file: round trip through ``generate``, ``bench`` and ``relaxspec.generate``, greedy
+  decoding with a lossless preset equal to greedy AR, and refusal of presets made for another
+  model, drafter or machine kind.
+
+Timings on a shared CPU are noise, so most tests replace each decode's seconds by a fixed cost
+model (``cost_model``: a target forward costs 1 ms, a drafter forward ``drafter_ms``): the
+search's decisions are then a pure function of the decodes, and the assertions exact.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from relaxspec.cli import main
+from relaxspec.errors import RelaxspecError
+from relaxspec.tuning.budget import Budget, choose, survivors, within
+
+
+@pytest.fixture(autouse=True)
+def neighbour_cache(monkeypatch, tmp_path_factory):
+    """LANTERN's neighbour tables go to a temporary cache, not ~/.cache."""
+    monkeypatch.setenv("RELAXSPEC_CACHE", str(tmp_path_factory.getbasetemp() / "neighbour-cache"))
+
+
+@pytest.fixture
+def cost_model(monkeypatch):
+    """Replace every benchmarked decode's seconds by ``1 ms x target forwards + drafter_ms x
+    drafter forwards``; returns a dict whose ``drafter_ms`` and ``ar_factor`` (AR's
+    seconds are multiplied by it) a test may change, and which counts the decodes recorded."""
+    from relaxspec.bench import run
+
+    real = run.result_records
+    model = {"drafter_ms": 0.1, "ar_factor": 1.0, "decodes": 0}
+
+    def fake(result, wall, method, *args, **kwargs):
+        records = real(result, wall, method, *args, **kwargs)
+        model["decodes"] += 1
+        for r in records:
+            r["seconds"] = 1e-3 * r["target_forwards"] + 1e-3 * model["drafter_ms"] * r["drafter_forwards"]
+            if method.label == "ar":
+                r["seconds"] *= model["ar_factor"]
+        return records
+
+    monkeypatch.setattr(run, "result_records", fake)
+    return model
+
+
+@pytest.fixture(scope="module")
+def llamagen(tiny_ckpts, tmp_path_factory):
+    """The tiny official-layout c2i files and a drafter trained for nothing (random weights)."""
+    from relaxspec.drafting.eagle import EagleDrafter
+    from relaxspec.models.llamagen.checkpoints import load_gpt, load_vq, save_model
+
+    files = tiny_ckpts["c2i"]
+    vq = load_vq(files["vq"], files["vq_json"])
+    target = load_gpt(files["gpt"], files["gpt_json"], image_size=16, downsample=vq.config.downsample_factor)
+    torch.manual_seed(0)
+    drafter = save_model(EagleDrafter.for_target(target), tmp_path_factory.mktemp("drafter") / "drafter", kind="drafter")
+    return {"args": files["args"] + ["--drafter-ckpt", str(drafter)], "files": files, "drafter": str(drafter)}
+
+
+def tune(args: list[str], out, capsys, expect: int = 0) -> str:
+    capsys.readouterr()
+    code = main(["tune", *args, "--out", str(out), "--no-progress"])
+    captured = capsys.readouterr()
+    assert code == expect, captured.err
+    return captured.out + captured.err
+
+
+# ---------------------------------------------------------------------------- the budget logic
+
+
+def _random_rows(rng: random.Random, n: int) -> list[dict]:
+    rows = []
+    for i in range(n):
+        relaxed = rng.random() < 0.6
+        row = {"label": f"s{i}", "relaxed": relaxed, "speedup": rng.uniform(0.5, 3.0),
+               "tv_per_token": rng.uniform(0, 0.3) if relaxed else 0.0}
+        if relaxed and rng.random() < 0.7:
+            row["quality_ok"] = rng.random() < 0.5
+        rows.append(row)
+    return rows
+
+
+@pytest.mark.parametrize("budget", [Budget("lossless"), Budget("tv", 0.1), Budget("tv", 0.0), Budget("quality")])
+def test_a_setting_over_budget_never_survives_and_is_never_chosen(budget):
+    rng = random.Random(0)
+    chose = 0
+    for _ in range(300):
+        rows = _random_rows(rng, rng.randint(1, 12))
+        kept = survivors(rows, budget, keep=max(1, len(rows) // 2))
+        assert all(within(r, budget) is not False for r in rows if r["label"] in kept)
+        chosen, closest = choose(rows, budget)
+        if chosen is not None:
+            chose += 1
+            assert closest is None and within(chosen, budget) is True and chosen["speedup"] > 1.0
+            assert all(r["speedup"] <= chosen["speedup"] for r in rows if within(r, budget) is True)
+        else:
+            assert not any(within(r, budget) is True and r["speedup"] > 1.0 for r in rows)
+            assert closest is not None
+    assert chose > 50  # the property was exercised on both sides
+
+
+def test_budget_rules_by_hand():
+    exact = {"label": "sd", "relaxed": False, "speedup": 1.3, "tv_per_token": 0.0}
+    loose = {"label": "lantern-0.5", "relaxed": True, "speedup": 2.5, "tv_per_token": 0.3}
+    tight = {"label": "lantern-0.1", "relaxed": True, "speedup": 1.8, "tv_per_token": 0.05}
+    rows = [exact, loose, tight]
+    assert choose(rows, Budget("lossless"))[0] is exact
+    assert choose(rows, Budget("tv", 0.1))[0] is tight
+    assert choose(rows, Budget("tv", 0.5))[0] is loose
+    # quality not measured: a relaxed setting is not chosen; it survives a round while unjudged
+    assert choose(rows, Budget("quality"))[0] is exact
+    assert survivors(rows, Budget("quality"), keep=1) == ["lantern-0.5", "lantern-0.1"]
+    tight["quality_ok"], loose["quality_ok"] = True, False
+    assert choose(rows, Budget("quality"))[0] is tight
+    assert survivors(rows, Budget("quality"), keep=3) == ["lantern-0.1", "sd"]
+    # nothing within budget beats AR: no choice, and the closest named
+    slow = {"label": "sd", "relaxed": False, "speedup": 0.9, "tv_per_token": 0.0}
+    assert choose([slow, loose, tight], Budget("tv", 0.01)) == (None, tight)
+    assert choose([slow], Budget("lossless")) == (None, slow)
+    with pytest.raises(RelaxspecError, match="max-tv-per-token must be a number in"):
+        Budget("tv", -0.1)
+
+
+# ---------------------------------------------------------------------------- the command
+
+
+def test_tune_lossless_on_llamagen_files_and_the_preset_round_trips(llamagen, cost_model, tmp_path, capsys):
+    """The phases leave their files; every setting tried is exact; the preset names a tree beside
+    it; generate / bench / relaxspec.generate take it, and greedy decoding with it equals greedy AR."""
+    out = tmp_path / "tune"
+    text = tune([*llamagen["args"], "--lossless", "--minutes", "0.2", "--no-compile"], out, capsys)
+    assert "chosen:" in text
+    for name in ("costs.json", "probe.json", "state.json", "settings.csv", "report.md", "tune.json"):
+        assert (out / name).is_file(), name
+    state = json.loads((out / "state.json").read_text())
+    rounds = state["rounds"]
+    assert rounds and all(r["complete"] for r in rounds)
+    assert [len(r["labels"]) for r in rounds] == sorted((len(r["labels"]) for r in rounds), reverse=True)
+    assert all(b["images"] >= a["images"] for a, b in zip(rounds, rounds[1:]))  # finalists see more images
+    assert all(not label.startswith(("lantern", "cool", "gsd")) for label in state["candidates"][0]["label"].split())
+    preset = json.loads((out / "tune.json").read_text())
+    assert preset["kind"] == "relaxspec-preset" and preset["budget"]["kind"] == "lossless"
+    assert preset["method"]["method"] in ("sd", "sjd", "scd")
+    heldout = preset["measured"]["heldout"]
+    assert heldout["images"] >= 4 and heldout["speedup"][1] <= heldout["speedup"][0] <= heldout["speedup"][2]
+    if str(preset["method"].get("draft", "")).endswith(".json"):
+        assert not preset["method"]["draft"].startswith("/") and (out / preset["method"]["draft"]).is_file()
+    report = (out / "report.md").read_text()
+    assert "Chosen" in report and "held out" in report
+
+    # greedy: the preset's tokens equal AR's
+    greedy = ["--temperature", "0", "--classes", "1,5", "--no-progress"]
+    assert main(["generate", *llamagen["args"], "--preset", str(out / "tune.json"), *greedy,
+                 "--out", str(tmp_path / "g-preset")]) == 0
+    assert main(["generate", *llamagen["files"]["args"], "--method", "ar", *greedy, "--out", str(tmp_path / "g-ar")]) == 0
+    assert np.array_equal(np.load(tmp_path / "g-preset" / "tokens.npy"), np.load(tmp_path / "g-ar" / "tokens.npy"))
+    stats = json.loads((tmp_path / "g-preset" / "stats.json").read_text())
+    assert stats["settings"]["method"]["method"] == preset["method"]["method"]
+
+    # bench runs it as "tuned" beside AR
+    capsys.readouterr()
+    assert main(["bench", *llamagen["args"], "--preset", str(out / "tune.json"), "--num-images", "2", "--no-plots",
+                 "--no-progress", "--out", str(tmp_path / "bench")]) == 0
+    assert "| `tuned` |" in capsys.readouterr().out
+
+    # the Python API: the preset's tokens are those of its method and settings spelled out
+    import relaxspec
+    from relaxspec.models.llamagen.checkpoints import load_gpt, load_vq
+    from relaxspec.drafting.eagle import load_drafter
+    from relaxspec.pipelines.presets import read_preset
+
+    files = llamagen["files"]
+    vq = load_vq(files["vq"], files["vq_json"])
+    target = load_gpt(files["gpt"], files["gpt_json"], image_size=16, downsample=vq.config.downsample_factor)
+    model = (target, vq, load_drafter(llamagen["drafter"], target))
+    fields = dict(read_preset(out / "tune.json")["method"])
+    by_preset = relaxspec.generate([1, 2], model=model, preset=str(out / "tune.json"), seed=3)
+    spelled = relaxspec.generate([1, 2], fields.pop("method"), model=model, seed=3, **fields)
+    assert torch.equal(by_preset.result.tokens, spelled.result.tokens)
+    with pytest.raises(RelaxspecError, match="give preset or method"):
+        relaxspec.generate([1], "ar", model=model, preset=str(out / "tune.json"))
+
+
+def test_a_tv_budget_is_held_and_every_setting_is_plotted(llamagen, cost_model, tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "tune"
+    code = main(["tune", *llamagen["args"], "--max-tv-per-token", "0.05", "--minutes", "0.15", "--no-compile",
+                 "--out", str(out), "--no-progress"])
+    assert code in (0, 1)
+    state = json.loads((out / "state.json").read_text())
+    labels = [c["label"] for c in state["candidates"]]
+    assert any(l.startswith("lantern") for l in labels) and any(l.startswith("cool") for l in labels)
+    assert any(l.startswith("gsd") for l in labels) and (out / "trees").is_dir()
+    assert (out / "frontier.png").stat().st_size > 1000
+    import csv
+
+    rows = list(csv.DictReader((out / "settings.csv").open()))
+    assert len(rows) >= len(state["rounds"][0]["labels"])
+    if code == 0:
+        preset = json.loads((out / "tune.json").read_text())
+        chosen = next(r for r in rows if r["label"] == state["chosen"])
+        assert float(chosen["tv_per_token"] or 0) <= 0.05
+        assert preset["measured"]["tune"]["label"] == state["chosen"]
+    else:
+        assert not (out / "tune.json").exists()
+
+
+def test_nothing_within_budget_beats_ar_names_the_closest(llamagen, cost_model, tmp_path, capsys):
+    """With AR's forwards 100x cheaper than anyone else's, no exact setting beats AR: exit 1, the
+    closest named, and no preset file (an earlier one is removed)."""
+    cost_model["ar_factor"] = 0.01
+    out = tmp_path / "tune"
+    out.mkdir()
+    (out / "tune.json").write_text("{}")
+    text = tune([*llamagen["args"], "--lossless", "--minutes", "0.1", "--no-compile", "--classes", "0,2",
+                 "--heldout-classes", "1"], out, capsys, expect=1)
+    assert "no setting within the budget (lossless (exact methods only)) beats eager AR" in text
+    assert "the fastest within it is" in text
+    assert not (out / "tune.json").exists() and "No preset" in (out / "report.md").read_text()
+
+
+def test_an_interrupted_tune_resumes_without_redoing_decodes(llamagen, cost_model, tmp_path, capsys, monkeypatch):
+    from relaxspec.bench import run
+
+    args = [*llamagen["args"], "--lossless", "--minutes", "0.2", "--no-compile", "--classes", "0,2,3",
+            "--heldout-classes", "1,5"]
+    out = tmp_path / "tune"
+    real = run.timed_decode
+    calls = {"n": 0}
+
+    def crash(*a, **k):
+        calls["n"] += 1
+        if calls["n"] == 25:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    monkeypatch.setattr(run, "timed_decode", crash)
+    assert main(["tune", *args, "--out", str(out), "--no-progress"]) == 130  # Ctrl-C
+    first = json.loads((out / "state.json").read_text())
+    assert first["spent_seconds"] > 0 and not first.get("done")
+    recorded = cost_model["decodes"]
+    monkeypatch.setattr(run, "timed_decode", real)
+    assert main(["tune", *args, "--out", str(out), "--no-progress"]) in (0, 1)
+    second = json.loads((out / "state.json").read_text())
+    assert second["done"] and second["spent_seconds"] >= first["spent_seconds"]
+    assert second["rounds"][: len(first["rounds"])][0]["labels"] == first["rounds"][0]["labels"]
+    # the same command again: finished, nothing decoded
+    before = cost_model["decodes"]
+    main(["tune", *args, "--out", str(out), "--no-progress"])
+    assert cost_model["decodes"] == before and recorded > 0
+
+
+def test_another_budget_in_the_same_folder_is_refused(llamagen, cost_model, tmp_path, capsys, refused):
+    out = tmp_path / "tune"
+    args = [*llamagen["args"], "--minutes", "0.05", "--no-compile", "--classes", "0,2", "--heldout-classes", "1"]
+    main(["tune", *args, "--lossless", "--out", str(out), "--no-progress"])
+    refused(["tune", *args, "--max-tv-per-token", "0.1", "--out", str(out)], "holds a tuning run with other settings "
+                                                                            "(changed: budget")
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--lossless", "--max-tv-per-token", "0.1"], "not allowed with argument"),
+    (["--lossless", "--within-ar-quality"], "not allowed with argument"),
+    (["--lossless", "--minutes", "0"], "--minutes must be > 0, got 0"),
+    (["--lossless", "--minutes", "-3"], "--minutes must be > 0, got -3"),
+    (["--within-ar-quality"], "--within-ar-quality needs --classifier DIR"),
+    (["--max-tv-per-token", "2"], "--max-tv-per-token must be a number in [0, 1]"),
+    ([], "choose a budget: --lossless, --max-tv-per-token X or --within-ar-quality"),
+    (["--lossless", "--classifier", "C"], "--classifier / --real-data go with --within-ar-quality"),
+    (["--lossless", "--classes", "1,2", "--heldout-classes", "2"], "share class 2"),
+    (["--lossless", "--threads", "0"], "threads must be a whole number >= 1"),
+])
+def test_bad_tune_inputs_are_one_line(llamagen, tmp_path, refused, extra, message):
+    refused(["tune", *llamagen["args"], *extra, "--out", str(tmp_path / "t")], message)
+
+
+def test_tune_without_out_for_a_users_model_is_refused(llamagen, refused):
+    refused(["tune", *llamagen["args"], "--lossless"], "--out DIR is required")
+
+
+# ---------------------------------------------------------------------------- presets refused
+
+
+def _preset_from(out, **changes) -> str:
+    data = json.loads((out / "tune.json").read_text())
+    for key, value in changes.items():
+        data[key] = {**data[key], **value}
+    path = out / f"edited-{len(changes)}-{'-'.join(changes)}.json"
+    path.write_text(json.dumps(data))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def made(llamagen, tmp_path_factory):
+    """A lossless preset of the tiny files (real timings: whatever it picks)."""
+    out = tmp_path_factory.mktemp("made")
+    from relaxspec.pipelines import open_pipeline
+    from relaxspec.pipelines.presets import preset_record
+    from relaxspec import methods
+
+    files = llamagen["files"]
+    pipeline = open_pipeline(gpt_ckpt=files["gpt"], gpt_model=files["gpt_json"], vq_ckpt=files["vq"],
+                             vq_model=files["vq_json"], image_size=16, drafter_ckpt=llamagen["drafter"])
+    options = methods.resolve("sd", {"draft": "chain", "depth": 2})
+    record = preset_record(options, pipeline.sampling(), pipeline=pipeline, threads=1, batch_size=1,
+                           measured={}, budget={"kind": "lossless"}, command="test", tree_root=out)
+    (out / "tune.json").write_text(json.dumps(record))
+    return out
+
+
+def test_presets_for_another_model_drafter_precision_or_machine_are_refused(llamagen, made, tmp_path, refused):
+    args = ["generate", *llamagen["args"], "--classes", "1", "--out", str(tmp_path / "g")]
+    assert main([*args, "--preset", str(made / "tune.json"), "--no-progress"]) == 0
+    refused([*args, "--preset", _preset_from(made, machine={"name": "Some Other CPU"})],
+            "was tuned on another kind of machine (cpu: Some Other CPU)")
+    refused([*args, "--preset", _preset_from(made, model={"target": "0123456789abcdef"})],
+            "was tuned for another model")
+    refused([*args, "--preset", _preset_from(made, model={"drafter": "0123456789abcdef"})],
+            "was tuned with another drafter")
+    refused([*args, "--preset", _preset_from(made, model={"dtype": "bfloat16"})],
+            "was tuned with the weights in bfloat16")
+    refused([*args, "--preset", str(made / "nope.json")], "no such file")
+    (tmp_path / "x.json").write_text(json.dumps({"kind": "something"}))
+    refused([*args, "--preset", str(tmp_path / "x.json")], "not a relaxspec preset file")
+    refused([*args, "--preset", str(made / "tune.json"), "--method", "ar"], "--preset names the method")
+    # the embedded model is another model
+    refused(["generate", "--preset", str(made / "tune.json"), "--out", str(tmp_path / "e")], "was tuned for another model")
+    refused(["bench", "--preset", str(made / "tune.json"), "--out", str(tmp_path / "b")], "was tuned for another model")
+
+
+def test_a_preset_with_a_tree_travels_with_its_folder(llamagen, tmp_path):
+    """A copied folder keeps working: the tree is named relative to the preset; a missing tree is
+    refused with one line."""
+    import shutil
+
+    from relaxspec.pipelines.presets import read_preset
+
+    folder = tmp_path / "a"
+    (folder / "trees").mkdir(parents=True)
+    (folder / "trees" / "t.json").write_text(json.dumps({"paths": [[0], [0, 0]]}))
+    (folder / "tune.json").write_text(json.dumps({"kind": "relaxspec-preset", "version": 1,
+                                                  "method": {"method": "sd", "draft": "trees/t.json"}}))
+    moved = tmp_path / "b"
+    shutil.copytree(folder, moved)
+    shutil.rmtree(folder)
+    assert read_preset(moved / "tune.json")["method"]["draft"] == str((moved / "trees" / "t.json").resolve())
+    (moved / "trees" / "t.json").unlink()
+    with pytest.raises(RelaxspecError, match="its tree trees/t.json is missing"):
+        read_preset(moved / "tune.json")
+
+
+# ---------------------------------------------------------------------------- other models
+
+
+@pytest.mark.slow
+def test_tune_a_janus_folder_on_prompts(cost_model, tmp_path, capsys):
+    """A ``--model-path`` folder without a drafter: the drafter-free methods, tuned on the even
+    prompts and measured on the odd ones."""
+    pytest.importorskip("transformers")
+    from helpers.janus import janus_folder_at
+
+    folder = tmp_path / "janus"
+    janus_folder_at(folder)
+    prompts = tmp_path / "prompts.txt"
+    texts = ["a red fox", "a blue cat", "the dog under the rain", "a lighthouse"]
+    prompts.write_text("\n".join(texts) + "\n")
+    out = tmp_path / "tune"
+    code = main(["tune", "--model-path", str(folder), "--prompts-file", str(prompts), "--lossless", "--minutes", "0.2",
+                 "--no-compile", "--out", str(out), "--no-progress"])
+    assert code in (0, 1), capsys.readouterr().err
+    state = json.loads((out / "state.json").read_text())
+    assert state["settings"]["tune"] == texts[0::2] and state["settings"]["heldout"] == texts[1::2]
+    assert {c["method"] for c in state["candidates"]} == {"sjd", "scd"}
+    assert not (out / "probe.json").exists()  # no drafter: nothing to probe
+    if code == 0:
+        assert json.loads((out / "tune.json").read_text())["method"]["method"] in ("sjd", "scd")
+
+
+@pytest.mark.slow
+def test_tune_the_embedded_model_quickly(cost_model, tmp_path, capsys):
+    """The embedded model, lossless, on two classes: the probe and trees come from its drafter, and
+    the preset works with generate."""
+    out = tmp_path / "tune"
+    code = main(["tune", "--lossless", "--minutes", "0.1", "--classes", "0,2", "--heldout-classes", "1",
+                 "--out", str(out), "--no-progress"])
+    assert code in (0, 1), capsys.readouterr().err
+    if code == 0:
+        assert main(["generate", "--preset", str(out / "tune.json"), "--classes", "1", "--out", str(tmp_path / "g"),
+                     "--no-progress"]) == 0
+    state = json.loads((out / "state.json").read_text())
+    assert json.loads((out / "probe.json").read_text())["exact"]["images"] >= 2
+    assert any(c["method"] == "sd" and c["fields"].get("draft", "").endswith(".json") for c in state["candidates"])
+
+
+@pytest.mark.slow
+def test_compiled_finalists_and_compiled_ar_join_the_last_rounds(llamagen, cost_model, tmp_path, capsys, monkeypatch):
+    from relaxspec.tuning import search
+
+    monkeypatch.setattr(search, "COMPILE_GUESS_S", {"cpu": 1.0})  # a tiny model compiles in seconds
+    out = tmp_path / "tune"
+    code = main(["tune", *llamagen["args"], "--lossless", "--minutes", "1.5", "--classes", "0,2",
+                 "--heldout-classes", "1", "--out", str(out), "--no-progress"])
+    assert code in (0, 1), capsys.readouterr().err
+    state = json.loads((out / "state.json").read_text())
+    rounds = state["rounds"]
+    assert len(rounds) >= 2 and len(rounds[1]["labels"]) < len(rounds[0]["labels"]) + 3  # halved, then + compiled
+    assert rounds[1]["images"] >= rounds[0]["images"]
+    assert state.get("compiled_added") and any(c["label"] == "ar+compile" for c in state["compiled"])
+    compiled = [c["label"] for c in state["compiled"]]
+    measured = [r for r in state["rounds"] if set(compiled) <= set(r["labels"])]
+    assert measured and measured[0]["warmup"] == 1  # compilation stays out of the timings
+    import csv
+
+    rows = {r["label"]: r for r in csv.DictReader((out / "settings.csv").open())}
+    assert all(rows[label]["compile"] == "True" for label in compiled)
+
+
+def test_quality_budget_with_a_classifier(llamagen, cost_model, tmp_path, capsys):
+    """``--within-ar-quality`` with a (random) classifier and no real images: the reference is an
+    independent AR sample; a relaxed setting is chosen only if its quality test passed."""
+    pytest.importorskip("scipy")
+    from relaxspec.evaluation.classifier import ClassifierConfig, ImageClassifier, save_classifier
+
+    torch.manual_seed(0)
+    classifier = ImageClassifier(ClassifierConfig(num_classes=10, image_size=16, channels=(8,), feature_dim=8)).eval()
+    folder = save_classifier(classifier, tmp_path / "classifier")
+    out = tmp_path / "tune"
+    code = main(["tune", *llamagen["args"], "--within-ar-quality", "--classifier", str(folder), "--minutes", "0.15",
+                 "--no-compile", "--out", str(out), "--no-progress"])
+    assert code in (0, 1), capsys.readouterr().err
+    state = json.loads((out / "state.json").read_text())
+    assert state.get("quality_complete")
+    judged = state["quality"]
+    if state["quality_plan"]["labels"]:
+        assert (out / "quality-reference").is_dir() and set(state["quality_plan"]["labels"]) <= set(judged)
+    if state["chosen"]:
+        chosen = next(c for c in state["candidates"] if c["label"] == state["chosen"])
+        if chosen["method"] in ("lantern", "cool", "gsd"):
+            assert judged[state["chosen"]]["ok"] is True
