@@ -88,6 +88,8 @@ def generate(classes: str | Sequence[int | str] | None = None, method: str | Met
     """
     check_upscale(upscale)  # and the output side, once the model's image size is known
     check_seed(seed)
+    if preset is not None and method is not None:
+        raise RelaxspecError("a preset names its method: give preset or method, not both")
     if model_path is not None:
         if model is not None or classes is not None or t5_path is not None:
             raise RelaxspecError("model_path is a whole text-to-image model: give prompts, not model / classes / "
@@ -113,8 +115,6 @@ def generate(classes: str | Sequence[int | str] | None = None, method: str | Met
     if preset is not None:
         from relaxspec.pipelines.presets import with_preset
 
-        if method is not None:
-            raise RelaxspecError("a preset names its method: give preset or method, not both")
         pipeline = with_preset(pipeline, preset)
     condition = pipeline.conditions(classes=classes, prompts=None if prompts is None else list(prompts))
     options = pipeline.method(method, method_fields)

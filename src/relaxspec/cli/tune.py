@@ -7,6 +7,7 @@ the checks."""
 from __future__ import annotations
 
 import argparse
+import math
 import shlex
 import sys
 from pathlib import Path
@@ -43,8 +44,8 @@ def add_tune_parser(subparsers) -> argparse.ArgumentParser:
     search = tune.add_argument_group("search")
     search.add_argument("--minutes", type=float, default=10.0, help="wall-clock budget of the search (default 10)")
     search.add_argument("--no-compile", action="store_true",
-                        help="do not try compiled variants of the finalists (compiling costs about a minute each "
-                             "on a CPU)")
+                        help="do not try compiled variants of the finalists (each compilation costs seconds to "
+                             "minutes once)")
     search.add_argument("--threads", type=int, default=1, help="torch CPU threads, pinned (default 1)")
     search.add_argument("--batch-size", type=int, default=1, help="images per decode the preset is tuned for "
                                                                  "(default 1: latency)")
@@ -63,8 +64,8 @@ def add_tune_parser(subparsers) -> argparse.ArgumentParser:
                                                                        "tuned on (default: the others with c % "
                                                                        f"{HELD_OUT_EVERY} == 1)")
     images.add_argument("--prompt", action="append", metavar="TEXT", help="text-to-image: a prompt (repeatable)")
-    images.add_argument("--prompts-file", metavar="FILE", help="text-to-image: prompts, one per line; the odd lines "
-                                                               "are held out")
+    images.add_argument("--prompts-file", metavar="FILE", help="text-to-image: prompts, one per line; the 2nd, 4th, "
+                                                               "... are held out")
     images.add_argument("--t5-path", metavar="DIR", help="LlamaGen t2i: the local Flan-T5 folder")
     images.add_argument("--negative-prompt", metavar="TEXT", help="Emu3: the guidance's negative prompt")
 
@@ -101,7 +102,7 @@ def budget_from_args(args: argparse.Namespace):
 def check_inputs(args: argparse.Namespace):
     """Everything checked before a model loads (one line each)."""
     budget = budget_from_args(args)
-    if args.minutes is None or not args.minutes > 0 or args.minutes != args.minutes:
+    if args.minutes is None or not (args.minutes > 0 and math.isfinite(args.minutes)):
         raise RelaxspecError(f"--minutes must be > 0, got {args.minutes}")
     check_at_least("threads", args.threads, 1)
     check_at_least("batch size", args.batch_size, 1)
@@ -114,6 +115,9 @@ def check_inputs(args: argparse.Namespace):
     if (args.classifier is not None or args.real_data is not None) and budget.kind != "quality":
         raise RelaxspecError("--classifier / --real-data go with --within-ar-quality")
     if budget.kind == "quality":
+        if args.model_path is not None:
+            raise RelaxspecError("--within-ar-quality scores class-conditional images; for a prompt model use "
+                                 "--lossless or --max-tv-per-token")
         if args.classifier is None:
             if not embedded:
                 raise RelaxspecError("--within-ar-quality needs --classifier DIR (relaxspec train-classifier) for this "
@@ -130,25 +134,31 @@ def check_inputs(args: argparse.Namespace):
 
 
 def split_classes(args: argparse.Namespace, pipeline) -> tuple[list, list]:
-    """Tune and held-out conditions: class ids (disjoint) or prompts (even / odd lines)."""
+    """Tune and held-out conditions: class ids (disjoint) or prompts (the 1st, 3rd, ... tuned on,
+    the 2nd, 4th, ... held out; repeated prompts once)."""
     if pipeline.takes == "prompts":
-        prompts = read_prompts(args)
+        prompts = list(dict.fromkeys(read_prompts(args)))
         if args.classes is not None or args.heldout_classes is not None:
             raise RelaxspecError(f"this {pipeline.family} model takes prompts: give --prompts-file, not --classes")
         if len(prompts) < 2:
-            raise RelaxspecError("tuning a text-to-image model needs at least two prompts (--prompt / --prompts-file): "
-                                 "the odd ones are held out")
+            raise RelaxspecError("tuning a text-to-image model needs at least two different prompts (--prompt / "
+                                 "--prompts-file): every second one is held out")
         return prompts[0::2], prompts[1::2]
     if args.prompt or args.prompts_file:
         raise RelaxspecError("this is a class-conditional model: give --classes, not prompts")
     count = pipeline.target.config.num_classes
+    if count < 2:
+        raise RelaxspecError("this model has one class: tuning needs a held-out class the search never sees")
     names = pipeline.class_names
     every = list(range(count))
-    tune = class_ids(args.classes, count, names) if args.classes is not None else \
-        [c for c in every if c % HELD_OUT_EVERY != 1]
-    if args.heldout_classes is not None:
-        heldout = class_ids(args.heldout_classes, count, names)
+    heldout = class_ids(args.heldout_classes, count, names) if args.heldout_classes is not None else None
+    if args.classes is not None:
+        tune = class_ids(args.classes, count, names)
+    elif heldout is not None:
+        tune = [c for c in every if c not in heldout]
     else:
+        tune = [c for c in every if c % HELD_OUT_EVERY != 1]
+    if heldout is None:
         rest = [c for c in every if c not in tune]
         heldout = [c for c in rest if c % HELD_OUT_EVERY == 1] or rest
     overlap = sorted(set(tune) & set(heldout))
@@ -156,8 +166,8 @@ def split_classes(args: argparse.Namespace, pipeline) -> tuple[list, list]:
         raise RelaxspecError(f"--classes and --heldout-classes share class {overlap[0]}: the held-out result must "
                              "come from classes the search never saw")
     if not tune or not heldout:
-        raise RelaxspecError("tuning needs at least one tune class and one held-out class (this model has "
-                             f"{count}); give --classes and --heldout-classes")
+        raise RelaxspecError("tuning needs at least one tune class and one held-out class: give --classes and "
+                             "--heldout-classes")
     return list(dict.fromkeys(tune)), list(dict.fromkeys(heldout))
 
 
@@ -179,6 +189,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
         if pipeline.takes != "classes":
             raise RelaxspecError("--within-ar-quality scores class-conditional images; for a prompt model use "
                                  "--lossless or --max-tv-per-token")
+        import numpy as np
+
         from relaxspec.bench.report import load_real_images
         from relaxspec.evaluation.classifier import load_classifier
 
@@ -187,7 +199,11 @@ def cmd_tune(args: argparse.Namespace) -> int:
             raise RelaxspecError(f"--classifier knows {classifier.config.num_classes} classes but the model has "
                                  f"{pipeline.target.config.num_classes}: it is not this model's classifier")
         if args.real_data is not None:
-            real_images, real_labels = load_real_images(args.real_data, tune + heldout)
+            real_images, real_labels = load_real_images(args.real_data)
+            for part, classes in (("tune", tune), ("held-out", heldout)):
+                if int(np.isin(real_labels, classes).sum()) < 2:
+                    raise RelaxspecError(f"--real-data {args.real_data} holds fewer than two images of the {part} "
+                                         "classes")
             source = f"classifier {args.classifier}, real images {args.real_data}"
         else:
             source = f"classifier {args.classifier}, reference: an independent AR sample of the same classes"
@@ -203,6 +219,9 @@ def cmd_tune(args: argparse.Namespace) -> int:
     if result["chosen"] is None:
         print(f"relaxspec: {closest_message(budget, result.get('closest'))}", file=sys.stderr)
         return 1
+    if not result["heldout"].get("within_budget", True):
+        print(f"relaxspec: warning: on the held-out images {result['chosen']['label']} is over the budget "
+              f"({budget.describe()}); see {Path(args.out) / 'report.md'}", file=sys.stderr)
     speed = result["heldout"]["speedup"]
     interval = "" if speed[1] is None else f" [{speed[1]:.2f}, {speed[2]:.2f}]"
     print(f"chosen: {describe_row(result['chosen'])} on the tune images; held out ({result['heldout']['images']} "

@@ -24,40 +24,41 @@ import torch
 from relaxspec import __version__, methods
 from relaxspec.devices import machine_identity, machine_kind
 from relaxspec.errors import RelaxspecError
+from relaxspec.sampling import SamplingConfig
 
 #: What a preset file says it is, and the format version this code writes and reads.
 PRESET_KIND, PRESET_VERSION = "relaxspec-preset", 1
-#: Leading elements of a weight tensor that enter the fingerprint (the whole tensor when smaller).
-FINGERPRINT_ELEMENTS = 1 << 16
+#: Elements sampled (evenly strided) from each weight tensor for the fingerprint.
+FINGERPRINT_ELEMENTS = 4096
 
 
 def weights_fingerprint(module) -> str | None:
-    """A short content hash of a module: its config and the leading elements of its first and
-    last weight tensors (as fp32 bytes on the host, so device and file location do not matter).
-    ``None`` for ``None``."""
+    """A short content hash of a module's weights: every parameter's name, shape and an evenly
+    strided sample of its values (as fp32 bytes on the host, so device and file location do not
+    matter, and a fine-tune of any layer changes it). Configs are left out: a transformers
+    family's target is opened for a prompt length, which is no property of the weights. ``None``
+    for ``None``."""
     if module is None:
         return None
     digest = hashlib.sha256()
-    config = getattr(module, "config", None)
-    if config is not None:
-        data = config.to_dict() if hasattr(config, "to_dict") else repr(config)
-        digest.update(json.dumps(data, sort_keys=True, default=str).encode())
-    params = list(module.parameters())
-    for tensor in (params[0], params[-1]) if params else ():
-        flat = tensor.detach().reshape(-1)[:FINGERPRINT_ELEMENTS].to("cpu", torch.float32)
-        digest.update(str(tuple(tensor.shape)).encode())
-        digest.update(flat.numpy().tobytes())
+    for name, tensor in module.named_parameters():
+        flat = tensor.detach().reshape(-1)
+        stride = max(1, flat.numel() // FINGERPRINT_ELEMENTS)
+        digest.update(f"{name}{tuple(tensor.shape)}".encode())
+        digest.update(flat[::stride][:FINGERPRINT_ELEMENTS].to("cpu", torch.float32).numpy().tobytes())
     return digest.hexdigest()[:16]
 
 
 def model_fingerprint(pipeline) -> dict:
-    """What a preset is tied to about the model: its family, image tokens, the target's and the
-    drafter's content fingerprints and the precision the weights run in."""
+    """What a preset is tied to about the model: its family, image tokens, the content
+    fingerprints of the target, its image tokenizer (LANTERN's neighbours come from its codebook)
+    and the drafter, and the dtype the target's weights run in."""
     target = pipeline.target
-    dtype = next(target.parameters()).dtype if list(target.parameters()) else None
+    first = next(iter(target.parameters()), None)
     return {"family": pipeline.family, "image_tokens": pipeline.image_tokens,
-            "target": weights_fingerprint(target), "drafter": weights_fingerprint(pipeline.drafter),
-            "dtype": str(dtype).replace("torch.", "") if dtype is not None else None}
+            "target": weights_fingerprint(target), "tokenizer": weights_fingerprint(pipeline.tokenizer),
+            "drafter": weights_fingerprint(pipeline.drafter),
+            "dtype": str(first.dtype).replace("torch.", "") if first is not None else None}
 
 
 def preset_record(options, sampling, *, pipeline, threads: int | None, batch_size: int, measured: dict,
@@ -106,22 +107,31 @@ def read_preset(path) -> dict:
     name = fields.pop("method")
     try:
         methods.resolve(name, fields)
-    except RelaxspecError as err:
+        SamplingConfig(**(data.get("sampling") or {}))
+    except (RelaxspecError, TypeError, ValueError) as err:
         raise RelaxspecError(f"--preset {path}: {err}") from None
+    for key in ("threads", "batch_size"):
+        value = data.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise RelaxspecError(f"--preset {path}: {key} must be a whole number >= 1, got {value!r}")
     return {**data, "method": {"method": name, **fields}, "path": str(path)}
 
 
 def check_preset(preset: dict, pipeline) -> None:
-    """Refuse, with one line, a preset made for another model, drafter, precision or machine kind."""
+    """Refuse, with one line, a preset made for another model, tokenizer, drafter, precision or
+    machine kind."""
     where = f"--preset {preset.get('path', 'file')}"
     made, here = preset.get("model") or {}, model_fingerprint(pipeline)
     if made.get("family") != here["family"] or made.get("target") != here["target"] or \
-            made.get("image_tokens") != here["image_tokens"]:
+            made.get("image_tokens") != here["image_tokens"] or made.get("tokenizer") != here["tokenizer"]:
         raise RelaxspecError(f"{where} was tuned for another model ({made.get('family')}, weights "
                              f"{made.get('target')}); this is {here['family']}, weights {here['target']}: tune this "
                              "model with relaxspec tune")
     name = preset["method"]["method"]
     needs = methods.resolve(name, {k: v for k, v in preset["method"].items() if k != "method"}).needs_drafter
+    if needs and here["drafter"] is None:
+        raise RelaxspecError(f"{where} drafts with an EAGLE drafter and none is loaded: give the drafter it was tuned "
+                             "with (--drafter-ckpt)")
     if needs and made.get("drafter") != here["drafter"]:
         raise RelaxspecError(f"{where} was tuned with another drafter (weights {made.get('drafter')}; this model's "
                              f"is {here['drafter']}): its trees and settings belong to that drafter")
@@ -130,7 +140,11 @@ def check_preset(preset: dict, pipeline) -> None:
                              "now: open the model in that precision, or tune again")
     machine = preset.get("machine") or {}
     current = machine_identity(pipeline.device)
-    if (machine.get("device_type"), machine.get("name")) != (current["device_type"], current["name"]):
+    if machine.get("device_type") != current["device_type"]:
+        raise RelaxspecError(f"{where} was tuned on {machine_kind(machine)}; this model is on "
+                             f"{current['device_type']} (open it with --device {machine.get('device_type')}, or tune "
+                             "here)")
+    if machine.get("name") != current["name"]:
         raise RelaxspecError(f"{where} was tuned on another kind of machine ({machine_kind(machine)}); this is "
                              f"{machine_kind(current)}: timings do not carry over, tune here with relaxspec tune")
 

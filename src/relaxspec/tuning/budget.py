@@ -16,6 +16,9 @@ from dataclasses import dataclass
 from relaxspec.errors import RelaxspecError
 
 KINDS = ("lossless", "tv", "quality")
+#: While quality is unknown, this many of the fastest settings on the speed / TV front survive a
+#: round besides the faster half (a ladder of relaxation strengths for the quality test).
+FRONT_KEPT = 4
 
 
 @dataclass(frozen=True)
@@ -83,13 +86,15 @@ def pareto(rows: list[dict]) -> list[dict]:
 
 def survivors(rows: list[dict], budget: Budget, keep: int) -> list[str]:
     """The labels that go on to the next round: never one over budget; the ``keep`` fastest of
-    the rest, and (when quality is still unknown) every row on the speed / TV front, so a ladder
-    of relaxation strengths reaches the quality test instead of only the strongest."""
+    the rest, and (when quality is still unknown) the :data:`FRONT_KEPT` fastest rows on the
+    speed / TV front, so a ladder of relaxation strengths reaches the quality test instead of only
+    the strongest."""
     open_rows = [r for r in rows if within(r, budget) is not False and r.get("speedup") is not None]
     ranked = sorted(open_rows, key=_speed, reverse=True)
     kept = {r["label"] for r in ranked[:max(keep, 1)]}
     if budget.kind == "quality":
-        kept |= {r["label"] for r in pareto(open_rows) if within(r, budget) is None}
+        front = sorted((r for r in pareto(open_rows) if within(r, budget) is None), key=_speed, reverse=True)
+        kept |= {r["label"] for r in front[:FRONT_KEPT]}
     return [r["label"] for r in ranked if r["label"] in kept]
 
 
@@ -103,9 +108,11 @@ def choose(rows: list[dict], budget: Budget) -> tuple[dict | None, dict | None]:
     if best is not None and best["speedup"] > 1.0:
         return best, None
     outside = [r for r in timed if within(r, budget) is not True and r["speedup"] > 1.0]
-    if outside:
-        if budget.kind == "tv":
-            return None, min(outside, key=lambda r: (r.get("tv_per_token") or 0.0, -_speed(r)))
+    if budget.kind == "tv":  # the smallest measured TV over the budget (an unmeasured one says nothing)
+        outside = [r for r in outside if within(r, budget) is False]
+        if outside:
+            return None, min(outside, key=lambda r: (r["tv_per_token"], -_speed(r)))
+    elif outside:
         return None, max(outside, key=_speed)
     return None, best or max(timed, key=_speed, default=None)
 

@@ -61,13 +61,13 @@ def label_of(method: str, fields: dict, tree: str | None = None) -> str:
     return f"{method}[{','.join(parts)}]" if parts else method
 
 
-def candidate_trees(rates, step_seconds, max_nodes: int = 48) -> list[tuple[str, TreeSpec, dict]]:
+def candidate_trees(rates, step_seconds, ar_seconds: float, max_nodes: int = 48) -> list[tuple[str, TreeSpec, dict]]:
     """``(name, tree, facts)`` for one rule's rates: the tree with the most expected tokens per
     second, the best chain and the chains one shorter and longer, and the best tree of about
     twice the winner's size (facts: nodes, depth, expected MAL, estimated speed-up over AR from
-    the forwards alone)."""
+    the forwards alone; ``ar_seconds``: one AR step, a target forward over one token)."""
     best, curve = best_tree_for_cost(rates, step_seconds, max_nodes)
-    ar_rate = 1.0 / step_seconds(TreeSpec.chain(1)) if curve else 0.0
+    ar_rate = 1.0 / ar_seconds
     chosen: dict[tuple, tuple[str, TreeSpec]] = {}
     if best is not None:
         chosen[best.paths] = (f"best{len(best.paths)}", best)

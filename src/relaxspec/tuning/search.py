@@ -44,11 +44,15 @@ from relaxspec.bench.run import read_records, run_bench
 from relaxspec.decoding.result import add_counts
 from relaxspec.errors import RelaxspecError
 from relaxspec.files import write_json
+from relaxspec.devices import machine_identity
 from relaxspec.pipelines.presets import model_fingerprint
 from relaxspec.tuning.budget import Budget, choose, pareto, survivors, within
 from relaxspec.tuning.candidates import PROBE_RULES, PROBE_TREE, Candidate, build_candidates, candidate_trees
 
 STATE_FILE = "state.json"
+#: Everything a tuning run writes in its folder (removed by --overwrite).
+OWNED = ("costs.json", "probe.json", "trees", "rounds", "quality", "quality-reference", "heldout", "heldout-reference",
+         STATE_FILE, "tune.json", "report.md", "settings.csv", "frontier.png")
 #: Shares of the budget kept for the held-out measurement and for the quality test.
 HELDOUT_SHARE, QUALITY_SHARE = 0.15, 0.2
 #: Compiling a setting costs about this on a CPU (seconds, assumed before it is measured).
@@ -91,7 +95,7 @@ class Tuner:
     :meth:`run` returns the result dict that :mod:`relaxspec.tuning.report` writes up."""
 
     def __init__(self, pipeline, sampling, out, config: TuneConfig, *, overwrite: bool = False):
-        if config.minutes is None or not config.minutes > 0:
+        if config.minutes is None or not (config.minutes > 0 and math.isfinite(config.minutes)):
             raise RelaxspecError(f"--minutes must be > 0, got {config.minutes}")
         if config.budget.kind == "quality" and config.classifier is None:
             raise RelaxspecError("--within-ar-quality needs a quality source: --classifier DIR (and --real-data NPZ)")
@@ -109,7 +113,8 @@ class Tuner:
     # ------------------------------------------------------------------ state
     def _settings(self) -> dict:
         c = self.config
-        return {"budget": c.budget.to_dict(), "model": model_fingerprint(self.pipeline), "sampling": self.sampling.to_dict(),
+        return {"budget": c.budget.to_dict(), "model": model_fingerprint(self.pipeline),
+                "machine": machine_identity(self.device), "device": str(self.device), "sampling": self.sampling.to_dict(),
                 "tune": [str(x) for x in c.tune], "heldout": [str(x) for x in c.heldout], "seed": c.seed,
                 "threads": c.threads, "batch_size": c.batch_size, "compile": c.compile,
                 "quality_source": c.quality_source, **c.extra_identity}
@@ -118,28 +123,36 @@ class Tuner:
         if self.out.exists() and not self.out.is_dir():
             raise RelaxspecError(f"--out {self.out}: exists and is not a folder")
         path = self.out / STATE_FILE
+        leftovers = [name for name in OWNED if (self.out / name).exists()]
         if path.exists():
             try:
                 state = json.loads(path.read_text())
+                if not isinstance(state, dict):
+                    raise ValueError
             except ValueError:
+                if not overwrite:
+                    raise RelaxspecError(f"--out {self.out}: {STATE_FILE} is unreadable; choose another folder or "
+                                         "pass --overwrite") from None
                 state = None
             if state is not None and state.get("settings_hash") == digest:
                 return state
-            if not overwrite:
-                before = (state or {}).get("settings", {})
+            if state is not None and not overwrite:
+                before = state.get("settings", {})
                 now = json.loads(json.dumps(self.settings, default=str))
                 changed = sorted(k for k in set(now) | set(before) if now.get(k) != before.get(k))
                 raise RelaxspecError(f"--out {self.out} holds a tuning run with other settings (changed: "
                                      f"{', '.join(changed) or '?'}); choose another folder or pass --overwrite")
-            import shutil
+        elif leftovers and not overwrite:
+            raise RelaxspecError(f"--out {self.out} holds {leftovers[0]} but no {STATE_FILE}; choose another folder or "
+                                 "pass --overwrite")
+        import shutil
 
-            for name in ("costs.json", "probe.json", "trees", "rounds", "quality", "quality-reference", "heldout",
-                         "heldout-reference", STATE_FILE):
-                target = self.out / name
-                if target.is_dir():
-                    shutil.rmtree(target)
-                elif target.exists():
-                    target.unlink()
+        for name in leftovers:
+            target = self.out / name
+            if target.is_dir():
+                shutil.rmtree(target)
+            else:
+                target.unlink()
         self.out.mkdir(parents=True, exist_ok=True)
         state = {"settings_hash": digest, "settings": json.loads(json.dumps(self.settings, default=str)),
                  "spent_seconds": 0.0, "rounds": []}
@@ -182,7 +195,8 @@ class Tuner:
             costs = self.cost_curve()
             trees = self.trees(costs) if self.pipeline.drafter is not None else {}
             candidates = self.candidates(trees)
-            self.halving(candidates)
+            if not self.state.get("halving_done"):
+                self.halving(candidates)
             if self.config.budget.kind == "quality":
                 self.quality_test()
             rows = self.rows()
@@ -250,7 +264,7 @@ class Tuner:
             accepts = torch.tensor(probes[rule]["accepts"], dtype=torch.float64)
             rates = torch.where(tests >= MIN_PROBE_TESTS, accepts / tests.clamp(min=1), torch.zeros_like(tests))
             found[rule] = []
-            for name, spec, facts in candidate_trees(rates, table.step_seconds):
+            for name, spec, facts in candidate_trees(rates, table.step_seconds, table.target_seconds(1)):
                 tree_path = folder / f"{rule}-{name}.json"
                 if not tree_path.exists():
                     tree_path.write_text(json.dumps({"paths": [list(p) for p in spec.paths], **facts}) + "\n")
@@ -298,15 +312,17 @@ class Tuner:
             else:
                 current = self._next_round(by_label, used)
                 if current is None:
+                    self.state["halving_done"] = True  # decided once: a resumed run goes on from here
+                    self.save()
                     break
                 rounds.append(current)
                 by_label = {c.label: c for c in self.all_candidates()}
                 self.save()
             index = len(rounds)
             self.say(f"round {index}: {len(current['labels'])} settings x {current['images']} images, paired with AR")
-            self.bench(f"rounds/r{index}", [by_label[label] for label in current["labels"]],
-                       self.images(self.config.tune, current["start"], current["images"]), current["seed"],
-                       warmup=current["warmup"])
+            chosen = [by_label[label] for label in current["labels"]]
+            self.bench(f"rounds/r{index}", chosen, self.images(self.config.tune, current["start"], current["images"]),
+                       current["seed"], warmup=_warmup(chosen))
             current["complete"] = True
             used = current["start"] + current["images"]
             self.save()
@@ -333,19 +349,22 @@ class Tuner:
         fixed = compiling * COMPILE_GUESS_S.get(self.device.type, 30.0)
         left = self.left() - self._reserve() - fixed
         rounds_left = max(1, math.ceil(math.log2(max(len(labels), 2))))
-        affordable = int(left / max(per_image * rounds_left, 1e-9))
+        planned = int(left / max(per_image * rounds_left, 1e-9))  # this round's share of what is left
+        now = int(left / max(per_image, 1e-9))  # the most this round can take
         if not rounds:
-            images = max(1, min(affordable, 8))
+            images = max(1, min(planned, 8))  # every setting is measured at least once
         else:
             floor = rounds[-1]["images"]
-            if affordable < 1:
-                return None  # no time for another round: the estimates so far decide
-            images = max(1, min(max(affordable, floor), 4 * floor, 256))
+            if now < floor:
+                return None  # no time for a round on as many images as the last: the estimates so far decide
+            images = min(max(planned, floor), now, 4 * floor, 256)
+            if set(labels) == set(rounds[-1]["labels"]) and images <= floor:
+                return None  # the same settings on as few images again: the later phases need the time more
         if rounds and variants:  # they are tried from now on
             self.state["compiled"] = [v.to_dict() for v in variants]
             self.state["compiled_added"] = True
         return {"labels": labels, "images": images, "start": used, "seed": self.config.seed * 7919 + 101 + len(rounds),
-                "warmup": 1 if compiling else 0, "complete": False}
+                "complete": False}
 
     def finalists(self) -> list[str]:
         """The survivors of the last complete round (:func:`relaxspec.tuning.budget.survivors`:
@@ -353,7 +372,7 @@ class Tuner:
         rounds = [r for r in self.state["rounds"] if r.get("complete")]
         if not rounds:
             return []
-        rows = {r["label"]: r for r in self.rows()}
+        rows = {r["label"]: r for r in self.rows(rounds_only=True)}
         previous = rounds[-1]["labels"]
         return survivors([rows[l] for l in previous if l in rows], self.config.budget, math.ceil(len(previous) / 2))
 
@@ -370,13 +389,13 @@ class Tuner:
         return variants + [Candidate("ar+compile", "ar", {"compile": True})]
 
     # ------------------------------------------------------------------ measurements
-    def _folders(self) -> list[Path]:
+    def _folders(self, rounds_only: bool = False) -> list[Path]:
         folders = [self.out / f"rounds/r{i + 1}" for i, r in enumerate(self.state["rounds"])]
-        if (self.out / "quality").exists():
+        if not rounds_only and (self.out / "quality").exists():
             folders.append(self.out / "quality")
         return folders
 
-    def rows(self) -> list[dict]:
+    def rows(self, rounds_only: bool = False) -> list[dict]:
         """One row per tried setting over every tune image it decoded (rounds and the quality
         test, each paired with AR in its own folder): median paired speed-up with a bootstrap
         interval, mean TV per token, seconds per image, images, and the quality verdict."""
@@ -384,7 +403,7 @@ class Tuner:
         tv: dict[str, list] = {}
         seconds: dict[str, list] = {}
         mal: dict[str, list] = {}
-        for folder in self._folders():
+        for folder in self._folders(rounds_only):
             records = read_records(folder)
             for label in dict.fromkeys(r["method"] for r in records):
                 mine = [r for r in records if r["method"] == label]
@@ -407,7 +426,7 @@ class Tuner:
                    "mal": float(np.mean(mal[label])),
                    "tv_per_token": (float(np.mean(tv[label])) if tv.get(label) else None) if relaxed else 0.0,
                    "compile": bool(cand.fields.get("compile")) if cand else False}
-            if label in quality:
+            if label in quality and not rounds_only:
                 row["quality_ok"] = quality[label]["ok"]
                 row["quality"] = quality[label]["metrics"]
             rows.append(row)
@@ -437,7 +456,8 @@ class Tuner:
         by_label = {c.label: c for c in self.all_candidates()}
         self.say(f"quality: {len(plan['labels'])} relaxed finalists x {plan['images']} images, against AR")
         images = self.images(self.config.tune, plan["start"], plan["images"])
-        records = self.bench("quality", [by_label[l] for l in plan["labels"]], images, plan["seed"], warmup=0)
+        finalists = [by_label[l] for l in plan["labels"]]
+        records = self.bench("quality", finalists, images, plan["seed"], warmup=_warmup(finalists))
         self.state["quality"] = self.judge(records, plan["labels"], images, "quality-reference", plan["seed"] + 1)
         self.state["quality_complete"] = True
         self.save()
@@ -455,12 +475,9 @@ class Tuner:
             tokens = torch.tensor([r["tokens"] for r in mine])
             fake[label] = (self.pipeline.pixels(tokens), np.array([r["class"] for r in mine]))
             indices[label] = [r["index"] for r in mine]
-        if self.config.real_images is not None:
-            classes = set(int(c) for c in (images if isinstance(images, list) else []))
-            keep = np.isin(self.config.real_labels, sorted(classes))
-            reference = self.config.real_images[keep]
-            if len(reference) < 2:
-                raise RelaxspecError("--real-data holds fewer than two images of the tuned classes")
+        if self.config.real_images is not None:  # the command checked there are two or more of each set
+            classes = sorted(set(int(c) for c in images))
+            reference = self.config.real_images[np.isin(self.config.real_labels, classes)]
         else:
             self.say("quality reference: an independent AR sample of the same classes")
             ref = run_bench(self.pipeline.target, self.pipeline.tokenizer, None, images,
@@ -515,7 +532,20 @@ class Tuner:
                                                            plan["seed"] + 1)[chosen["label"]]
                 self.save()
             result["quality"] = self.state["heldout_quality"]
+        budget = self.config.budget
+        if budget.kind == "tv" and chosen["relaxed"]:
+            result["within_budget"] = result["tv_per_token"] is not None and result["tv_per_token"] <= budget.max_tv_per_token
+        elif budget.kind == "quality" and chosen["relaxed"]:
+            result["within_budget"] = bool(result["quality"]["ok"])
+        else:
+            result["within_budget"] = True
         return result
+
+
+def _warmup(candidates: list[Candidate]) -> int:
+    """One unrecorded decode per setting first when any compiles (compilation stays out of the
+    timings, also in a round resumed in a new process); none otherwise."""
+    return 1 if any(c.fields.get("compile") for c in candidates) else 0
 
 
 class _threads:
