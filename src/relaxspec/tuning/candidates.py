@@ -70,7 +70,8 @@ def candidate_trees(rates, step_seconds, ar_seconds: float, max_nodes: int = 48)
     ar_rate = 1.0 / ar_seconds
     chosen: dict[tuple, tuple[str, TreeSpec]] = {}
     if best is not None:
-        chosen[best.paths] = (f"best{len(best.paths)}", best)
+        is_chain = best.paths == TreeSpec.chain(best.depth).paths
+        chosen[best.paths] = (f"chain{best.depth}" if is_chain else f"best{len(best.paths)}", best)
 
     def chain_rate(depth: int) -> float:
         spec = TreeSpec.chain(depth)

@@ -14,7 +14,7 @@ from relaxspec.files import write_atomic, write_json
 from relaxspec.pipelines.presets import preset_record
 
 PRESET_FILE, REPORT_FILE, FRONTIER_FILE, TABLE_FILE = "tune.json", "report.md", "frontier.png", "settings.csv"
-COLUMNS = ("label", "method", "tree", "relaxed", "compile", "pairs", "speedup", "speedup_lo", "speedup_hi", "seconds",
+COLUMNS = ("label", "method", "family", "tree", "relaxed", "compile", "pairs", "speedup", "speedup_lo", "speedup_hi", "seconds",
            "mal", "tv_per_token", "quality_ok")
 
 
@@ -100,12 +100,15 @@ def frontier_plot(rows: list[dict], result: dict, budget, path: Path) -> Path | 
     except ImportError:
         return None
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    families = sorted({r["method"] + ("+compile" if r.get("compile") else "") for r in rows if r["label"] != "ar"})
+    def family_of(row: dict) -> str:
+        return row.get("family", row["method"]) + (" compiled" if row.get("compile") else "")
+
+    families = sorted({family_of(r) for r in rows if r["label"] != "ar"})
     colours = {f: plt.cm.tab10(i % 10) for i, f in enumerate(families)}
     for row in rows:
         if row["label"] == "ar" or row.get("speedup") is None:
             continue
-        family = row["method"] + ("+compile" if row.get("compile") else "")
+        family = family_of(row)
         x = row.get("tv_per_token") or 0.0
         lo, hi = row.get("speedup_lo"), row.get("speedup_hi")
         err = None if lo is None else [[max(row["speedup"] - lo, 0.0)], [max(hi - row["speedup"], 0.0)]]

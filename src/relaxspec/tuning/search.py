@@ -420,7 +420,8 @@ class Tuner:
             relaxed = cand.relaxed if cand is not None else False
             r = np.asarray(ratios.get(label, []), dtype=np.float64)
             speed = _bootstrap(np.median, r, n_boot=200) if len(r) else [None, None, None]
-            row = {"label": label, "method": cand.method if cand else "ar", "relaxed": relaxed,
+            family = (cand.method + ("++" if "lam" in cand.fields else "")) if cand else "ar"
+            row = {"label": label, "method": cand.method if cand else "ar", "family": family, "relaxed": relaxed,
                    "tree": cand.tree if cand else None, "speedup": speed[0], "speedup_lo": speed[1],
                    "speedup_hi": speed[2], "pairs": int(len(r)), "seconds": float(np.mean(secs)),
                    "mal": float(np.mean(mal[label])),
