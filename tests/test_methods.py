@@ -49,14 +49,15 @@ def test_a_name_means_the_same_settings_everywhere(name, user_model, embedded_pi
 
 def test_the_embedded_model_tunes_its_method_names():
     tuned = generate_settings("lantern", False)
-    assert (tuned["draft"], tuned["tree"], tuned["k"], tuned["delta"]) == ("static", "emoji-relaxed", 64, 0.3)
+    assert (tuned["draft"], tuned["tree"], tuned["k"], tuned["delta"]) == ("static", "emoji-lantern", 64, 0.5)
     plain = generate_settings("lantern", True)  # the paper's setting: EAGLE-2's tree, k 1000, delta 0.1
     assert (plain["draft"], plain["k"], plain["delta"]) == ("dynamic", 1000, 0.1)
     # Flags win over the preset, and a flag that replaces the preset's alternative drops it.
     assert generate_settings("lantern", False, "--lam", "3")["lam"] == 3.0
     assert "delta" not in generate_settings("lantern", False, "--lam", "3")
     assert generate_settings("lantern", False, "--lam", "3")["k"] == 10  # k is tuned with the bound it goes with
-    assert generate_settings("lantern", False, "--draft", "static", "--lam", "5") == generate_settings("lantern++", False)
+    assert generate_settings("lantern", False, "--draft", "static", "--tree", "emoji-relaxed", "--lam", "5") == \
+        generate_settings("lantern++", False)
     assert generate_settings("lantern", True, "--draft", "chain")["depth"] == 4  # a chain is 4 deep, any preset
     chain = generate_settings("lantern", False, "--draft", "chain", "--depth", "2")
     assert (chain["draft"], chain["depth"], chain["k"]) == ("chain", 2, 64) and "tree" not in chain
@@ -84,7 +85,7 @@ def test_a_plain_bench_of_the_embedded_model_runs_its_presets():
     specs = expand_methods(bench["methods"], None, embedded.defaults()["presets"])
     assert [s.label for s in specs] == bench["methods"]
     by_label = {s.label: s.to_dict()["options"] for s in specs}
-    assert by_label["sd"]["tree"] == "emoji-exact" and by_label["lantern"]["delta"] == 0.3
+    assert by_label["sd"]["tree"] == "emoji-exact" and by_label["lantern"]["delta"] == 0.5
 
 
 class Toy(Method):

@@ -41,7 +41,7 @@ def weights_fingerprint(module) -> str | None:
     if module is None:
         return None
     digest = hashlib.sha256()
-    for name, tensor in module.named_parameters():
+    for name, tensor in _named_parameters(module):
         flat = tensor.detach().reshape(-1)
         stride = max(1, flat.numel() // FINGERPRINT_ELEMENTS)
         digest.update(f"{name}{tuple(tensor.shape)}".encode())
@@ -49,12 +49,24 @@ def weights_fingerprint(module) -> str | None:
     return digest.hexdigest()[:16]
 
 
+def _named_parameters(obj):
+    """A module's parameters, or those of the modules a wrapper holds (a transformers family's
+    image tokenizer wraps the model's VQ part)."""
+    if isinstance(obj, torch.nn.Module):
+        return list(obj.named_parameters())
+    found = []
+    for attribute, value in sorted(vars(obj).items()):
+        if isinstance(value, torch.nn.Module):
+            found += [(f"{attribute}.{name}", tensor) for name, tensor in value.named_parameters()]
+    return found
+
+
 def model_fingerprint(pipeline) -> dict:
     """What a preset is tied to about the model: its family, image tokens, the content
     fingerprints of the target, its image tokenizer (LANTERN's neighbours come from its codebook)
     and the drafter, and the dtype the target's weights run in."""
     target = pipeline.target
-    first = next(iter(target.parameters()), None)
+    first = next(iter(tensor for _, tensor in _named_parameters(target)), None)
     return {"family": pipeline.family, "image_tokens": pipeline.image_tokens,
             "target": weights_fingerprint(target), "tokenizer": weights_fingerprint(pipeline.tokenizer),
             "drafter": weights_fingerprint(pipeline.drafter),
