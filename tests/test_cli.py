@@ -370,6 +370,13 @@ def test_other_commands_errors_and_help(tiny_ckpts, bad_files, tmp_path, capsys)
     assert code == 0 and "--drafter-ckpt" in stdout and "--caption-features" in stdout
 
 
+@pytest.mark.parametrize("command", __import__("relaxspec.cli", fromlist=["COMMANDS"]).COMMANDS.split(","))
+def test_every_command_prints_its_help(command, capsys):
+    """argparse formats help texts with %: a bare one in any help breaks --help."""
+    code, stdout, _ = run([command, "--help"], capsys)
+    assert code == 0 and stdout.startswith(f"usage: relaxspec {command}")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("argv,expected", [
     (["generate", "--gpt-ckpt", "g.pt", "--vq-ckpt", "v.pt", "--out", "o", "--bogus"], "unrecognized arguments"),

@@ -139,6 +139,7 @@ def test_budget_rules_by_hand():
 # ---------------------------------------------------------------------------- the command
 
 
+@pytest.mark.slow
 def test_tune_lossless_on_llamagen_files_and_the_preset_round_trips(llamagen, cost_model, tmp_path, capsys):
     """The phases leave their files; every setting tried is exact; the preset names a tree beside
     it; generate / bench / relaxspec.generate take it, and greedy decoding with it equals greedy AR."""
@@ -197,6 +198,7 @@ def test_tune_lossless_on_llamagen_files_and_the_preset_round_trips(llamagen, co
         relaxspec.generate([1], "ar", model=model, preset=str(out / "tune.json"))
 
 
+@pytest.mark.slow
 def test_a_tv_budget_is_held_and_every_setting_is_plotted(llamagen, cost_model, tmp_path, capsys):
     pytest.importorskip("matplotlib")
     out = tmp_path / "tune"
@@ -235,6 +237,7 @@ def test_nothing_within_budget_beats_ar_names_the_closest(llamagen, cost_model, 
     assert not (out / "tune.json").exists() and "No preset" in (out / "report.md").read_text()
 
 
+@pytest.mark.slow
 def test_an_interrupted_tune_resumes_without_redoing_decodes(llamagen, cost_model, tmp_path, capsys, monkeypatch):
     from relaxspec.bench import run
 
@@ -468,6 +471,7 @@ def test_compiled_finalists_and_compiled_ar_join_the_last_rounds(llamagen, cost_
     assert all(rows[label]["compile"] == "True" for label in compiled)
 
 
+@pytest.mark.slow
 def test_quality_budget_with_a_classifier(llamagen, cost_model, tmp_path, capsys):
     """``--within-ar-quality`` with a (random) classifier and no real images: the reference is an
     independent AR sample; a relaxed setting is chosen only if its quality test passed. The exact

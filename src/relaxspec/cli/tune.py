@@ -59,9 +59,9 @@ def add_tune_parser(subparsers) -> argparse.ArgumentParser:
 
     images = tune.add_argument_group("images")
     images.add_argument("--classes", metavar="IDS|NAMES", help="classes to tune on (default: every class c with "
-                                                               f"c % {HELD_OUT_EVERY} != 1)")
+                                                               f"c %% {HELD_OUT_EVERY} != 1)")
     images.add_argument("--heldout-classes", metavar="IDS|NAMES", help="classes the result is measured on, never "
-                                                                       "tuned on (default: the others with c % "
+                                                                       "tuned on (default: the others with c %% "
                                                                        f"{HELD_OUT_EVERY} == 1)")
     images.add_argument("--prompt", action="append", metavar="TEXT", help="text-to-image: a prompt (repeatable)")
     images.add_argument("--prompts-file", metavar="FILE", help="text-to-image: prompts, one per line; the 2nd, 4th, "
