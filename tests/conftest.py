@@ -127,6 +127,23 @@ def tiny_ckpts(tmp_path_factory) -> dict:
     return files
 
 
+@pytest.fixture(scope="session")
+def tiny_c2i_models(tiny_ckpts, tmp_path_factory) -> dict:
+    """The tiny official-layout c2i target and VQ (``tiny_ckpts``), and a random drafter saved and
+    loaded as users do: ``target``, ``vq``, ``drafter``, ``drafter_dir``, ``files`` and the CLI
+    ``args`` of the files (without the drafter)."""
+    from relaxspec.drafting.eagle import EagleDrafter, load_drafter
+    from relaxspec.models.llamagen.checkpoints import load_gpt, load_vq, save_model
+
+    files = tiny_ckpts["c2i"]
+    vq = load_vq(files["vq"], files["vq_json"])
+    target = load_gpt(files["gpt"], files["gpt_json"], image_size=16, downsample=vq.config.downsample_factor)
+    torch.manual_seed(0)
+    folder = save_model(EagleDrafter.for_target(target), tmp_path_factory.mktemp("drafter") / "drafter", kind="drafter")
+    return {"target": target, "vq": vq, "drafter": load_drafter(folder, target), "drafter_dir": str(folder),
+            "files": files, "args": files["args"]}
+
+
 @pytest.fixture
 def refused(capsys):
     """``refused(argv, message)``: ``relaxspec ARGV`` exits 2 with ``message`` on one stderr line."""

@@ -25,13 +25,10 @@ from relaxspec.bench.report import (
     write_report,
 )
 from relaxspec.bench.run import PreparedMethod, read_records, run_bench
-from relaxspec.models.llamagen.checkpoints import load_gpt, load_vq, save_model
 from relaxspec.cli.options import Parser, UsageError
 from relaxspec.decoding import decode
-from relaxspec.drafting.eagle import EagleDrafter
 from relaxspec.errors import RelaxspecError
 from relaxspec.sampling import SamplingConfig
-from relaxspec.drafting.eagle import load_drafter
 
 SAMPLING = SamplingConfig(cfg_scale=4.0, temperature=1.0, top_k=0, top_p=1.0)
 #: Two images (classes 1 and 2) with ar, sd-chain, sjd and a two-point LANTERN sweep.
@@ -46,15 +43,9 @@ def neighbour_cache(monkeypatch, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def models(tiny_ckpts, tmp_path_factory):
+def models(tiny_c2i_models):
     """The tiny official-layout target and VQ, and a random drafter saved and loaded as users do."""
-    files = tiny_ckpts["c2i"]
-    vq = load_vq(files["vq"], files["vq_json"])
-    target = load_gpt(files["gpt"], files["gpt_json"], image_size=16, downsample=vq.config.downsample_factor)
-    torch.manual_seed(0)
-    folder = save_model(EagleDrafter.for_target(target), tmp_path_factory.mktemp("drafter") / "drafter", kind="drafter")
-    return {"target": target, "vq": vq, "drafter": load_drafter(folder, target), "drafter_dir": str(folder),
-            "args": files["args"]}
+    return tiny_c2i_models
 
 
 @pytest.fixture(scope="module")

@@ -59,17 +59,11 @@ def cost_model(monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def llamagen(tiny_ckpts, tmp_path_factory):
+def llamagen(tiny_c2i_models):
     """The tiny official-layout c2i files and a drafter trained for nothing (random weights)."""
-    from relaxspec.drafting.eagle import EagleDrafter
-    from relaxspec.models.llamagen.checkpoints import load_gpt, load_vq, save_model
-
-    files = tiny_ckpts["c2i"]
-    vq = load_vq(files["vq"], files["vq_json"])
-    target = load_gpt(files["gpt"], files["gpt_json"], image_size=16, downsample=vq.config.downsample_factor)
-    torch.manual_seed(0)
-    drafter = save_model(EagleDrafter.for_target(target), tmp_path_factory.mktemp("drafter") / "drafter", kind="drafter")
-    return {"args": files["args"] + ["--drafter-ckpt", str(drafter)], "files": files, "drafter": str(drafter)}
+    models = tiny_c2i_models
+    return {"args": models["args"] + ["--drafter-ckpt", models["drafter_dir"]], "files": models["files"],
+            "drafter": models["drafter_dir"]}
 
 
 def tune(args: list[str], out, capsys, expect: int = 0) -> str:

@@ -194,9 +194,9 @@ class Tuner:
         try:
             costs = self.cost_curve()
             trees = self.trees(costs) if self.pipeline.drafter is not None else {}
-            candidates = self.candidates(trees)
+            self.candidates(trees)
             if not self.state.get("halving_done"):
-                self.halving(candidates)
+                self.halving()
             if self.config.budget.kind == "quality":
                 self.quality_test()
             rows = self.rows()
@@ -302,7 +302,7 @@ class Tuner:
         costs = json.loads((self.out / "costs.json").read_text())
         return costs["ar_image_seconds_estimate"] * 1.5
 
-    def halving(self, candidates: list[Candidate]) -> None:
+    def halving(self) -> None:
         by_label = {c.label: c for c in self.all_candidates()}
         rounds = self.state["rounds"]
         used = sum(r["images"] for r in rounds)
@@ -310,7 +310,7 @@ class Tuner:
             if rounds and not rounds[-1].get("complete"):
                 current = rounds[-1]
             else:
-                current = self._next_round(by_label, used)
+                current = self._next_round(used)
                 if current is None:
                     self.state["halving_done"] = True  # decided once: a resumed run goes on from here
                     self.save()
@@ -327,7 +327,7 @@ class Tuner:
             used = current["start"] + current["images"]
             self.save()
 
-    def _next_round(self, by_label: dict, used: int) -> dict | None:
+    def _next_round(self, used: int) -> dict | None:
         """The next round's settings and image count, or ``None`` when the search is over (one
         setting left, or no time for a round that measures more images than the last)."""
         rounds = self.state["rounds"]
