@@ -124,23 +124,34 @@ def test_host_syncs_per_step(pair, name, temperature, tmp_path, monkeypatch):
     assert counter.windows[-1].syncs <= budget + 8, counter.windows[-1].sync_sites
 
 
-def test_a_sync_in_the_loop_is_caught(pair, tmp_path, monkeypatch):
+READING_RULE = """
+def reading(self, *args):
+    alpha = real(self, *args)
+    bool(alpha.any())
+    return alpha
+"""
+
+
+@pytest.mark.parametrize("checkout", ["this", "a clone folder named relaxspec"])
+def test_a_sync_in_the_loop_is_caught(pair, tmp_path, monkeypatch, checkout):
     """The budget test has teeth: a rule that reads its acceptance probability back (as the old
-    walk did to skip unused residuals) puts syncs in every step."""
+    walk did to skip unused residuals) puts syncs in every step, and the site named is the
+    package's own file that called the rule. Issue 33: in a checkout folder named ``relaxspec``
+    (what ``git clone`` names it) the caller's own file was taken for the package's; the reader is
+    compiled here as if it lived in such a clone's tests/."""
     real = LanternRule.accept_prob
-
-    def reading(self, *args):
-        alpha = real(self, *args)
-        bool(alpha.any())
-        return alpha
-
-    monkeypatch.setattr(LanternRule, "accept_prob", reading)
+    where = __file__ if checkout == "this" else str(tmp_path / "relaxspec" / "tests" / "test_fast_engine.py")
+    scope = {"real": real}
+    exec(compile(READING_RULE, where, "exec"), scope)
+    monkeypatch.setattr(LanternRule, "accept_prob", scope["reading"])
     monkeypatch.setenv("RELAXSPEC_CACHE", str(tmp_path))
     model, drafter = pair
     with StepCounter(model, drafter) as counter:
         run(pair, "lantern-chain", tmp_path, 1.0)
     assert all(window.syncs > 1 for window in counter.steps)
-    assert any("verify.py" in site for window in counter.steps for site in window.sync_sites)
+    sites = [site for window in counter.steps for site in window.sync_sites]
+    assert any("relaxspec/decoding/verify.py:" in site for site in sites), sites[:3]
+    assert not any("test_fast_engine" in site for site in sites), sites[:3]
 
 
 def test_tv_record_off_leaves_zeros_and_the_tokens(pair, tmp_path, monkeypatch):

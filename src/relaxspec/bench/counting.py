@@ -30,6 +30,7 @@ lands in the last window.
 
 from __future__ import annotations
 
+import os
 import traceback
 import weakref
 from dataclasses import dataclass, field
@@ -63,11 +64,23 @@ def _tensors(values) -> list[torch.Tensor]:
     return found
 
 
+#: The installed package's own folder (``.../relaxspec/``): a site is a frame in a file under it.
+#: A substring test ("relaxspec" in the path) took the caller's own file for the package's when
+#: the checkout itself is called ``relaxspec`` (what ``git clone`` names it).
+PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_COUNTING_FILE = os.path.abspath(__file__)
+
+
 def _site(name: str) -> str:
-    """``name at relaxspec/<file>:<line>``: the innermost relaxspec frame that made the call."""
-    frame = next((f for f in reversed(traceback.extract_stack()[:-2]) if "relaxspec" in f.filename
-                  and "counting.py" not in f.filename), None)
-    return f"{name} at {frame.filename.split('src/')[-1]}:{frame.lineno}" if frame else name
+    """``name at relaxspec/<file>:<line>``: the innermost frame in the package's own files (this
+    module excepted) that made the call."""
+    frame = next((f for f in reversed(traceback.extract_stack()[:-2])
+                  if os.path.abspath(f.filename).startswith(PACKAGE_DIR)
+                  and os.path.abspath(f.filename) != _COUNTING_FILE), None)
+    if frame is None:
+        return name
+    where = os.path.relpath(os.path.abspath(frame.filename), os.path.dirname(PACKAGE_DIR.rstrip(os.sep)))
+    return f"{name} at {where}:{frame.lineno}"
 
 
 def _name(func) -> str:
