@@ -153,6 +153,49 @@ def test_race_handler_streams_both_sides_and_keeps_the_run(model, tmp_path):
     assert word[0][-1] == "**Not run:** the knob must be a number (or empty for the preset's), got 'much'"
 
 
+def page_inputs(app) -> dict:
+    """The page's components by elem_id."""
+    return {block.elem_id: block for block in app.blocks.values() if getattr(block, "elem_id", None)}
+
+
+def test_a_class_model_gets_the_class_picker_and_a_prompt_model_the_prompt_box(model, tmp_path):
+    """Issue 33: ``model.prompts is not None`` held for a class model too (a bool is never None),
+    so the embedded model's page showed a prompt box and answered a prompt with "unknown class"."""
+    from relaxspec.demo.app import build_app
+    from helpers.emu3 import emu3_folder_at
+    from relaxspec.cli import build_parser
+    from relaxspec.cli.demo import load_demo_model
+
+    condition = page_inputs(build_app(model, tmp_path / "a"))["condition"]
+    assert isinstance(condition, gradio.Dropdown) and condition.label == "class"
+    assert [choice[0] for choice in condition.choices] == model.class_names and condition.value == "heart"
+    args = build_parser().parse_args(["demo", "--model-path", str(emu3_folder_at(tmp_path / "emu3")), "--image-size",
+                                      "32", "--prompt", "a red fox"])
+    prompted = page_inputs(build_app(load_demo_model(args), tmp_path / "b"))["condition"]
+    assert isinstance(prompted, gradio.Textbox) and prompted.label == "prompt" and prompted.value == "a red fox"
+
+
+def test_a_press_is_checked_outside_the_queue_and_only_a_good_one_races(model, tmp_path):
+    """Races queue one at a time; a bad input must not wait behind the race in progress for its
+    one-line answer. The press runs the check unqueued, and the queued race follows only a check
+    that passed."""
+    from relaxspec.demo.app import build_app, check_handler
+
+    app = build_app(model, tmp_path)
+    race = page_inputs(app)["race"]
+    chain = [fn for fn in app.fns.values() if any(target[0] == race._id for target in fn.targets)]
+    assert len(chain) == 1 and chain[0].queue is False  # the check, on the click itself
+    after = {fn.trigger_after: fn for fn in app.fns.values() if fn.trigger_after is not None}
+    gate = after[chain[0]._id]
+    racing = after[gate._id]
+    assert gate.queue is False and racing.trigger_only_on_success and racing.api_name == "race"
+    assert racing.concurrency_limit == 1
+    assert check_handler(model, "heart", "lantern", "9", 0, None) == (
+        "**Not run:** --delta is an additive TV budget in [0, 1], got 9.0", False)
+    assert check_handler(model, "heart", "magic", "", 0, None)[1] is False
+    assert check_handler(model, "heart", "lantern", "", 0, 4.0) == ("queued: one race at a time on this page", True)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -188,6 +231,22 @@ def test_the_served_page_races_through_gradios_client(served):
     assert (folder / "out" / "0000.png").is_file()
     *_, bad = client.predict("heart", "lantern", "3", 0, 4.0, api_name="/race")
     assert bad.startswith("**Not run:**") and "additive TV budget" in bad
+
+
+@pytest.mark.slow
+def test_values_outside_the_lists_are_one_line_not_a_server_traceback(served, capfd):
+    """Issue 33: a method (or class) outside the dropdown's list failed gradio's choice check with a
+    traceback in the server's console; the page's check answers it in the status line."""
+    from gradio_client import Client
+
+    url, _ = served
+    client = Client(url, verbose=False)
+    *_, method = client.predict("heart", "magic", "", 0, 4.0, api_name="/race")
+    *_, condition = client.predict("no-such-class", "lantern", "", 0, 4.0, api_name="/race")
+    assert method.startswith("**Not run:** unknown method 'magic'")
+    assert condition.startswith("**Not run:** unknown class 'no-such-class'")
+    logged = capfd.readouterr()
+    assert "Traceback" not in logged.err + logged.out and "Error" not in logged.err
 
 
 @pytest.mark.slow
@@ -248,6 +307,7 @@ def test_a_real_browser_presses_race_and_sees_both_images(served):
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
     from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
     from selenium.webdriver.support.ui import WebDriverWait
 
     url, folder = served
@@ -262,8 +322,21 @@ def test_a_real_browser_presses_race_and_sees_both_images(served):
         browser.get(url)
         wait = WebDriverWait(browser, 120)
         wait.until(lambda b: b.find_elements(By.CSS_SELECTOR, "#race"))
+        # Issue 33: a class model's page is a class picker, not a prompt box.
+        picker = browser.find_elements(By.CSS_SELECTOR, "#condition input[role='combobox']")
+        assert picker and picker[0].get_attribute("aria-label") == "class", \
+            browser.find_element(By.CSS_SELECTOR, "#condition").text
+        assert not browser.find_elements(By.CSS_SELECTOR, "#condition textarea")
+        assert picker[0].get_attribute("value") == "heart"
+        picker[0].click()
+        picker[0].send_keys(Keys.CONTROL, "a")
+        picker[0].send_keys("time")
+        wait.until(lambda b: [o.text for o in b.find_elements(By.CSS_SELECTOR, "ul[role='listbox'] li")] == ["time"])
+        picker[0].send_keys(Keys.ENTER)
         browser.find_element(By.CSS_SELECTOR, "#race").click()
         wait.until(lambda b: "done:" in b.find_element(By.CSS_SELECTOR, "#status").text)
+        assert (folder / "out" / "0000.png").is_file()
+        assert "time · lantern" in browser.find_element(By.CSS_SELECTOR, "#gallery").get_attribute("innerHTML")
         text = browser.find_element(By.CSS_SELECTOR, "#method-text").text  # the preset, relaxed: a sum over 1
         assert "sum of one-step TVs" in text and "no bound on this image's TV" in text and "certificate" not in text
         for side in ("#ar-image", "#method-image", "#heat"):

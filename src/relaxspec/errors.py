@@ -2,8 +2,21 @@
 
 Everything a user can get wrong (a path, a model name, a sampling setting) raises
 :class:`RelaxspecError` with one clear sentence; the CLI prints it on one line and exits 2.
+:func:`shown` quotes what the user gave inside such a sentence, cut to a readable length (a
+100 KB class name is not echoed whole).
 """
+
+#: The most characters of a user's value a message quotes.
+SHOWN_CHARS = 80
 
 
 class RelaxspecError(ValueError):
     """Bad input from the user: a message meant to be read, never a traceback."""
+
+
+def shown(value, limit: int = SHOWN_CHARS) -> str:
+    """``repr(value)``, or its first ``limit`` characters and how long it was."""
+    text = repr(value)
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(text):,} characters)"

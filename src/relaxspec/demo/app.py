@@ -16,7 +16,7 @@ import gradio as gr
 
 from relaxspec import methods
 from relaxspec.demo.race import KNOBS, DemoModel, RaceRequest, describe_lane, heat_map, resolve_request, run_lane, save_run
-from relaxspec.errors import RelaxspecError
+from relaxspec.errors import RelaxspecError, shown
 from relaxspec.files import write_png
 
 LOG = logging.getLogger("relaxspec.demo")
@@ -65,21 +65,44 @@ def speculative_names() -> list[str]:
     return [name for name in methods.presets() if name not in ("ar", "ar-compiled")]
 
 
+def read_request(model: DemoModel, condition, method, knob, seed, cfg_scale):
+    """The page's inputs, as sent, -> ``(request, condition, options, sampling)``; a bad value
+    raises :class:`RelaxspecError` (or ``ValueError`` / ``TypeError`` for a value of the wrong
+    kind) with one line."""
+    knob = None if knob is None or not str(knob).strip() else str(knob).strip()
+    try:
+        knob = None if knob is None else float(knob)
+    except ValueError:
+        raise RelaxspecError(f"the knob must be a number (or empty for the preset's), got {shown(knob)}") from None
+    request = RaceRequest(condition=condition or "", method=method or "", knob=knob,
+                          seed=0 if seed in (None, "") else seed,
+                          cfg_scale=None if cfg_scale in (None, "") else float(cfg_scale))
+    return (request, *resolve_request(model, request))
+
+
+def check_handler(model: DemoModel, condition, method, knob, seed, cfg_scale) -> tuple[str, bool]:
+    """The page's first answer to a press, before the race is queued (races run one at a time, so
+    a bad input must not wait for the one in progress): ``(status line, whether to race)``."""
+    try:
+        read_request(model, condition, method, knob, seed, cfg_scale)
+    except (RelaxspecError, ValueError, TypeError) as err:
+        return f"**Not run:** {err}", False
+    return "queued: one race at a time on this page", True
+
+
+def race_gate(ok: bool) -> None:
+    """Stops the press's chain (without a message: the status line has it) when the check failed."""
+    if not ok:
+        raise gr.Error("not run", visible=False, print_exception=False)
+
+
 def race_handler(model: DemoModel, out: Path, history: list, lock: threading.Lock, condition, method, knob, seed,
                  cfg_scale):
     """Validate the inputs (a bad one becomes the page's status line, never a traceback), then
     stream both lanes: ``(ar image, ar text, method image, method text, heat map, gallery, status)``."""
     blank = gr.update()
     try:
-        knob = None if knob is None or not str(knob).strip() else str(knob).strip()
-        try:
-            knob = None if knob is None else float(knob)
-        except ValueError:
-            raise RelaxspecError(f"the knob must be a number (or empty for the preset's), got {knob!r}") from None
-        request = RaceRequest(condition=condition or "", method=method or "", knob=knob,
-                              seed=0 if seed in (None, "") else seed,
-                              cfg_scale=None if cfg_scale in (None, "") else float(cfg_scale))
-        resolved, options, sampling = resolve_request(model, request)
+        request, resolved, options, sampling = read_request(model, condition, method, knob, seed, cfg_scale)
     except (RelaxspecError, ValueError, TypeError) as err:
         yield blank, blank, blank, blank, blank, blank, f"**Not run:** {err}"
         return
@@ -125,13 +148,17 @@ def build_app(model: DemoModel, out: str | Path) -> gr.Blocks:
     with gr.Blocks(title="relaxspec demo", delete_cache=(600, 1800)) as app:
         gr.Markdown(INTRO)
         with gr.Row():
-            if model.prompts is not None:
+            # Dropdowns take any value (allow_custom_value): a name outside the list is refused by the
+            # check below in one line, not by gradio's choice check with a traceback in the console.
+            if model.prompts:
                 condition = gr.Textbox(value=model.default_class or "", label="prompt", elem_id="condition")
             elif names:
-                condition = gr.Dropdown(names, value=default_class, label="class", elem_id="condition")
+                condition = gr.Dropdown(names, value=default_class, label="class", elem_id="condition",
+                                        allow_custom_value=True)
             else:
                 condition = gr.Textbox(value=default_class, label="class id", elem_id="condition")
-            method = gr.Dropdown(speculative_names(), value=model.default_method, label="method", elem_id="method")
+            method = gr.Dropdown(speculative_names(), value=model.default_method, label="method", elem_id="method",
+                                 allow_custom_value=True)
             knob = gr.Textbox(value="", label="knob: " + ", ".join(f"{m} {k}" for m, k in KNOBS.items()),
                               placeholder="empty: the preset's value", elem_id="knob")
             seed = gr.Number(value=0, precision=0, label="seed", elem_id="seed")
@@ -153,11 +180,22 @@ def build_app(model: DemoModel, out: str | Path) -> gr.Blocks:
         gallery = gr.Gallery(label="last runs (AR | method)", columns=4, height=220, object_fit="contain",
                              elem_id="gallery")
 
+        ok = gr.State(False)
+
+        def check(condition, method, knob, seed, cfg):
+            return check_handler(model, condition, method, knob, seed, cfg)
+
         def handler(condition, method, knob, seed, cfg):
             yield from race_handler(model, out, history, lock, condition, method, knob, seed, cfg)
 
-        run.click(handler, [condition, method, knob, seed, cfg], [ar_image, ar_text, my_image, my_text, heat, gallery,
-                                                                 status], api_name="race", concurrency_limit=1)
+        inputs = [condition, method, knob, seed, cfg]
+        # A press: the inputs are checked at once, outside the queue (a bad one is the status line
+        # in a blink, even while another race runs); only a good one is queued to race. The race
+        # itself checks again: it is also the API endpoint /race.
+        (run.click(check, inputs, [status, ok], queue=False, api_visibility="private")
+            .then(race_gate, ok, None, queue=False, api_visibility="private")
+            .success(handler, inputs, [ar_image, ar_text, my_image, my_text, heat, gallery, status], api_name="race",
+                     concurrency_limit=1))
     return app
 
 
@@ -174,4 +212,4 @@ def launch(app: gr.Blocks, host: str = "127.0.0.1", port: int | None = None, blo
     return url
 
 
-__all__ = ["build_app", "launch", "race_handler", "speculative_names"]
+__all__ = ["build_app", "check_handler", "launch", "race_handler", "read_request", "speculative_names"]
