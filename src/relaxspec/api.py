@@ -47,6 +47,15 @@ def pipeline_of(model: tuple | ImagePipeline, t5_path: str | None = None) -> Ima
     if not isinstance(model, (tuple, list)) or len(model) != 3:
         raise RelaxspecError("model must be (target, vq, drafter) or a pipeline; drafter may be None")
     target, vq, drafter = model
+    from relaxspec.models.llamagen.gpt import Transformer
+    from relaxspec.models.llamagen.vq import VQModel
+
+    if not isinstance(target, Transformer) or not isinstance(vq, VQModel) or \
+            (drafter is not None and not isinstance(drafter, torch.nn.Module)):
+        raise RelaxspecError(f"model=(target, vq, drafter) takes a LlamaGen-format Transformer, its VQModel and an "
+                             f"EAGLE drafter or None (relaxspec.models.llamagen.checkpoints.load_gpt / load_vq), got "
+                             f"({', '.join(type(part).__name__ for part in model)}); a Janus, Emu3 or Lumina-mGPT folder is "
+                             "model_path=DIR, any other model a pipeline (relaxspec.pipelines.open_pipeline)")
     if getattr(target.config, "model_type", "c2i") == "c2i":
         if t5_path is not None:
             raise RelaxspecError("this is a class-conditional (c2i) model: give classes, not prompts")

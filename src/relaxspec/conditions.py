@@ -17,7 +17,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from relaxspec.errors import RelaxspecError
+from relaxspec.errors import SHOWN_CHARS, RelaxspecError, shown
 
 
 @dataclass
@@ -63,7 +63,7 @@ def class_ids(classes: str | int | Sequence[int | str], num_classes: int, names:
     Names match case-insensitively with ``-``, ``_`` and spaces interchangeable (``sky & weather``
     = ``sky-&-weather``); an unknown one is refused naming the closest."""
     if isinstance(classes, bool):
-        raise RelaxspecError(f"classes must be ids or names, got {classes!r}")
+        raise RelaxspecError(f"classes must be ids or names, got {shown(classes)}")
     parts = [classes] if isinstance(classes, int) else \
         str(classes).split(",") if isinstance(classes, str) else list(classes)
     lookup = {_normal(n): i for i, n in enumerate(names)} if names is not None else {}
@@ -73,15 +73,18 @@ def class_ids(classes: str | int | Sequence[int | str], num_classes: int, names:
         if not text:
             continue
         if isinstance(part, int) and not isinstance(part, bool) or re.fullmatch(r"-?\d+", text):
+            if len(text) > 18:  # int() refuses over 4300 digits; no model has 10^18 classes
+                raise RelaxspecError(f"class id {shown(text)} is out of range: this model has classes "
+                                     f"0..{num_classes - 1}")
             ids.append(int(text))
         elif names is None:
-            raise RelaxspecError(f"this model does not name its classes: give class ids, got {text!r}")
+            raise RelaxspecError(f"this model does not name its classes: give class ids, got {shown(text)}")
         elif _normal(text) in lookup:
             ids.append(lookup[_normal(text)])
         else:
-            close = difflib.get_close_matches(text, list(names), n=3, cutoff=0.5)
+            close = difflib.get_close_matches(text[:SHOWN_CHARS], list(names), n=3, cutoff=0.5)
             hint = f"; did you mean {', '.join(close)}?" if close else f"; known classes: {', '.join(names[:8])}, ..."
-            raise RelaxspecError(f"unknown class {text!r}{hint}")
+            raise RelaxspecError(f"unknown class {shown(text)}{hint}")
     if not ids:
         raise RelaxspecError("no classes given")
     bad = [c for c in ids if not 0 <= c < num_classes]

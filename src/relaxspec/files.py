@@ -30,6 +30,26 @@ def read_prompts_file(path: str | Path) -> list[str]:
     return [line for line in lines if line.strip()]
 
 
+def read_json(path: str | Path, what: str | None = None):
+    """A JSON file's value; one-line errors for a missing or unreadable file and for anything that
+    is not JSON text (binary data, bad UTF-8, nesting deeper than the parser goes). ``what``:
+    how the message names the file (default: its path)."""
+    path = Path(path)
+    what = what or str(path)
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise RelaxspecError(f"{what}: no such file") from None
+    except IsADirectoryError:
+        raise RelaxspecError(f"{what}: a folder, not a JSON file") from None
+    except UnicodeDecodeError:
+        raise RelaxspecError(f"{what}: not JSON (not UTF-8 text)") from None
+    except RecursionError:
+        raise RelaxspecError(f"{what}: not JSON this reader takes (nested too deeply)") from None
+    except ValueError as err:
+        raise RelaxspecError(f"{what}: not JSON ({err})") from None
+
+
 def write_atomic(path: Path, write) -> None:
     """``write(temp_path)`` then rename over ``path``: readers never see a half-written file."""
     temp = path.with_name(f".{path.name}.{os.getpid()}.tmp{path.suffix}")

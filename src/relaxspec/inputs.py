@@ -5,6 +5,7 @@ same way, with the same one-line message, wherever it is given."""
 from __future__ import annotations
 
 import numbers
+import os
 
 from relaxspec.errors import RelaxspecError
 
@@ -42,3 +43,22 @@ def check_upscale(upscale, side: int | None = None) -> int:
                              f"{MAX_OUTPUT_SIDE} px (upscale {max(1, MAX_OUTPUT_SIDE // side)} at most for these "
                              f"{side}-px images)")
     return upscale
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask where the platform has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def check_threads(threads, name: str = "--threads") -> int:
+    """A torch CPU thread count: a whole number from 1 to the CPUs this process may use. More
+    threads than CPUs only slow every op down; far more (``--threads 100000``) make OpenMP abort
+    or crash the process without a word."""
+    cpus = usable_cpus()
+    if not _whole(threads) or not 1 <= threads <= cpus:
+        raise RelaxspecError(f"{name} must be a whole number >= 1 and at most {cpus} (the CPUs this process may use "
+                             f"here), got {threads!r}")
+    return int(threads)

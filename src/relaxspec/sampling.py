@@ -8,11 +8,19 @@ target and the drafter alike.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import math
+import numbers
+from dataclasses import asdict, dataclass, fields as dataclass_fields
 
 import torch
 
-from relaxspec.errors import RelaxspecError
+from relaxspec.errors import RelaxspecError, shown
+
+#: Guidance scales past this are refused: published models guide at 1.5-10; far larger scales
+#: overflow the guided logits (see :meth:`SamplingConfig.__post_init__`).
+MAX_CFG_SCALE = 1000.0
+#: Temperatures past this are refused (the law is uniform over the kept tokens long before).
+MAX_TEMPERATURE = 1000.0
 
 
 @dataclass(frozen=True)
@@ -32,14 +40,33 @@ class SamplingConfig:
     top_p: float = 1.0
 
     def __post_init__(self) -> None:
-        if not self.cfg_scale >= 0:
-            raise RelaxspecError(f"cfg scale must be >= 0, got {self.cfg_scale}")
-        if not self.temperature >= 0:
-            raise RelaxspecError(f"temperature must be >= 0, got {self.temperature}")
-        if int(self.top_k) != self.top_k or self.top_k < 0:
+        for name in ("cfg_scale", "temperature", "top_k", "top_p"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                raise RelaxspecError(f"{name.replace('_', '-').replace('cfg-', 'cfg ')} must be a number, got "
+                                     f"{shown(value)}")
+        # A scale past MAX_CFG_SCALE (or inf) overflows the guided logits to inf - inf = nan, and every
+        # token drawn from nan laws is 0: refused rather than returned as a black image.
+        if not 0 <= self.cfg_scale <= MAX_CFG_SCALE:
+            raise RelaxspecError(f"cfg scale must be in [0, {MAX_CFG_SCALE:g}], got {self.cfg_scale}")
+        if not 0 <= self.temperature <= MAX_TEMPERATURE:
+            raise RelaxspecError(f"temperature must be in [0, {MAX_TEMPERATURE:g}] (0 = greedy), got {self.temperature}")
+        if not math.isfinite(self.top_k) or int(self.top_k) != self.top_k or self.top_k < 0:
             raise RelaxspecError(f"top-k must be a whole number >= 0 (0 = off), got {self.top_k}")
         if not 0 < self.top_p <= 1:
             raise RelaxspecError(f"top-p must lie in (0, 1], got {self.top_p}")
+
+    @classmethod
+    def from_dict(cls, fields) -> "SamplingConfig":
+        """A config from a dict of its fields (one-line errors for anything else, or an unknown field)."""
+        if not isinstance(fields, dict):
+            raise RelaxspecError(f"sampling must be a SamplingConfig or a dict of its fields "
+                                 f"({', '.join(SAMPLING_FIELDS)}), got {shown(fields)}")
+        unknown = [key for key in fields if key not in SAMPLING_FIELDS]
+        if unknown:
+            raise RelaxspecError(f"unknown sampling field {shown(unknown[0])}: the fields are "
+                                 f"{', '.join(SAMPLING_FIELDS)}")
+        return cls(**fields)
 
     @property
     def greedy(self) -> bool:
@@ -51,6 +78,10 @@ class SamplingConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+#: The fields of :class:`SamplingConfig`, in order.
+SAMPLING_FIELDS = tuple(f.name for f in dataclass_fields(SamplingConfig))
 
 
 def stream_rows(x: torch.Tensor | None, streams: int) -> torch.Tensor | None:

@@ -44,7 +44,7 @@ import torch
 from relaxspec.bench.config import BASELINE
 from relaxspec.bench.run import RECORDS_FILE, SETTINGS_FILE, read_records
 from relaxspec.decoding.result import certified_tv, record_tv_sum
-from relaxspec.errors import RelaxspecError
+from relaxspec.errors import RelaxspecError, shown
 
 SUMMARY_JSON, SUMMARY_CSV, SUMMARY_MD, PLOT_DATA = "summary.json", "summary.csv", "summary.md", "plot_data.json"
 PLOT_FILES = ("pareto.png", "mal_hist.png", "accept_heatmap.png")
@@ -616,6 +616,9 @@ def write_report(out_dir: str | Path, *, vq=None, classifier=None, real_data: st
     methods = settings.get("methods", [])
     labels = [m["label"] for m in methods] or list(dict.fromkeys(r["method"] for r in records))
     num_tokens = int(settings.get("image_tokens") or len(records[0]["tokens"]))
+    if baseline is not None and baseline not in labels:
+        raise RelaxspecError(f"--baseline {shown(baseline)} is not a method of the benchmark in {out} "
+                             f"({', '.join(labels)})")
     baseline = baseline or settings.get("baseline", BASELINE)
     rows = summarize(records, labels, num_tokens=num_tokens, baseline=baseline, n_boot=n_boot)
     info = {m["label"]: m for m in methods}
@@ -693,7 +696,7 @@ def write_report(out_dir: str | Path, *, vq=None, classifier=None, real_data: st
     write_atomic(out / SUMMARY_CSV, lambda temp: temp.write_text(csv_text(rows)))
     write_atomic(out / SUMMARY_MD, lambda temp: temp.write_text(markdown_report(rows, settings, notes, baseline)))
     write_json(out / PLOT_DATA, data)
-    return {"rows": rows, "files": written, "notes": notes, "verdict": summary["verdict"]}
+    return {"rows": rows, "files": written, "notes": notes, "verdict": summary["verdict"], "baseline": baseline}
 
 
 def markdown_report(rows: Sequence[dict], settings: dict, notes: Sequence[str], baseline: str = BASELINE) -> str:

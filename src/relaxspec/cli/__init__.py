@@ -20,7 +20,7 @@ import sys
 import warnings
 
 from relaxspec import __version__
-from relaxspec.cli.options import Parser, UsageError
+from relaxspec.cli.options import Parser, UsageError, require_extras
 from relaxspec.errors import RelaxspecError
 
 COMMANDS = "generate,info,data,train-vq,train-gpt,train-drafter,train-classifier,build-tree,bench,tune,eval,demo,make-test-checkpoints"
@@ -53,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run the command line; returns the exit code (2 for any user error)."""
     try:
         args = build_parser().parse_args(argv)
+        require_extras(args)
         with warnings.catch_warnings():
             # torch warns about the pickle protocol of non-torch pickles before refusing them; the
             # refusal itself is the message.
@@ -70,8 +71,16 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+#: The longest error line printed: our messages quote user values cut short (errors.shown); this
+#: is the backstop for messages that quote what they were given whole.
+MAX_MESSAGE = 1000
+
+
 def _fail(message: str) -> int:
-    print("relaxspec: error: " + " ".join(message.split()), file=sys.stderr)
+    line = " ".join(message.split())
+    if len(line) > MAX_MESSAGE:
+        line = f"{line[:MAX_MESSAGE]}... ({len(line) - MAX_MESSAGE:,} characters cut)"
+    print("relaxspec: error: " + line, file=sys.stderr)
     return 2
 
 

@@ -14,8 +14,9 @@ from pathlib import Path
 from relaxspec.bench.config import BASELINE, DEFAULT_METHODS, expand_methods, parse_methods
 from relaxspec.cli.options import add_model_options, open_from_args, read_prompts
 from relaxspec.conditions import class_ids
-from relaxspec.errors import RelaxspecError
-from relaxspec.inputs import check_at_least, check_seed
+from relaxspec.errors import RelaxspecError, shown
+from relaxspec import extras
+from relaxspec.inputs import check_at_least, check_seed, check_threads
 
 
 #: Where a benchmark of the embedded model goes when no --out is given.
@@ -107,7 +108,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     output.add_argument("--overwrite", action="store_true", help="replace a benchmark with other settings in --out")
     output.add_argument("--report-only", action="store_true",
                         help="decode nothing: rebuild the summaries and plots of --out (e.g. to add quality)")
-    output.add_argument("--baseline", metavar="LABEL", default=BASELINE,
+    output.add_argument("--baseline", metavar="LABEL",
                         help=f"the method speed-ups are measured against (default {BASELINE}; e.g. ar-compiled)")
     output.add_argument("--no-plots", action="store_true", help="write plot_data.json but no PNG plots")
     output.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -169,6 +170,9 @@ def run_bench_cli(args: argparse.Namespace) -> int:
         print(list_methods(embedded_bench_defaults(args)[0]))
         return 0
     model_presets, bench_defaults = embedded_bench_defaults(args)
+    if not args.no_plots and not extras.available("matplotlib"):
+        raise RelaxspecError("relaxspec bench draws its plots with matplotlib, which is not installed: "
+                             f"{extras.EXTRAS['matplotlib'].install}, or pass --no-plots")
     if not args.out:
         if args.gpt_ckpt is not None or args.model_path is not None:
             raise RelaxspecError("--out DIR is required")
@@ -187,7 +191,8 @@ def run_bench_cli(args: argparse.Namespace) -> int:
                              "certificate (score prompt images with relaxspec eval --fid-ref)")
     if args.num_images is None and args.images_per_class is None and args.classes is None:
         args.num_images = bench_defaults.get("num_images")
-    _positive(args, "images_per_class", "num_images", "threads", "batch_size", "image_size", "n_boot")
+    _positive(args, "images_per_class", "num_images", "batch_size", "image_size", "n_boot")
+    check_threads(args.threads)
     check_at_least("warm-up", args.warmup, 0)
     check_seed(args.seed)
     if (args.classifier is None) != (args.real_data is None):
@@ -224,6 +229,9 @@ def run_bench_cli(args: argparse.Namespace) -> int:
     specs = expand_methods(parse_methods(args.methods, bench_defaults.get("methods")), args.sweep, model_presets)
     if preset is not None:
         specs.append(preset_spec(preset))
+    if args.baseline is not None and args.baseline not in [spec.label for spec in specs]:
+        raise RelaxspecError(f"--baseline {shown(args.baseline)} is not one of the benchmarked methods "
+                             f"({', '.join(spec.label for spec in specs)}): add it to --methods")
     if args.compile:
         for spec in specs:
             if spec.label != BASELINE:
@@ -248,6 +256,11 @@ def run_bench_cli(args: argparse.Namespace) -> int:
                              "--drafter-ckpt, or choose drafter-free --methods such as ar,sjd,scd")
     sampling = pipeline.sampling(cfg_scale=args.cfg_scale, temperature=args.temperature, top_k=args.top_k,
                                  top_p=args.top_p)
+    for spec in specs:  # every method's sizes, before the first decode
+        try:
+            pipeline.check_fits(spec.method_options())
+        except RelaxspecError as err:
+            raise RelaxspecError(f"{spec.label}: {err}") from None
     images = bench_images(args, pipeline, prompts, classifier)
     identity = {**pipeline.identity, "image_size": pipeline.image_size,
                 "files": {key: file_identity(path) for key, path in pipeline.files.items()},
@@ -300,7 +313,7 @@ def _report(write_report, out: str, vq, classifier, args: argparse.Namespace, pr
 
     result = write_report(out, vq=vq, classifier=classifier, real_data=args.real_data, n_boot=args.n_boot,
                           plots=not args.no_plots, progress=progress, baseline=args.baseline)
-    print(markdown_table(result["rows"], args.baseline), end="")
+    print(markdown_table(result["rows"], result["baseline"]), end="")
     for note in result["notes"]:
         print(f"note: {note}")
     print(f"wrote {', '.join(p.name for p in result['files'])} in {out} (table: {Path(out) / SUMMARY_MD})")

@@ -4,14 +4,17 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import os
+import socket
 from pathlib import Path
 
 import torch
 
 from relaxspec.cli.options import add_model_options, open_from_args
-from relaxspec.errors import RelaxspecError
-from relaxspec.inputs import check_at_least
+from relaxspec.errors import RelaxspecError, shown
+from relaxspec.extras import require
+from relaxspec.inputs import check_threads
 from relaxspec.pipelines.folders import DEFAULT_PROMPT_TOKENS
 
 
@@ -63,8 +66,7 @@ def load_demo_model(args: argparse.Namespace):
     if args.threads is None and embedded:
         args.threads = 1
     if args.threads is not None:
-        check_at_least("threads", args.threads, 1)
-        torch.set_num_threads(args.threads)
+        torch.set_num_threads(check_threads(args.threads))
     prompt = None
     if args.model_path is not None:
         prompt = args.prompt if args.prompt is not None else DEFAULT_PROMPT
@@ -89,9 +91,30 @@ def load_demo_model(args: argparse.Namespace):
     return DemoModel(pipeline, default, prompt)
 
 
+def check_host(host: str, port: int) -> None:
+    """``--host`` / ``--port`` as the page will bind them, tried before the model loads: an address
+    that is no address of this machine, or a port in use, is one line (gradio says "Cannot find
+    empty port" for both)."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except (socket.gaierror, UnicodeError, ValueError) as err:
+        raise RelaxspecError(f"--host {shown(host)}: not an address or a name this machine resolves "
+                             f"({getattr(err, 'strerror', None) or err})") from None
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            probe.bind(address)
+        except OSError as err:
+            why = "the port is in use" if err.errno == errno.EADDRINUSE else \
+                "not an address of this machine" if err.errno == errno.EADDRNOTAVAIL else err.strerror
+            raise RelaxspecError(f"cannot serve on {host}:{port}: {why}") from None
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     if not 0 < args.port < 65536:
         raise RelaxspecError(f"--port must be 1..65535, got {args.port}")
+    require("gradio", "relaxspec demo")
+    check_host(args.host, args.port)
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise RelaxspecError(f"--out {out}: exists and is not a folder")
@@ -100,10 +123,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     # gradio keeps the images it serves in its temporary folder: inside --out, not in /tmp.
     os.environ["GRADIO_TEMP_DIR"] = str((out / "gradio-tmp").resolve())
     os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
-    try:
-        from relaxspec.demo.app import build_app, launch
-    except ImportError as err:
-        raise RelaxspecError(f"relaxspec demo needs gradio: pip install \"relaxspec[demo]\" ({err})") from None
+    from relaxspec.demo.app import build_app, launch
+
     app = build_app(model, out)
     print(f"relaxspec demo: http://{args.host}:{args.port} (Ctrl-C stops it; runs are kept in {out})")
     launch(app, args.host, args.port, block=True, quiet=True, out=out)

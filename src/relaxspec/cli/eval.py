@@ -43,6 +43,8 @@ from pathlib import Path
 import numpy as np
 
 from relaxspec.errors import RelaxspecError
+from relaxspec.cli.options import require_extras
+from relaxspec.extras import require
 from relaxspec.files import load_caption_features, write_atomic, write_json
 
 SCORES_FILE = "eval.json"
@@ -256,7 +258,18 @@ def run_eval(args: argparse.Namespace) -> int:
         raise RelaxspecError(f"--images-per-class must be >= 1, got {args.images_per_class}")
     if (args.classifier is None) != (args.real_data is None):
         raise RelaxspecError("offline scores need both --classifier and --real-data")
+    # Every score's inputs and packages are checked now, not after the images are generated.
+    if args.fid_ref:
+        require("clean-fid", "--fid-ref")
+        if not Path(args.fid_ref).is_dir():
+            raise RelaxspecError(f"--fid-ref {args.fid_ref}: no such folder")
+    if args.classifier is not None:
+        if not Path(args.classifier).is_dir():
+            raise RelaxspecError(f"--classifier {args.classifier}: no such folder")
+        if not Path(args.real_data).is_file():
+            raise RelaxspecError(f"--real-data {args.real_data}: no such file")
     gen = parse_generate_args(args.generate_args)
+    require_extras(gen)
     if gen.upscale != 1:
         raise RelaxspecError("--upscale has no place in relaxspec eval: the scores must see the images as generated")
     out = Path(gen.out)

@@ -23,7 +23,7 @@ from relaxspec.decoding.result import certified_tv, record_tv_sum, total_rank_co
 from relaxspec.errors import RelaxspecError
 from relaxspec.files import (file_identity, load_caption_features, write_atomic, write_grid,
                              write_json, write_png)
-from relaxspec.inputs import check_at_least, check_seed, check_upscale
+from relaxspec.inputs import check_at_least, check_seed, check_threads, check_upscale
 from relaxspec.models.llamagen.checkpoints import PRECISIONS
 from relaxspec.models.llamagen.gpt import GPT_SIZES
 from relaxspec.models.llamagen.vq import VQ_CONFIGS
@@ -177,8 +177,7 @@ def check_inputs(args: argparse.Namespace) -> list[str]:
         # runs on the other core (thread hand-offs, not arithmetic, dominate).
         args.threads = 1
     if args.threads is not None:
-        check_at_least("threads", args.threads, 1)
-        torch.set_num_threads(args.threads)
+        torch.set_num_threads(check_threads(args.threads))
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise RelaxspecError(f"--out {out}: exists and is not a folder")
@@ -258,6 +257,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if options.needs_drafter and pipeline.drafter is None:
         raise RelaxspecError("--drafter-ckpt is required: this method drafts with an EAGLE drafter trained for the "
                              "target (train one with relaxspec train-drafter)")
+    pipeline.check_fits(options)
     condition = command_condition(args, pipeline, prompts)
     check_upscale(args.upscale, pipeline.image_size)
     device = pipeline.device

@@ -9,6 +9,7 @@ import torch
 
 from relaxspec.devices import resolve_device
 from relaxspec.errors import RelaxspecError
+from relaxspec import extras
 from relaxspec.files import read_prompts_file
 from relaxspec.models.llamagen.gpt import GPT_SIZES
 from relaxspec.models.llamagen.vq import VQ_CONFIGS
@@ -52,6 +53,18 @@ def add_model_options(group, *, vq_model_default: str | None = "VQ-16", drafter_
 def device_option(name: str) -> torch.device:
     """``--device NAME`` as a device (refused with one line when torch cannot use it here)."""
     return resolve_device(name, "--device")
+
+
+#: Model flags and the optional package each needs.
+EXTRAS_OF_FLAGS = {"model_path": "transformers", "t5_path": "transformers", "tokenizer_path": "pyyaml"}
+
+
+def require_extras(args: argparse.Namespace) -> None:
+    """The optional packages the given model flags need, checked before a command does any work
+    (``main`` calls it for every command)."""
+    for flag, extra in EXTRAS_OF_FLAGS.items():
+        if getattr(args, flag, None) is not None:
+            extras.require(extra, "--" + flag.replace("_", "-"))
 
 
 def int_list(text: str) -> tuple[int, ...]:

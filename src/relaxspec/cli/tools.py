@@ -15,6 +15,8 @@ from relaxspec.models.llamagen.checkpoints import describe
 from relaxspec.cli.options import device_option
 from relaxspec.decoding.result import add_counts
 from relaxspec.pipelines import open_pipeline
+from relaxspec.files import read_json
+from relaxspec.inputs import check_threads
 from relaxspec.errors import RelaxspecError
 from relaxspec.models.llamagen.gpt import GPT_SIZES, GPTConfig, Transformer, gpt_config
 from relaxspec.models.llamagen.vq import VQ_CONFIGS, VQConfig, VQModel
@@ -100,12 +102,9 @@ def cmd_build_tree(args: argparse.Namespace) -> int:
 
     tests = accepts = None
     for path in args.stats:
-        try:
-            data = json.loads(Path(path).read_text())
-        except json.JSONDecodeError as err:
-            raise RelaxspecError(f"{path}: not JSON ({err})") from None
+        data = read_json(path)
         counts = data.get("acceptance_counts") if isinstance(data, dict) else None
-        if not counts or not counts.get("tests"):
+        if not isinstance(counts, dict) or not counts.get("tests"):
             raise RelaxspecError(f"{path}: no acceptance_counts (run relaxspec generate with a drafter method first)")
         t, a = torch.tensor(counts["tests"], dtype=torch.float64), torch.tensor(counts["accepts"], dtype=torch.float64)
         tests, accepts = add_counts(tests, t), add_counts(accepts, a)
@@ -138,16 +137,14 @@ def _tree_for_this_machine(args: argparse.Namespace, rates: torch.Tensor):
     from relaxspec.bench.cost import measure_forward_costs
     from relaxspec.drafting.trees import best_tree_for_cost
 
-    settings = json.loads(Path(args.stats[0]).read_text()).get("settings", {})
+    settings = read_json(args.stats[0]).get("settings") or {}
     if not (settings.get("gpt_ckpt") or settings.get("model_path")) or not settings.get("drafter_ckpt"):
         raise RelaxspecError(f"{args.stats[0]}: --budget auto needs a run that names its model and drafter checkpoints "
                              "(a relaxspec generate run with a drafter method)")
     device = device_option(settings.get("device", "cpu"))
     threads = args.threads if args.threads is not None else (1 if device.type == "cpu" else None)
     if threads is not None:
-        if threads < 1:
-            raise RelaxspecError(f"--threads must be >= 1, got {threads}")
-        torch.set_num_threads(threads)
+        torch.set_num_threads(check_threads(threads))
     # The run's own model, reopened as the run opened it (any family the pipelines serve).
     prompts = settings.get("prompts")
     folder = settings.get("model_path")

@@ -56,6 +56,7 @@ def generate_speculative(model, cond, sampling: SamplingConfig, options: MethodO
     start = time.perf_counter()
     compile, record_tv = options.compile, options.record_tv
     context = BuildContext(target=model, tokenizer=vq, drafter=drafter, sampling=sampling, compile=compile)
+    options.family.check_fits(options, context)
     source = source or options.family.source(options, context)  # what build_parts builds, either part given
     rule = rule or options.family.rule(options, context, horizon=source.max_depth)
     greedy = sampling.greedy

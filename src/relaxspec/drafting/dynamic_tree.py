@@ -7,6 +7,8 @@ import torch
 from relaxspec.acceptance.base import one_hot
 from relaxspec.drafting.base import DraftTree, FeatureDrafter
 from relaxspec.drafting.tree_tables import ancestor_matrix, children_table, tree_attention_mask
+from relaxspec.drafting.trees import check_tree_size
+from relaxspec.errors import RelaxspecError
 
 
 class DynamicTree:
@@ -15,6 +17,16 @@ class DynamicTree:
     the ``total_tokens - 1`` best nodes overall. Siblings are deterministic (one-hot proposals)."""
 
     def __init__(self, top_k: int = 10, depth: int = 5, total_tokens: int = 59):
+        # Every size is bounded before anything is allocated: the candidate pool and the
+        # drafter's slots grow with depth x top_k, the verification tables with total_tokens^2.
+        check_tree_size(total_tokens, f"EAGLE-2's tree of --total-tokens {total_tokens:,}")
+        if top_k > total_tokens:
+            raise RelaxspecError(f"--dynamic-top-k {top_k:,} is more children per beam than the tree keeps nodes "
+                                 f"(--total-tokens {total_tokens}): at most {total_tokens}")
+        if depth > total_tokens:
+            raise RelaxspecError(f"--depth {depth:,} is deeper than the tree keeps nodes (--total-tokens "
+                                 f"{total_tokens}): at most {total_tokens}")
+        check_tree_size((depth - 1) * top_k + 1, f"EAGLE-2's expansion (--depth {depth} x --dynamic-top-k {top_k})")
         self.top_k, self.depth, self.total = top_k, depth, total_tokens
         self.max_nodes = total_tokens
         # The drafter writes every expanded beam (top_k per level below the root) to its own slot.

@@ -25,6 +25,17 @@ import torch
 
 from relaxspec.errors import RelaxspecError
 
+#: The most nodes (drafts) one step may verify: the papers' trees have 25-60, a GPU verifies a
+#: few hundred at the cost of one; past this the step's tables grow by the square of the count
+#: for nothing (``--depth 100000`` asked for tens of GB).
+MAX_TREE_NODES = 1024
+
+
+def check_tree_size(drafts: int, what: str) -> None:
+    """Refuse, with one line, a draft structure of more than :data:`MAX_TREE_NODES` drafts."""
+    if drafts > MAX_TREE_NODES:
+        raise RelaxspecError(f"{what} drafts {drafts:,} tokens per step; a step verifies at most {MAX_TREE_NODES}")
+
 
 @dataclass(frozen=True)
 class TreeSpec:
@@ -35,12 +46,15 @@ class TreeSpec:
 
     @classmethod
     def from_paths(cls, paths) -> "TreeSpec":
+        if hasattr(paths, "__len__"):
+            check_tree_size(len(paths), "the tree")
         try:
             clean = sorted({tuple(int(r) for r in p) for p in paths}, key=lambda p: (len(p), p))
         except (TypeError, ValueError):
             raise RelaxspecError("a tree must be a list of paths of integer ranks, e.g. [[0], [1], [0, 0]]") from None
         if not clean:
             raise RelaxspecError("a tree needs at least one node")
+        check_tree_size(len(clean), "the tree")
         present = set(clean)
         for path in clean:
             if not path or min(path) < 0:
@@ -55,6 +69,7 @@ class TreeSpec:
     def chain(cls, length: int) -> "TreeSpec":
         if length < 1:
             raise RelaxspecError(f"a chain needs length >= 1, got {length}")
+        check_tree_size(length, f"a chain of {length:,}")
         return cls.from_paths([[0] * d for d in range(1, length + 1)])
 
     @property
@@ -112,6 +127,7 @@ def probe_tree(depth: int, ranks: int) -> TreeSpec:
     at every level, so each (depth, rank) is tested whenever the spine reaches it."""
     if depth < 1 or ranks < 1:
         raise RelaxspecError("a probe tree needs depth >= 1 and ranks >= 1")
+    check_tree_size(depth * ranks, f"probe{depth}x{ranks}")
     return TreeSpec.from_paths([[0] * d + [r] for d in range(depth) for r in range(ranks)])
 
 
@@ -138,15 +154,19 @@ def load_tree(name_or_path: str) -> TreeSpec:
         text = shipped.read_text()
     elif path.is_file():
         try:
-            text = path.read_text()
+            text = path.read_text(encoding="utf-8")
         except OSError as err:
             raise RelaxspecError(f"{path}: cannot read ({err.strerror})") from None
+        except UnicodeDecodeError:
+            raise RelaxspecError(f"{path}: not JSON (not UTF-8 text)") from None
     else:
         raise RelaxspecError(f"unknown tree {name_or_path!r}: not a shipped tree ({', '.join(shipped_trees())}), chainN, or a file")
     try:
         data = json.loads(text)
     except json.JSONDecodeError as err:
         raise RelaxspecError(f"{name_or_path}: not JSON ({err})") from None
+    except RecursionError:
+        raise RelaxspecError(f"{name_or_path}: not a tree (nested too deeply)") from None
     if isinstance(data, dict):
         data = data.get("paths")
     if not isinstance(data, list):

@@ -46,6 +46,7 @@ from relaxspec.models.llamagen.checkpoints import load_strict, save_model
 from relaxspec.data.emoji import ImageSet, check_image_set, flippable, load_data, load_split
 from relaxspec.data.emoji import augment as data_augment
 from relaxspec.errors import RelaxspecError
+from relaxspec.inputs import check_threads
 from relaxspec.devices import resolve_device
 from relaxspec.training import common
 from relaxspec.training.common import RecipeConfig
@@ -276,7 +277,8 @@ class ClassifierTrainConfig(RecipeConfig):
         need(self.warmup_epochs >= 0, f"warmup_epochs must be >= 0, got {self.warmup_epochs}")
         need(0 <= self.label_smoothing < 1, f"label_smoothing must lie in [0, 1), got {self.label_smoothing}")
         need(self.translate >= 0, f"translate must be >= 0 pixels, got {self.translate}")
-        need(self.threads is None or self.threads >= 1, f"threads must be >= 1, got {self.threads}")
+        if self.threads is not None:
+            check_threads(self.threads, "threads")
 
     what = "classifier training"
 

@@ -178,12 +178,31 @@ class Method:
         return f"--method {self.name}" + (f" --draft {options.draft}" if len(self.drafts) > 1 else "")
 
     # ---------------------------------------------------------------- building
+    def check_fits(self, options, context: BuildContext) -> None:
+        """Refuse, with one line, sizes past what the model can use, before anything is allocated:
+        a draft deeper, or a Jacobi window wider, than the image has tokens. (Draft trees are
+        bounded on their own: :data:`relaxspec.drafting.trees.MAX_TREE_NODES`.) Override to add a
+        method's own bounds, and call this."""
+        config = getattr(context.target, "config", None)
+        tokens = getattr(config, "block_size", None)
+        if tokens is None or not self.drafts:
+            return
+        if options.draft == JACOBI and options.window > tokens:
+            raise RelaxspecError(f"--window {options.window:,} is wider than this model's images ({tokens} tokens): at "
+                                 f"most {tokens}")
+        if options.draft in ("chain", "dynamic") and options.depth > tokens:
+            raise RelaxspecError(f"--depth {options.depth:,} is deeper than this model's images ({tokens} tokens): at "
+                                 f"most {tokens}")
+        if options.draft != JACOBI:
+            draft_structure(options)  # a tree's own bounds (nothing is allocated)
+
     def needs_drafter(self, options) -> bool:
         return options.draft in EAGLE_DRAFTS or str(options.draft).endswith(".json")
 
     def build(self, options, context: BuildContext):
         """``(draft source, acceptance rule)`` for ``options``, from what ``context`` holds: what
         the engine takes."""
+        self.check_fits(options, context)
         source = self.source(options, context)
         return source, self.rule(options, context, horizon=source.max_depth)
 
@@ -202,20 +221,25 @@ class Method:
 def draft_source(method: Method, options, drafter, sampling, compile: bool = False, coupled: bool = False):
     """The shared draft structures: an EAGLE source over a chain / static / dynamic tree, or the
     Jacobi window (``coupled``: SCD's maximally coupled redraws)."""
-    from relaxspec.drafting.dynamic_tree import DynamicTree
     from relaxspec.drafting.eagle_source import EagleSource
     from relaxspec.drafting.jacobi import JacobiSource
-    from relaxspec.drafting.static_tree import StaticTree
-    from relaxspec.drafting.trees import TreeSpec, load_tree
 
     if options.draft == JACOBI:
         return JacobiSource(options.window, coupled=coupled)
     if drafter is None:
         raise RelaxspecError(f"method {method.name!r} needs a trained drafter (--drafter-ckpt)")
+    return EagleSource(drafter, draft_structure(options), sampling, compile=compile)
+
+
+def draft_structure(options):
+    """The EAGLE draft structure ``options`` describe: EAGLE-2's dynamic tree, or a static tree (a
+    chain, a shipped tree or a JSON tree file), each checked against its size bounds."""
+    from relaxspec.drafting.dynamic_tree import DynamicTree
+    from relaxspec.drafting.static_tree import StaticTree
+    from relaxspec.drafting.trees import TreeSpec, load_tree
+
     if options.draft == "dynamic":
-        structure = DynamicTree(options.dynamic_top_k, options.depth, options.total_tokens)
-    else:
-        spec = TreeSpec.chain(options.depth) if options.draft == "chain" else load_tree(
-            options.tree if options.draft == "static" else options.draft)
-        structure = StaticTree(spec, options.siblings)
-    return EagleSource(drafter, structure, sampling, compile=compile)
+        return DynamicTree(options.dynamic_top_k, options.depth, options.total_tokens)
+    spec = TreeSpec.chain(options.depth) if options.draft == "chain" else load_tree(
+        options.tree if options.draft == "static" else options.draft)
+    return StaticTree(spec, options.siblings)

@@ -29,6 +29,13 @@ class GSD(Method):
                              "GSD: grouped acceptance (7 ranks, p gap 0.15, distance 0.5) on the Jacobi window of 16, "
                              "no drafter")}
 
+    def check_fits(self, options, context) -> None:
+        super().check_fits(options, context)
+        vocab = getattr(getattr(context.target, "config", None), "vocab_size", None)
+        if vocab is not None and options.group_ranks >= vocab:
+            raise RelaxspecError(f"--group-ranks {options.group_ranks:,}: this model has {vocab} image tokens, so at "
+                                 f"most {vocab - 1} ranks lie below a draft")
+
     def rule(self, options, context, horizon: int = 5):
         from relaxspec.acceptance.gsd import GroupRule
 

@@ -27,7 +27,6 @@ Conditions: ``[B, 2, S]`` token ids (prompt, unconditional context), each left-p
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,7 +34,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from relaxspec.errors import RelaxspecError
+from relaxspec.errors import RelaxspecError, shown
+from relaxspec.files import read_json
 from relaxspec.models import hf
 from relaxspec.models.chameleon_vqgan import CONFIG_FILE as VQGAN_CONFIG_FILE
 from relaxspec.models.chameleon_vqgan import ChameleonVQGAN, load_vqgan, read_vqgan_config
@@ -239,9 +239,14 @@ def _safetensors_files(folder: Path) -> list[Path]:
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         try:
-            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (ValueError, KeyError, TypeError, AttributeError):
+            names = sorted(set(read_json(index)["weight_map"].values()))
+        except (KeyError, TypeError, AttributeError):
             raise RelaxspecError(f"{index}: not a safetensors index (a weight_map)") from None
+        inside = folder.resolve()
+        outside = [name for name in names if not isinstance(name, str) or (folder / name).resolve().parent != inside]
+        if outside:
+            raise RelaxspecError(f"{index}: names the shard {shown(outside[0])} outside its folder (refused: a model's "
+                                 "weights are files of its own folder)")
         missing = [name for name in names if not (folder / name).is_file()]
         if missing:
             raise RelaxspecError(f"{folder}: {missing[0]} (named in its index) is missing")

@@ -112,8 +112,11 @@ class ImagePipeline:
             if overrides:
                 raise RelaxspecError("give sampling as a SamplingConfig or as fields, not both")
             return sampling
+        if sampling is not None and not isinstance(sampling, dict):
+            SamplingConfig.from_dict(sampling)  # the one-line refusal
         given = {**(sampling or {}), **overrides}
-        return SamplingConfig(**{**self.sampling_defaults, **{k: v for k, v in given.items() if v is not None}})
+        return SamplingConfig.from_dict({**self.sampling_defaults,
+                                         **{k: v for k, v in given.items() if v is not None}})
 
     def method(self, method: str | MethodOptions | None = None, fields: dict | None = None) -> MethodOptions:
         """A method name (the model's own preset of that name, then ``fields``; ``None``: the
@@ -125,7 +128,13 @@ class ImagePipeline:
         else:
             options = methods.resolve(method or self.default_method, fields, self.presets)
         self._check_drafter(options)
+        self.check_fits(options)
         return options
+
+    def check_fits(self, options: MethodOptions) -> None:
+        """Refuse, with one line, a method whose sizes this model cannot use (a draft deeper or a
+        window wider than its images, a tree past the node bound), before anything is decoded."""
+        options.family.check_fits(options, methods.BuildContext(target=self.target, tokenizer=self.tokenizer))
 
     def _check_drafter(self, options: MethodOptions) -> None:
         if options.needs_drafter and self.drafter is None:

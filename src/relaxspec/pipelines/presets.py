@@ -23,11 +23,14 @@ import torch
 
 from relaxspec import __version__, methods
 from relaxspec.devices import machine_identity, machine_kind
-from relaxspec.errors import RelaxspecError
+from relaxspec.errors import RelaxspecError, shown
+from relaxspec.models.llamagen.checkpoints import PRECISIONS
 from relaxspec.sampling import SamplingConfig
 
 #: What a preset file says it is, and the format version this code writes and reads.
 PRESET_KIND, PRESET_VERSION = "relaxspec-preset", 1
+#: The --precision that opens weights in a dtype (``"bfloat16"`` -> ``"bf16"``).
+PRECISION_OF = {str(dtype).replace("torch.", ""): name for name, dtype in PRECISIONS.items()}
 #: Elements sampled (evenly strided) from each weight tensor for the fingerprint.
 FINGERPRINT_ELEMENTS = 4096
 
@@ -91,9 +94,17 @@ def preset_record(options, sampling, *, pipeline, threads: int | None, batch_siz
             "threads": threads, "batch_size": batch_size, "command": command}
 
 
+#: The identity fields a preset holds, each a string (``drafter`` and ``dtype`` may be null).
+MODEL_FIELDS = {"family": False, "target": False, "tokenizer": True, "drafter": True, "dtype": True}
+MACHINE_FIELDS = ("device_type", "name")
+
+
 def read_preset(path) -> dict:
     """A preset file, checked (one-line errors): what it is, its method and settings (a tree file
-    it names is resolved against the file's folder and must exist)."""
+    it names is resolved against the file's folder and must exist). The model and machine it was
+    tuned for are checked against the model it is used with (:func:`check_preset`)."""
+    if isinstance(path, bool) or not isinstance(path, (str, Path)) and not hasattr(path, "__fspath__"):
+        raise RelaxspecError(f"a preset is the path of a tune.json file (relaxspec tune writes one), got {shown(path)}")
     path = Path(path)
     if not path.is_file():
         raise RelaxspecError(f"--preset {path}: no such file")
@@ -101,11 +112,13 @@ def read_preset(path) -> dict:
         data = json.loads(path.read_text())
     except (ValueError, UnicodeDecodeError) as err:
         raise RelaxspecError(f"--preset {path}: not JSON ({err})") from None
+    except RecursionError:
+        raise RelaxspecError(f"--preset {path}: not a relaxspec preset file (nested too deeply to read)") from None
     if not isinstance(data, dict) or data.get("kind") != PRESET_KIND:
         raise RelaxspecError(f"--preset {path}: not a relaxspec preset file (write one with relaxspec tune)")
     if data.get("version") != PRESET_VERSION:
-        raise RelaxspecError(f"--preset {path}: preset format version {data.get('version')!r}; this relaxspec reads "
-                             f"version {PRESET_VERSION}")
+        raise RelaxspecError(f"--preset {path}: preset format version {shown(data.get('version'))}; this relaxspec "
+                             f"reads version {PRESET_VERSION}")
     fields = data.get("method")
     if not isinstance(fields, dict) or not isinstance(fields.get("method"), str):
         raise RelaxspecError(f"--preset {path}: it names no method")
@@ -119,21 +132,47 @@ def read_preset(path) -> dict:
     name = fields.pop("method")
     try:
         methods.resolve(name, fields)
-        SamplingConfig(**(data.get("sampling") or {}))
+        SamplingConfig.from_dict(data.get("sampling") or {})
     except (RelaxspecError, TypeError, ValueError) as err:
         raise RelaxspecError(f"--preset {path}: {err}") from None
     for key in ("threads", "batch_size"):
         value = data.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise RelaxspecError(f"--preset {path}: {key} must be a whole number >= 1, got {value!r}")
+            raise RelaxspecError(f"--preset {path}: {key} must be a whole number >= 1, got {shown(value)}")
     return {**data, "method": {"method": name, **fields}, "path": str(path)}
+
+
+def _check_identity(path, data: dict) -> None:
+    """The ``model`` and ``machine`` records every preset holds: objects of strings (a hand-edited
+    file that breaks them is refused here, not half-read later)."""
+    model, machine = data.get("model"), data.get("machine")
+    if not isinstance(model, dict):
+        raise RelaxspecError(f"--preset {path}: its \"model\" must be the model record relaxspec tune writes, got "
+                             f"{shown(model)}")
+    for key, nullable in MODEL_FIELDS.items():
+        value = model.get(key)
+        if not (isinstance(value, str) or value is None and nullable):
+            raise RelaxspecError(f"--preset {path}: model.{key} must be a string, got {shown(value)}")
+    if not isinstance(model.get("image_tokens"), int) or isinstance(model.get("image_tokens"), bool):
+        raise RelaxspecError(f"--preset {path}: model.image_tokens must be a whole number, got "
+                             f"{shown(model.get('image_tokens'))}")
+    if not isinstance(machine, dict) or not all(isinstance(machine.get(key), str) for key in MACHINE_FIELDS):
+        raise RelaxspecError(f"--preset {path}: its \"machine\" must name the device type and the machine it was "
+                             f"tuned on ({', '.join(MACHINE_FIELDS)}), got {shown(machine)}")
 
 
 def check_preset(preset: dict, pipeline) -> None:
     """Refuse, with one line, a preset made for another model, tokenizer, drafter, precision or
     machine kind."""
     where = f"--preset {preset.get('path', 'file')}"
+    _check_identity(preset.get("path", "file"), preset)
     made, here = preset.get("model") or {}, model_fingerprint(pipeline)
+    # The precision first: weights opened in another dtype have other values, hence another
+    # fingerprint, and "another model" would send the user to tune what they already tuned.
+    if made.get("dtype") != here["dtype"]:
+        raise RelaxspecError(f"{where} was tuned with the weights in {made.get('dtype')}; they are in {here['dtype']} "
+                             f"now: open the model with --precision {PRECISION_OF.get(made.get('dtype'), '...')}, or "
+                             "tune again")
     if made.get("family") != here["family"] or made.get("target") != here["target"] or \
             made.get("image_tokens") != here["image_tokens"] or made.get("tokenizer") != here["tokenizer"]:
         raise RelaxspecError(f"{where} was tuned for another model ({made.get('family')}, weights "
@@ -147,9 +186,6 @@ def check_preset(preset: dict, pipeline) -> None:
     if needs and made.get("drafter") != here["drafter"]:
         raise RelaxspecError(f"{where} was tuned with another drafter (weights {made.get('drafter')}; this model's "
                              f"is {here['drafter']}): its trees and settings belong to that drafter")
-    if made.get("dtype") != here["dtype"]:
-        raise RelaxspecError(f"{where} was tuned with the weights in {made.get('dtype')}; they are in {here['dtype']} "
-                             "now: open the model in that precision, or tune again")
     machine = preset.get("machine") or {}
     current = machine_identity(pipeline.device)
     if machine.get("device_type") != current["device_type"]:

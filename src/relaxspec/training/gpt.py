@@ -49,6 +49,7 @@ from relaxspec.models.llamagen.checkpoints import load_gpt, load_strict, load_vq
 from relaxspec.data.emoji import ImageSet, augment, load_classes
 from relaxspec.devices import resolve_device
 from relaxspec.errors import RelaxspecError
+from relaxspec.inputs import check_threads
 from relaxspec.models.llamagen.gpt import GPTConfig, Transformer
 from relaxspec.models.llamagen.vq import VQModel
 from relaxspec.training import common
@@ -116,7 +117,8 @@ class GPTTrainConfig(common.RecipeConfig):
         need(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), f"betas must be two numbers in [0, 1), got {self.betas}")
         for name in ("weight_decay", "grad_clip", "warmup_steps", "patience"):
             need(getattr(self, name) >= 0, f"{name} must be >= 0, got {getattr(self, name)}")
-        need(self.threads is None or self.threads >= 1, f"threads must be >= 1, got {self.threads}")
+        if self.threads is not None:
+            check_threads(self.threads, "threads")
         need(self.eval_interval >= 1 and self.checkpoint_interval >= 1, "eval and checkpoint intervals must be >= 1")
         GPTConfig(dim=self.dim, n_layer=self.n_layer, n_head=self.n_head, vocab_size=16, num_classes=1, block_size=16)
         need(self.init_from is None or bool(self.init_from), "init_from must name a checkpoint")

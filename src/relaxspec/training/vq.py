@@ -37,6 +37,7 @@ from relaxspec.models.llamagen.checkpoints import load_strict, save_model
 from relaxspec.data.emoji import ImageSet, augment, load_split
 from relaxspec.devices import resolve_device
 from relaxspec.errors import RelaxspecError
+from relaxspec.inputs import check_threads
 from relaxspec.models.llamagen.vq import VQConfig, VQModel, to_uint8
 from relaxspec.training import common
 
@@ -108,7 +109,8 @@ class VQTrainConfig(common.RecipeConfig):
         need(self.lr > 0 and 0 <= self.min_lr <= self.lr, f"need 0 <= min_lr <= lr and lr > 0, got {self.min_lr}, {self.lr}")
         need(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), f"betas must be two numbers in [0, 1), got {self.betas}")
         need(self.warmup_steps >= 0, f"warmup_steps must be >= 0, got {self.warmup_steps}")
-        need(self.threads is None or self.threads >= 1, f"threads must be >= 1, got {self.threads}")
+        if self.threads is not None:
+            check_threads(self.threads, "threads")
         need(self.eval_interval >= 1 and self.checkpoint_interval >= 1, "eval and checkpoint intervals must be >= 1")
         self.model_config()  # validates the architecture
 
