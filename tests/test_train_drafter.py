@@ -282,3 +282,134 @@ def test_bad_inputs_raise_clear_errors(tmp_path, target: Transformer, dataset: D
     with pytest.raises(RelaxspecError, match="this target is t2i"):
         train_drafter(quick(tmp_path / "y"), target=t2i, dataset=dataset)
     assert isinstance(load_drafter(tmp_path / "run", target), EagleDrafter)
+
+
+# ---------------------------------------------------------------------------------- hostile input
+
+
+@pytest.mark.parametrize("option", [["--epochs", "inf"], ["--epochs", "nan"], ["--epochs=-inf"], ["--lr", "inf"],
+                                    ["--ce-weight", "nan"]])
+def test_cli_refuses_endless_and_not_a_number_settings_in_one_line(tmp_path, refused, target: Transformer,
+                                                                  dataset: DrafterDataset, option) -> None:
+    """``--epochs inf`` used to end in an OverflowError traceback (ceil(inf x steps an epoch));
+    every setting is now checked with the config, before any model is loaded."""
+    save_model(target, tmp_path / "target")
+    np.savez(tmp_path / "data.npz", tokens=dataset.tokens.numpy(), labels=dataset.labels.numpy())
+    name = option[0].split("=")[0].lstrip("-").replace("-", "_")
+    refused(["train-drafter", "--gpt-ckpt", str(tmp_path / "target"), "--data", str(tmp_path / "data.npz"), "--out",
+             str(tmp_path / "run"), "--no-progress", *option], f"{name} must be a finite number")
+
+
+def test_run_length_is_bounded(tmp_path, target: Transformer, dataset: DrafterDataset) -> None:
+    with pytest.raises(RelaxspecError, match=r"steps must lie in \[0, 1,000,000,000\]"):
+        quick(tmp_path / "run", steps=10**30)
+    with pytest.raises(RelaxspecError, match="a run takes at most 1,000,000,000"):  # epochs x steps an epoch
+        train_drafter(quick(tmp_path / "run", steps=None, epochs=1e300), target=target, dataset=dataset)
+
+
+def test_cli_refuses_a_loss_weight_the_law_loss_never_reads(tmp_path, refused) -> None:
+    common = ["train-drafter", "--gpt-ckpt", str(tmp_path / "none"), "--out", str(tmp_path / "run")]
+    refused(common + ["--law-loss", "kl", "--ce-weight", "0.5"],
+            "--ce-weight goes with --law-loss ce; --law-loss kl reads --distill-weight")
+    refused(common + ["--law-loss", "ce", "--distill-weight", "2"], "--distill-weight goes with --law-loss kl")
+    refused(common + ["--distill-weight", "2"], "--law-loss ce reads --ce-weight")  # ce is the default
+    # the config's defaults (ce_weight 0.1, distill_weight 1.0) are not given: no complaint about them
+    from relaxspec.cli.train import check_law_weight
+
+    parser = argparse.ArgumentParser()
+    add_train_drafter_parser(parser.add_subparsers(dest="command"))
+    for law, given in (("kl", ["--distill-weight", "2"]), ("tv", []), ("ce", ["--ce-weight", "0.2"])):
+        check_law_weight(parser.parse_args(common + ["--law-loss", law, *given]), law)
+
+
+@pytest.mark.parametrize("content", ["random bytes", "an object"])
+def test_an_unreadable_train_state_is_refused_without_torch_s_advice(tmp_path, capsys, content) -> None:
+    """Never pass on torch's "load with weights_only=False": that would run the pickle's code."""
+    from fractions import Fraction
+
+    from relaxspec.cli import main
+
+    (tmp_path / "run").mkdir()
+    path = tmp_path / "run" / TRAIN_STATE
+    if content == "random bytes":
+        path.write_bytes(np.random.default_rng(0).bytes(300))
+    else:
+        torch.save({"format_version": 1, "config": {}, "step": Fraction(1, 2)}, path)
+    for argv in (["--resume"], ["--resume", "--steps", "3"]):
+        assert main(["train-drafter", "--out", str(tmp_path / "run"), *argv]) == 2
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1, err
+        assert "not a relaxspec training state" in err and "cannot be read safely" in err
+        assert "weights_only" not in err
+    with pytest.raises(RelaxspecError, match="already holds a training run"):  # a fresh run does not overwrite it
+        train_drafter(quick(tmp_path / "run"), target=make_target())
+
+
+def test_resume_continues_a_run_stopped_while_drawing_self_samples(tmp_path, target: Transformer, monkeypatch):
+    """The self-samples are drawn (and cached batch by batch) before training: --resume alone
+    continues a run stopped there, with its recipe, drawing only the batches it had not."""
+    from relaxspec.cli import main
+    from relaxspec.decoding import ar as ar_module
+    from relaxspec.training.drafter import SELF_SAMPLES
+
+    save_model(target, tmp_path / "target")
+    out = ["--out", str(tmp_path / "run"), "--no-progress"]
+    real, calls = ar_module.generate_ar, []
+
+    def ctrl_c_on_second(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ar_module, "generate_ar", ctrl_c_on_second)
+    assert main(["train-drafter", "--gpt-ckpt", str(tmp_path / "target"), "--self-samples", "8", "--batch-size", "4",
+                 "--classes", "1", "2", "--steps", "2", "--lr", "1e-3", *out]) == 130
+    assert int(np.load(tmp_path / "run" / SELF_SAMPLES)["done"]) == 4
+    calls.clear()
+    monkeypatch.setattr(ar_module, "generate_ar", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    assert main(["train-drafter", "--resume", *out]) == 0
+    assert len(calls) == 1  # only the unfinished batch
+    state = torch.load(tmp_path / "run" / TRAIN_STATE, weights_only=True)
+    assert state["step"] == 2 and state["config"]["lr"] == 1e-3 and state["config"]["classes"] == [1, 2]
+
+
+def test_one_metrics_row_per_evaluated_step_across_a_resume(tmp_path, target: Transformer, dataset: DrafterDataset,
+                                                            monkeypatch) -> None:
+    from relaxspec.training import common
+
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.jsonl").write_text('{"step": 0}\n')  # left by a run stopped before saving a state
+    real = common.warmup_constant
+
+    def ctrl_c(step, *args):
+        if step == 5:  # before the first checkpoint after the baseline (interval 1000)
+            raise KeyboardInterrupt
+        return real(step, *args)
+
+    monkeypatch.setattr(common, "warmup_constant", ctrl_c)
+    with pytest.raises(KeyboardInterrupt):
+        train_drafter(quick(tmp_path / "run"), target=target, dataset=dataset)
+    monkeypatch.setattr(common, "warmup_constant", real)
+    assert torch.load(tmp_path / "run" / TRAIN_STATE, weights_only=True)["step"] == 0  # the baseline is saved
+    resumed = train_drafter(quick(tmp_path / "run"), target=target, dataset=dataset, resume=True)
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [r["step"] for r in resumed.history] == [0, 10]
+
+
+def test_best_holds_trained_weights_never_the_baseline(tmp_path, target: Transformer, dataset: DrafterDataset) -> None:
+    """No scheduled evaluation in 3 steps (interval 1000): the last step's weights are evaluated and
+    kept in out/best, not the untrained ones of step 0 (a baseline, not a candidate)."""
+    from relaxspec.training.drafter import BEST
+
+    result = train_drafter(quick(tmp_path / "run", steps=3), target=target, dataset=dataset)
+    assert [(r["step"], r["best"]) for r in result.history] == [(0, False), (3, True)]
+    assert result.best["step"] == 3
+    best = load_drafter(tmp_path / "run" / BEST, target)
+    for name, value in result.drafter.state_dict().items():
+        assert torch.equal(value, best.state_dict()[name]), name
+    # a learning rate that makes every trained evaluation worse than the baseline still keeps a trained one
+    wild = train_drafter(quick(tmp_path / "wild", steps=4, eval_interval=2, lr=3.0, warmup_steps=0), target=target,
+                         dataset=dataset)
+    assert wild.best["step"] in (2, 4) and not wild.history[0]["best"]
+    assert wild.best["chain_mal"] == max(r["chain_mal"] for r in wild.history if r["step"] > 0)

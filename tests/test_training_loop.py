@@ -197,3 +197,29 @@ def test_an_interrupted_drafter_run_resumes_bit_for_bit(tmp_path, monkeypatch) -
     assert resumed.step == whole.step == 10 and resumed.history == whole.history
     for name, value in whole.drafter.state_dict().items():
         assert torch.equal(value, resumed.drafter.state_dict()[name]), name
+
+
+def test_a_drafter_run_interrupted_with_the_default_intervals_redoes_at_most_100_steps(tmp_path, monkeypatch) -> None:
+    """The loop saves nothing on a Ctrl-C (it may land inside an optimizer step): what an interrupt
+    costs is the checkpoint interval, whose default is 100 steps (it was 1,000)."""
+    from relaxspec.training.drafter import TRAIN_STATE, DrafterTrainConfig, sample_from_target, train_drafter
+
+    torch.manual_seed(0)
+    target = Transformer(GPTConfig(dim=32, n_layer=1, n_head=2, vocab_size=32, num_classes=4, block_size=16)).eval()
+    dataset = sample_from_target(target, 6, sampling=SamplingConfig(cfg_scale=1.0), seed=0)
+    config = DrafterTrainConfig(out=str(tmp_path / "run"), steps=130, batch_size=3, val_fraction=0.0, eval_sequences=2,
+                                eval_depths=1, progress=False)  # the default checkpoint and evaluation intervals
+    assert config.checkpoint_interval == 100
+    real = common.warmup_constant
+
+    def ctrl_c(step, *args):
+        if step == 120:
+            raise KeyboardInterrupt
+        return real(step, *args)
+
+    monkeypatch.setattr(common, "warmup_constant", ctrl_c)
+    with pytest.raises(KeyboardInterrupt):
+        train_drafter(config, target=target, dataset=dataset)
+    monkeypatch.setattr(common, "warmup_constant", real)
+    assert torch.load(tmp_path / "run" / TRAIN_STATE, weights_only=True)["step"] == 100
+    assert train_drafter(config, target=target, dataset=dataset, resume=True).step == 130

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from relaxspec.models.llamagen.checkpoints import PRECISIONS
 from relaxspec.cli.options import Options, add_run_options, config_from_args, int_list
 from relaxspec.data.emoji import INSTALL_COMMAND, PACKAGE, VERSION, build_emoji_dataset, load_data
+from relaxspec import extras
 from relaxspec.errors import RelaxspecError
 from relaxspec.evaluation.classifier import ClassifierTrainConfig, save_classifier, train_classifier
 from relaxspec.training.drafter import DrafterTrainConfig, train_drafter
@@ -226,9 +228,13 @@ def add_train_drafter_parser(subparsers) -> argparse.ArgumentParser:
     option("--seed", "seed (data order, noise, init, self-samples)", type=int)
     option("--bf16", "bf16 autocast", action="store_true")
     option("--device", "cpu, cuda, cuda:1, or auto")
-    option("--checkpoint-interval", "steps between checkpoints", type=int)
-    option("--eval-interval", "steps between evaluations", type=int)
-    parser.add_argument("--resume", action="store_true", default=False, help="continue the run saved in --out")
+    option("--checkpoint-interval", "steps between checkpoints: a Ctrl-C loses at most this many steps, which "
+           "--resume redoes (a checkpoint writes the drafter and its optimizer state, cheap next to the steps)",
+           type=int)
+    option("--eval-interval", "steps between evaluations (step 0 is the untrained baseline; these and the last "
+           "step compete for OUT/best)", type=int)
+    parser.add_argument("--resume", action="store_true", default=False,
+                        help="continue the run saved in --out (also one stopped while drawing its self-samples)")
     parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     parser.set_defaults(handler=run_train_drafter)
     return parser
@@ -245,6 +251,10 @@ def run_train_drafter(args: argparse.Namespace) -> int:
             if getattr(args, key, None) is None:
                 setattr(args, key, value)
     config, resume = config_from_args(args, DrafterTrainConfig, read_drafter_state)
+    check_law_weight(args, config.law_loss)
+    if not extras.available("matplotlib"):  # said now, not at the end of the run
+        print(f"relaxspec: note: no accept.png in {config.out} (matplotlib is not installed: "
+              f"{extras.EXTRAS['matplotlib'].install}); metrics.jsonl has the same numbers", file=sys.stderr)
     result = train_drafter(config, resume=resume)
     last = result.history[-1] if result.history else {}
 
@@ -256,6 +266,15 @@ def run_train_drafter(args: argparse.Namespace) -> int:
                       **{k: rounded(v) for k, v in last.items() if isinstance(v, (float, list))},
                       "best": {k: rounded(v) if isinstance(v, (float, list)) else v for k, v in result.best.items()}}))
     return 0
+
+
+def check_law_weight(args: argparse.Namespace, law_loss: str) -> None:
+    """Refuse a loss weight given on the command line that ``law_loss`` never reads (the config's
+    defaults, and a resumed run's saved values, are not given)."""
+    if "ce_weight" in args and law_loss != "ce":
+        raise RelaxspecError(f"--ce-weight goes with --law-loss ce; --law-loss {law_loss} reads --distill-weight")
+    if "distill_weight" in args and law_loss == "ce":
+        raise RelaxspecError("--distill-weight goes with --law-loss kl, tv or kl+tv; --law-loss ce reads --ce-weight")
 
 
 def add_train_classifier_parser(subparsers) -> argparse.ArgumentParser:

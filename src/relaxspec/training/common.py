@@ -78,8 +78,13 @@ def read_train_state(out: str | Path, version: int, what: str) -> dict:
         raise RelaxspecError(f"{path}: no training state to resume from")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:  # noqa: BLE001 - any failure means "not our training state"
-        raise RelaxspecError(f"{path}: not a readable training state ({type(err).__name__}: {err})") from None
+    except OSError as err:
+        raise RelaxspecError(f"{path}: cannot be read ({err.strerror or err})") from None
+    except Exception:  # noqa: BLE001 - any other failure means "not our training state"
+        # torch's own message advises loading with weights_only=False, which would run whatever code
+        # the pickle holds: never pass that on (REFERENCE §2.3).
+        raise RelaxspecError(f"{path}: not a relaxspec training state, or it cannot be read safely (a training "
+                             f"state holds only tensors, numbers, strings, lists and dicts)") from None
     if not isinstance(state, dict) or state.get("format_version") != version or state.get("recipe", what) != what:
         raise RelaxspecError(f"{path}: not a relaxspec {what} training state (version {version})")
     return state
@@ -101,6 +106,25 @@ def check_resumable(saved: dict, current: dict, run_fields: tuple[str, ...]) -> 
     if changed:
         raise RelaxspecError("cannot resume with a different recipe: " + "; ".join(changed)
                              + ". Only the run length and output settings may change.")
+
+
+#: The most optimizer steps a run may ask for: years at ten steps a second, far beyond any real run,
+#: so a slip such as ``--epochs 1e30`` (or ``inf``) is refused instead of overflowing or running forever.
+MAX_STEPS = 10**9
+
+
+def run_length(steps: int | None, epochs: float, steps_per_epoch: int) -> int:
+    """A run's optimizer steps: ``steps`` when given, else ``ceil(epochs * steps_per_epoch)``;
+    refused with one line unless it is finite and at most :data:`MAX_STEPS`."""
+    if steps is not None:
+        if not 0 <= steps <= MAX_STEPS:
+            raise RelaxspecError(f"steps must lie in [0, {MAX_STEPS:,}], got {steps}")
+        return steps
+    total = epochs * steps_per_epoch
+    if not (math.isfinite(total) and 0 <= total <= MAX_STEPS):
+        raise RelaxspecError(f"epochs {epochs} at {steps_per_epoch} steps an epoch is {total:.3g} steps; a run takes "
+                             f"at most {MAX_STEPS:,}")
+    return math.ceil(total)
 
 
 def plain(value):

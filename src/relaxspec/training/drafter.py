@@ -36,8 +36,9 @@ are measured. The metric logged at every evaluation and written to the model car
 speculative decoding accepts the ``d``-th draft given it accepted the ones before (for sampling;
 greedy decoding accepts by argmax). ``chain_mal`` (``1 + sum_d prod_{i <= d} accept_i``, an
 estimate of a chain of ``eval_depths`` drafts' tokens per step that treats the depths' mean rates
-as independent) scores the evaluations: the best weights are kept in ``out/best`` and
-training stops after ``patience`` evaluations without a better one.
+as independent) scores the evaluations of trained weights (step 0 is the untrained baseline): the
+best of the scheduled evaluations and the run's last one are kept in ``out/best``, and training
+stops after ``patience`` scheduled evaluations without a better one.
 
 Randomness is a pure function of ``(seed, step)``: the data order of epoch ``e`` comes from
 ``(seed, e)`` and the feature noise of step ``s`` from ``(seed, s)``. Resuming from
@@ -68,6 +69,8 @@ from relaxspec.training.common import TRAIN_STATE
 from relaxspec.devices import resolve_device as _device
 
 STATE_VERSION = 1
+#: A train state saved before training starts (while the self-samples are drawn): the config only.
+PREPARING = "preparing"
 #: A run's self-samples, saved batch by batch (sampling them is the slow part).
 SELF_SAMPLES = "self_samples.npz"
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
@@ -146,7 +149,10 @@ class DrafterTrainConfig(common.RecipeConfig):
     seed: int = 0
     bf16: bool = False  # bf16 autocast (CPU or CUDA)
     device: str = "auto"
-    checkpoint_interval: int = 1000
+    # A Ctrl-C loses the steps since the last checkpoint (the loop saves nothing on an interrupt: it may
+    # land inside an optimizer step). A checkpoint writes only the drafter and its AdamW moments: cheap
+    # next to 100 steps, each a forward pass of the whole target.
+    checkpoint_interval: int = 100
     eval_interval: int = 500
     eval_sequences: int = 256
     progress: bool = True
@@ -160,6 +166,9 @@ class DrafterTrainConfig(common.RecipeConfig):
 
     def validate(self) -> None:
         need = common.need
+        for name in self.__dataclass_fields__:  # inf / nan mean nothing here (inf epochs: an endless run)
+            value = getattr(self, name)
+            need(not isinstance(value, float) or math.isfinite(value), f"{name} must be a finite number, got {value}")
         need(bool(self.out), "out must name a folder")
         need(self.precision in PRECISIONS, f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
         need(self.self_samples >= 0, f"self_samples must be >= 0, got {self.self_samples}")
@@ -169,7 +178,8 @@ class DrafterTrainConfig(common.RecipeConfig):
         need(0 <= self.val_fraction < 1, f"val_fraction must lie in [0, 1), got {self.val_fraction}")
         need(self.n_layer >= 1, f"n_layer must be >= 1, got {self.n_layer}")
         need(self.epochs > 0, f"epochs must be > 0, got {self.epochs}")
-        need(self.steps is None or self.steps >= 0, f"steps must be >= 0, got {self.steps}")
+        need(self.steps is None or 0 <= self.steps <= common.MAX_STEPS,
+             f"steps must lie in [0, {common.MAX_STEPS:,}], got {self.steps}")
         need(self.batch_size >= 1, f"batch_size must be >= 1, got {self.batch_size}")
         need(self.lr > 0, f"lr must be > 0, got {self.lr}")
         need(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), f"betas must be two numbers in [0, 1), got {self.betas}")
@@ -785,7 +795,7 @@ def evaluate_drafter(drafter: EagleDrafter, dataset: DrafterDataset, config: Dra
 
 def _save_checkpoint(out: Path, drafter: EagleDrafter, optimizer: torch.optim.Optimizer, step: int,
                      config: DrafterTrainConfig, history: list[dict], best: dict | None = None,
-                     bad_evals: int = 0, measure: dict | None = None) -> None:
+                     bad_evals: int = 0, measure: dict | None = None, scheduled_best: float | None = None) -> None:
     """``model.safetensors`` + ``config.json`` (what decoding loads) and ``train_state.pt`` (what
     ``--resume`` loads: weights too, so it alone is a consistent snapshot), each replaced atomically."""
     common.publish_model(out, drafter, kind="drafter",
@@ -800,7 +810,8 @@ def _save_checkpoint(out: Path, drafter: EagleDrafter, optimizer: torch.optim.Op
         "drafter": drafter.config.to_dict(),  # what a resume rebuilds
         "history": history,
         "best": best or {},
-        "bad_evals": bad_evals,
+        "bad_evals": bad_evals,  # scheduled evaluations since the best scheduled one (patience)
+        "scheduled_best": scheduled_best,  # that one's chain MAL
         "measure": measure,  # what the best's score was measured on
     })
 
@@ -848,8 +859,22 @@ def export_drafter(source: str | Path, folder: str | Path, target: TargetModel, 
 
 
 def read_train_state(out: str | Path) -> dict:
-    """``out/train_state.pt``, loaded with ``weights_only=True``."""
+    """``out/train_state.pt``, loaded with ``weights_only=True``. A run stopped while drawing its
+    self-samples has one too, holding only its config (and ``preparing``)."""
     return common.read_train_state(out, STATE_VERSION, "drafter")
+
+
+def _prior_state(out: Path, resume: bool) -> dict | None:
+    """The saved state a run continues (``None``: a fresh run). A state saved while the self-samples
+    were drawn (``preparing``) holds no training: the plain command starts over on it (the
+    samples drawn so far are cached), ``--resume`` continues with its recipe."""
+    if not resume and (out / TRAIN_STATE).is_file():
+        try:
+            if read_train_state(out).get(PREPARING):
+                return None
+        except RelaxspecError:
+            pass  # not ours: refused below as a run this one must not overwrite
+    return common.check_fresh_or_resume(out, resume, STATE_VERSION, "drafter")
 
 
 # ------------------------------------------------------------------------------------------
@@ -932,13 +957,15 @@ def train_drafter(config: DrafterTrainConfig, *, target: TeacherForcedTarget | N
     Writes ``config.out``; returns the trained drafter and its evaluation history.
     """
     out = Path(config.out)
-    saved = common.check_fresh_or_resume(out, resume, STATE_VERSION, "drafter")
+    saved = _prior_state(out, resume)
     if config.prompts_file is not None and target is None:
         import hashlib
 
         config.prompts_sha256 = hashlib.sha256("\n".join(_read_prompts(config)).encode()).hexdigest()
     if saved is not None:
         common.check_resumable({**ADDED_FIELDS, **saved["config"]}, config.to_dict(), RUN_FIELDS)
+        if saved.get(PREPARING):  # stopped while drawing its self-samples: start training from step 0
+            saved = None
     device = _device(config.device)
     prompts = None
     if target is None and config.model_path is not None:
@@ -955,6 +982,12 @@ def train_drafter(config: DrafterTrainConfig, *, target: TeacherForcedTarget | N
         raise RelaxspecError("this target is t2i: give --prompts-file FILE with --t5-path DIR (LlamaGen) to train on "
                              "its own samples of prompts")
     target.eval().requires_grad_(False)
+    out.mkdir(parents=True, exist_ok=True)
+    if dataset is None and config.self_samples and saved is None:
+        # Drawing the self-samples is slow and cached batch by batch: name the recipe now, so that
+        # --resume after a Ctrl-C while drawing them continues with it (and reuses the cache).
+        common.save_train_state(out, {"format_version": STATE_VERSION, "step": 0, "config": config.to_dict(),
+                                      PREPARING: True})
     if dataset is None:
         dataset = build_dataset(config, target, prompts)
     dataset.check_for(target)
@@ -976,51 +1009,65 @@ def train_drafter(config: DrafterTrainConfig, *, target: TeacherForcedTarget | N
         grow_drafter(drafter, load_drafter(config.init_from, target, dtype=torch.float32), config.init_from)
     drafter.train()
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=config.lr, betas=config.betas, weight_decay=config.weight_decay)
-    step, history, best, bad_evals = 0, [], {}, 0
+    # best: the evaluation whose weights out/best holds; scheduled_best: the best chain MAL of the
+    # scheduled evaluations, what patience counts from (see evaluate)
+    step, history, best, bad_evals, scheduled_best = 0, [], {}, 0, None
     if saved is not None:
         load_strict(drafter, saved["model"], str(out / TRAIN_STATE))
         optimizer.load_state_dict(saved["optimizer"])
         common.set_rng_state(saved["rng"])
         step, history = int(saved["step"]), list(saved["history"])
         best, bad_evals = dict(saved.get("best") or {}), int(saved.get("bad_evals", 0))
+        if best.get("step") == 0:  # saved before the untrained baseline stopped being a candidate
+            best = {}
+        # states saved before the two were kept apart: their best was a scheduled evaluation
+        scheduled_best = saved.get("scheduled_best", best.get("chain_mal"))
         if saved.get("measure") != _measure(config):  # scores of another measure do not compare
-            best, bad_evals = {}, 0
-        common.rewrite_metrics(out, history)
-    out.mkdir(parents=True, exist_ok=True)
+            best, bad_evals, scheduled_best = {}, 0, None
+    common.rewrite_metrics(out, history)  # a fresh run drops what one stopped before its first checkpoint logged
 
     steps_per_epoch = math.ceil(len(train_set) / config.batch_size)
-    total = config.steps if config.steps is not None else math.ceil(config.epochs * steps_per_epoch)
+    total = common.run_length(config.steps, config.epochs, steps_per_epoch)
     extra = {"recipe": "relaxspec train-drafter", "law_loss": config.law_loss, "train_depths": config.train_depths}
 
     def evaluate(at: int) -> bool:
-        # Only the evaluations on the schedule compete for out/best and count for patience: a run's
-        # last step is evaluated too, and a split run would otherwise not stop where a whole one does.
-        nonlocal best, bad_evals
+        # Step 0 is the untrained baseline: logged, never a candidate for out/best. Every later
+        # evaluation (the scheduled ones and a run's last step) competes for out/best, so a finished
+        # run always leaves its best trained weights there. Only the scheduled ones count for
+        # patience: a split run is also evaluated where its first part ended, and must still stop
+        # where a whole one does.
+        nonlocal best, bad_evals, scheduled_best
         metrics = evaluate_drafter(drafter, eval_set, config, max_sequences=config.eval_sequences)
-        scheduled = at % config.eval_interval == 0
-        improved = scheduled and (not best or metrics["chain_mal"] > best["chain_mal"])
+        score = metrics["chain_mal"]
+        improved = at > 0 and (not best or score > best["chain_mal"])
         record = {"step": at, "split": eval_name, **metrics, "best": improved}
         history.append(record)
+        if at > 0 and at % config.eval_interval == 0:
+            if scheduled_best is None or score > scheduled_best:
+                scheduled_best, bad_evals = score, 0
+            else:
+                bad_evals += 1
         if improved:
-            best, bad_evals = dict(record), 0
+            best = dict(record)
             common.publish_model(out, drafter, kind="drafter", name=BEST, extra={"training": {**extra, "best": record}})
-            checkpoint(at)  # the saved state always names what out/best holds
-        elif scheduled:
-            bad_evals += 1
+        if improved or at == 0:
+            checkpoint(at)  # the saved state always names what out/best holds (and holds the baseline)
         law = " ".join(f"{name} {metrics[name]:.4f}" for name in ("ce", "kl", "tv") if name in metrics)
         accept = " ".join(f"{a:.3f}" for a in metrics["accept"])
         common.log_metrics(out, record, f"step {at}: {eval_name} loss {metrics['loss']:.4f} feature "
                                         f"{metrics['feature_loss']:.4f} {law} | 1-TV by depth {accept} | chain MAL "
                                         f"{metrics['chain_mal']:.3f} | top-1 {metrics['accuracy']:.3f}"
-                                        + (" (best)" if improved else f" (best: step {best.get('step')})"))
+                                        + (" (best)" if improved else " (baseline)" if at == 0
+                                           else f" (best: step {best.get('step')})"))
         if config.patience and bad_evals >= config.patience:
-            tqdm.write(f"stopping: no better chain MAL in {bad_evals} evaluations (best: step {best['step']})")
+            tqdm.write(f"stopping: no better chain MAL in {bad_evals} evaluations (best: step {best.get('step')})")
             checkpoint(at)
             return True
         return False
 
     def checkpoint(at: int) -> None:
-        _save_checkpoint(out, drafter, optimizer, at, config, history, best, bad_evals, _measure(config))
+        _save_checkpoint(out, drafter, optimizer, at, config, history, best, bad_evals, _measure(config),
+                         scheduled_best)
 
     def step_loss(step: int, index: torch.Tensor):
         noise = torch.Generator(device=device).manual_seed(common.mix(config.seed, step))
@@ -1030,7 +1077,7 @@ def train_drafter(config: DrafterTrainConfig, *, target: TeacherForcedTarget | N
         return losses["loss"], {**scalars, "accept_1": losses["accept"][0]}
 
     first = step
-    if first == 0 and total > 0:
+    if first == 0 and total > 0 and not history:  # a run resumed at step 0 has its baseline already
         evaluate(0)
     stopped_before = bool(config.patience) and bad_evals >= config.patience  # a resumed run that had stopped
     law_name = "ce" if config.law_loss == "ce" else config.law_loss.split("+")[0]
