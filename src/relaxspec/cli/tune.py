@@ -7,15 +7,15 @@ the checks."""
 from __future__ import annotations
 
 import argparse
-import math
 import shlex
 import sys
 from pathlib import Path
 
 from relaxspec.cli.options import add_model_options, open_from_args, read_prompts
 from relaxspec.conditions import class_ids
+from relaxspec import extras
 from relaxspec.errors import RelaxspecError
-from relaxspec.inputs import check_at_least, check_seed
+from relaxspec.inputs import check_at_least, check_seed, check_threads
 
 #: Where tuning the embedded model writes when no --out is given.
 EMBEDDED_OUT = "tune-embedded"
@@ -42,7 +42,11 @@ def add_tune_parser(subparsers) -> argparse.ArgumentParser:
         "relaxed methods allowed while their paired quality intervals against AR hold 0 (class accuracy and the "
         "FID-like distance of --classifier; the embedded model brings its own classifier)"))
     search = tune.add_argument_group("search")
-    search.add_argument("--minutes", type=float, default=10.0, help="wall-clock budget of the search (default 10)")
+    search.add_argument("--minutes", type=float, default=10.0, help=(
+        "wall-clock budget of the search (default 10, at most 10080: a week). A budget that cannot pay for the least "
+        "search (the probe, every setting once against AR, the winner on 5 held-out images) is refused once the "
+        "forwards are timed (exit 2, no tune.json); a speed-up from fewer than 5 paired images is reported without an "
+        "interval (n/a), with a line saying the minutes that would give one"))
     search.add_argument("--no-compile", action="store_true",
                         help="do not try compiled variants of the finalists (each compilation costs seconds to "
                              "minutes once)")
@@ -101,11 +105,16 @@ def budget_from_args(args: argparse.Namespace):
 
 def check_inputs(args: argparse.Namespace):
     """Everything checked before a model loads (one line each)."""
+    from relaxspec.tuning.search import check_minutes
+
     budget = budget_from_args(args)
-    if args.minutes is None or not (args.minutes > 0 and math.isfinite(args.minutes)):
-        raise RelaxspecError(f"--minutes must be > 0, got {args.minutes}")
-    check_at_least("threads", args.threads, 1)
+    check_minutes(args.minutes)
+    check_threads(args.threads)
     check_at_least("batch size", args.batch_size, 1)
+    if not extras.available("matplotlib"):  # said now, not after the search
+        print(f"relaxspec: note: no {Path(args.out or EMBEDDED_OUT) / 'frontier.png'} (matplotlib is not installed: "
+              f"{extras.EXTRAS['matplotlib'].install}); tune.json, report.md and settings.csv are written",
+              file=sys.stderr)
     check_seed(args.seed)
     embedded = args.gpt_ckpt is None and args.model_path is None
     if not args.out:
@@ -173,7 +182,8 @@ def split_classes(args: argparse.Namespace, pipeline) -> tuple[list, list]:
 
 def cmd_tune(args: argparse.Namespace) -> int:
     from relaxspec.tuning import TuneConfig, Tuner
-    from relaxspec.tuning.report import PRESET_FILE, closest_message, describe_row, write_results
+    from relaxspec.tuning.report import (PRESET_FILE, closest_message, describe_heldout, describe_row, interval_note,
+                                         write_results)
 
     budget = check_inputs(args)
     prompts = read_prompts(args) if (args.prompt or args.prompts_file) else []
@@ -222,11 +232,12 @@ def cmd_tune(args: argparse.Namespace) -> int:
     if not result["heldout"].get("within_budget", True):
         print(f"relaxspec: warning: on the held-out images {result['chosen']['label']} is over the budget "
               f"({budget.describe()}); see {Path(args.out) / 'report.md'}", file=sys.stderr)
-    speed = result["heldout"]["speedup"]
-    interval = "" if speed[1] is None else f" [{speed[1]:.2f}, {speed[2]:.2f}]"
     print(f"chosen: {describe_row(result['chosen'])} on the tune images; held out ({result['heldout']['images']} "
-          f"images): {speed[0]:.2f}x{interval} eager AR")
+          f"images): {describe_heldout(result['heldout'])} eager AR")
     print(f"use it: relaxspec generate --preset {Path(args.out) / PRESET_FILE} ...")
+    note = interval_note(result, args.minutes)
+    if note is not None:
+        print(f"relaxspec: {note}", file=sys.stderr)
     return 0
 
 

@@ -1,6 +1,13 @@
 """What a tuning run leaves: ``tune.json`` (the preset), ``frontier.png`` (every tried setting's
 speed-up against its TV per token, the choice marked), ``settings.csv`` (the numbers behind it)
-and ``report.md``."""
+and ``report.md``.
+
+A speed-up from fewer than :data:`~relaxspec.tuning.search.MIN_INTERVAL_PAIRS` paired images has
+no interval: it is written as ``[value, null, null]`` with its pair count (``pairs``), shown as
+``1.07x (n/a: only 1 pair)``, and :func:`interval_note` says in one line what the budget allowed.
+A preset is still written then (the choice is the best the budget could find), with that honest
+null interval; the held-out measurement always plans at least that many images, so its interval
+is missing only when a run resumed from an older plan."""
 
 from __future__ import annotations
 
@@ -12,23 +19,68 @@ from relaxspec import methods
 from relaxspec.devices import machine_identity, machine_kind
 from relaxspec.files import write_atomic, write_json
 from relaxspec.pipelines.presets import preset_record
+from relaxspec.tuning.search import MIN_INTERVAL_PAIRS, MIN_QUALITY_IMAGES
 
 PRESET_FILE, REPORT_FILE, FRONTIER_FILE, TABLE_FILE = "tune.json", "report.md", "frontier.png", "settings.csv"
 COLUMNS = ("label", "method", "family", "tree", "relaxed", "compile", "pairs", "speedup", "speedup_lo", "speedup_hi", "seconds",
            "mal", "tv_per_token", "quality_ok")
 
 
-def _interval(value, lo, hi, digits: int = 2) -> str:
+def _interval(value, lo, hi, digits: int = 2, pairs: int | None = None, unit: str = "") -> str:
+    """``2.31x [2.10, 2.52]``; ``1.07x (n/a: only 1 pair)`` from too few pairs for an interval."""
     if value is None:
         return "–"
-    return f"{value:.{digits}f}" + ("" if lo is None else f" [{lo:.{digits}f}, {hi:.{digits}f}]")
+    text = f"{value:.{digits}f}{unit}"
+    if lo is not None and hi is not None:
+        return text + f" [{lo:.{digits}f}, {hi:.{digits}f}]"
+    if pairs is not None and pairs < MIN_INTERVAL_PAIRS:
+        return text + f" (n/a: only {_pairs(pairs)})"
+    return text
+
+
+def _pairs(count: int, what: str = "") -> str:
+    """``1 pair``, ``4 held-out image pairs``."""
+    return f"{count} {what}pair" + ("" if count == 1 else "s")
 
 
 def describe_row(row: dict) -> str:
-    """``lantern[...]: 2.31x [2.10, 2.52] AR, TV 0.012 / token``."""
+    """``lantern[...]: 2.31x [2.10, 2.52] eager AR, TV 0.012 / token``."""
     tv = row.get("tv_per_token")
-    return (f"{row['label']}: {_interval(row.get('speedup'), row.get('speedup_lo'), row.get('speedup_hi'))}x eager AR"
-            + ("" if not row.get("relaxed") or tv is None else f", TV {tv:.4f} / token"))
+    speed = _interval(row.get("speedup"), row.get("speedup_lo"), row.get("speedup_hi"), pairs=row.get("pairs"),
+                      unit="x")
+    return f"{row['label']}: {speed} eager AR" + ("" if not row.get("relaxed") or tv is None else f", TV {tv:.4f} / token")
+
+
+def describe_heldout(heldout: dict) -> str:
+    """``1.33x [1.31, 1.36]`` (or ``(n/a: only 4 pairs)``) for the held-out measurement."""
+    return _interval(*heldout["speedup"], pairs=heldout.get("pairs"), unit="x")
+
+
+def interval_note(result: dict, minutes: float) -> str | None:
+    """One line when the budget allowed the chosen setting fewer than
+    :data:`~relaxspec.tuning.search.MIN_INTERVAL_PAIRS` paired images on the tune or the held-out
+    images (what was measured, that it has no interval, and the minutes that would give one);
+    ``None`` otherwise."""
+    chosen, heldout = result.get("chosen"), result.get("heldout")
+    if chosen is None or heldout is None:
+        return None
+    short = []
+    tune_pairs = chosen.get("pairs") or 0
+    if tune_pairs < MIN_INTERVAL_PAIRS and chosen.get("speedup") is not None:
+        short.append((tune_pairs, f"{_pairs(tune_pairs, 'tune image ')} (chosen at {chosen['speedup']:.2f}x)"))
+    held_pairs = heldout.get("pairs", heldout.get("images", 0))
+    if held_pairs < MIN_INTERVAL_PAIRS and heldout["speedup"][0] is not None:
+        short.append((held_pairs, f"{_pairs(held_pairs, 'held-out image ')} (speed-up {heldout['speedup'][0]:.2f}x "
+                                  "measured)"))
+    if not short:
+        return None
+    fewest = max(min(count for count, _ in short), 1)
+    more = minutes * MIN_INTERVAL_PAIRS / fewest  # the pairs grow about in proportion to the minutes
+    suggested = float(f"{more:.2g}")
+    if suggested < more:  # rounded down: round up instead
+        suggested = float(f"{more * 1.1:.2g}")
+    return (f"the budget allowed {chosen['label']} " + " and ".join(text for _, text in short)
+            + f": no interval (one needs {MIN_INTERVAL_PAIRS} pairs); give --minutes >= {suggested:g} for one")
 
 
 def closest_message(budget, closest: dict | None) -> str:
@@ -144,7 +196,8 @@ def markdown(rows: list[dict], result: dict, tuner, preset: dict | None) -> str:
              f"{len(rows) - 1} settings tried in {len(tuner.state['rounds'])} rounds of successive halving"]
     if result["spent_seconds"] > 1.1 * 60 * config.minutes:
         lines.append("- the search outran --minutes: the first round measures every setting once, and the quality "
-                     "test and the held-out measurement take at least 16 and 4 images")
+                     f"test and the held-out measurement take at least {MIN_QUALITY_IMAGES} and {MIN_INTERVAL_PAIRS} "
+                     "images")
     if config.budget.kind == "quality":
         lines.append(f"- quality source: {config.quality_source}")
     lines.append("")
@@ -152,11 +205,11 @@ def markdown(rows: list[dict], result: dict, tuner, preset: dict | None) -> str:
     if chosen is None:
         lines += ["**No preset:** " + closest_message(budget, result.get("closest")), ""]
     else:
-        speed = heldout["speedup"]
         setting = " ".join(f"{k}={v}" for k, v in preset["method"].items())
         lines += [f"**Chosen:** `{chosen['label']}`: `{setting}`", "",
                   f"- on the tune images: {describe_row(chosen)} ({chosen['pairs']} paired images)",
-                  f"- held out ({heldout['images']} images): **{_interval(*speed)}x eager AR**, MAL {heldout['mal']:.2f}"
+                  f"- held out ({heldout['images']} images): **{describe_heldout(heldout)} eager AR**, MAL "
+                  f"{heldout['mal']:.2f}"
                   + ("" if heldout.get("tv_per_token") is None or not chosen["relaxed"]
                      else f", TV {heldout['tv_per_token']:.4f} / token")]
         if heldout.get("quality"):
@@ -167,6 +220,9 @@ def markdown(rows: list[dict], result: dict, tuner, preset: dict | None) -> str:
                          f"{_interval(*fid) if fid else '–'}; {q.get('n_fake')} images)")
         if not heldout.get("within_budget", True):
             lines.append("- **warning: on the held-out images this setting is over the budget**")
+        note = interval_note(result, config.minutes)
+        if note is not None:
+            lines.append(f"- **{note}**")
         lines += ["", f"Use it: `relaxspec generate --preset {Path(tuner.out) / PRESET_FILE} ...` "
                   "(also bench, demo, relaxspec.generate(preset=...))", ""]
     lines += ["| setting | speed-up vs AR [95% CI] | pairs | MAL | TV / token | within budget |", "|---|---|---|---|---|---|"]
@@ -177,7 +233,8 @@ def markdown(rows: list[dict], result: dict, tuner, preset: dict | None) -> str:
             continue
         ok = within(row, budget)
         tv = row.get("tv_per_token")
-        lines.append(f"| `{row['label']}` | {_interval(row.get('speedup'), row.get('speedup_lo'), row.get('speedup_hi'))} "
+        lines.append(f"| `{row['label']}` | "
+                     f"{_interval(row.get('speedup'), row.get('speedup_lo'), row.get('speedup_hi'), pairs=row['pairs'])} "
                      f"| {row['pairs']} | {row['mal']:.2f} | {'–' if tv is None else f'{tv:.4f}'} | "
                      f"{'yes' if ok else 'no' if ok is False else 'not judged'} |")
     judged = [r for r in rows if r.get("quality") and r["label"] != "ar"]
@@ -194,5 +251,5 @@ def markdown(rows: list[dict], result: dict, tuner, preset: dict | None) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["FRONTIER_FILE", "PRESET_FILE", "REPORT_FILE", "TABLE_FILE", "closest_message", "describe_row",
-           "frontier_plot", "write_results"]
+__all__ = ["FRONTIER_FILE", "PRESET_FILE", "REPORT_FILE", "TABLE_FILE", "closest_message", "describe_heldout",
+           "describe_row", "frontier_plot", "interval_note", "write_results"]

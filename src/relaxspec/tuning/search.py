@@ -22,7 +22,16 @@ The phases, each kept in the output folder so that running the same command agai
 
 Decisions (the survivors and size of each round, the choice) are written to ``state.json`` as
 they are made, so a resumed run never re-decides differently; the time spent is kept there too
-and counts against ``--minutes`` across resumptions.
+and counts against ``--minutes`` across resumptions. A ``state.json`` is checked where it is read
+(:func:`state_problem`): one that this code did not write is refused with one line, never half
+used.
+
+Budgets: ``--minutes`` is at most :data:`MAX_MINUTES` (a week). Once the forwards are timed, a
+budget that cannot pay for the least search (the probe, every setting and AR once, the winner and
+AR on :data:`MIN_INTERVAL_PAIRS` held-out images) is refused (exit 2) before any image is decoded:
+nothing is decided and no preset written; the timed forwards are kept, so the same command with
+more minutes goes on. A speed-up measured on fewer than :data:`MIN_INTERVAL_PAIRS` paired images
+carries no interval (``None`` bounds and its pair count): a bootstrap over one pair is ``[x, x]``.
 """
 
 from __future__ import annotations
@@ -38,12 +47,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from relaxspec import methods
 from relaxspec.bench.config import BASELINE, MethodSpec
 from relaxspec.bench.report import _bootstrap, pairwise_speedups, quality_metrics, within_baseline_quality
 from relaxspec.bench.run import read_records, run_bench
 from relaxspec.decoding.result import add_counts
-from relaxspec.errors import RelaxspecError
-from relaxspec.files import write_json
+from relaxspec.errors import RelaxspecError, shown
+from relaxspec.files import read_json, write_json
 from relaxspec.devices import machine_identity
 from relaxspec.pipelines.presets import model_fingerprint
 from relaxspec.tuning.budget import Budget, choose, pareto, survivors, within
@@ -64,6 +74,33 @@ COMPILED_FINALISTS = 2
 MIN_PROBE_TESTS = 10
 #: Successive halving stops after this many rounds.
 MAX_ROUNDS = 8
+#: The longest --minutes taken (a week): longer is a typo, and seconds past it overflow the plans.
+MAX_MINUTES = 7 * 24 * 60
+#: Fewest paired images a speed-up interval is computed from: a bootstrap over fewer is no
+#: interval (over one pair it is ``[x, x]``); the held-out measurement takes at least this many.
+MIN_INTERVAL_PAIRS = 5
+#: Most images any round, the quality test or the held-out measurement plans.
+MAX_PLAN_IMAGES = 400
+
+
+def check_minutes(minutes) -> float:
+    """``--minutes``, checked: a finite number in ``(0, MAX_MINUTES]``."""
+    if isinstance(minutes, bool) or not isinstance(minutes, (int, float)) or not (
+            math.isfinite(minutes) and 0 < minutes <= MAX_MINUTES):
+        shown = f"{minutes:g}" if isinstance(minutes, (int, float)) and not isinstance(minutes, bool) else repr(minutes)
+        raise RelaxspecError(f"--minutes must be > 0 and at most {MAX_MINUTES} (a week), got {shown}")
+    return float(minutes)
+
+
+def speedup_interval(ratios, n_boot: int = 200) -> list:
+    """``[median, lo, hi]`` of paired speed-ups (AR seconds / setting seconds per image, ``[pairs]``):
+    ``lo`` and ``hi`` are ``None`` under :data:`MIN_INTERVAL_PAIRS` pairs, all three with none."""
+    ratios = np.asarray(ratios, dtype=np.float64)
+    if not len(ratios):
+        return [None, None, None]
+    if len(ratios) < MIN_INTERVAL_PAIRS:
+        return [float(np.median(ratios)), None, None]
+    return _bootstrap(np.median, ratios, n_boot=n_boot)
 
 
 @dataclass
@@ -95,8 +132,7 @@ class Tuner:
     :meth:`run` returns the result dict that :mod:`relaxspec.tuning.report` writes up."""
 
     def __init__(self, pipeline, sampling, out, config: TuneConfig, *, overwrite: bool = False):
-        if config.minutes is None or not (config.minutes > 0 and math.isfinite(config.minutes)):
-            raise RelaxspecError(f"--minutes must be > 0, got {config.minutes}")
+        check_minutes(config.minutes)
         if config.budget.kind == "quality" and config.classifier is None:
             raise RelaxspecError("--within-ar-quality needs a quality source: --classifier DIR (and --real-data NPZ)")
         if len(config.tune) < 1 or len(config.heldout) < 1:
@@ -126,13 +162,15 @@ class Tuner:
         leftovers = [name for name in OWNED if (self.out / name).exists()]
         if path.exists():
             try:
-                state = json.loads(path.read_text())
-                if not isinstance(state, dict):
-                    raise ValueError
-            except ValueError:
+                state = read_json(path)
+            except RelaxspecError:  # not JSON, not UTF-8 text, nested too deeply
+                state, problem = None, "not JSON"
+            else:
+                problem = state_problem(state)
+            if problem is not None:
                 if not overwrite:
-                    raise RelaxspecError(f"--out {self.out}: {STATE_FILE} is unreadable; choose another folder or "
-                                         "pass --overwrite") from None
+                    raise RelaxspecError(f"--out {self.out}: {STATE_FILE} is not a tune state this relaxspec wrote "
+                                         f"({problem}); remove it or pass --overwrite")
                 state = None
             if state is not None and state.get("settings_hash") == digest:
                 return state
@@ -193,6 +231,8 @@ class Tuner:
     def run(self) -> dict:
         try:
             costs = self.cost_curve()
+            if not self.state["rounds"]:
+                self.check_time(costs)
             trees = self.trees(costs) if self.pipeline.drafter is not None else {}
             self.candidates(trees)
             if not self.state.get("halving_done"):
@@ -209,10 +249,24 @@ class Tuner:
         finally:
             self.save()
 
+    def _read_owned(self, name: str, problem) -> dict:
+        """One of the run's own files in --out, checked by ``problem(data) -> str | None``: a
+        hand-edited or damaged one is refused in one line, as a damaged state is."""
+        try:
+            data = read_json(self.out / name)
+        except RelaxspecError as err:
+            why = str(err).split(": ", 1)[-1]
+        else:
+            why = problem(data)
+            if why is None:
+                return data
+        raise RelaxspecError(f"--out {self.out}: {name} is not one this relaxspec wrote ({why}); remove it or pass "
+                             "--overwrite")
+
     def cost_curve(self) -> dict:
         path = self.out / "costs.json"
         if path.exists():
-            return json.loads(path.read_text())
+            return self._read_owned("costs.json", costs_problem)
         from relaxspec.bench.cost import measure_forward_costs
 
         self.say("timing the target and drafter forwards (the cost curve)")
@@ -229,11 +283,47 @@ class Tuner:
         self.save()
         return data
 
+    def least_seconds(self, costs: dict) -> float:
+        """The least search, from the timed forwards: the probe (when still to do), every setting
+        and AR on one image (the settings without trees: the trees only add more), the winner and AR
+        on :data:`MIN_INTERVAL_PAIRS` held-out images, and (quality budget) the quality test of one
+        finalist against AR and its reference. A floor: a decode is taken as one AR image."""
+        image = float(costs["ar_image_seconds_estimate"])
+        has_drafter = self.pipeline.drafter is not None
+        rules = 1 + int(self.config.budget.relaxed_allowed)
+        probes = 2 * rules if has_drafter and not (self.out / "probe.json").exists() else 0
+        settings = len(build_candidates(self.config.budget, {}, has_drafter))
+        decodes = probes + settings + 1 + 2 * MIN_INTERVAL_PAIRS
+        if self.config.budget.kind == "quality":
+            decodes += 3 * MIN_QUALITY_IMAGES
+        return decodes * image
+
+    def check_time(self, costs: dict) -> None:
+        """Refuse, before any image is decoded, a budget that cannot pay for the least search."""
+        least, left = self.least_seconds(costs), self.left()
+        if left >= least:
+            return
+        needed = (self.spent() + least) / 60
+        minutes = float(f"{needed * 1.2:.2g}")  # rounded up a little: the floor is an estimate
+        while minutes < needed:
+            minutes = float(f"{minutes * 1.1:.2g}")
+        if minutes > MAX_MINUTES:
+            raise RelaxspecError(f"the least search (the probe, every setting once against AR, the winner on "
+                                 f"{MIN_INTERVAL_PAIRS} held-out images) needs about {least:.3g} s here, more than "
+                                 f"--minutes allows ({MAX_MINUTES}, a week): nothing was decided and no tune.json "
+                                 "written")
+        raise RelaxspecError(
+            f"--minutes {self.config.minutes:g} is too short to measure anything: the forwards were timed (an AR image "
+            f"takes about {costs['ar_image_seconds_estimate']:.3g} s here), {max(left, 0):.3g} s are left, and the "
+            f"least search (the probe, every setting once against AR, the winner on {MIN_INTERVAL_PAIRS} held-out images) "
+            f"needs about {least:.3g} s; nothing was decided and no tune.json written: give --minutes >= {minutes:g} "
+            "(the same command goes on from the timed forwards)")
+
     def trees(self, costs: dict) -> dict:
         from relaxspec.bench.cost import ForwardCosts
 
         path = self.out / "probe.json"
-        probes = json.loads(path.read_text()) if path.exists() else {}
+        probes = self._read_owned("probe.json", probes_problem) if path.exists() else {}
         rules = ["exact"] + (["relaxed"] if self.config.budget.relaxed_allowed else [])
         count = max(2, min(12, int(self.budget_s / 150)))
         for rule in rules:
@@ -299,7 +389,7 @@ class Tuner:
         ar = rows.get(BASELINE, {}).get("seconds")
         if ar:
             return ar
-        costs = json.loads((self.out / "costs.json").read_text())
+        costs = self._read_owned("costs.json", costs_problem)
         return costs["ar_image_seconds_estimate"] * 1.5
 
     def halving(self) -> None:
@@ -398,7 +488,8 @@ class Tuner:
     def rows(self, rounds_only: bool = False) -> list[dict]:
         """One row per tried setting over every tune image it decoded (rounds and the quality
         test, each paired with AR in its own folder): median paired speed-up with a bootstrap
-        interval, mean TV per token, seconds per image, images, and the quality verdict."""
+        interval (``None`` bounds under :data:`MIN_INTERVAL_PAIRS` pairs), mean TV per token, seconds
+        per image, images, and the quality verdict."""
         ratios: dict[str, list] = {}
         tv: dict[str, list] = {}
         seconds: dict[str, list] = {}
@@ -419,7 +510,7 @@ class Tuner:
             cand = candidates.get(label)
             relaxed = cand.relaxed if cand is not None else False
             r = np.asarray(ratios.get(label, []), dtype=np.float64)
-            speed = _bootstrap(np.median, r, n_boot=200) if len(r) else [None, None, None]
+            speed = speedup_interval(r)
             family = (cand.method + ("++" if "lam" in cand.fields else "")) if cand else "ar"
             row = {"label": label, "method": cand.method if cand else "ar", "family": family, "relaxed": relaxed,
                    "tree": cand.tree if cand else None, "speedup": speed[0], "speedup_lo": speed[1],
@@ -447,7 +538,8 @@ class Tuner:
                 {r["label"]: r for r in self.rows()}, BASELINE)
             images = int(max(self.left() - HELDOUT_SHARE * self.budget_s, 0) / max(per_image, 1e-9))
             used = sum(r["images"] for r in self.state["rounds"])
-            self.state["quality_plan"] = {"labels": [r["label"] for r in finalists], "images": max(MIN_QUALITY_IMAGES, min(images, 400)),
+            self.state["quality_plan"] = {"labels": [r["label"] for r in finalists],
+                                          "images": max(MIN_QUALITY_IMAGES, min(images, MAX_PLAN_IMAGES)),
                                           "start": used, "seed": self.config.seed * 7919 + 31}
             self.save()
         plan = self.state["quality_plan"]
@@ -496,7 +588,13 @@ class Tuner:
     def choice(self, rows: list[dict]) -> dict | None:
         if "chosen" in self.state:
             label = self.state["chosen"]
-            return next((r for r in rows if r["label"] == label), None) if label else None
+            if label is None:
+                return None
+            row = next((r for r in rows if r["label"] == label), None)
+            if row is None:  # a known setting, but none of its decodes is in the folder: not this run's
+                raise RelaxspecError(f"--out {self.out}: {STATE_FILE} is not a tune state this relaxspec wrote "
+                                     f"(chosen {label!r} has no measurements here); remove it or pass --overwrite")
+            return row
         pool = [r for r in rows if r["label"] != BASELINE]
         chosen, closest = choose(pool, self.config.budget)
         self.state["chosen"] = chosen["label"] if chosen else None
@@ -512,7 +610,8 @@ class Tuner:
             if self.config.budget.kind == "quality":
                 per_image += self._seconds_per_image(rows, BASELINE)
             images = int(max(self.left(), 0) / max(per_image, 1e-9))
-            self.state["heldout_plan"] = {"images": max(4, min(images, 400)), "seed": self.config.seed * 7919 + 57}
+            self.state["heldout_plan"] = {"images": max(MIN_INTERVAL_PAIRS, min(images, MAX_PLAN_IMAGES)),
+                                          "seed": self.config.seed * 7919 + 57}
             self.save()
         plan = self.state["heldout_plan"]
         self.say(f"held-out: {chosen['label']} and AR on {plan['images']} images of classes or prompts the search "
@@ -520,10 +619,10 @@ class Tuner:
         images = self.images(self.config.heldout, 0, plan["images"])
         records = self.bench("heldout", [by_label[chosen["label"]]], images, plan["seed"], warmup=1)
         ratios = pairwise_speedups(records, chosen["label"])
-        speed = _bootstrap(np.median, ratios, n_boot=500)
         mine = [r for r in records if r["method"] == chosen["label"]]
         tv = [r["tv_per_token"] for r in mine if r.get("tv_per_token") is not None]
-        result = {"images": len(mine), "speedup": speed, "seconds": float(np.mean([r["seconds"] for r in mine])),
+        result = {"images": len(mine), "speedup": speedup_interval(ratios, n_boot=500), "pairs": int(len(ratios)),
+                  "seconds": float(np.mean([r["seconds"] for r in mine])),
                   "ar_seconds": float(np.mean([r["seconds"] for r in records if r["method"] == BASELINE])),
                   "mal": float(np.mean([r["mal"] for r in mine])),
                   "tv_per_token": float(np.mean(tv)) if tv and chosen["relaxed"] else (0.0 if not chosen["relaxed"] else None)}
@@ -541,6 +640,185 @@ class Tuner:
         else:
             result["within_budget"] = True
         return result
+
+
+# ---------------------------------------------------------------------------- state.json, checked
+
+
+def _number_table(table) -> bool:
+    """``{"1": 0.01, "4": 0.012, ...}``: forward sizes -> seconds."""
+    if not isinstance(table, dict) or not table:
+        return False
+    try:
+        return all(int(size) >= 1 and isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0
+                   for size, value in table.items())
+    except ValueError:
+        return False
+
+
+def costs_problem(costs) -> str | None:
+    """What is wrong with a ``costs.json`` (``None``: nothing)."""
+    if not isinstance(costs, dict):
+        return "not a JSON object"
+    if not _number_table(costs.get("target_seconds")):
+        return "target_seconds is not a table of forward sizes to seconds"
+    if not isinstance(costs.get("drafter_seconds"), dict) or \
+            costs["drafter_seconds"] and not _number_table(costs["drafter_seconds"]):
+        return "drafter_seconds is not a table of forward sizes to seconds"
+    estimate = costs.get("ar_image_seconds_estimate")
+    if isinstance(estimate, bool) or not isinstance(estimate, (int, float)) or not estimate > 0:
+        return "ar_image_seconds_estimate is not a positive number"
+    return None
+
+
+def probes_problem(probes) -> str | None:
+    """What is wrong with a ``probe.json`` (``None``: nothing)."""
+    if not isinstance(probes, dict):
+        return "not a JSON object"
+    for rule, probe in probes.items():
+        if rule not in PROBE_RULES or not isinstance(probe, dict):
+            return f"{shown(rule)} is not a probe of an acceptance rule"
+        for key in ("tests", "accepts"):
+            table = probe.get(key)
+            if not isinstance(table, list) or not table or not all(
+                    isinstance(row, list) and len(row) == len(table[0]) and row and
+                    all(isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0 for v in row)
+                    for row in table):
+                return f"{rule}.{key} is not a table of counts"
+        if len(probe["tests"]) != len(probe["accepts"]) or len(probe["tests"][0]) != len(probe["accepts"][0]):
+            return f"{rule}: tests and accepts differ in shape"
+    return None
+
+
+def state_problem(state) -> str | None:
+    """What makes ``state`` (a parsed ``state.json``) other than a state :class:`Tuner` writes, in
+    a few words, or ``None``: its keys, their types and ranges, every setting it names (a label
+    of its candidates or compiled variants, each a method the registry resolves) and the rows it
+    keeps. :meth:`Tuner._open_state` asks this before a resumed run uses any of it."""
+    if not isinstance(state, dict):
+        return "not a JSON object"
+    if not isinstance(state.get("settings_hash"), str):
+        return "no settings_hash"
+    if not isinstance(state.get("settings"), dict):
+        return "no settings"
+    if not _is_number(state.get("spent_seconds"), finite=True) or state["spent_seconds"] < 0:
+        return "spent_seconds is not a number >= 0"
+    for flag in ("halving_done", "compiled_added", "quality_complete", "done"):
+        if flag in state and not isinstance(state[flag], bool):
+            return f"{flag} is not true or false"
+    labels = set()
+    for key in ("candidates", "compiled"):
+        if key not in state:
+            continue
+        if not isinstance(state[key], list):
+            return f"{key} is not a list"
+        for item in state[key]:
+            problem = _candidate_problem(item)
+            if problem is not None:
+                return f"{key}: {problem}"
+            labels.add(item["label"])
+    rounds = state.get("rounds")
+    if not isinstance(rounds, list):
+        return "rounds is not a list"
+    for number, plan in enumerate(rounds, 1):
+        problem = _plan_problem(plan, labels, ("labels", "images", "start", "seed"))
+        if problem is None and not isinstance(plan.get("complete"), bool):
+            problem = "complete is not true or false"
+        if problem is not None:
+            return f"round {number}: {problem}"
+    if "chosen" in state and state["chosen"] is not None and state["chosen"] not in labels:
+        return f"chosen {state['chosen']!r} is no setting it tried"
+    if state.get("closest") is not None:
+        problem = _row_problem(state["closest"])
+        if problem is not None:
+            return f"closest: {problem}"
+    for key, fields in (("quality_plan", ("labels", "images", "start", "seed")), ("heldout_plan", ("images", "seed"))):
+        if key in state:
+            problem = _plan_problem(state[key], labels, fields, empty_labels=True)
+            if problem is not None:
+                return f"{key}: {problem}"
+    if "quality" in state:
+        if not isinstance(state["quality"], dict):
+            return "quality is not an object"
+        for label, verdict in state["quality"].items():
+            problem = (f"names {label!r}, no setting it tried" if label != BASELINE and label not in labels
+                       else _verdict_problem(verdict))
+            if problem is not None:
+                return f"quality: {problem}"
+    if "heldout_quality" in state:
+        problem = _verdict_problem(state["heldout_quality"])
+        if problem is not None:
+            return f"heldout_quality: {problem}"
+    return None
+
+
+def _is_number(value, finite: bool = False) -> bool:
+    """A real number (JSON's NaN too, as a measurement may be, unless ``finite``)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and (math.isfinite(value) or not finite)
+
+
+def _is_whole(value, least: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+
+def _candidate_problem(item) -> str | None:
+    if not isinstance(item, dict) or not isinstance(item.get("label"), str) or not isinstance(item.get("method"), str) \
+            or not isinstance(item.get("fields"), dict) or not isinstance(item.get("tree"), (str, type(None))):
+        return "a setting without label, method, fields and tree"
+    try:
+        methods.resolve(item["method"], item["fields"])
+    except (RelaxspecError, TypeError, ValueError) as err:
+        return f"{item['label']!r}: {err}"
+    return None
+
+
+def _plan_problem(plan, labels: set, fields: tuple, empty_labels: bool = False) -> str | None:
+    """A round's or a phase's plan: ``labels`` (settings it tried), ``images`` (1 ..
+    :data:`MAX_PLAN_IMAGES`), ``start`` (>= 0), ``seed`` (whole numbers)."""
+    if not isinstance(plan, dict):
+        return "not an object"
+    if "labels" in fields:
+        names = plan.get("labels")
+        if not isinstance(names, list) or not (names or empty_labels) or not all(isinstance(n, str) for n in names):
+            return "labels is not a list of settings"
+        unknown = [n for n in names if n not in labels]
+        if unknown:
+            return f"{unknown[0]!r} is no setting it tried"
+    if "images" in fields and not (_is_whole(plan.get("images"), 1) and plan["images"] <= MAX_PLAN_IMAGES):
+        return f"images is not a whole number in [1, {MAX_PLAN_IMAGES}]"
+    if "start" in fields and not _is_whole(plan.get("start"), 0):
+        return "start is not a whole number >= 0"
+    if "seed" in fields and not (isinstance(plan.get("seed"), int) and not isinstance(plan["seed"], bool)):
+        return "seed is not a whole number"
+    return None
+
+
+def _row_problem(row) -> str | None:
+    """A measured row as :meth:`Tuner.rows` makes it (the fields the reports read)."""
+    if not isinstance(row, dict) or not isinstance(row.get("label"), str):
+        return "not a row with a label"
+    for key in ("speedup", "speedup_lo", "speedup_hi", "tv_per_token"):
+        if row.get(key) is not None and not _is_number(row[key]):
+            return f"{key} is not a number"
+    if row.get("pairs") is not None and not _is_whole(row["pairs"], 0):
+        return "pairs is not a whole number"
+    for key in ("relaxed", "quality_ok"):
+        if row.get(key) is not None and not isinstance(row[key], bool):
+            return f"{key} is not true or false"
+    return None
+
+
+def _verdict_problem(verdict) -> str | None:
+    """A quality verdict: ``ok`` and its ``metrics`` (the intervals the report prints)."""
+    if not isinstance(verdict, dict) or not isinstance(verdict.get("ok"), bool) or \
+            not isinstance(verdict.get("metrics"), dict):
+        return "a verdict without ok and metrics"
+    for key, value in verdict["metrics"].items():
+        if key.endswith("_diff_vs_ar") or key in ("class_accuracy", "fid_like", "precision", "recall"):
+            if value is not None and not (isinstance(value, list) and len(value) == 3
+                                          and all(v is None or _is_number(v) for v in value)):
+                return f"{key} is not [value, lo, hi]"
+    return None
 
 
 def _warmup(candidates: list[Candidate]) -> int:
@@ -564,4 +842,5 @@ class _threads:
         torch.set_num_threads(self.before)
 
 
-__all__ = ["STATE_FILE", "TuneConfig", "Tuner"]
+__all__ = ["MAX_MINUTES", "MIN_INTERVAL_PAIRS", "STATE_FILE", "TuneConfig", "Tuner", "check_minutes", "speedup_interval",
+           "state_problem"]
