@@ -13,6 +13,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = ["README.md", "docs/API.md"]
 BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
+#: ``expression  # 'what it gives ... more of it'``: a quoted result on a line of its own.
+SHOWN = re.compile(r"^(?P<expr>[^#=\s][^#=]*?)\s+#\s+'(?P<text>[^']+)'\s*$", re.M)
 
 
 def python_blocks(page: str) -> list[str]:
@@ -31,6 +33,13 @@ def test_every_python_block_runs(page, tmp_path, monkeypatch):
             exec(compile(code, f"{page} python block {number}", "exec"), namespace)
         except Exception as err:  # name the block, then fail with the original traceback
             raise AssertionError(f"{page}: python block {number} failed: {type(err).__name__}: {err}") from err
+        for shown in SHOWN.finditer(code):  # a result the page quotes is the result (issue 33: a stale one)
+            value = str(eval(shown.group("expr"), namespace))
+            at = 0
+            for fragment in shown.group("text").split("..."):
+                found = value.find(fragment.strip(), at)
+                assert found >= 0, f"{page}: {shown.group('expr')} gives {value!r}, not {shown.group('text')!r}"
+                at = found + len(fragment.strip())
 
 
 def test_only_python_blocks_are_marked_python():
@@ -67,3 +76,22 @@ def test_model_pages_commands_parse(page):
     parser = build_parser()
     for command in commands:
         parser.parse_args(shlex.split(command)[1:])
+
+
+def test_the_readme_test_checkpoints_block_runs_as_written(tmp_path, monkeypatch, capsys):
+    """Issue 33: the README named ``make-test-checkpoints --out demo-ckpt`` without the
+    ``--gpt-model`` / ``--vq-model`` the next command needs (the sizes have no name). The block
+    that shows the pair runs here as written, in an empty folder."""
+    import shlex
+
+    from relaxspec.cli import main
+
+    blocks = [block for block in SHELL.findall((ROOT / "README.md").read_text())
+              if "make-test-checkpoints --out demo-ckpt" in block]
+    assert len(blocks) == 1, "README.md: the make-test-checkpoints block is gone"
+    commands = [line for line in blocks[0].replace("\\\n", " ").splitlines() if line.startswith("relaxspec ")]
+    assert len(commands) == 2 and "generate" in commands[1]
+    monkeypatch.chdir(tmp_path)
+    for command in commands:
+        assert main(shlex.split(command)[1:]) == 0, capsys.readouterr().err
+    assert (tmp_path / "demo-out" / "0000.png").is_file() and (tmp_path / "demo-out" / "0001.png").is_file()

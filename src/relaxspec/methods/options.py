@@ -135,5 +135,28 @@ class MethodOptions:
         return {"method": self.method, **{name: value for name, value in self._values.items() if name in used}}
 
     def describe(self) -> str:
-        """One line: the method and every setting it reads, e.g. ``lantern draft=static ...``."""
-        return " ".join([self.method] + [f"{k}={v}" for k, v in self.to_dict().items() if k != "method"])
+        """One line: the method and every setting it reads, e.g. ``lantern draft=static
+        tree=emoji-lantern (a chain of 6) ...``; a named or file tree says its shape."""
+        fields = self.to_dict()
+        words = [self.method]
+        for key, value in fields.items():
+            if key == "method":
+                continue
+            word = f"{key}={value}"
+            if key == "tree" and fields.get("draft") == "static" or key == "draft" and str(value).endswith(".json"):
+                word += f" ({tree_shape(str(value))})"
+            words.append(word)
+        return " ".join(words)
+
+
+def tree_shape(name: str) -> str:
+    """A static tree's shape in words (``a chain of 6``, ``25 nodes, depth 5``), or ``?`` when
+    it cannot be read."""
+    from relaxspec.drafting.trees import load_tree
+
+    try:
+        spec = load_tree(name)
+    except RelaxspecError:
+        return "?"
+    drafts = spec.num_nodes - 1
+    return f"a chain of {drafts}" if spec.depth == drafts else f"{drafts} nodes, depth {spec.depth}"
