@@ -95,3 +95,21 @@ def test_the_readme_test_checkpoints_block_runs_as_written(tmp_path, monkeypatch
     for command in commands:
         assert main(shlex.split(command)[1:]) == 0, capsys.readouterr().err
     assert (tmp_path / "demo-out" / "0000.png").is_file() and (tmp_path / "demo-out" / "0001.png").is_file()
+
+
+def test_gpu_users_keep_their_torch():
+    """Issue 33: the README's ``pip install torch==2.13.0`` would replace a GPU machine's CUDA torch.
+    The README says how to install there (``pip install -e .`` alone), and that holds: the project
+    asks for a torch range, never one build, so pip keeps an installed torch."""
+    import tomllib
+
+    readme = (ROOT / "README.md").read_text()
+    start = readme.index("**On a GPU machine, keep your torch.**")
+    gpu = readme[start:readme.index("\n\n", start)]
+    assert "pip install -e ." in gpu and "--device cuda" in gpu and "--precision bf16" in gpu
+    assert "benchmarks/gpu.sh" in gpu and "torch==" not in gpu.replace("`pip install torch==2.13.0` would", "")
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    torch_specs = [d for d in project["dependencies"] if d.replace(" ", "").startswith("torch")]
+    assert torch_specs == ["torch>=2.4"], torch_specs  # a range any CUDA build since 2.4 satisfies
+    extras = [d for group in project["optional-dependencies"].values() for d in group]
+    assert not any(d.replace(" ", "").startswith(("torch", "torchvision")) for d in extras)
