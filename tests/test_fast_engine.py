@@ -25,6 +25,7 @@ from relaxspec.drafting.eagle_source import drafter_step
 from relaxspec.drafting.static_tree import StaticTree
 from relaxspec.drafting.tree_tables import tree_attention_mask
 from relaxspec.drafting.trees import TreeSpec
+from relaxspec.errors import RelaxspecError
 from relaxspec.sampling import SamplingConfig
 from helpers.engine import SMALL_TREE, fake_vq, markov_pair
 
@@ -278,9 +279,13 @@ def test_compiled_equals_eager(compiled_runs, name, temperature):
 
 
 def test_one_token_image_takes_no_step(tmp_path):
-    """A 1x1 grid: the prefill commits the only token and the loop never runs."""
+    """A 1x1 grid: the prefill commits the only token and the loop never runs. (A draft deeper than
+    the image is refused before anything is allocated: issue 33.)"""
     model, drafter = markov_pair(block_size=1)
-    result = decode(model, torch.arange(2), SamplingConfig(cfg_scale=4.0), MethodOptions(method="sd", depth=2),
+    with pytest.raises(RelaxspecError, match=r"--depth 2 is deeper than this model's images \(1 token\): at most 1"):
+        decode(model, torch.arange(2), SamplingConfig(cfg_scale=4.0), MethodOptions(method="sd", depth=2),
+               drafter=drafter, generator=torch.Generator().manual_seed(0))
+    result = decode(model, torch.arange(2), SamplingConfig(cfg_scale=4.0), MethodOptions(method="sd", depth=1),
                     drafter=drafter, generator=torch.Generator().manual_seed(0))
     assert result.tokens.shape == (2, 1) and result.target_forwards.tolist() == [1, 1]
     assert result.accept_lengths == [[1], [1]] and int(result.rank_tests.sum()) == 0

@@ -187,12 +187,13 @@ class Method:
         tokens = getattr(config, "block_size", None)
         if tokens is None or not self.drafts:
             return
+        size = f"{tokens} token" + ("s" if tokens != 1 else "")
         if options.draft == JACOBI and options.window > tokens:
-            raise RelaxspecError(f"--window {options.window:,} is wider than this model's images ({tokens} tokens): at "
-                                 f"most {tokens}")
+            raise RelaxspecError(f"--window {options.window:,} is wider than this model's images ({size}): at most "
+                                 f"{tokens}")
         if options.draft in ("chain", "dynamic") and options.depth > tokens:
-            raise RelaxspecError(f"--depth {options.depth:,} is deeper than this model's images ({tokens} tokens): at "
-                                 f"most {tokens}")
+            raise RelaxspecError(f"--depth {options.depth:,} is deeper than this model's images ({size}): at most "
+                                 f"{tokens}")
         if options.draft != JACOBI:
             draft_structure(options)  # a tree's own bounds (nothing is allocated)
 
