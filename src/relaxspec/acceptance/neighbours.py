@@ -100,6 +100,51 @@ def codebook_key(codebook: Tensor, geometry: Geometry) -> str:
     return digest.hexdigest()[:24]
 
 
+def load_neighbour_file(path: str | os.PathLike, vocab: int, k: int) -> Tensor:
+    """A neighbour table given as a file -> int64 ``[vocab, k]``, checked (one-line errors).
+
+    The file is a NumPy ``.npy`` of integer code ids ``[vocab, >= k]``, each row the other codes
+    nearest first: LANTERN's ``vq_distances/top_{V-1}_indices.npy`` (uint16 ``[V, V - 1]``, 537 MB
+    for LlamaGen's 16384 codes) or a table of our own. Official LANTERN computes its table with
+    ``torch.cdist`` (matrix-product distances) and ``topk``, so near ties may be ordered otherwise
+    than :func:`neighbour_table` orders them (exact distances, ties by code id); the file lets a
+    run use the very order the published numbers were measured with. Read memory-mapped, only the
+    first ``k`` columns; pickled (object) arrays are refused, never loaded."""
+    import numpy as np
+
+    path = Path(path)
+    where = f"--neighbours {path}"
+    if not path.is_file():
+        raise RelaxspecError(f"{where}: no such file")
+    try:
+        array = np.load(path, mmap_mode="r", allow_pickle=False)
+    except ValueError as err:  # an object array (a pickle) or a damaged header
+        raise RelaxspecError(f"{where}: not a NumPy table of code ids ({err})") from None
+    except OSError as err:
+        raise RelaxspecError(f"{where}: cannot be read as a .npy file ({err})") from None
+    if not isinstance(array, np.ndarray) or array.ndim != 2 or not np.issubdtype(array.dtype, np.integer):
+        raise RelaxspecError(f"{where}: expected a 2-D integer array [codes, neighbours], got "
+                             f"{getattr(array, 'dtype', type(array).__name__)} {getattr(array, 'shape', '')}")
+    if array.shape[0] != vocab:
+        raise RelaxspecError(f"{where}: a table for {array.shape[0]} codes; this model's codebook has {vocab}")
+    if array.shape[1] < k:
+        raise RelaxspecError(f"{where}: {array.shape[1]} neighbours per code, fewer than k = {k}")
+    table = torch.from_numpy(np.ascontiguousarray(array[:, :k]).astype(np.int64))
+    if k == 0:
+        return table
+    if int(table.min()) < 0 or int(table.max()) >= vocab:
+        raise RelaxspecError(f"{where}: code ids must lie in [0, {vocab - 1}]")
+    codes = torch.arange(vocab)[:, None]
+    if (table == codes).any():
+        first = int((table == codes).any(1).nonzero()[0])
+        raise RelaxspecError(f"{where}: code {first} lists itself as a neighbour (a table excludes each code's own id)")
+    ordered = table.sort(dim=1).values
+    if (ordered[:, 1:] == ordered[:, :-1]).any():
+        first = int((ordered[:, 1:] == ordered[:, :-1]).any(1).nonzero()[0])
+        raise RelaxspecError(f"{where}: code {first} lists a neighbour twice")
+    return table
+
+
 def default_cache_dir() -> Path:
     """Where neighbour tables are cached: ``$RELAXSPEC_CACHE/neighbours``, by default
     ``~/.cache/relaxspec/neighbours``."""

@@ -4,6 +4,8 @@ multiplicative bound ``lam``."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from relaxspec.caching import PerObject
 from relaxspec.errors import RelaxspecError
 from relaxspec.methods.base import Method, Preset, Setting
@@ -16,6 +18,9 @@ RESIDUAL = Setting("residual", str, "relaxed", "LANTERN: resample from the relax
                    choices=("relaxed", "plain"))
 GEOMETRY = Setting("geometry", str, "raw", "LANTERN neighbour geometry: raw codebook or L2-normalised",
                    choices=("raw", "normalised"))
+NEIGHBOURS = Setting("neighbours", str, None, "LANTERN: a neighbour table file instead of the one computed from the "
+                                             "codebook: .npy [codes, >= k] of code ids, nearest first, self excluded "
+                                             "(official LANTERN's vq_distances/top_{V-1}_indices.npy)", flag="--neighbours")
 ANNEAL = Setting("anneal", bool, False, "LANTERN: anneal the additive budget over draft depth (COOL-SD's schedule, "
                                         "--nu / --normalisation)")
 
@@ -27,7 +32,7 @@ _NEIGHBOURS = PerObject(kept=4)
 class Lantern(Method):
     name = "lantern"
     summary = "LANTERN relaxed acceptance over latent neighbours (additive delta or multiplicative lam)"
-    settings = (K, DELTA, LAM, RESIDUAL, GEOMETRY, ANNEAL, NU, NORMALISATION)
+    settings = (K, DELTA, LAM, RESIDUAL, GEOMETRY, NEIGHBOURS, ANNEAL, NU, NORMALISATION)
     drafts = ("dynamic", "chain", "static")
     relaxed = True
     # The two bounds are alternatives, and k is tuned with the bound: setting one in a later layer
@@ -69,26 +74,48 @@ class Lantern(Method):
             raise RelaxspecError("--anneal applies to LANTERN's additive budget: use it with --method lantern --delta D")
 
     def used(self, options) -> set[str]:
-        used = {"k", "residual", "geometry", "anneal", "delta" if options.delta is not None else "lam"}
+        # A table file replaces the codebook's geometry; without one, "neighbours" is not recorded
+        # (runs recorded before the setting existed keep their identity).
+        used = {"k", "residual", "anneal", "delta" if options.delta is not None else "lam",
+                "neighbours" if options.neighbours is not None else "geometry"}
         if options.anneal:
             used |= {"nu", "normalisation"}
         return used
 
+    def check_fits(self, options, context) -> None:
+        super().check_fits(options, context)
+        if options.neighbours is not None and context.tokenizer is not None:
+            self.table(options, context.tokenizer)  # a table file is read and checked before the first decode
+
+    def table(self, options, vq):
+        """The ``[V, k]`` neighbour table of ``vq``'s codebook this run uses (computed, or the
+        ``neighbours`` file), kept per live tokenizer; and ``k`` (at most the codebook size - 1)."""
+        from relaxspec.acceptance import cached_neighbour_table
+        from relaxspec.acceptance.neighbours import default_cache_dir, load_neighbour_file
+        from relaxspec.files import file_identity
+
+        raw = vq.raw_codebook
+        k = min(options.k, raw.shape[0] - 1)
+        if options.neighbours is not None:  # the user's table (LANTERN's file): read once per file and tokenizer
+            path = Path(options.neighbours)
+            if not path.is_file():
+                raise RelaxspecError(f"--neighbours {path}: no such file")
+            key = ("file", str(path.resolve()), str(file_identity(str(path))), k, raw.shape[0])
+            return _NEIGHBOURS.get(vq, key, lambda: load_neighbour_file(path, raw.shape[0], k)), k
+
+        def computed():  # read from the codebook (a device read) and the disk cache once per tokenizer
+            codebook = raw if options.geometry == "raw" else vq.codebook
+            return cached_neighbour_table(codebook.detach().float().cpu(), k, options.geometry, default_cache_dir())
+
+        return _NEIGHBOURS.get(vq, (options.geometry, k, tuple(raw.shape), raw._version), computed), k
+
     def rule(self, options, context, horizon: int = 5):
-        from relaxspec.acceptance import LanternRule, cached_neighbour_table, cool_weights
-        from relaxspec.acceptance.neighbours import default_cache_dir
+        from relaxspec.acceptance import LanternRule, cool_weights
 
         vq = context.tokenizer
         if vq is None:
             raise RelaxspecError("LANTERN needs the VQ tokenizer (its codebook defines the latent neighbours)")
-        raw = vq.raw_codebook
-        k = min(options.k, raw.shape[0] - 1)
-
-        def table():  # read from the codebook (a device read) and the disk cache once per tokenizer
-            codebook = raw if options.geometry == "raw" else vq.codebook
-            return cached_neighbour_table(codebook.detach().float().cpu(), k, options.geometry, default_cache_dir())
-
-        table = _NEIGHBOURS.get(vq, (options.geometry, k, tuple(raw.shape), raw._version), table)
+        table, k = self.table(options, vq)
         if options.anneal:
             # Budgets are TV masses (<= 1): capped, with the mean kept at delta (docs/METHODS.md).
             schedule = cool_weights(options.delta, options.nu, options.normalisation, horizon, cap=1.0)
