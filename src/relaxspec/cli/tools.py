@@ -47,6 +47,8 @@ LAYOUTS = {
     "model": 'official LlamaGen file {"model": state_dict}', "module": '{"module": state_dict}',
     "state_dict": '{"state_dict": state_dict}', "raw": "raw state dict (like upstream XXL / 3B / FSDP files)",
     "safetensors": "safetensors file", "relaxspec": "relaxspec folder (config.json + model.safetensors)",
+    "lantern": "official LANTERN's LlamaGen folder (HF-Llama names; open it with --gpt-ckpt DIR --vq-ckpt VQ and "
+               "--t5-path or --caption-features)",
 }
 
 
@@ -190,8 +192,10 @@ def transformers_use(model_type: str) -> str:
 def transformers_folder(path: Path) -> dict | None:
     """What a save_pretrained folder is (``None`` if ``path`` is not one): its model type,
     architectures, weight files, and what relaxspec can do with it."""
+    from relaxspec.models.llamagen.hf_layout import is_lantern_folder
+
     config_file = path / "config.json"
-    if not path.is_dir() or not config_file.is_file():
+    if not path.is_dir() or not config_file.is_file() or is_lantern_folder(path):
         return None
     try:
         config = json.loads(config_file.read_text())
@@ -269,7 +273,7 @@ def _print_info(info: dict) -> None:
     print(f"kind:       {kind}")
     if info.get("config"):
         print("config:     " + ", ".join(f"{k}={_short(v)}" for k, v in info["config"].items()))
-    if info.get("kind") == "gpt" and info.get("layout") != "relaxspec":
+    if info.get("kind") == "gpt" and info.get("layout") not in ("relaxspec", "lantern"):
         looks = info.get("looks_like")
         print(f"looks like: {looks or 'no named size (load it with --gpt-model CONFIG.json)'}"
               + ("" if not looks else f" (pass --gpt-model {looks})"))

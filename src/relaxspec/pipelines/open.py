@@ -28,7 +28,12 @@ FOLDER_PIPELINES = {
 def folder_pipeline_class(model_path):
     """The pipeline class of a model folder, from its ``model_type`` (one-line errors)."""
     from relaxspec.models.hf import read_config
+    from relaxspec.models.llamagen.hf_layout import is_lantern_folder
 
+    if is_lantern_folder(model_path):  # a LlamaGen model: its VQ and text encoder are not in the folder
+        raise RelaxspecError(f"{model_path} is official LANTERN's LlamaGen folder: open it as LlamaGen weights, "
+                             f"--gpt-ckpt {model_path} --vq-ckpt vq_ds16_t2i.pt, with --t5-path FLAN_T5_DIR or "
+                             "--caption-features (docs/models/lantern.md)")
     model_type = read_config(model_path).get("model_type")
     if model_type not in FOLDER_PIPELINES:
         names = ", ".join(f"{t} ({pipeline_class(t).family})" for t in FOLDER_PIPELINES)

@@ -27,13 +27,16 @@ from relaxspec.models.llamagen.vq import VQ_CONFIGS, VQConfig, VQModel
 IGNORED_KEY = re.compile(r"(^|\.)(freqs_cis|kv_cache\..*|k_cache|v_cache)$")
 CONTAINER_KEYS = ("model", "module", "state_dict")
 FORMAT_VERSION = 1
+#: Layouts that carry their config (our folders, official LANTERN's HF-Llama folders).
+CONFIGURED = ("relaxspec", "lantern")
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass
 class LoadedState:
     """A state dict and how it was stored (``layout``: "model", "module", "state_dict", "raw",
-    "safetensors" or "relaxspec")."""
+    "safetensors", "relaxspec", or "lantern": official LANTERN's HF-Llama folder of a LlamaGen
+    model, read back under upstream names). The last two carry their config."""
 
     state_dict: dict[str, torch.Tensor]
     layout: str
@@ -115,6 +118,11 @@ def read_state(path: str | Path) -> LoadedState:
     if not path.exists():
         raise RelaxspecError(f"{path}: no such file or folder")
     if path.is_dir():
+        from relaxspec.models.llamagen.hf_layout import is_lantern_folder, read_lantern_folder
+
+        if is_lantern_folder(path):  # official LANTERN's HF-Llama layout of a LlamaGen model
+            state, fields, config = read_lantern_folder(path)
+            return LoadedState(state, "lantern", fields, "gpt", {"lantern_config": config})
         config_file, weights = path / "config.json", path / "model.safetensors"
         if not config_file.is_file() or not weights.is_file():
             raise RelaxspecError(f"{path}: a relaxspec model folder needs config.json and model.safetensors")
@@ -228,7 +236,7 @@ def resolve_gpt_model(spec: str | None, ckpt: str, image_size: int, downsample: 
     derived = ("model_type", "vocab_size", "num_classes", "caption_dim", "cls_token_num")
     if any(key not in fields for key in derived):
         state = read_state(ckpt)
-        if state.layout != "relaxspec":
+        if state.layout not in CONFIGURED:
             inferred = infer_gpt_fields(state.state_dict)
             for key in derived:
                 if key in inferred:
@@ -307,7 +315,7 @@ def load_gpt(path: str | Path, model_name: str | None = None, *, image_size: int
     if config is None and model_name is not None and model_name not in GPT_SIZES:
         model_name, config = resolve_gpt_model(model_name, str(path), image_size or 256, downsample)
     loaded = read_state(path)
-    if loaded.layout == "relaxspec":
+    if loaded.layout in CONFIGURED:
         if loaded.kind != "gpt":
             raise RelaxspecError(f"{path}: this is a {loaded.kind!r} model, not a GPT")
         config = GPTConfig.from_dict(loaded.config)
@@ -362,7 +370,7 @@ def load_vq(path: str | Path, model_name: str | None = "VQ-16", *, device: str |
     if config is None and model_name is not None and model_name not in VQ_CONFIGS:
         model_name, config = resolve_vq_model(model_name)
     loaded = read_state(path)
-    if loaded.layout == "relaxspec":
+    if loaded.layout in CONFIGURED:
         if loaded.kind != "vq":
             raise RelaxspecError(f"{path}: this is a {loaded.kind!r} model, not a VQ tokenizer")
         unknown = sorted(set(loaded.config) - set(VQConfig.__dataclass_fields__))
@@ -418,7 +426,7 @@ def describe(path: str | Path, model_name: str | None = None) -> dict:
     info: dict = {"path": str(path), "layout": loaded.layout, "tensors": len(state), "parameters": params}
     dtypes = sorted({str(v.dtype).replace("torch.", "") for v in state.values()})
     info["dtypes"] = dtypes
-    if loaded.layout == "relaxspec":
+    if loaded.layout in CONFIGURED:
         info["kind"], info["config"] = loaded.kind, loaded.config
     elif "tok_embeddings.weight" in state:
         fields = infer_gpt_fields(state)

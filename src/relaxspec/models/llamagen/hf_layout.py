@@ -1,0 +1,188 @@
+"""LlamaGen in official LANTERN's Hugging-Face layout: the folders it released of the LlamaGen
+text-to-image targets (``jadohu/LlamaGen-T2I``, Stage I, 256 image tokens; ``jadohu/LlamaGen-T2I-2``,
+Stage II, 1024), as its ``modeling_llamagen_kv`` reads them.
+
+A folder holds ``config.json`` (transformers' ``LlamaConfig`` keys: ``architectures``
+``["LlamaForCausalLM"]``, ``hidden_size``, ``num_hidden_layers``, ``num_attention_heads``,
+``intermediate_size``, ``vocab_size``, ``rms_norm_eps``, and LlamaGen's own: ``input_type``
+``"t2i"`` / ``"c2i"``, ``caption_dim``, ``cls_token_num``, ``block_size``, ``rope_base``,
+``num_classes``) and ``model.safetensors`` under HF-Llama names. It is upstream LlamaGen's network
+renamed, with the same interleaved 2D RoPE (no q/k permutation), so it maps onto
+:class:`~relaxspec.models.llamagen.gpt.Transformer` key for key (:data:`RENAMES`; q, k and v
+stacked into ``wqkv``). The text encoder (Flan-T5-XL) and the VQ (``vq_ds16_t2i.pt``) are not in
+the folder: they come from ``--t5-path`` (or ``--caption-features``) and ``--vq-ckpt``, as for
+upstream's files.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+
+from relaxspec.errors import RelaxspecError, shown
+from relaxspec.files import read_json
+
+#: HF-Llama name (a regular expression over the key) -> upstream LlamaGen name.
+RENAMES = (
+    (r"model\.embed_tokens\.weight", "tok_embeddings.weight"),
+    (r"model\.cls_embedding\.(.+)", r"cls_embedding.\1"),
+    (r"model\.layers\.(\d+)\.self_attn\.o_proj\.weight", r"layers.\1.attention.wo.weight"),
+    (r"model\.layers\.(\d+)\.mlp\.gate_proj\.weight", r"layers.\1.feed_forward.w1.weight"),
+    (r"model\.layers\.(\d+)\.mlp\.up_proj\.weight", r"layers.\1.feed_forward.w3.weight"),
+    (r"model\.layers\.(\d+)\.mlp\.down_proj\.weight", r"layers.\1.feed_forward.w2.weight"),
+    (r"model\.layers\.(\d+)\.input_layernorm\.weight", r"layers.\1.attention_norm.weight"),
+    (r"model\.layers\.(\d+)\.post_attention_layernorm\.weight", r"layers.\1.ffn_norm.weight"),
+    (r"model\.norm\.weight", "norm.weight"),
+    (r"lm_head\.weight", "output.weight"),
+)
+QKV = re.compile(r"model\.layers\.(\d+)\.self_attn\.([qkv])_proj\.weight")
+#: Entries that are no weights of the network (derived buffers some exports carry).
+SKIPPED = re.compile(r"(^|\.)(rotary_emb\.inv_freq|freqs_cis)$")
+#: The config keys a folder must have, and the GPTConfig field each becomes.
+CONFIG_FIELDS = {"hidden_size": "dim", "num_hidden_layers": "n_layer", "num_attention_heads": "n_head",
+                 "vocab_size": "vocab_size", "block_size": "block_size"}
+
+
+def is_lantern_folder(path) -> bool:
+    """Whether ``path`` is a folder in official LANTERN's layout of a LlamaGen model: a
+    ``config.json`` of ``LlamaForCausalLM`` with LlamaGen's ``input_type``."""
+    config_file = Path(path) / "config.json"
+    if not config_file.is_file():
+        return False
+    try:
+        config = read_json(config_file)
+    except RelaxspecError:
+        return False
+    return isinstance(config, dict) and "input_type" in config and \
+        "LlamaForCausalLM" in (config.get("architectures") or [])
+
+
+def gpt_fields(config: dict, where: str) -> dict:
+    """A LANTERN ``config.json`` -> :class:`~relaxspec.models.llamagen.gpt.GPTConfig` fields
+    (one-line errors for a missing or unreadable key)."""
+    missing = [key for key in CONFIG_FIELDS if not isinstance(config.get(key), int) or isinstance(config[key], bool)]
+    if missing:
+        raise RelaxspecError(f"{where}: config.json needs whole-number {', '.join(missing)} (LANTERN's LlamaGen "
+                             "layout)")
+    kind = config.get("input_type")
+    if kind not in ("t2i", "t2i2", "c2i"):
+        raise RelaxspecError(f"{where}: input_type {shown(kind)} is not LlamaGen's t2i or c2i")
+    fields = {field: config[key] for key, field in CONFIG_FIELDS.items()}
+    fields["model_type"] = "c2i" if kind == "c2i" else "t2i"  # t2i2: Stage II, told apart by block_size
+    fields["n_kv_head"] = config.get("num_key_value_heads") or config["num_attention_heads"]
+    fields["norm_eps"] = float(config.get("rms_norm_eps", 1e-5))
+    fields["rope_base"] = float(config.get("rope_base", config.get("rope_theta", 10000.0)))
+    if fields["model_type"] == "t2i":
+        fields["caption_dim"] = int(config.get("caption_dim", 2048))
+        fields["cls_token_num"] = int(config.get("cls_token_num", 120))
+    else:
+        fields["num_classes"] = int(config.get("num_classes", 1000))
+        fields["cls_token_num"] = int(config.get("cls_token_num", 1))
+    return fields
+
+
+def read_lantern_folder(path) -> tuple[dict[str, torch.Tensor], dict, dict]:
+    """``(state dict under upstream LlamaGen names, GPTConfig fields, config.json)`` of a
+    LANTERN-layout folder; the weights must fill the network exactly (checked when loaded)."""
+    from relaxspec.models.llamagen.gpt import GPTConfig
+    from safetensors.torch import load_file
+
+    folder = Path(path)
+    where = str(folder)
+    config = read_json(folder / "config.json", f"{where}/config.json")
+    fields = gpt_fields(config, where)
+    gpt = GPTConfig.from_dict(fields)
+    width = config.get("intermediate_size")
+    if width is not None and width != gpt.ffn_dim:
+        raise RelaxspecError(f"{where}: intermediate_size {width} is not LlamaGen's SwiGLU width {gpt.ffn_dim} for "
+                             f"hidden_size {gpt.dim}")
+    weights = folder / "model.safetensors"
+    if not weights.is_file():
+        named = "pytorch_model.bin" if (folder / "pytorch_model.bin").is_file() else "no weights"
+        raise RelaxspecError(f"{where}: LANTERN's LlamaGen folder needs model.safetensors (found {named}; relaxspec "
+                             "does not unpickle .bin files)")
+    try:
+        hf = load_file(str(weights))
+    except Exception as err:  # noqa: BLE001 - a damaged or foreign file
+        raise RelaxspecError(f"{weights}: not a readable safetensors file ({err})") from None
+    return to_upstream(hf, gpt.n_layer, where), fields, config
+
+
+def to_upstream(hf: dict[str, torch.Tensor], layers: int, where: str) -> dict[str, torch.Tensor]:
+    """HF-Llama names -> upstream LlamaGen names (q, k, v rows stacked into ``wqkv`` in that
+    order, as upstream splits them)."""
+    state: dict[str, torch.Tensor] = {}
+    qkv: dict[int, dict[str, torch.Tensor]] = {}
+    unknown = []
+    for key, tensor in hf.items():
+        if SKIPPED.search(key):
+            continue
+        match = QKV.fullmatch(key)
+        if match:
+            qkv.setdefault(int(match.group(1)), {})[match.group(2)] = tensor
+            continue
+        for pattern, name in RENAMES:
+            if re.fullmatch(pattern, key):
+                state[re.sub(pattern, name, key)] = tensor
+                break
+        else:
+            unknown.append(key)
+    if unknown:
+        raise RelaxspecError(f"{where}: weights LlamaGen does not have: {', '.join(unknown[:4])}"
+                             + (f", ... ({len(unknown)} in all)" if len(unknown) > 4 else ""))
+    for layer, parts in sorted(qkv.items()):
+        if set(parts) != {"q", "k", "v"}:
+            raise RelaxspecError(f"{where}: layer {layer} lacks {', '.join(sorted({'q', 'k', 'v'} - set(parts)))}_proj")
+        state[f"layers.{layer}.attention.wqkv.weight"] = torch.cat([parts["q"], parts["k"], parts["v"]])
+    return state
+
+
+def from_upstream(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The inverse of :func:`to_upstream`: upstream LlamaGen names -> LANTERN's HF-Llama names
+    (what LANTERN's conversion of a LlamaGen checkpoint holds; tests write folders with it)."""
+    inverse = {
+        "tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
+        "output.weight": "lm_head.weight",
+    }
+    hf = {}
+    for key, tensor in state.items():
+        if SKIPPED.search(key):
+            continue
+        if key in inverse:
+            hf[inverse[key]] = tensor
+        elif key.startswith("cls_embedding."):
+            hf["model." + key] = tensor
+        elif key.endswith("attention.wqkv.weight"):
+            layer = key.split(".")[1]
+            dim = tensor.shape[1]
+            kv = (tensor.shape[0] - dim) // 2
+            q, k, v = tensor.split([dim, kv, kv])
+            for name, part in (("q", q), ("k", k), ("v", v)):
+                hf[f"model.layers.{layer}.self_attn.{name}_proj.weight"] = part
+        else:
+            layer, rest = key.split(".")[1], ".".join(key.split(".")[2:])
+            name = {"attention.wo.weight": "self_attn.o_proj.weight", "feed_forward.w1.weight": "mlp.gate_proj.weight",
+                    "feed_forward.w3.weight": "mlp.up_proj.weight", "feed_forward.w2.weight": "mlp.down_proj.weight",
+                    "attention_norm.weight": "input_layernorm.weight",
+                    "ffn_norm.weight": "post_attention_layernorm.weight"}[rest]
+            hf[f"model.layers.{layer}.{name}"] = tensor
+    return hf
+
+
+def lantern_config(gpt) -> dict:
+    """The ``config.json`` LANTERN's folder holds for a :class:`GPTConfig` (the keys its
+    ``modeling_llamagen_kv`` reads)."""
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": gpt.dim,
+            "num_hidden_layers": gpt.n_layer, "num_attention_heads": gpt.n_head, "num_key_value_heads": gpt.n_kv_head,
+            "intermediate_size": gpt.ffn_dim, "vocab_size": gpt.vocab_size, "rms_norm_eps": gpt.norm_eps,
+            "rope_base": gpt.rope_base, "rope_theta": gpt.rope_base, "block_size": gpt.block_size,
+            "input_type": gpt.model_type, "caption_dim": gpt.caption_dim, "cls_token_num": gpt.cls_token_num,
+            "num_classes": gpt.num_classes, "max_position_embeddings": 2048, "attention_bias": False,
+            "pretraining_tp": 1, "hidden_act": "silu", "token_dropout_p": 0.1, "resid_dropout_p": 0.1,
+            "ffn_dropout_p": 0.1, "class_dropout_p": 0.1, "torch_dtype": "float32"}
+
+
+__all__ = ["RENAMES", "from_upstream", "gpt_fields", "is_lantern_folder", "lantern_config", "read_lantern_folder",
+           "to_upstream"]
