@@ -191,3 +191,20 @@ def test_teacher_forced_t2i_features_are_the_decoding_ones(t5, tiny_ckpts):
     hidden, logits = target_features(target, tokens, features, null_rows=3, cond_mask=mask)
     guided = logits[3:] + scale * (logits[:3] - logits[3:])
     assert torch.equal(guided.argmax(-1), tokens)
+
+
+def test_a_coco_captions_file_is_a_prompts_file_for_every_command(t5, tiny_ckpts, tmp_path, capsys):
+    """``--prompts-file captions_val2017.json`` (MS-COCO's annotations) gives each image's first
+    caption, images by id, wherever a prompts file is read (issue 29): generate's tokens equal
+    those of the same captions given one per line."""
+    coco = {"images": [{"id": 9}, {"id": 2}], "annotations": [
+        {"image_id": 9, "id": 1, "caption": "the big blue dog ."}, {"image_id": 2, "id": 2, "caption": "a cat"},
+        {"image_id": 9, "id": 3, "caption": "a second caption of image 9"}]}
+    (tmp_path / "captions.json").write_text(json.dumps(coco))
+    (tmp_path / "captions.txt").write_text("a cat\nthe big blue dog .\n")
+    args = ["generate", *tiny_ckpts["t2i"]["args"], "--t5-path", str(t5), "--no-progress", "--batch-size", "2"]
+    for name in ("json", "txt"):
+        assert main([*args, "--prompts-file", str(tmp_path / f"captions.{name}"), "--out", str(tmp_path / name)]) == 0
+    assert np.array_equal(np.load(tmp_path / "json" / "tokens.npy"), np.load(tmp_path / "txt" / "tokens.npy"))
+    stats = json.loads((tmp_path / "json" / "stats.json").read_text())
+    assert stats["settings"]["prompts"] == ["a cat", "the big blue dog ."]

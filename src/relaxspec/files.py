@@ -12,22 +12,86 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from relaxspec.errors import RelaxspecError
+from relaxspec.errors import RelaxspecError, shown
 
 GRID_FILE = "grid.png"
 
 
 def read_prompts_file(path: str | Path) -> list[str]:
-    """The prompts of ``--prompts-file``: one per line, blank lines skipped, UTF-8 (a byte-order
-    mark is not part of the first prompt)."""
+    """The prompts of ``--prompts-file``: a ``.json`` file is a captions file
+    (:func:`read_captions_json`: MS-COCO's annotations, or a JSON list or object of captions);
+    any other file holds one prompt per line, blank lines skipped, UTF-8 (a byte-order mark is not
+    part of the first prompt)."""
     path = Path(path)
     if not path.is_file():
         raise RelaxspecError(f"--prompts-file {path}: no such file")
+    if path.suffix.lower() == ".json":
+        return read_captions_json(path)
     try:
         lines = path.read_text(encoding="utf-8-sig").splitlines()
     except UnicodeDecodeError:
         raise RelaxspecError(f"--prompts-file {path}: not UTF-8 text") from None
     return [line for line in lines if line.strip()]
+
+
+# ------------------------------------------------------------------------------------------
+# Caption files the text-to-image papers evaluate on, read as prompts:
+# * MS-COCO's annotations (``captions_val2017.json``: ``{"annotations": [{"image_id", "id",
+#   "caption"}, ...], "images": [...]}``): one caption per image, the image's first caption in the
+#   file's order (pycocotools' first: ``coco.imgToAnns`` keeps file order), images sorted by
+#   ``image_id`` so the first N prompts are the same subset whatever order the file lists its
+#   images in. val2017 gives 5,000 prompts.
+# * A JSON list of caption strings, in order: LANTERN's ``captions_val2017_longest.json`` (the
+#   longest caption of each image) reads as is.
+# * A JSON object whose values are caption strings, in the file's order.
+# ------------------------------------------------------------------------------------------
+FORMATS = ('a COCO captions file ({"annotations": [{"image_id": ..., "caption": ...}, ...]}), or a JSON list or '
+           'object of caption strings')
+
+
+def _caption(value, where: str) -> str:
+    if not isinstance(value, str):
+        raise RelaxspecError(f"{where} is not text; {FORMATS}")
+    if not value.strip():
+        raise RelaxspecError(f"{where} is empty")
+    return value  # as written, as the papers' code passes it
+
+
+def coco_captions(data: dict, where: str) -> list[str]:
+    """The first caption of every image in COCO's annotations, images sorted by ``image_id``."""
+    annotations = data["annotations"]
+    if not isinstance(annotations, list) or not annotations:
+        raise RelaxspecError(f"{where}: 'annotations' is not a non-empty list; {FORMATS}")
+    first: dict = {}
+    for n, entry in enumerate(annotations):
+        if not isinstance(entry, dict) or "image_id" not in entry or "caption" not in entry:
+            raise RelaxspecError(f"{where}: annotation {n} has no 'image_id' and 'caption'; {FORMATS}")
+        image = entry["image_id"]
+        if isinstance(image, bool) or not isinstance(image, (int, str)):
+            raise RelaxspecError(f"{where}: annotation {n}'s image_id is not an integer or a string")
+        caption = _caption(entry["caption"], f"{where}: annotation {n}'s caption")
+        first.setdefault(image, caption)
+    if len({type(image) for image in first}) > 1:
+        raise RelaxspecError(f"{where}: image_ids mix integers and strings")
+    return [first[image] for image in sorted(first)]
+
+
+def read_captions_json(path: str | Path, flag: str = "--prompts-file") -> list[str]:
+    """The prompts of a captions JSON file (the formats above), in order; one-line errors."""
+    where = f"{flag} {path}"
+    data = read_json(path, where)
+    if isinstance(data, dict) and "annotations" in data:
+        captions = coco_captions(data, where)
+    elif isinstance(data, list):
+        captions = [_caption(value, f"{where}: entry {n}") for n, value in enumerate(data)]
+    elif isinstance(data, dict):
+        captions = [_caption(value, f"{where}: entry {shown(key)}") for key, value in data.items()]
+    else:
+        raise RelaxspecError(f"{where}: not a captions file; {FORMATS}")
+    if not captions:
+        raise RelaxspecError(f"{where}: no captions in the file")
+    return captions
+
 
 
 def read_json(path: str | Path, what: str | None = None):

@@ -29,6 +29,19 @@ Scores, each optional:
 * ``--classifier DIR --real-data NPZ``: the offline numbers of ``relaxspec bench`` — class
   accuracy, FID-like distance (our classifier's features, not comparable to FID), precision /
   recall — against held-out real images.
+* ``--clip-path DIR``: the CLIP score of every image against its own prompt
+  (:mod:`relaxspec.evaluation.clip`: torchmetrics' definition, mean of ``100 * max(cos, 0)``, with a
+  bootstrap 95% interval) from a local CLIP folder (safetensors only). Prompt runs only: a class
+  id has no text to score against (class names are labels, not the captions CLIP scores are
+  reported on), and ``--caption-features`` hold T5 features, not text, so both are refused.
+
+Prompts: ``--prompts-file FILE.json`` (after ``--``) is read as a captions file, as every command
+reads one (:func:`relaxspec.files.read_captions_json`: MS-COCO's ``captions_val2017.json`` gives
+the first caption of each image, images by id; a JSON list or object of captions, e.g. LANTERN's
+``captions_val2017_longest.json``, as is); other files are prompts one per line.
+``--num-prompts N`` keeps the first N prompts.
+
+Every score's inputs are checked before an image is generated.
 """
 
 from __future__ import annotations
@@ -45,7 +58,7 @@ import numpy as np
 from relaxspec.errors import RelaxspecError
 from relaxspec.cli.options import require_extras
 from relaxspec.extras import require
-from relaxspec.files import load_caption_features, write_atomic, write_json
+from relaxspec.files import load_caption_features, read_json, write_atomic, write_json
 
 SCORES_FILE = "eval.json"
 SHARD = re.compile(r"shard-(\d+)-of-(\d+)$")
@@ -53,7 +66,8 @@ INCEPTION_FILE = "inception-2015-12-05.pt"
 
 
 def add_eval_parser(subparsers) -> argparse.ArgumentParser:
-    ev = subparsers.add_parser("eval", help="generate N images per class, sharded, then FID / offline scores",
+    ev = subparsers.add_parser("eval", help="generate N images per class / prompt, sharded, then FID / CLIP / "
+                                            "offline scores",
                                description=(
         "Generate --images-per-class images for every class (or caption) with relaxspec generate, sharded over "
         "torchrun processes (RANK / WORLD_SIZE) into OUT/shard-RR-of-WW/, resumable; then score them. Put "
@@ -67,7 +81,16 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
                     help="clean-fid's resizing mode (default clean)")
     ev.add_argument("--classifier", metavar="DIR", help="offline scores with this relaxspec classifier ...")
     ev.add_argument("--real-data", metavar="NPZ", help="... against these held-out real images (images, labels)")
+    ev.add_argument("--clip-path", metavar="DIR",
+                    help="CLIP score of each image against its own prompt, with this local CLIP folder (save_pretrained "
+                         "layout, safetensors; prompt runs only)")
+    ev.add_argument("--num-prompts", type=int, metavar="N",
+                    help="only the first N prompts of --prompt / --prompts-file (a .json prompts file is read as "
+                         "COCO captions or a JSON list of captions)")
     ev.add_argument("--scores-only", action="store_true", help="generate nothing; score the shards in --out")
+    ev.add_argument("--table", nargs="+", metavar="OUT",
+                    help="generate nothing: the per-method table of finished eval folders (their eval.json), one row "
+                         "each, with the intervals; written to the first folder's parent as eval-table.md")
     ev.add_argument("generate_args", nargs=argparse.REMAINDER, help="-- then relaxspec generate's options")
     return ev
 
@@ -189,7 +212,14 @@ def shards_complete(out: Path) -> bool:
 
 def generated_images(out: Path) -> tuple[list[Path], list[int | None]]:
     """Every generated PNG of every shard, in order, with its class (``None`` for captions)."""
-    files, labels = [], []
+    files, records = generated_records(out)
+    return files, [record.get("class") for record in records]
+
+
+def generated_records(out: Path) -> tuple[list[Path], list[dict]]:
+    """Every generated PNG of every shard, in order, with its ``stats.json`` record (its class or
+    prompt)."""
+    files, records = [], []
     for folder in shard_folders(out):
         try:
             stats = json.loads((folder / "stats.json").read_text())
@@ -199,8 +229,8 @@ def generated_images(out: Path) -> tuple[list[Path], list[int | None]]:
             path = folder / str(record.get("file"))
             if path.is_file():
                 files.append(path)
-                labels.append(record.get("class"))
-    return files, labels
+                records.append(record)
+    return files, records
 
 
 def clean_fid(files: list[Path], reference: str, mode: str = "clean", device: str = "cpu", progress: bool = True) -> float:
@@ -228,7 +258,8 @@ def clean_fid(files: list[Path], reference: str, mode: str = "clean", device: st
 
 def score(args: argparse.Namespace, out: Path, device: str = "cpu", progress: bool = True) -> dict:
     """The requested scores of everything generated in ``out``, written to ``OUT/eval.json``."""
-    files, labels = generated_images(out)
+    files, records = generated_records(out)
+    labels = [record.get("class") for record in records]
     if not files:
         raise RelaxspecError(f"{out}: no generated images to score")
     scores: dict = {"images": len(files), "shards": [p.name for p in shard_folders(out)],
@@ -249,11 +280,82 @@ def score(args: argparse.Namespace, out: Path, device: str = "cpu", progress: bo
                                   real)["generated"]
         scores["offline"] = {**quality, "classifier": str(Path(args.classifier).resolve()),
                              "real_data": str(Path(args.real_data).resolve()), "note": FID_LIKE_NOTE}
+    if args.clip_path:
+        from relaxspec.evaluation.clip import clip_score
+
+        prompts = [record.get("prompt") for record in records]
+        if not all(isinstance(prompt, str) for prompt in prompts):
+            raise RelaxspecError("--clip-path scores images against their prompts (these were generated from classes "
+                                 "or caption features)")
+        scores["clip"] = clip_score(files, prompts, args.clip_path, device=device, progress=progress)
     write_json(out / SCORES_FILE, scores)
     return scores
 
 
+def eval_prompts(args: argparse.Namespace, gen: argparse.Namespace) -> None:
+    """The run's prompts read now (a bad prompts file is refused before any shard is written) and
+    ``--num-prompts`` applied: ``gen.prompt`` becomes the run's first N prompts, in order."""
+    from relaxspec.cli.options import read_prompts
+
+    if gen.prompts_file:
+        read_prompts(gen)
+    if args.num_prompts is not None:
+        if args.num_prompts < 1:
+            raise RelaxspecError(f"--num-prompts must be >= 1, got {args.num_prompts}")
+        prompts = read_prompts(gen)
+        if not prompts:
+            raise RelaxspecError("--num-prompts keeps the first N prompts of --prompt / --prompts-file: this run has none")
+        gen.prompt, gen.prompts_file = prompts[:args.num_prompts], None
+
+
+TABLE_FILE = "eval-table.md"
+
+
+def _interval(score: dict | None, digits: int = 2) -> str:
+    if not score or score.get("value") is None:
+        return "–"
+    text = f"{score['value']:.{digits}f}"
+    return text if score.get("lo") is None else f"{text} [{score['lo']:.{digits}f}, {score['hi']:.{digits}f}]"
+
+
+def table_rows(folders: list[str]) -> list[dict]:
+    """One row per eval folder: its method (from the first shard's settings), images and scores."""
+    rows = []
+    for folder in map(Path, folders):
+        path = folder / SCORES_FILE
+        if not path.is_file():
+            raise RelaxspecError(f"--table {folder}: no {SCORES_FILE} (run relaxspec eval with a score there first)")
+        scores = read_json(path)
+        shards = shard_folders(folder)
+        settings = read_json(shards[0] / "stats.json").get("settings", {}) if shards else {}
+        method = settings.get("method") or {}
+        offline = scores.get("offline") or {}
+        accuracy = offline.get("class_accuracy")
+        rows.append({"folder": str(folder), "method": " ".join(f"{k}={v}" for k, v in method.items()) or "?",
+                     "images": scores.get("images"), "fid": (scores.get("fid") or {}).get("value"),
+                     "clip": scores.get("clip"),
+                     "accuracy": None if not accuracy else {"value": accuracy[0], "lo": accuracy[1], "hi": accuracy[2]}})
+    return rows
+
+
+def markdown_table(rows: list[dict]) -> str:
+    lines = ["| run | method | images | FID | CLIP score [95% CI] | class accuracy [95% CI] |",
+             "|---|---|---|---|---|---|"]
+    for row in rows:
+        fid = "–" if row["fid"] is None else f"{row['fid']:.2f}"
+        lines.append(f"| `{row['folder']}` | `{row['method']}` | {row['images']} | {fid} | {_interval(row['clip'])} | "
+                     f"{_interval(row['accuracy'], 3)} |")
+    return "\n".join(lines) + "\n"
+
+
 def run_eval(args: argparse.Namespace) -> int:
+    if args.table:
+        if args.generate_args:
+            raise RelaxspecError("--table reads finished eval folders: give no generate options after '--'")
+        text = markdown_table(table_rows(args.table))
+        write_atomic(Path(args.table[0]).parent / TABLE_FILE, lambda temp: temp.write_text(text))
+        print(text, end="")
+        return 0
     if args.images_per_class < 1:
         raise RelaxspecError(f"--images-per-class must be >= 1, got {args.images_per_class}")
     if (args.classifier is None) != (args.real_data is None):
@@ -268,15 +370,24 @@ def run_eval(args: argparse.Namespace) -> int:
             raise RelaxspecError(f"--classifier {args.classifier}: no such folder")
         if not Path(args.real_data).is_file():
             raise RelaxspecError(f"--real-data {args.real_data}: no such file")
+    if args.clip_path is not None:
+        from relaxspec.evaluation.clip import check_clip_folder
+
+        require("transformers", "--clip-path")
+        check_clip_folder(args.clip_path)
     gen = parse_generate_args(args.generate_args)
     require_extras(gen)
+    eval_prompts(args, gen)
+    if args.clip_path is not None and not (gen.prompt or gen.prompts_file):
+        raise RelaxspecError("--clip-path scores each image against its prompt: this run has none (class-conditional, "
+                             "or --caption-features, which hold no text); give --prompt / --prompts-file")
     if gen.upscale != 1:
         raise RelaxspecError("--upscale has no place in relaxspec eval: the scores must see the images as generated")
     out = Path(gen.out)
     progress = not gen.no_progress
     rank, world, local = distributed()
     device = f"cuda:{local}" if world > 1 and gen.device == "cuda" else gen.device
-    wants_scores = bool(args.fid_ref or args.classifier)
+    wants_scores = bool(args.fid_ref or args.classifier or args.clip_path)
     if not args.scores_only:
         others = {int(SHARD.search(p.name).group(2)) for p in shard_folders(out)} - {world} if out.is_dir() else set()
         if others:
@@ -291,7 +402,7 @@ def run_eval(args: argparse.Namespace) -> int:
                   f"(or run again with --scores-only)", file=sys.stderr)
             return 0
     elif not wants_scores:
-        raise RelaxspecError("--scores-only needs --fid-ref and/or --classifier with --real-data")
+        raise RelaxspecError("--scores-only needs --fid-ref, --clip-path and/or --classifier with --real-data")
     scores = score(args, out, device, progress)
     parts = [f"{scores['images']} images"]
     if "fid" in scores:
@@ -301,8 +412,12 @@ def run_eval(args: argparse.Namespace) -> int:
         fid_like = "–" if offline["fid_like"] is None else f"{offline['fid_like'][0]:.3f}"
         parts.append(f"class accuracy {offline['class_accuracy'][0]:.3f}, FID-like {fid_like} "
                      f"(our classifier; not comparable to FID)")
+    if "clip" in scores:
+        clip = scores["clip"]
+        parts.append(f"CLIP score {clip['value']:.2f} [{clip['lo']:.2f}, {clip['hi']:.2f}]")
     print(f"{out / SCORES_FILE}: " + "; ".join(parts))
     return 0
 
 
-__all__ = ["add_eval_parser", "clean_fid", "distributed", "generated_images", "run_eval", "shard_range"]
+__all__ = ["add_eval_parser", "clean_fid", "distributed", "eval_prompts", "generated_images", "generated_records",
+           "markdown_table", "run_eval", "shard_range", "table_rows"]
