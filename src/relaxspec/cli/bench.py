@@ -53,7 +53,8 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     images.add_argument("--classes", metavar="IDS", help="comma-separated class ids (default: all of the model's classes)")
     images.add_argument("--prompt", action="append", metavar="TEXT",
                         help="t2i (--model-path, or a LlamaGen t2i --gpt-ckpt with --t5-path): a prompt, repeatable")
-    images.add_argument("--prompts-file", metavar="FILE", help="t2i: prompts, one per line (blank lines skipped)")
+    images.add_argument("--prompts-file", metavar="FILE", help="t2i: prompts, one per line (blank lines skipped); a .json file: "
+                        "MS-COCO captions (first per image) or a JSON list of captions")
     images.add_argument("--t5-path", metavar="DIR", help="LlamaGen t2i: the local Flan-T5 folder that encodes prompts")
     images.add_argument("--negative-prompt", metavar="TEXT", help="Emu3: the guidance's negative prompt (default: "
                                                                   "its family's)")

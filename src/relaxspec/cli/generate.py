@@ -72,7 +72,8 @@ def add_generate_parser(subparsers) -> argparse.ArgumentParser:
     cond.add_argument("--caption-mask", metavar="PATH", help="t2i: .npy [N, tokens] of 1 (real token) / 0 (padding)")
     cond.add_argument("--prompt", action="append", metavar="TEXT",
                       help="t2i: a text prompt (repeatable), encoded with --t5-path as upstream LlamaGen does")
-    cond.add_argument("--prompts-file", metavar="FILE", help="t2i: text prompts, one per line (blank lines skipped)")
+    cond.add_argument("--prompts-file", metavar="FILE", help="t2i: text prompts, one per line (blank lines skipped); a .json "
+                      "file: MS-COCO captions (first per image) or a JSON list of captions")
     cond.add_argument("--negative-prompt", metavar="TEXT",
                       help="Emu3: the guidance's negative prompt (default: transformers' Emu3 example's; \"\" = "
                            "none, the prompt's last token is the unconditional context, as transformers without one)")

@@ -182,7 +182,8 @@ def add_train_drafter_parser(subparsers) -> argparse.ArgumentParser:
            "it; repeatable", action="append", metavar="FILE")
     option("--label", "class id for sources without labels", type=int)
     option("--self-samples", "also train on COUNT samples drawn from the target", type=int, metavar="COUNT")
-    option("--prompts-file", "with --model-path, or --t5-path: the self-samples' prompts, one per line (cycled)",
+    option("--prompts-file", "with --model-path, or --t5-path: the self-samples' prompts, one per line (cycled; a .json file: "
+           "MS-COCO captions or a JSON list)",
            metavar="FILE")
     option("--t5-path", "a LlamaGen t2i target: the local Flan-T5 folder that encodes --prompts-file", metavar="DIR")
     option("--negative-prompt", "with --model-path on Emu3: the guidance's negative prompt (default: its family's)",

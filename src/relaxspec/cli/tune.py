@@ -68,8 +68,9 @@ def add_tune_parser(subparsers) -> argparse.ArgumentParser:
                                                                        "tuned on (default: the others with c %% "
                                                                        f"{HELD_OUT_EVERY} == 1)")
     images.add_argument("--prompt", action="append", metavar="TEXT", help="text-to-image: a prompt (repeatable)")
-    images.add_argument("--prompts-file", metavar="FILE", help="text-to-image: prompts, one per line; the 2nd, 4th, "
-                                                               "... are held out")
+    images.add_argument("--prompts-file", metavar="FILE", help="text-to-image: prompts, one per line (a .json file: "
+                                                               "MS-COCO captions or a JSON list); the 2nd, 4th, ... are "
+                                                               "held out")
     images.add_argument("--t5-path", metavar="DIR", help="LlamaGen t2i: the local Flan-T5 folder")
     images.add_argument("--negative-prompt", metavar="TEXT", help="Emu3: the guidance's negative prompt")
 
