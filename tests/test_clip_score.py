@@ -79,9 +79,10 @@ def images(tmp_path_factory) -> list[Path]:
     return files
 
 
-def reference_scores(folder: Path, files: list[Path], prompts: list[str]) -> np.ndarray:
+def reference_scores(folder: Path, files: list[Path], prompts: list[str], definition: str = "torchmetrics") -> np.ndarray:
     """Each image against its prompt, straight through transformers: the processor, the tokenizer
-    truncating to 77 tokens, get_image_features / get_text_features, 100 * max(cos, 0)."""
+    truncating to 77 tokens, get_image_features / get_text_features; then torchmetrics' 100 *
+    max(cos, 0), or official LANTERN's raw cos against 'A photo depicts ' + prompt."""
     from PIL import Image
     from transformers import AutoTokenizer, CLIPModel
 
@@ -99,11 +100,12 @@ def reference_scores(folder: Path, files: list[Path], prompts: list[str]) -> np.
     with torch.no_grad():
         for file, prompt in zip(files, prompts, strict=True):
             pixels = processor(images=Image.open(file).convert("RGB"), return_tensors="pt")["pixel_values"]
-            tokens = tokenizer([prompt], truncation=True, max_length=77, return_tensors="pt")
+            text = ("A photo depicts " + prompt) if definition == "lantern" else prompt
+            tokens = tokenizer([text], truncation=True, max_length=77, return_tensors="pt")
             image = projected(model.get_image_features(pixel_values=pixels))
             text = projected(model.get_text_features(**tokens))
             cosine = torch.nn.functional.cosine_similarity(image, text).item()
-            scores.append(100 * max(cosine, 0.0))
+            scores.append(cosine if definition == "lantern" else 100 * max(cosine, 0.0))
     return np.array(scores)
 
 
@@ -117,17 +119,32 @@ def test_clip_score_is_transformers_clip_on_each_image_and_its_prompt(clip_folde
     clip = load_clip(clip_folder)
     assert clip.max_length == 77
     assert len(clip.tokenizer(long_prompt)["input_ids"]) > 77
-    ours = clip_scores(clip, images, prompts, batch_size=2)
+    ours = clip_scores(clip, images, prompts, batch_size=2, definition="torchmetrics")
     want = reference_scores(clip_folder, images, prompts)
     np.testing.assert_allclose(ours, want, rtol=0, atol=1e-4)
     assert (ours > 0).all()
-    entry = clip_score(images, prompts, clip_folder, n_boot=200)
+    entry = clip_score(images, prompts, clip_folder, n_boot=200, definition="torchmetrics")
     assert entry["value"] == pytest.approx(want.mean(), abs=1e-4)
     assert entry["lo"] <= entry["value"] <= entry["hi"] and entry["images"] == 5
     assert entry["model"] == str(clip_folder.resolve())
     with torch.no_grad():
         clip.model.text_projection.weight.neg_()  # every cosine negative: each score is 0, never below
-    assert (clip_scores(clip, images, prompts) == 0).all()
+    assert (clip_scores(clip, images, prompts, definition="torchmetrics") == 0).all()
+
+
+def test_the_default_clip_score_is_official_lanterns(clip_folder, images):
+    """LANTERN and LANTERN++ report official LANTERN's eval_fid_clip: the raw cosine (no factor 100,
+    no clamp) of each image with 'A photo depicts ' + its prompt. That is the default; it is not
+    torchmetrics' number."""
+    prompts = [PROMPTS[i % 4] for i in range(5)]
+    clip = load_clip(clip_folder)
+    ours = clip_scores(clip, images, prompts)
+    np.testing.assert_allclose(ours, reference_scores(clip_folder, images, prompts, "lantern"), rtol=0, atol=1e-6)
+    assert not np.allclose(ours * 100, clip_scores(clip, images, prompts, definition="torchmetrics"), atol=1e-3)
+    entry = clip_score(images, prompts, clip_folder, n_boot=50)
+    assert entry["definition"] == "lantern" and "A photo depicts" in entry["formula"]
+    with pytest.raises(RelaxspecError, match="definition must be one of lantern, torchmetrics"):
+        clip_scores(clip, images, prompts, definition="hessel")
 
 
 def test_each_image_is_scored_against_its_own_prompt(clip_folder, images):
@@ -193,7 +210,8 @@ def test_eval_scores_coco_prompts_with_clip(clip_folder, t5, tiny_ckpts, tmp_pat
     out = tmp_path / "eval"
     generate = [*tiny_ckpts["t2i"]["args"], "--prompts-file", str(coco), "--t5-path", str(t5), "--no-progress",
                 "--out", str(out)]
-    argv = ["eval", "--images-per-class", "2", "--num-prompts", "2", "--clip-path", str(clip_folder), "--", *generate]
+    argv = ["eval", "--images-per-class", "2", "--num-prompts", "2", "--clip-path", str(clip_folder), "--clip-score",
+            "torchmetrics", "--", *generate]
     assert main(argv) == 0, capsys.readouterr().err
     line = capsys.readouterr().out.strip().splitlines()[-1]
     stats = json.loads((out / "shard-00-of-01" / "stats.json").read_text())
@@ -204,7 +222,7 @@ def test_eval_scores_coco_prompts_with_clip(clip_folder, t5, tiny_ckpts, tmp_pat
     want = reference_scores(clip_folder, files, prompts)
     assert clip["value"] == pytest.approx(want.mean(), abs=1e-4) and clip["images"] == 4
     assert clip["lo"] <= clip["value"] <= clip["hi"] and clip["model"] == str(clip_folder.resolve())
-    assert f"CLIP score {clip['value']:.2f} [{clip['lo']:.2f}, {clip['hi']:.2f}]" in line
+    assert f"CLIP score (torchmetrics) {clip['value']:.2f} [{clip['lo']:.2f}, {clip['hi']:.2f}]" in line
     assert main(["eval", "--scores-only", *argv[1:]]) == 0, capsys.readouterr().err
     assert json.loads((out / "eval.json").read_text())["clip"]["value"] == pytest.approx(clip["value"], abs=1e-9)
 

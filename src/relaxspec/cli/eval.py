@@ -30,8 +30,8 @@ Scores, each optional:
   accuracy, FID-like distance (our classifier's features, not comparable to FID), precision /
   recall — against held-out real images.
 * ``--clip-path DIR``: the CLIP score of every image against its own prompt
-  (:mod:`relaxspec.evaluation.clip`: torchmetrics' definition, mean of ``100 * max(cos, 0)``, with a
-  bootstrap 95% interval) from a local CLIP folder (safetensors only). Prompt runs only: a class
+  (:mod:`relaxspec.evaluation.clip`: official LANTERN's definition by default, ``--clip-score
+  torchmetrics`` for torchmetrics', with a bootstrap 95% interval) from a local CLIP folder (safetensors only). Prompt runs only: a class
   id has no text to score against (class names are labels, not the captions CLIP scores are
   reported on), and ``--caption-features`` hold T5 features, not text, so both are refused.
 
@@ -84,6 +84,10 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
     ev.add_argument("--clip-path", metavar="DIR",
                     help="CLIP score of each image against its own prompt, with this local CLIP folder (save_pretrained "
                          "layout, safetensors; prompt runs only)")
+    ev.add_argument("--clip-score", choices=("lantern", "torchmetrics"), default="lantern",
+                    help="the CLIP score's definition: lantern (default; official LANTERN's, for the LANTERN / "
+                         "LANTERN++ tables with ViT-B/32): mean cos(image, 'A photo depicts ' + prompt); torchmetrics: "
+                         "mean 100 * max(cos(image, prompt), 0)")
     ev.add_argument("--num-prompts", type=int, metavar="N",
                     help="only the first N prompts of --prompt / --prompts-file (a .json prompts file is read as "
                          "COCO captions or a JSON list of captions)")
@@ -287,7 +291,8 @@ def score(args: argparse.Namespace, out: Path, device: str = "cpu", progress: bo
         if not all(isinstance(prompt, str) for prompt in prompts):
             raise RelaxspecError("--clip-path scores images against their prompts (these were generated from classes "
                                  "or caption features)")
-        scores["clip"] = clip_score(files, prompts, args.clip_path, device=device, progress=progress)
+        scores["clip"] = clip_score(files, prompts, args.clip_path, device=device, progress=progress,
+                                    definition=args.clip_score)
     write_json(out / SCORES_FILE, scores)
     return scores
 
@@ -414,7 +419,9 @@ def run_eval(args: argparse.Namespace) -> int:
                      f"(our classifier; not comparable to FID)")
     if "clip" in scores:
         clip = scores["clip"]
-        parts.append(f"CLIP score {clip['value']:.2f} [{clip['lo']:.2f}, {clip['hi']:.2f}]")
+        digits = 4 if clip.get("definition") == "lantern" else 2  # a raw cosine, or a score out of 100
+        parts.append(f"CLIP score ({clip.get('definition')}) {clip['value']:.{digits}f} [{clip['lo']:.{digits}f}, "
+                     f"{clip['hi']:.{digits}f}]")
     print(f"{out / SCORES_FILE}: " + "; ".join(parts))
     return 0
 

@@ -1,25 +1,27 @@
-"""CLIP score of generated images against their own prompts, as the text-to-image papers report it
-(LANTERN, LANTERN++, COOL-SD follow torchmetrics' ``CLIPScore``).
+"""CLIP score of generated images against their own prompts, as the text-to-image papers report it.
 
-The definition is the one torchmetrics documents (Hessel et al. 2021's CLIP-S with weight 100)::
+Two definitions (:data:`DEFINITIONS`), because the papers use two:
 
-    CLIP score = mean over images i of 100 * max(cos(E_image(i), E_text(prompt(i))), 0)
+* ``lantern`` (the default): what official LANTERN's ``eval_fid_clip`` computes for the LANTERN and
+  LANTERN++ tables, with OpenAI's ViT-B/32: the mean over images of ``cos(E_image(i),
+  E_text("A photo depicts " + prompt(i)))``, a raw cosine (no factor 100, no clamp), the prefix as
+  Hessel et al. 2021's CLIPScore recommends;
+* ``torchmetrics``: torchmetrics' ``CLIPScore``, ``100 * max(cos(E_image(i), E_text(prompt(i))), 0)``
+  averaged. torchmetrics' code clamps the *mean* instead of each pair; the two agree whenever every
+  cosine is positive, always the case for a trained CLIP on real captions. We clamp per pair, so
+  each image has its own score and the bootstrap interval resamples images.
 
-with ``E`` the projected CLIP embeddings. torchmetrics' code clamps the *mean* instead of each
-pair; the two agree whenever every cosine is positive, which is always the case for a trained
-CLIP on real captions (cosines around 0.2 to 0.35). We clamp per pair, so each image has its own
-score and the bootstrap interval resamples images.
-
-Inputs, from a local CLIP folder in ``save_pretrained``'s layout (e.g. openai/clip-vit-large-patch14,
-torchmetrics' default, downloaded by the user):
+``E`` are the projected CLIP embeddings. Inputs, from a local CLIP folder in ``save_pretrained``'s
+layout (e.g. openai/clip-vit-base-patch32, downloaded by the user):
 
 * the image: the folder's own ``CLIPImageProcessor`` (resize, centre crop, rescale, normalise as its
   ``preprocessor_config.json`` says), on its PIL backend, the one OpenAI's CLIP preprocessing
   matches, whether or not torchvision is installed;
 * the text: the folder's tokenizer, truncated to the model's length (77 tokens for every OpenAI
-  CLIP) with the end-of-text token kept. torchmetrics cuts the token ids instead, which drops the
-  end-of-text token a longer caption's embedding is read at; for captions within 77 tokens (all of
-  COCO's but a handful) both give the same embedding.
+  CLIP) with the end-of-text token kept, as OpenAI's ``tokenize(truncate=True)`` and LANTERN's
+  prefix insertion keep it. torchmetrics cuts the token ids instead, which drops the end-of-text
+  token a longer caption's embedding is read at; for captions within 77 tokens (all of COCO's but a
+  handful) both give the same embedding.
 
 Weights are read from safetensors only (never a pickle); the model runs in float32 on the device
 given. Needs the optional extra ``relaxspec[transformers]``.
@@ -42,7 +44,26 @@ CLIP_MODEL_TYPE = "clip"
 BATCH_SIZE = 64
 #: Bootstrap resamplings of the images for the 95% interval.
 N_BOOT = 1000
-DEFINITION = "mean over images of 100 * max(cos(image, prompt), 0), CLIP projections (torchmetrics' CLIPScore)"
+
+
+@dataclass(frozen=True)
+class Definition:
+    """One way to turn cosines into a CLIP score: ``prefix`` before each prompt, then ``scale *
+    cos`` (clamped at 0 when ``clamp``) per image, averaged."""
+
+    prefix: str
+    scale: float
+    clamp: bool
+    text: str
+
+
+DEFINITIONS = {
+    "lantern": Definition("A photo depicts ", 1.0, False, "mean over images of cos(image, 'A photo depicts ' + prompt), "
+                          "CLIP projections (official LANTERN's eval_fid_clip: the LANTERN and LANTERN++ tables, "
+                          "OpenAI ViT-B/32)"),
+    "torchmetrics": Definition("", 100.0, True, "mean over images of 100 * max(cos(image, prompt), 0), CLIP "
+                               "projections (torchmetrics' CLIPScore)"),
+}
 
 
 def check_clip_folder(path, flag: str = "--clip-path") -> Path:
@@ -161,17 +182,21 @@ def image_embeddings(clip: Clip, images: Sequence) -> torch.Tensor:
 
 
 def clip_scores(clip: Clip, images: Sequence, prompts: Sequence[str], *, batch_size: int = BATCH_SIZE,
-                progress: bool = False) -> np.ndarray:
-    """Per-image CLIP scores ``[n]``: ``100 * max(cos(image_i, prompt_i), 0)`` (float64), image
-    ``i`` against its own prompt ``prompts[i]``. Each distinct prompt is embedded once."""
+                progress: bool = False, definition: str = "lantern") -> np.ndarray:
+    """Per-image CLIP scores ``[n]`` (float64) of image ``i`` against its own prompt
+    ``prompts[i]`` under ``definition`` (:data:`DEFINITIONS`). Each distinct prompt is embedded
+    once."""
     from tqdm import tqdm
 
+    if definition not in DEFINITIONS:
+        raise RelaxspecError(f"CLIP score definition must be one of {', '.join(DEFINITIONS)}, got {definition!r}")
+    rule = DEFINITIONS[definition]
     if len(images) != len(prompts):
         raise RelaxspecError(f"{len(images)} images but {len(prompts)} prompts: each image is scored against its own")
     if not images:
         raise RelaxspecError("no images to score")
     distinct = list(dict.fromkeys(prompts))
-    texts = text_embeddings(clip, distinct, batch_size)
+    texts = text_embeddings(clip, [rule.prefix + prompt for prompt in distinct], batch_size)
     row_of = {prompt: row for row, prompt in enumerate(distinct)}
     rows = torch.tensor([row_of[prompt] for prompt in prompts])
     scores = np.empty(len(images))
@@ -179,25 +204,26 @@ def clip_scores(clip: Clip, images: Sequence, prompts: Sequence[str], *, batch_s
     for start in range(0, len(images), batch_size):
         index = slice(start, min(start + batch_size, len(images)))
         cosine = (image_embeddings(clip, images[index]) * texts[rows[index]]).sum(-1)
-        scores[index] = (100 * cosine.clamp(min=0)).double().numpy()
+        scores[index] = (rule.scale * (cosine.clamp(min=0) if rule.clamp else cosine)).double().numpy()
         bar.update(index.stop - index.start)
     bar.close()
     return scores
 
 
 def clip_score(images: Sequence, prompts: Sequence[str], path, *, device: str | torch.device = "cpu",
-               batch_size: int = BATCH_SIZE, progress: bool = False, n_boot: int = N_BOOT, seed: int = 0) -> dict:
+               batch_size: int = BATCH_SIZE, progress: bool = False, n_boot: int = N_BOOT, seed: int = 0,
+               definition: str = "lantern") -> dict:
     """``eval.json``'s ``clip`` entry: ``value`` (the mean CLIP score), ``lo`` / ``hi`` (its
     percentile-bootstrap 95% interval over the images), ``images`` and ``model`` (the folder)."""
     from relaxspec.evaluation.metrics import bootstrap_ci
 
     clip = load_clip(path, device)
-    scores = clip_scores(clip, images, prompts, batch_size=batch_size, progress=progress)
+    scores = clip_scores(clip, images, prompts, batch_size=batch_size, progress=progress, definition=definition)
     value, lo, hi = bootstrap_ci(np.mean, scores, n_boot=n_boot, seed=seed)
     return {"value": value, "lo": float(lo), "hi": float(hi), "images": len(scores),
             "model": str(clip.folder.resolve()), "text_max_tokens": clip.max_length,
-            "definition": DEFINITION, "interval": f"95% percentile bootstrap over the images ({n_boot} resamplings)"}
+            "definition": definition, "formula": DEFINITIONS[definition].text, "interval": f"95% percentile bootstrap over the images ({n_boot} resamplings)"}
 
 
-__all__ = ["Clip", "check_clip_folder", "clip_score", "clip_scores", "image_embeddings", "load_clip",
+__all__ = ["DEFINITIONS", "Clip", "Definition", "check_clip_folder", "clip_score", "clip_scores", "image_embeddings", "load_clip",
            "text_embeddings"]
