@@ -292,3 +292,42 @@ def test_the_per_method_table_reads_finished_eval_folders(tmp_path, capsys):
     assert (tmp_path / "eval-table.md").read_text() == out
     assert main(["eval", "--table", str(tmp_path / "nowhere")]) == 2
     assert "no eval.json" in capsys.readouterr().err
+
+
+def test_eval_res_crops_and_resizes_as_lanterns_evaluation(clip_folder, images, tmp_path, monkeypatch):
+    """``--eval-res PX``: the centre square of the long edge, LANCZOS to PX, for FID (handed to
+    clean-fid as its custom transform, both sets) and for CLIP (before the processor)."""
+    import sys
+    import types
+
+    from PIL import Image
+
+    from relaxspec.cli.eval import clean_fid, crop_resize
+
+    wide = np.zeros((20, 40, 3), dtype=np.uint8)
+    wide[:, 10:30] = 255  # the centre square is white, the sides black
+    out = crop_resize(16)(wide)
+    assert out.shape == (16, 16, 3) and out.min() == 255
+    # CLIP: scoring with the transform is scoring the transformed images
+    clip = load_clip(clip_folder)
+    prompts = [PROMPTS[i % 4] for i in range(5)]
+    squeezed = []
+    for n, path in enumerate(images):
+        target = tmp_path / f"{n}.png"
+        Image.fromarray(crop_resize(24)(np.asarray(Image.open(path).convert("RGB")))).save(target)
+        squeezed.append(target)
+    np.testing.assert_allclose(clip_scores(clip, images, prompts, transform=crop_resize(24)),
+                               clip_scores(clip, squeezed, prompts), rtol=0, atol=1e-6)
+    # FID: clean-fid is handed the same transform for both sets (a recording stand-in here)
+    seen = []
+    fid_module = types.SimpleNamespace(
+        get_files_features=lambda files, model, **kw: seen.append(kw) or np.zeros((len(files), 2)),
+        get_folder_features=lambda folder, model, **kw: seen.append(kw) or np.ones((3, 2)),
+        fid_from_feats=lambda a, b: 1.0)
+    package = types.ModuleType("cleanfid")
+    package.fid, package.features = fid_module, types.SimpleNamespace(build_feature_extractor=lambda *a, **k: None)
+    monkeypatch.setitem(sys.modules, "cleanfid", package)
+    monkeypatch.setitem(sys.modules, "cleanfid.fid", fid_module)
+    monkeypatch.setitem(sys.modules, "cleanfid.features", package.features)
+    assert clean_fid([Path(p) for p in images], str(tmp_path), progress=False, eval_res=16) == 1.0
+    assert len(seen) == 2 and all(kw["custom_image_tranform"](wide).shape == (16, 16, 3) for kw in seen)

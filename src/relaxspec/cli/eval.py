@@ -88,6 +88,9 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
                     help="the CLIP score's definition: lantern (default; official LANTERN's, for the LANTERN / "
                          "LANTERN++ tables with ViT-B/32): mean cos(image, 'A photo depicts ' + prompt); torchmetrics: "
                          "mean 100 * max(cos(image, prompt), 0)")
+    ev.add_argument("--eval-res", type=int, metavar="PX",
+                    help="FID and CLIP see every image (generated and reference) centre-cropped and LANCZOS-resized to "
+                         "PX first, as official LANTERN's evaluation does (its tables: 256); default: as they are")
     ev.add_argument("--num-prompts", type=int, metavar="N",
                     help="only the first N prompts of --prompt / --prompts-file (a .json prompts file is read as "
                          "COCO captions or a JSON list of captions)")
@@ -237,8 +240,27 @@ def generated_records(out: Path) -> tuple[list[Path], list[dict]]:
     return files, records
 
 
-def clean_fid(files: list[Path], reference: str, mode: str = "clean", device: str = "cpu", progress: bool = True) -> float:
-    """FID (clean-fid's Inception features) between ``files`` and the images in ``reference``."""
+def crop_resize(size: int):
+    """``image [H, W, 3] uint8 -> [size, size, 3]``: the centre square of the long edge, then a
+    LANCZOS resize, as official LANTERN's evaluation prepares both generated and reference images
+    (``--eval_res``; COCO's photos are not square)."""
+    from PIL import Image
+
+    def transform(image: np.ndarray) -> np.ndarray:
+        picture = Image.fromarray(np.asarray(image))
+        side = min(picture.size)
+        left, top = (picture.width - side) // 2, (picture.height - side) // 2
+        picture = picture.crop((left, top, left + side, top + side))
+        return np.asarray(picture.resize((size, size), Image.LANCZOS))
+
+    return transform
+
+
+def clean_fid(files: list[Path], reference: str, mode: str = "clean", device: str = "cpu", progress: bool = True,
+              eval_res: int | None = None) -> float:
+    """FID (clean-fid's Inception features) between ``files`` and the images in ``reference``;
+    ``eval_res``: both sets centre-cropped and resized first (:func:`crop_resize`), as LANTERN's
+    tables are computed."""
     try:
         from cleanfid import fid as cfid
         from cleanfid.features import build_feature_extractor
@@ -255,6 +277,8 @@ def clean_fid(files: list[Path], reference: str, mode: str = "clean", device: st
         raise RelaxspecError(f"clean-fid could not load its Inception weights ({err}); put {INCEPTION_FILE} in "
                              f"/tmp (clean-fid's cache) on an offline machine") from None
     kwargs = dict(num_workers=0, batch_size=32, device=torch.device(device), mode=mode, verbose=progress)
+    if eval_res is not None:
+        kwargs["custom_image_tranform"] = crop_resize(eval_res)  # clean-fid's spelling
     generated = cfid.get_files_features([str(f) for f in files], model, description="FID generated: ", **kwargs)
     real = cfid.get_folder_features(str(reference), model, description="FID reference: ", **kwargs)
     return float(cfid.fid_from_feats(generated, real))
@@ -269,8 +293,9 @@ def score(args: argparse.Namespace, out: Path, device: str = "cpu", progress: bo
     scores: dict = {"images": len(files), "shards": [p.name for p in shard_folders(out)],
                     "images_per_class": args.images_per_class}
     if args.fid_ref:
-        scores["fid"] = {"value": clean_fid(files, args.fid_ref, args.fid_mode, device, progress),
+        scores["fid"] = {"value": clean_fid(files, args.fid_ref, args.fid_mode, device, progress, args.eval_res),
                          "reference": str(Path(args.fid_ref).resolve()), "mode": args.fid_mode,
+                         "eval_res": args.eval_res,
                          "feature_network": "clean-fid Inception-v3 (inception-2015-12-05)"}
     if args.classifier:
         from relaxspec.bench.report import FID_LIKE_NOTE, load_real_images, quality_metrics, read_pngs
@@ -292,7 +317,9 @@ def score(args: argparse.Namespace, out: Path, device: str = "cpu", progress: bo
             raise RelaxspecError("--clip-path scores images against their prompts (these were generated from classes "
                                  "or caption features)")
         scores["clip"] = clip_score(files, prompts, args.clip_path, device=device, progress=progress,
-                                    definition=args.clip_score)
+                                    definition=args.clip_score,
+                                    transform=None if args.eval_res is None else crop_resize(args.eval_res))
+        scores["clip"]["eval_res"] = args.eval_res
     write_json(out / SCORES_FILE, scores)
     return scores
 
@@ -375,6 +402,8 @@ def run_eval(args: argparse.Namespace) -> int:
             raise RelaxspecError(f"--classifier {args.classifier}: no such folder")
         if not Path(args.real_data).is_file():
             raise RelaxspecError(f"--real-data {args.real_data}: no such file")
+    if args.eval_res is not None and not 16 <= args.eval_res <= 4096:
+        raise RelaxspecError(f"--eval-res must be 16..4096 pixels, got {args.eval_res}")
     if args.clip_path is not None:
         from relaxspec.evaluation.clip import check_clip_folder
 

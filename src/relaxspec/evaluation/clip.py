@@ -174,15 +174,21 @@ def _rgb(image):
 
 
 @torch.no_grad()
-def image_embeddings(clip: Clip, images: Sequence) -> torch.Tensor:
+def image_embeddings(clip: Clip, images: Sequence, transform=None) -> torch.Tensor:
     """Unit-norm image embeddings ``[n, projection_dim]`` of one batch of images (paths, PIL images
-    or ``[H, W, 3]`` uint8 arrays), preprocessed by the folder's image processor."""
-    pixels = clip.image_processor(images=[_rgb(image) for image in images], return_tensors="pt")["pixel_values"]
+    or ``[H, W, 3]`` uint8 arrays), preprocessed by the folder's image processor (after
+    ``transform``, ``[H, W, 3] uint8 -> [h, w, 3] uint8``, when given)."""
+    from PIL import Image
+
+    pictures = [_rgb(image) for image in images]
+    if transform is not None:
+        pictures = [Image.fromarray(transform(np.asarray(picture))) for picture in pictures]
+    pixels = clip.image_processor(images=pictures, return_tensors="pt")["pixel_values"]
     return _unit(_projected(clip.model.get_image_features(pixel_values=pixels.to(clip.device)))).cpu()
 
 
 def clip_scores(clip: Clip, images: Sequence, prompts: Sequence[str], *, batch_size: int = BATCH_SIZE,
-                progress: bool = False, definition: str = "lantern") -> np.ndarray:
+                progress: bool = False, definition: str = "lantern", transform=None) -> np.ndarray:
     """Per-image CLIP scores ``[n]`` (float64) of image ``i`` against its own prompt
     ``prompts[i]`` under ``definition`` (:data:`DEFINITIONS`). Each distinct prompt is embedded
     once."""
@@ -203,7 +209,7 @@ def clip_scores(clip: Clip, images: Sequence, prompts: Sequence[str], *, batch_s
     bar = tqdm(total=len(images), unit="image", desc="CLIP score", disable=True if not progress else None)
     for start in range(0, len(images), batch_size):
         index = slice(start, min(start + batch_size, len(images)))
-        cosine = (image_embeddings(clip, images[index]) * texts[rows[index]]).sum(-1)
+        cosine = (image_embeddings(clip, images[index], transform) * texts[rows[index]]).sum(-1)
         scores[index] = (rule.scale * (cosine.clamp(min=0) if rule.clamp else cosine)).double().numpy()
         bar.update(index.stop - index.start)
     bar.close()
@@ -212,13 +218,14 @@ def clip_scores(clip: Clip, images: Sequence, prompts: Sequence[str], *, batch_s
 
 def clip_score(images: Sequence, prompts: Sequence[str], path, *, device: str | torch.device = "cpu",
                batch_size: int = BATCH_SIZE, progress: bool = False, n_boot: int = N_BOOT, seed: int = 0,
-               definition: str = "lantern") -> dict:
+               definition: str = "lantern", transform=None) -> dict:
     """``eval.json``'s ``clip`` entry: ``value`` (the mean CLIP score), ``lo`` / ``hi`` (its
     percentile-bootstrap 95% interval over the images), ``images`` and ``model`` (the folder)."""
     from relaxspec.evaluation.metrics import bootstrap_ci
 
     clip = load_clip(path, device)
-    scores = clip_scores(clip, images, prompts, batch_size=batch_size, progress=progress, definition=definition)
+    scores = clip_scores(clip, images, prompts, batch_size=batch_size, progress=progress, definition=definition,
+                         transform=transform)
     value, lo, hi = bootstrap_ci(np.mean, scores, n_boot=n_boot, seed=seed)
     return {"value": value, "lo": float(lo), "hi": float(hi), "images": len(scores),
             "model": str(clip.folder.resolve()), "text_max_tokens": clip.max_length,
