@@ -147,7 +147,7 @@ def test_an_unsupported_model_folder_is_one_line(tmp_path, capsys):
     (tmp_path / "m").mkdir()
     (tmp_path / "m" / "config.json").write_text('{"model_type": "llava"}')
     assert main(["generate", "--model-path", str(tmp_path / "m"), "--prompt", "a fox", "--out", str(tmp_path / "o")]) == 2
-    assert ("model type 'llava' is not supported (janus (Janus), emu3 (Emu3), chameleon (Lumina-mGPT) are)"
+    assert ("model type 'llava' is not supported (janus (Janus), emu3 (Emu3), chameleon (Anole or Lumina-mGPT) are)"
             in capsys.readouterr().err)
 
 

@@ -16,7 +16,7 @@ from relaxspec.errors import RelaxspecError
 from relaxspec.pipelines import ImagePipeline, open_pipeline
 from relaxspec.sampling import SamplingConfig
 
-KINDS = ["embedded", "llamagen-c2i", "llamagen-t2i", "janus", "emu3", "lumina"]
+KINDS = ["embedded", "llamagen-c2i", "llamagen-t2i", "janus", "emu3", "lumina", "anole"]
 
 
 @pytest.fixture(scope="module")
@@ -49,6 +49,11 @@ def opened(tmp_path_factory, tiny_ckpts):
             folder = helpers.emu3_folder_at(root / "emu3")
             pipeline = open_pipeline(model_path=folder, prompts=["a red fox", "a lighthouse"], image_size=32)
             given = {"prompts": ["a red fox", "a lighthouse"]}
+        elif kind == "anole":
+            from helpers import anole as anole_fixtures
+
+            files = anole_fixtures.anole_folder(root / "anole")
+            pipeline, given = open_pipeline(model_path=files["model_path"]), {"prompts": ["a red fox", "a lighthouse"]}
         else:
             from helpers import lumina as lumina_fixtures
 

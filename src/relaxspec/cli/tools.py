@@ -178,14 +178,15 @@ def _tree_for_this_machine(args: argparse.Namespace, rates: torch.Tensor):
 T5_USE = "a text encoder: give it as --t5-path to encode --prompt for LlamaGen t2i models"
 
 
-def transformers_use(model_type: str) -> str:
-    """What relaxspec does with a folder of ``model_type`` (the pipelines say it for theirs)."""
-    from relaxspec.pipelines.open import FOLDER_PIPELINES, pipeline_class
+def transformers_use(model_type: str, path: Path | None = None) -> str:
+    """What relaxspec does with a folder of ``model_type`` (the pipelines say it for theirs; the
+    folder ``path`` tells families that share a model type apart)."""
+    from relaxspec.pipelines.open import FOLDER_PIPELINES, folder_pipeline_class, pipeline_class
 
     if model_type == "t5":
         return T5_USE
     if model_type in FOLDER_PIPELINES:
-        return pipeline_class(model_type).usage
+        return (pipeline_class(model_type) if path is None else folder_pipeline_class(path)).usage
     return "nothing yet: this model type is not supported"
 
 
@@ -208,7 +209,7 @@ def transformers_folder(path: Path) -> dict | None:
             "architectures": config.get("architectures"), "hidden_size": config.get("d_model", config.get("hidden_size")),
             "safetensors": sorted(p.name for p in path.glob("*.safetensors")),
             "pickled (not read)": sorted(p.name for p in path.glob("*.bin")),
-            "relaxspec reads it as": transformers_use(kind)}
+            "relaxspec reads it as": transformers_use(kind, path)}
 
 
 def cmd_info(args: argparse.Namespace) -> int:

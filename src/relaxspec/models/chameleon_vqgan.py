@@ -264,7 +264,15 @@ def load_vqgan(folder, *, device="cpu") -> ChameleonVQGAN:
     folder = Path(folder)
     config = read_vqgan_config(folder / CONFIG_FILE)
     checkpoint = folder / CHECKPOINT_FILE
-    state = {key: value for key, value in _read_checkpoint(checkpoint).items() if key.startswith(READ_PREFIXES)}
+    return vqgan_from_state(config, _read_checkpoint(checkpoint), f"{checkpoint}", CONFIG_FILE, device=device)
+
+
+def vqgan_from_state(config: VQGANConfig, state: dict, source: str, config_name: str, *,
+                     device="cpu") -> ChameleonVQGAN:
+    """The VQGAN of ``config`` from a state dict under taming's names (keys outside
+    :data:`READ_PREFIXES` are ignored), in fp32 on ``device``; a missing, unexpected or misshapen
+    decoder key is a one-line error naming ``source`` and ``config_name``."""
+    state = {key: value for key, value in state.items() if key.startswith(READ_PREFIXES)}
     model = ChameleonVQGAN(config)
     expected = model.state_dict()
     missing = sorted(set(expected) - set(state))
@@ -272,10 +280,10 @@ def load_vqgan(folder, *, device="cpu") -> ChameleonVQGAN:
     if missing or unexpected:
         what = (f"{len(missing)} missing, e.g. {missing[0]}" if missing
                 else f"{len(unexpected)} unexpected, e.g. {unexpected[0]}")
-        raise RelaxspecError(f"{checkpoint}: the weights do not match {CONFIG_FILE} ({what})")
+        raise RelaxspecError(f"{source}: the weights do not match {config_name} ({what})")
     for key, value in state.items():
         if not isinstance(value, Tensor) or value.shape != expected[key].shape:
             shape = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
-            raise RelaxspecError(f"{checkpoint}: {key} is {shape}; {CONFIG_FILE} makes it {tuple(expected[key].shape)}")
+            raise RelaxspecError(f"{source}: {key} is {shape}; {config_name} makes it {tuple(expected[key].shape)}")
     model.load_state_dict({key: value.float() for key, value in state.items()})
     return model.to(device).eval().requires_grad_(False)

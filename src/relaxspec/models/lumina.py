@@ -261,7 +261,7 @@ def _is_qk_norm(key: str) -> bool:
     return ".self_attn.q_norm." in key or ".self_attn.k_norm." in key
 
 
-def load_chameleon(path, *, device="cpu", dtype=torch.float32):
+def load_chameleon(path, *, device="cpu", dtype=torch.float32, aside: tuple[str, ...] = ()):
     """transformers' ``ChameleonForConditionalGeneration`` from a Lumina-mGPT folder, its
     safetensors read here (one tensor at a time, cast to ``dtype`` on ``device``).
 
@@ -269,7 +269,9 @@ def load_chameleon(path, *, device="cpu", dtype=torch.float32):
     are ``[heads, head_dim]``, so each row is repeated for the shard's heads (``repeat_interleave``,
     as Lumina's own layer norm does in its forward). ``model.vqmodel.*`` (the image encoder,
     which Lumina's checkpoints drop) may be absent, and is then left out of the model; any other
-    missing, unexpected or misshapen tensor is an error."""
+    missing, unexpected or misshapen tensor is an error. Tensors whose names start with one of
+    ``aside`` are left in the files, as if absent (Anole's VQ model, which
+    :mod:`relaxspec.models.anole` reads itself)."""
     transformers = hf.transformers_module(NAME)
     from safetensors import safe_open
 
@@ -290,7 +292,8 @@ def load_chameleon(path, *, device="cpu", dtype=torch.float32):
         for file in files:
             with safe_open(str(file), framework="pt") as opened:
                 for key in opened.keys():
-                    shapes[key], where[key] = tuple(opened.get_slice(key).get_shape()), file
+                    if not key.startswith(aside):
+                        shapes[key], where[key] = tuple(opened.get_slice(key).get_shape()), file
     except Exception as err:  # noqa: BLE001 - a truncated or foreign file
         raise RelaxspecError(f"{path}: unreadable safetensors ({hf.first_line(err)})") from None
     encoder = [key for key in expected if key.startswith("model.vqmodel.")]
@@ -316,7 +319,7 @@ def load_chameleon(path, *, device="cpu", dtype=torch.float32):
     state = {}
     for file in files:
         with safe_open(str(file), framework="pt") as opened:
-            for key in opened.keys():
+            for key in filter(shapes.__contains__, opened.keys()):
                 tensor = opened.get_tensor(key)
                 if key in repeats:
                     tensor = tensor.repeat_interleave(repeats[key], dim=0)
@@ -388,7 +391,8 @@ def open_folder(path, prompts: list[str], *, device="cpu", dtype=torch.float32, 
     change the law: it is masked and positions skip it)."""
     if tokenizer_path is None:
         raise RelaxspecError(f"a {NAME} folder needs Meta's Chameleon tokenizer folder (text_tokenizer.json, "
-                             "vqgan.yaml, vqgan.ckpt): give --tokenizer-path DIR")
+                             "vqgan.yaml, vqgan.ckpt): give --tokenizer-path DIR (a Chameleon folder is read as "
+                             "Anole's when its weights hold the VQ decoder, model.vqmodel.decoder.*)")
     if negative_prompt is not None:
         raise RelaxspecError(f"{NAME} guidance has no negative prompt (its unconditional context is the image start "
                              "alone): leave --negative-prompt out")

@@ -76,8 +76,8 @@ def open_folder(pipeline_class: type[FolderPipeline], path, *, prompts=None, pro
     prompts = check_prompts(prompts)
     extra = {"tokenizer_path": tokenizer_path} if tokenizer_path is not None else {}
     if tokenizer_path is not None and "tokenizer_path" not in _parameters(module.open_folder):
-        raise RelaxspecError(f"--tokenizer-path goes with a Lumina-mGPT folder; a {module.NAME} folder carries its own "
-                             "tokenizer")
+        raise RelaxspecError(f"--tokenizer-path goes with a Lumina-mGPT folder; this {module.NAME} folder carries its "
+                             "own tokenizer")
     opened = module.open_folder(path, prompts, device=device, dtype=PRECISIONS[precision], image_size=image_size,
                                 negative_prompt=negative_prompt, prompt_length=prompt_length, **extra)
     drafter = load_drafter(drafter_ckpt, opened.target) if drafter_ckpt is not None else None

@@ -3,7 +3,8 @@
 * nothing: the embedded emoji model (with its drafter, defaults and presets);
 * ``gpt_ckpt`` + ``vq_ckpt`` (+ ``t5_path`` for prompts): a LlamaGen checkpoint pair;
 * ``model_path`` (+ ``tokenizer_path`` for Lumina-mGPT): a transformers folder, whose
-  ``config.json`` ``model_type`` picks the family in :data:`FOLDER_PIPELINES`.
+  ``config.json`` ``model_type`` picks the family in :data:`FOLDER_PIPELINES` (Anole and
+  Lumina-mGPT, both ``chameleon``, by whether the weights hold the VQ decoder).
 """
 
 from __future__ import annotations
@@ -17,11 +18,13 @@ from relaxspec.errors import RelaxspecError
 from relaxspec.pipelines.base import ImagePipeline
 
 #: ``config.json``'s ``model_type`` -> ``module:class`` of its pipeline (imported when used:
-#: transformers is optional). A new family is one line here.
+#: transformers is optional). A new family is one line here. Families that share a model type
+#: are listed together: each but the last takes the folders its ``claims(path)`` recognises (by
+#: their files), the last takes the rest.
 FOLDER_PIPELINES = {
     "janus": "relaxspec.pipelines.janus:JanusPipeline",
     "emu3": "relaxspec.pipelines.emu3:Emu3Pipeline",
-    "chameleon": "relaxspec.pipelines.lumina:LuminaPipeline",
+    "chameleon": ("relaxspec.pipelines.anole:AnolePipeline", "relaxspec.pipelines.lumina:LuminaPipeline"),
 }
 
 
@@ -36,15 +39,23 @@ def folder_pipeline_class(model_path):
                              "--caption-features (docs/models/lantern.md)")
     model_type = read_config(model_path).get("model_type")
     if model_type not in FOLDER_PIPELINES:
-        names = ", ".join(f"{t} ({pipeline_class(t).family})" for t in FOLDER_PIPELINES)
+        names = ", ".join(f"{t} ({' or '.join(c.family for c in pipeline_classes(t))})" for t in FOLDER_PIPELINES)
         raise RelaxspecError(f"{model_path}: model type {model_type!r} is not supported ({names} are)")
-    return pipeline_class(model_type)
+    *claimants, rest = pipeline_classes(model_type)
+    return next((candidate for candidate in claimants if candidate.claims(model_path)), rest)
+
+
+def pipeline_classes(model_type: str) -> list:
+    """The pipeline classes registered for ``model_type`` (:data:`FOLDER_PIPELINES`), in order."""
+    entries = FOLDER_PIPELINES[model_type]
+    return [getattr(importlib.import_module(module), name)
+            for module, name in (entry.split(":") for entry in ((entries,) if isinstance(entries, str) else entries))]
 
 
 def pipeline_class(model_type: str):
-    """The pipeline class registered for ``model_type`` (:data:`FOLDER_PIPELINES`)."""
-    module, name = FOLDER_PIPELINES[model_type].split(":")
-    return getattr(importlib.import_module(module), name)
+    """The pipeline class registered for ``model_type``; where families share it, the one that
+    takes the folders no other claims (:func:`folder_pipeline_class` reads a folder's files)."""
+    return pipeline_classes(model_type)[-1]
 
 
 def model_module(model_path):
