@@ -148,3 +148,8 @@ def test_other_ways_in_are_named(tmp_path, tiny_ckpts, captions, capsys):
         from relaxspec.models.llamagen.checkpoints import load_gpt
 
         load_gpt(folder)
+    # a drafter folder given as the target: named (its config looks like a small target's)
+    drafter = DATA / "llamagen-t2i-drafter"
+    assert main(["info", str(drafter)]) == 2
+    assert "official LANTERN's EAGLE drafter, not a LlamaGen model: give it as --drafter-ckpt" in \
+        capsys.readouterr().err

@@ -204,8 +204,9 @@ def add_train_drafter_parser(subparsers) -> argparse.ArgumentParser:
     option("--out", "output folder", metavar="DIR")
     option("--n-layer", "drafter transformer blocks", type=int)
     option("--init-from", "start from this drafter's weights (a relaxspec drafter folder, e.g. one trained for "
-           "a shallower version of the target); a drafter with fewer blocks grows: its blocks carry over and the "
-           "new ones start as the identity", metavar="DIR")
+           "a shallower version of the target, or official LANTERN's released drafter folder, whose layout is "
+           "kept); a drafter with fewer blocks grows: its blocks carry over and the new ones start as the identity",
+           metavar="DIR")
     option("--epochs", "passes over the data", type=float)
     option("--steps", "optimizer steps (overrides --epochs)", type=int)
     option("--batch-size", "sequences per step", type=int)

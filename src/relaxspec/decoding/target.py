@@ -89,13 +89,14 @@ class GuidedTarget:
 
     def prefill(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Encode the condition. Returns probabilities for image token 0 ``[B, V]`` and the
-        hidden state at the last condition position ``[S*B, 1, dim]`` (all streams)."""
+        hidden states at every condition position ``[S*B, C, dim]`` (all streams; the last one
+        predicted image token 0)."""
         slots = torch.arange(self.cls, device=self.device).expand(self.batch * self.streams, -1)
         with self.watch:
             logits, hidden = self.model.prefill(self.cond, slots, slots,
                                                 attention_mask(slots, None, self.key_valid, self.max_seq))
         self.forwards += 1
-        return process_logits(logits[:, -1], self.sampling), hidden[:, -1:]
+        return process_logits(logits[:, -1], self.sampling), hidden
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                 mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:

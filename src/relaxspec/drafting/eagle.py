@@ -22,6 +22,18 @@ The layers are of the target's family (``DrafterConfig.family``):
 Pair ``j`` sits in cache slot ``j``: the drafter sees no condition positions, only what the
 target's features carry about the condition. With CFG the drafter runs on both streams (features
 from each stream), exactly like the target.
+
+Official LANTERN's LlamaGen drafters (:mod:`relaxspec.drafting.lantern_drafter` reads their
+folders) are LlamaGen blocks with three differences, each a :class:`DrafterConfig` field that
+relaxspec's own drafters leave at its default: layer 0 has no input norm
+(``first_attention_norm=False``: EAGLE feeds ``fc``'s output to attention raw), the drafter keeps
+its own token table (``own_embedding``), and it also reads the condition
+(``condition_pairs = P``): ``P`` leading pairs (the target's final hidden state at condition
+position ``t``, token 0) for ``t = 0 .. P-1``, at all-zero RoPE, before pair 0 (the feature at the
+condition's last position ``P``, image token 0). Image pair ``j`` keeps RoPE row ``j``. The engine
+hands every draft source the prefill's hidden states at the condition positions
+(``condition_hidden``), which such a drafter writes into its cache first; training passes the
+teacher-forced pass's (``condition=``).
 """
 
 from __future__ import annotations
@@ -54,12 +66,21 @@ class DrafterConfig:
     Any other family (a transformers ``model_type``): ``target`` is the engine's side of the
     target, ``{"dim", "vocab_size", "block_size"}``, and ``layer`` rebuilds the layers:
     ``{"class": decoder layer class, "config": layer config fields}``
-    (:func:`relaxspec.drafting.family.layer_spec`)."""
+    (:func:`relaxspec.drafting.family.layer_spec`).
+
+    LlamaGen blocks only, official LANTERN's layout (defaults: relaxspec's own drafters):
+    ``first_attention_norm`` False drops layer 0's input norm; ``own_embedding`` gives the drafter
+    its own (frozen) token table instead of the target's; ``condition_pairs`` ``P > 0`` makes it
+    read the target's features at the first ``P`` condition positions (a ``P + 1``-token
+    condition)."""
 
     target: dict
     n_layer: int = 1
     family: str = LLAMAGEN
     layer: dict | None = None
+    first_attention_norm: bool = True
+    own_embedding: bool = False
+    condition_pairs: int = 0
 
     def __post_init__(self) -> None:
         if self.n_layer < 1:
@@ -68,6 +89,14 @@ class DrafterConfig:
             raise RelaxspecError(f"drafter family must be a name, got {self.family!r}")
         if self.family == LLAMAGEN and self.layer is not None:
             raise RelaxspecError("a llamagen drafter takes its shape from 'target'; it has no 'layer'")
+        if not (isinstance(self.first_attention_norm, bool) and isinstance(self.own_embedding, bool)):
+            raise RelaxspecError("drafter first_attention_norm and own_embedding must be true or false")
+        if not isinstance(self.condition_pairs, int) or isinstance(self.condition_pairs, bool) \
+                or self.condition_pairs < 0:
+            raise RelaxspecError(f"drafter condition_pairs must be a count >= 0, got {self.condition_pairs!r}")
+        if self.family != LLAMAGEN and self.lantern_layout:
+            raise RelaxspecError(f"a drafter of the {self.family} family has its target's layers: "
+                                 "first_attention_norm, own_embedding and condition_pairs are for LlamaGen blocks")
         if self.family != LLAMAGEN:
             layer = self.layer
             if not (isinstance(layer, dict) and isinstance(layer.get("class"), str)
@@ -92,11 +121,24 @@ class DrafterConfig:
     def dim(self) -> int:
         return int(self.target["dim"])
 
+    @property
+    def lantern_layout(self) -> bool:
+        """Whether any of official LANTERN's departures from relaxspec's own drafter is set."""
+        return not self.first_attention_norm or self.own_embedding or self.condition_pairs > 0
+
     def to_dict(self) -> dict:
-        """As ``config.json`` records it; a llamagen drafter's as it always was (no family)."""
+        """As ``config.json`` records it; a llamagen drafter's as it always was (no family, and
+        LANTERN's fields only when set)."""
         if self.family == LLAMAGEN:
-            return {"target": self.target, "n_layer": self.n_layer}
-        return asdict(self)
+            lantern = {name: getattr(self, name) for name in LANTERN_FIELDS
+                       if getattr(self, name) != DEFAULTS[name]}
+            return {"target": self.target, "n_layer": self.n_layer, **lantern}
+        return {key: value for key, value in asdict(self).items() if key not in LANTERN_FIELDS}
+
+
+#: Official LANTERN's layout of LlamaGen blocks (:class:`DrafterConfig`) and their defaults.
+LANTERN_FIELDS = ("first_attention_norm", "own_embedding", "condition_pairs")
+DEFAULTS = {f.name: f.default for f in dataclasses.fields(DrafterConfig)}
 
 
 def drafter_target_config(target: TargetModel) -> dict:
@@ -153,6 +195,8 @@ def check_target(config: DrafterConfig, target: TargetModel) -> None:
         theirs, ours = (tcfg.dim, tcfg.vocab_size, tcfg.block_size, tcfg.n_head), \
             (mine.dim, mine.vocab_size, mine.block_size, mine.n_head)
         what = "dim/vocab/grid/heads"
+        if config.lantern_layout:  # LANTERN's drafter has heads of its own
+            theirs, ours, what = theirs[:3], ours[:3], "dim/vocab/grid"
     else:
         own = hf.family_of(target)
         if own != config.family:
@@ -163,6 +207,11 @@ def check_target(config: DrafterConfig, target: TargetModel) -> None:
         what = "dim/vocab/grid"
     if theirs != ours:
         raise RelaxspecError(f"the drafter was trained for a different target ({what} {ours} vs {theirs})")
+    if config.condition_pairs:
+        cls = int(target.config.cls_token_num)
+        if cls != config.condition_pairs + 1:
+            raise RelaxspecError(f"the drafter reads a {config.condition_pairs + 1}-token condition "
+                                 f"({config.condition_pairs} condition pairs); this target's condition is {cls} tokens")
 
 
 class EagleDrafter(nn.Module):
@@ -180,6 +229,10 @@ class EagleDrafter(nn.Module):
             tcfg = config.target_config
             self.fc = nn.Linear(2 * tcfg.dim, tcfg.dim, bias=True)
             self.layers = nn.ModuleList(TransformerBlock(tcfg) for _ in range(config.n_layer))
+            if not config.first_attention_norm:  # LANTERN: fc's output enters attention un-normed
+                self.layers[0].attention_norm = nn.Identity()
+            if config.own_embedding:  # LANTERN: its own copy, frozen (trained drafters never move it)
+                self.embed_tokens = nn.Embedding(tcfg.vocab_size, tcfg.dim).requires_grad_(False)
             self.register_buffer("rope", rope_table_2d(tcfg.grid_size, tcfg.head_dim, tcfg.rope_base, 0),
                                  persistent=False)
         else:
@@ -195,6 +248,7 @@ class EagleDrafter(nn.Module):
                                  persistent=False)
         self._target: tuple[TargetModel] | None = None  # a tuple so the target is not a submodule
         self._kv_store: torch.Tensor | None = None
+        self._condition_seen: torch.Tensor | None = None  # [rows, 1, 1]: the cached condition pairs are real
         for module in self.modules():
             if isinstance(module, nn.Linear):
                 nn.init.normal_(module.weight, std=0.02)
@@ -222,40 +276,111 @@ class EagleDrafter(nn.Module):
             raise RuntimeError("call drafter.attach(target) first")
         return self._target[0]
 
-    def setup_caches(self, rows: int, max_seq: int) -> None:
-        """Static caches for ``rows`` rows of ``max_seq`` slots, reused while the shape stays."""
+    def setup_caches(self, rows: int, max_seq: int, condition: torch.Tensor | None = None) -> None:
+        """Static caches for ``rows`` rows of ``max_seq`` slots, reused while the shape stays.
+        A drafter that reads the condition (``condition_pairs`` P) also writes its pairs from
+        ``condition [rows, >= P, dim]``, the target's hidden states at the condition positions
+        of this decode's prefill; without them (timing a step) those slots stay hidden."""
         if self.family != LLAMAGEN:
             self.layers.setup(rows, max_seq, self.fc.weight.dtype, self.fc.weight.device)
             return
         att = self.layers[0].attention
-        allocate_kv_store(self, self.layers, rows, max_seq, att.n_kv_head, att.head_dim, self.fc.weight.dtype,
-                          self.fc.weight.device)
+        pairs = self.config.condition_pairs  # the condition's pairs sit in slots 0..P-1, before the engine's
+        allocate_kv_store(self, self.layers, rows, pairs + max_seq, att.n_kv_head, att.head_dim,
+                          self.fc.weight.dtype, self.fc.weight.device)
+        if pairs:
+            self._cache_condition(rows, condition)
+
+    def _cache_condition(self, rows: int, condition: torch.Tensor | None) -> None:
+        """Write the condition's pairs (``condition [rows, >= P, dim]``: the target's hidden states
+        at condition positions ``0 .. P-1``) into slots ``0 .. P-1``; without them they stay hidden
+        from every query."""
+        device = self.fc.weight.device
+        self._condition_seen = torch.full((rows, 1, 1), condition is not None, device=device)
+        if condition is None:
+            return
+        pairs = self.config.condition_pairs
+        if condition.shape[0] != rows or condition.shape[1] < pairs:
+            raise RelaxspecError(f"the drafter reads {pairs} condition positions of {rows} rows; got hidden states "
+                                 f"{tuple(condition.shape)}")
+        slots = torch.arange(pairs, device=device).expand(rows, -1)
+        run_blocks(self.layers, self._condition_input(condition[:, :pairs]), self._condition_rope(rows), slots, None,
+                   None)
 
     @property
     def cache_length(self) -> int:
-        """Slots of the current caches."""
-        return self.layers.slots if self.family != LLAMAGEN else self._kv_store.shape[4]
+        """Slots of the current caches (the engine's: the condition's, if any, come before)."""
+        if self.family != LLAMAGEN:
+            return self.layers.slots
+        return self._kv_store.shape[4] - self.config.condition_pairs
 
     def clear_caches(self) -> None:
         if self.family != LLAMAGEN:
             self.layers.clear()
         else:
             release_kv_store(self, self.layers)
+            self._condition_seen = None
 
     def forward(self, features: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, *,
                 cache_slots: torch.Tensor | None = None, attn_mask: torch.Tensor | None = None,
-                kv_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                kv_len: int | None = None, condition: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``features [R, T, dim]`` (target hidden states that predicted ``tokens``), ``tokens
         [R, T]``, ``positions [R, T]`` image-token indices. Returns the predicted next features
-        ``[R, T, dim]`` and their draft logits ``[R, T, vocab]`` (fp32, unprocessed)."""
+        ``[R, T, dim]`` and their draft logits ``[R, T, vocab]`` (fp32, unprocessed).
+
+        A drafter with ``condition_pairs`` P also attends to the condition's pairs: with caches,
+        those :meth:`setup_caches` wrote; without, ``condition [R, >= P, dim]`` (the target's
+        final hidden states at condition positions ``0 .. P-1``, required), run before the ``T``
+        pairs."""
         target = self.target
-        emb = target.embed_tokens(tokens).to(self.fc.weight.dtype)
-        h = self.fc(torch.cat([emb, features.to(self.fc.weight.dtype)], dim=-1))
+        h = self.fc(torch.cat([self._embed(tokens), features.to(self.fc.weight.dtype)], dim=-1))
         if self.family != LLAMAGEN:
             h = self.layers.run(h, self.rope[positions], positions, cache_slots, attn_mask, kv_len)
+        elif self.config.condition_pairs:
+            h = self._run_after_condition(h, self.rope[positions], cache_slots, attn_mask, kv_len, condition)
         else:
             h = run_blocks(self.layers, h, self.rope[positions], cache_slots, attn_mask, kv_len)
         return h, target.head(h)
+
+    def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        table = self.embed_tokens if self.config.own_embedding else self.target.embed_tokens
+        return table(tokens).to(self.fc.weight.dtype)
+
+    def _condition_input(self, features: torch.Tensor) -> torch.Tensor:
+        """``fc`` of the condition's pairs: (token 0, the target's feature at position ``t``), as
+        LANTERN pairs its ``[0] * P`` input ids with the prefill's hidden states."""
+        tokens = torch.zeros(features.shape[:2], dtype=torch.long, device=features.device)
+        return self.fc(torch.cat([self._embed(tokens), features.to(self.fc.weight.dtype)], dim=-1))
+
+    def _condition_rope(self, rows: int) -> torch.Tensor:
+        """The condition's RoPE rows: all zero (LANTERN's table has ``P`` zero rows first)."""
+        return self.rope.new_zeros(rows, self.config.condition_pairs, *self.rope.shape[1:])
+
+    def _run_after_condition(self, h: torch.Tensor, rope: torch.Tensor, cache_slots: torch.Tensor | None,
+                             attn_mask: torch.Tensor | None, kv_len: int | None,
+                             condition: torch.Tensor | None) -> torch.Tensor:
+        """The blocks over ``h [R, T, dim]`` after the condition's P pairs, which every pair sees."""
+        rows, count = h.shape[:2]
+        pairs = self.config.condition_pairs
+        if cache_slots is not None and self._kv_store is not None:
+            # Engine slot s is cache slot P + s; the engine's mask covers its slots, the condition's
+            # columns are visible when they were written for this decode.
+            if attn_mask is None:
+                keys = torch.arange(self.cache_length if kv_len is None else kv_len, device=h.device)
+                attn_mask = keys[None, None, :] <= cache_slots[:, :, None]
+            seen = self._condition_seen[:rows].expand(rows, count, pairs)
+            return run_blocks(self.layers, h, rope, cache_slots + pairs, torch.cat([seen, attn_mask], dim=-1),
+                              None if kv_len is None else pairs + kv_len)
+        if condition is None:
+            raise RelaxspecError("this drafter (official LANTERN's layout) reads the condition: give the target's "
+                                 "hidden states at the condition positions (condition=)")
+        h = torch.cat([self._condition_input(condition[:, :pairs]), h], dim=1)
+        rope = torch.cat([self._condition_rope(rows), rope], dim=1)
+        if attn_mask is not None:  # [R, T, T] over the pairs -> [R, P+T, P+T]: condition causal, seen by all
+            full = torch.ones(rows, pairs + count, pairs + count, dtype=torch.bool, device=h.device).tril()
+            full[:, pairs:, pairs:] = attn_mask
+            attn_mask = full
+        return run_blocks(self.layers, h, rope, None, attn_mask, None)[:, pairs:]
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
@@ -266,7 +391,16 @@ def load_drafter(path: str | Path, target: TargetModel, dtype: torch.dtype | Non
     (:func:`relaxspec.training.drafter.train_drafter`) (``kind == "drafter"``), build it of its
     family's layers and attach it to ``target`` (its device, and its dtype unless ``dtype`` is
     given: training reads fp32 weights as fp32 whatever the target's precision); a drafter made for another
-    family or shape of target is refused."""
+    family or shape of target is refused. Official LANTERN's LlamaGen drafter folders (a
+    transformers ``config.json`` and ``pytorch_model.bin`` or ``model.safetensors``) are read by
+    :func:`relaxspec.drafting.lantern_drafter.read_lantern_drafter`."""
+    from relaxspec.drafting.lantern_drafter import is_eagle_folder, read_lantern_drafter
+
+    if is_eagle_folder(path):
+        fields, state, weights = read_lantern_drafter(path, target)
+        drafter = EagleDrafter(DrafterConfig(**fields))
+        load_strict(drafter, state, str(weights))  # tensor shapes (its one line names the file)
+        return drafter.to(device=target.device, dtype=dtype or target.dtype).eval().attach(target)
     loaded = read_state(path)
     if loaded.layout != "relaxspec":
         raise RelaxspecError(f"{path}: a drafter is a relaxspec folder (model.safetensors + config.json), "

@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -534,31 +534,36 @@ def build_dataset(config: DrafterTrainConfig, target: TargetModel, prompts=None)
 
 @torch.no_grad()
 def target_features(target: TargetModel, tokens: torch.Tensor, labels: torch.Tensor,
-                    null_rows: int, cond_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                    null_rows: int, cond_mask: torch.Tensor | None = None,
+                    with_condition: bool = False):
     """The frozen target's teacher-forced pass over ``tokens [B, N]``, under each sequence's
     condition and, for the first ``null_rows`` sequences, also under the null condition.
 
     Returns hidden states ``[R, N, dim]`` and logits ``[R, N, vocab]`` (``R = B + null_rows``; row
-    ``k`` predicts token ``k``): condition rows first, then null rows. A target without
-    ``forward_train``, or conditions with a mask, run through its decoding interface
+    ``k`` predicts token ``k``): condition rows first, then null rows. ``with_condition`` adds a
+    third, the hidden states at every condition position ``[R, C, dim]`` (what a drafter that reads
+    the condition takes, as decoding hands them over). A target without ``forward_train``,
+    conditions with a mask, or ``with_condition`` run through its decoding interface
     (:func:`teacher_forced`).
     """
     cond = torch.cat([labels, target.null_condition(labels[:null_rows])])
     tokens = torch.cat([tokens, tokens[:null_rows]])
-    if isinstance(target, TeacherForcedTarget) and cond_mask is None:  # forward_train reads no mask
+    if isinstance(target, TeacherForcedTarget) and cond_mask is None and not with_condition:  # reads no mask
         logits, hidden = target.forward_train(cond, tokens, return_hidden=True)
-    else:
-        mask = None if cond_mask is None else torch.cat([cond_mask, cond_mask[:null_rows]])
-        logits, hidden = teacher_forced(target, cond, tokens, mask)
-    return hidden, logits
+        return hidden, logits
+    mask = None if cond_mask is None else torch.cat([cond_mask, cond_mask[:null_rows]])
+    logits, hidden, condition = teacher_forced(target, cond, tokens, mask, with_condition=True)
+    return (hidden, logits, condition) if with_condition else (hidden, logits)
 
 
 @torch.no_grad()
 def teacher_forced(target: TargetModel, cond: torch.Tensor, tokens: torch.Tensor,
-                   cond_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   cond_mask: torch.Tensor | None = None, with_condition: bool = False):
     """Logits ``[R, N, V]`` and hidden states ``[R, N, D]`` of whole images ``tokens [R, N]``
     through the decoding interface: a prefill, then one causal step over tokens ``0 .. N-2``; row
-    ``k`` predicts token ``k``. These are the features decoding shows the drafter, exactly."""
+    ``k`` predicts token ``k``. These are the features decoding shows the drafter, exactly.
+    ``with_condition``: also the prefill's hidden states at every condition position ``[R, C, D]``
+    (what decoding hands a drafter that reads the condition)."""
     from relaxspec.decoding.target import attention_mask
 
     rows, count = tokens.shape
@@ -575,7 +580,8 @@ def teacher_forced(target: TargetModel, cond: torch.Tensor, tokens: torch.Tensor
     positions = torch.arange(cls, length - 1, device=target.device).expand(rows, count - 1)
     logits, hidden = target.step(tokens[:, :-1].to(target.device), positions, positions,
                                  attention_mask(positions, None, key_valid, length))
-    return torch.cat([first_logits[:, -1:], logits], 1), torch.cat([first_hidden[:, -1:], hidden], 1)
+    logits, hidden = torch.cat([first_logits[:, -1:], logits], 1), torch.cat([first_hidden[:, -1:], hidden], 1)
+    return (logits, hidden, first_hidden) if with_condition else (logits, hidden)
 
 
 def drafter_inputs(features: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -615,7 +621,8 @@ def unrolled_mask(count: int, depths: int, device=None) -> torch.Tensor:
 
 
 def unrolled(drafter: EagleDrafter, features: torch.Tensor, tokens: torch.Tensor, depths: int, *,
-             noise: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+             noise: torch.Tensor | None = None,
+             condition: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The drafter's guesses at draft depths ``1 .. depths`` for every pair, as decoding makes
     them: depth 1 from the target's features (``features [R, N, dim]`` of ``tokens [R, N]``,
     plus ``noise`` on them when given), depth ``d`` at pair ``i`` from its own depth-``d - 1``
@@ -624,7 +631,9 @@ def unrolled(drafter: EagleDrafter, features: torch.Tensor, tokens: torch.Tensor
     Returns ``features [R, depths, N-1, dim]`` and logits ``[R, depths, N-1, vocab]``; at depth
     ``d`` pairs ``i < d - 1`` have no chain (their values are meaningless). Levels below the last
     are computed without gradients (each pass recomputes the levels before it); the last pass,
-    which produces every output, carries them. One depth is the plain causal pass."""
+    which produces every output, carries them. One depth is the plain causal pass. ``condition
+    [R, C, dim]``: the target's hidden states at the condition positions, for a drafter that reads
+    them (official LANTERN's)."""
     in_features, in_tokens, positions = drafter_inputs(features, tokens)
     rows, count = in_tokens.shape
     levels = [in_features.float() if noise is None else in_features.float() + noise]
@@ -636,7 +645,8 @@ def unrolled(drafter: EagleDrafter, features: torch.Tensor, tokens: torch.Tensor
         mask = None if depth == 1 else unrolled_mask(count, depth, tokens.device).expand(rows, -1, -1)
         with torch.set_grad_enabled(torch.is_grad_enabled() and depth == depths):
             out_features, out_logits = drafter(torch.cat(levels, dim=1), in_tokens.repeat(1, depth),
-                                               positions.repeat(1, depth), attn_mask=mask)
+                                               positions.repeat(1, depth), attn_mask=mask,
+                                               **({"condition": condition} if condition is not None else {}))
     return (out_features.reshape(rows, depths, count, -1), out_logits.reshape(rows, depths, count, -1))
 
 
@@ -740,14 +750,17 @@ def batch_loss(drafter: EagleDrafter, tokens: torch.Tensor, labels: torch.Tensor
     null_rows = round(config.null_fraction * tokens.shape[0])
     depths = max(depths or 1, config.train_depths)
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=config.bf16):
-        features, logits = target_features(target, tokens, labels, null_rows,
-                                           None if cond_mask is None else cond_mask.to(device))
+        reads_condition = bool(drafter.config.condition_pairs)  # official LANTERN's layout
+        features, logits, *condition = target_features(target, tokens, labels, null_rows,
+                                                       None if cond_mask is None else cond_mask.to(device),
+                                                       with_condition=reads_condition)
+        condition = condition[0] if condition else None
         noise = None
         if noise_generator is not None and config.noise > 0:
             uniform = torch.rand(features[:, :-1].shape, generator=noise_generator, device=device)
             noise = (2 * uniform - 1) * config.noise
         pred_features, pred_logits = unrolled(drafter, features, torch.cat([tokens, tokens[:null_rows]]), depths,
-                                              noise=noise)
+                                              noise=noise, condition=condition)
         next_features, next_logits = drafter_targets(features, logits)
     batch = tokens.shape[0]
     law_rows = None  # every row: [cond B; null B] under CFG
@@ -939,6 +952,8 @@ def grow_drafter(drafter: EagleDrafter, start: EagleDrafter, name: str = "init_f
         raise RelaxspecError(f"--init-from {name}: that drafter has {start.config.n_layer} blocks, this run trains "
                              f"{drafter.config.n_layer} (a warm start keeps or adds blocks)")
     drafter.fc.load_state_dict(start.fc.state_dict())
+    if start.config.own_embedding and drafter.config.own_embedding:  # LANTERN's own (frozen) token table
+        drafter.embed_tokens.load_state_dict(start.embed_tokens.state_dict())
     for index, layer in enumerate(drafter.layers):
         if index < len(start.layers):
             layer.load_state_dict(start.layers[index].state_dict())
@@ -997,16 +1012,19 @@ def train_drafter(config: DrafterTrainConfig, *, target: TeacherForcedTarget | N
     # The drafter is of the target's family (LlamaGen blocks, or a transformers target's own decoder
     # layers); a resumed run rebuilds the one it saved (a run saved before drafters had families
     # trained LlamaGen blocks).
+    start = load_drafter(config.init_from, target, dtype=torch.float32) if config.init_from and saved is None else None
     if saved is None:
         shape = drafter_config(target, config.n_layer)
+        if start is not None and start.config.lantern_layout:  # official LANTERN's drafter keeps its layout
+            shape = replace(start.config, n_layer=config.n_layer)
     elif "drafter" in saved:
         shape = DrafterConfig(**saved["drafter"])
     else:
         shape = drafter_config(target, config.n_layer, family=LLAMAGEN)
     torch.manual_seed(config.seed)
     drafter = EagleDrafter(shape, target).to(device).attach(target)
-    if config.init_from and saved is None:
-        grow_drafter(drafter, load_drafter(config.init_from, target, dtype=torch.float32), config.init_from)
+    if start is not None:
+        grow_drafter(drafter, start, config.init_from)
     drafter.train()
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=config.lr, betas=config.betas, weight_decay=config.weight_decay)
     # best: the evaluation whose weights out/best holds; scheduled_best: the best chain MAL of the

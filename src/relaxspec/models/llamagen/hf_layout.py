@@ -59,6 +59,27 @@ def is_lantern_folder(path) -> bool:
         "LlamaForCausalLM" in (config.get("architectures") or [])
 
 
+def is_drafter_folder(path) -> bool:
+    """Whether a LANTERN-layout folder holds one of its EAGLE drafters rather than a target: its
+    weights have the drafter's ``fc``, or (as the drafters are released) it has only a
+    ``pytorch_model.bin`` and one layer."""
+    from safetensors import safe_open
+
+    folder = Path(path)
+    weights = folder / "model.safetensors"
+    if not weights.is_file():
+        try:
+            layers = read_json(folder / "config.json").get("num_hidden_layers")
+        except (RelaxspecError, AttributeError):
+            return False
+        return (folder / "pytorch_model.bin").is_file() and layers == 1
+    try:
+        with safe_open(str(weights), framework="pt") as handle:
+            return "fc.weight" in handle.keys()
+    except Exception:  # noqa: BLE001 - read_lantern_folder says what is wrong with the file
+        return False
+
+
 def gpt_fields(config: dict, where: str) -> dict:
     """A LANTERN ``config.json`` -> :class:`~relaxspec.models.llamagen.gpt.GPTConfig` fields
     (one-line errors for a missing or unreadable key)."""
@@ -91,6 +112,9 @@ def read_lantern_folder(path) -> tuple[dict[str, torch.Tensor], dict, dict]:
 
     folder = Path(path)
     where = str(folder)
+    if is_drafter_folder(folder):
+        raise RelaxspecError(f"{where}: this is official LANTERN's EAGLE drafter, not a LlamaGen model: give it as "
+                             "--drafter-ckpt (with the target it was trained for as --gpt-ckpt)")
     config = read_json(folder / "config.json", f"{where}/config.json")
     fields = gpt_fields(config, where)
     gpt = GPTConfig.from_dict(fields)
@@ -184,5 +208,5 @@ def lantern_config(gpt) -> dict:
             "ffn_dropout_p": 0.1, "class_dropout_p": 0.1, "torch_dtype": "float32"}
 
 
-__all__ = ["RENAMES", "from_upstream", "gpt_fields", "is_lantern_folder", "lantern_config", "read_lantern_folder",
+__all__ = ["RENAMES", "from_upstream", "gpt_fields", "is_drafter_folder", "is_lantern_folder", "lantern_config", "read_lantern_folder",
            "to_upstream"]
