@@ -113,3 +113,62 @@ def test_gpu_users_keep_their_torch():
     assert torch_specs == ["torch>=2.4"], torch_specs  # a range any CUDA build since 2.4 satisfies
     extras = [d for group in project["optional-dependencies"].values() for d in group]
     assert not any(d.replace(" ", "").startswith(("torch", "torchvision")) for d in extras)
+
+
+def test_the_lantern_page_runs_on_tiny_replicas(tmp_path, monkeypatch, capsys, tiny_ckpts):
+    """Issue 29: every command of docs/models/lantern.md runs on tiny replicas of the files it
+    names (official LANTERN's layouts: tests/data/lantern), with 2 captions instead of 1,000 or
+    5,000 and the CPU instead of CUDA; clean-fid (it needs torchvision) is stood in for."""
+    import shlex
+    import sys
+    import types
+
+    import numpy as np
+    import torch
+
+    pytest.importorskip("transformers")
+    from helpers.clip import write_clip
+    from helpers.t5 import make_t5
+    from relaxspec.cli import main
+
+    data = ROOT / "tests" / "data" / "lantern"
+    vq = tiny_ckpts["t2i"]
+    t5 = make_t5(tmp_path / "t5", d_model=16)
+    codebook = torch.load(vq["vq"], weights_only=True)["model"]["quantize.embedding.weight"].float()
+    distances = torch.cdist(codebook, codebook)
+    distances.fill_diagonal_(float("inf"))
+    np.save(tmp_path / "table.npy", distances.topk(63, largest=False).indices.to(torch.uint16).numpy())
+    (tmp_path / "captions.json").write_text('["a red cat", "the big blue dog", "a small green heart"]')
+    (tmp_path / "coco").mkdir()
+    (tmp_path / "clip").mkdir()
+    files = {"LlamaGen-T2I": data / "llamagen-t2i", "LlamaGen-T2I-2": data / "llamagen-t2i",
+             "llamagen_drafter": data / "llamagen-t2i-drafter", "flan-t5-xl": t5,
+             "top_16383_indices.npy": tmp_path / "table.npy", "captions_val2017_longest.json": tmp_path / "captions.json",
+             "coco-val2017": tmp_path / "coco", "clip-vit-base-patch32": write_clip(tmp_path / "clip")}
+    sizes = {"--num-images": "2", "--num-prompts": "2", "--device": "cpu", "--precision": "fp32", "--batch-size": "2"}
+    fid = types.SimpleNamespace(get_files_features=lambda files, model, **kw: np.zeros((len(files), 2)),
+                                get_folder_features=lambda folder, model, **kw: np.ones((3, 2)),
+                                fid_from_feats=lambda a, b: 7.5)
+    package = types.ModuleType("cleanfid")
+    package.fid, package.features = fid, types.SimpleNamespace(build_feature_extractor=lambda *a, **k: None)
+    for name, module in (("cleanfid", package), ("cleanfid.fid", fid), ("cleanfid.features", package.features)):
+        monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.chdir(tmp_path)
+    commands = documented_commands(ROOT / "docs" / "models" / "lantern.md")
+    assert len(commands) == 5
+    for command in commands:
+        argv = shlex.split(command)[1:]
+        argv = [str(files.get(word, word)) if not word.startswith("--sweep") else word for word in argv]
+        argv = [f"{word.split('=')[0]}={files[word.split('=')[1]]}" if "=" in word and word.split("=")[1] in files
+                else word for word in argv]
+        for flag, value in sizes.items():
+            if flag in argv:
+                argv[argv.index(flag) + 1] = value
+        if "--vq-ckpt" in argv:
+            at = argv.index("--vq-ckpt")
+            argv[at + 1:at + 2] = [vq["vq"], "--vq-model", vq["vq_json"]]
+        argv += ["--no-progress"] if argv[0] in ("bench",) else []
+        assert main(argv) == 0, (command, capsys.readouterr().err)
+    out = capsys.readouterr().out
+    assert "| `eval-ar`" in out and "| `eval-lantern`" in out and "7.50" in out  # the table of the two evals
+    assert (tmp_path / "bench-lantern" / "summary.md").is_file() and (tmp_path / "bench-lanternpp" / "summary.md").is_file()
