@@ -558,7 +558,7 @@ class OracleTreeSource:
         self.steps, self.log, self.kv_checks = 0, [], 0
 
     def start(self, first_tokens, first_probs, first_hidden, streams, num_tokens, generator, greedy, *,
-              condition_hidden=None) -> None:
+              condition_hidden=None, condition_tokens=None) -> None:
         assert greedy
         self.vocab, self.gen = first_probs.shape[-1], torch.Generator().manual_seed(7)
 
@@ -706,7 +706,7 @@ class CheckedEagleSource(EagleSource):
         self.model, self.cond, self.checked = model, cond, 0
 
     def start(self, first_tokens, first_probs, first_hidden, streams, num_tokens, generator, greedy, *,
-              condition_hidden=None) -> None:
+              condition_hidden=None, condition_tokens=None) -> None:
         # The record must exist before the base class feeds pair 0 through catch_up.
         self.seq = torch.zeros(first_tokens.shape[0], num_tokens + self.max_nodes + 1, dtype=torch.long)
         super().start(first_tokens, first_probs, first_hidden, streams, num_tokens, generator, greedy)

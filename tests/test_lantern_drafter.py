@@ -237,7 +237,8 @@ def edited(tmp_path: Path, weights: bool = True, **changes) -> Path:
     (dict(block_size=None, input_type="t2i2"), "a 32x32 token grid (1024 image tokens, input_type t2i2)"),
     (dict(cls_token_num=5), "the drafter reads a 6-token caption, the target's is 120 tokens"),
     (dict(model_type="chameleon", architectures=["ChameleonForConditionalGeneration"]),
-     "an Anole (Chameleon) LANTERN drafter (model_type chameleon): relaxspec reads only LANTERN's LlamaGen"),
+     "a LANTERN Anole drafter (model_type chameleon) drafts for an Anole target (--model-path ANOLE_DIR); this one "
+     "is LlamaGen t2i"),
     (dict(input_type="c2i"), "input_type 'c2i' is not a LANTERN LlamaGen text-to-image drafter's (t2i or t2i2)"),
     (dict(num_hidden_layers=2), "the weights are not a 2-layer LANTERN LlamaGen drafter's (missing: "
                                 "layers.1.input_layernorm.weight"),

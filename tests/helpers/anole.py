@@ -219,3 +219,81 @@ def fingerprint(state: dict[str, torch.Tensor]) -> str:
         digest.update(f"{name}{tuple(tensor.shape)}".encode())
         digest.update(tensor.numpy().tobytes())
     return digest.hexdigest()[:16]
+
+
+# ---------------------------------------------------------------- official LANTERN's Anole drafter
+#: A tiny drafter in the released layout of ``jadohu/anole_drafter`` (config.json's keys, as
+#: LANTERN's data/configs/anole_config.json has them) at the tiny model's width, with heads, MLP
+#: width and context of its own (2 heads of 16, 96, 256), so a reader that took them from the
+#: target would be caught.
+DRAFTER_CONFIG = {
+    "architectures": ["ChameleonForConditionalGeneration"], "attention_bias": False, "attention_dropout": 0.0,
+    "boi_token_id": IMAGE_START_ID, "bos_token_id": 1, "eoi_token_id": IMAGE_END_ID, "eos_token_id": 2,
+    "hidden_act": "silu", "hidden_size": MODEL["hidden_size"], "image_token_id": IMAGE_TOKEN_ID,
+    "initializer_range": 0.02, "intermediate_size": 96, "max_position_embeddings": 256, "mlp_bias": False,
+    "model_parallel_size": 1, "model_type": "chameleon", "num_attention_heads": 2, "num_hidden_layers": 1,
+    "num_key_value_heads": 2, "rms_norm_eps": 1e-05, "rope_scaling": None, "rope_theta": 10000.0, "swin_norm": False,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "transformers_version": "4.43.0.dev0", "use_cache": True,
+    "vocab_size": VOCAB_SIZE,
+    "vq_config": {"attn_resolutions": [], "ch": 128, "ch_mult": [1, 1, 2, 2, 4], "double_z": False,
+                  "model_type": "chameleon_vqgan", "n_embed": CODES, "out_ch": 3, "z_channels": 256},
+}
+
+
+def drafter_state(config: dict = DRAFTER_CONFIG, seed: int = 0) -> dict[str, torch.Tensor]:
+    """The drafter's state dict under LANTERN's names (``cnets_anole.Model``: its own token table,
+    ``fc`` over [embedding; feature] with bias, one Chameleon layer with q/k norms and input norm),
+    rounded to bf16 as the release is stored; drawn per name like the model's, but from its own
+    seeds (the token table is not the model's, so a reader that used the target's is caught)."""
+    dim, width, heads = config["hidden_size"], config["intermediate_size"], config["num_attention_heads"]
+    head_dim, kv_heads = dim // heads, config["num_key_value_heads"]
+    shapes = {"embed_tokens.weight": (config["vocab_size"], dim), "fc.weight": (dim, 2 * dim), "fc.bias": (dim,)}
+    for i in range(config["num_hidden_layers"]):
+        layer = f"layers.{i}."
+        shapes.update({layer + "self_attn.q_proj.weight": (heads * head_dim, dim),
+                       layer + "self_attn.k_proj.weight": (kv_heads * head_dim, dim),
+                       layer + "self_attn.v_proj.weight": (kv_heads * head_dim, dim),
+                       layer + "self_attn.o_proj.weight": (dim, dim),
+                       layer + "self_attn.q_norm.weight": (heads, head_dim),
+                       layer + "self_attn.q_norm.bias": (heads, head_dim),
+                       layer + "self_attn.k_norm.weight": (kv_heads, head_dim),
+                       layer + "self_attn.k_norm.bias": (kv_heads, head_dim),
+                       layer + "mlp.gate_proj.weight": (width, dim), layer + "mlp.up_proj.weight": (width, dim),
+                       layer + "mlp.down_proj.weight": (dim, width), layer + "input_layernorm.weight": (dim,),
+                       layer + "post_attention_layernorm.weight": (dim,)})
+    state = {}
+    for name, shape in shapes.items():
+        value = _drawn("drafter." + name, shape, seed) if name == "embed_tokens.weight" else \
+            _value("drafter." + name, shape, seed)
+        state[name] = value.to(torch.bfloat16)
+    return state
+
+
+def write_drafter_folder(folder: Path, config: dict = DRAFTER_CONFIG, state: dict | None = None,
+                         weights: str = "pytorch_model.bin") -> Path:
+    """The released layout: ``config.json`` and ``pytorch_model.bin`` (``torch.save`` of the plain
+    state dict) or ``model.safetensors``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    state = drafter_state(config) if state is None else state
+    if weights == "pytorch_model.bin":
+        torch.save(state, folder / weights)
+    else:
+        from safetensors.torch import save_file
+
+        save_file({key: value.contiguous() for key, value in state.items()}, str(folder / weights))
+    return folder
+
+
+#: The neighbour table the drafter golden data were decoded with: code ``c``'s neighbours are the
+#: codes at these offsets (mod 8192), nearest first -- a fixed table both LANTERN (its
+#: ``top_8191_indices.npy``, of which it reads the first k columns) and relaxspec (--neighbours) read.
+NEIGHBOUR_OFFSETS = [sign * step for step in range(1, 257) for sign in (1, -1)][:511]
+
+
+def neighbour_table(count: int = len(NEIGHBOUR_OFFSETS)):
+    """int64 ``[8192, count]``: each code's first ``count`` neighbours."""
+    import numpy as np
+
+    codes = np.arange(CODES)[:, None]
+    return ((codes + np.asarray(NEIGHBOUR_OFFSETS[:count])[None, :]) % CODES).astype(np.int64)

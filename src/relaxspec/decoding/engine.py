@@ -85,7 +85,7 @@ def generate_speculative(model, cond, sampling: SamplingConfig, options: MethodO
             on_step(tokens[:, :n_tok], n)
         t0 = time.perf_counter()
         source.start(tokens[:, 0], probs0, hidden0[:, -1:], target.streams, n_tok, generator, greedy,
-                     condition_hidden=hidden0)
+                     condition_hidden=hidden0, condition_tokens=target.condition_tokens)
         drafter_seconds += time.perf_counter() - t0
         before = source.forwards
         while done < batch * n_tok:

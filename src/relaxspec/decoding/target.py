@@ -17,7 +17,7 @@ import torch
 from relaxspec.compiling import compiled
 from relaxspec.errors import RelaxspecError
 from relaxspec.timing import Stopwatch
-from relaxspec.models.base import TargetModel
+from relaxspec.models.base import TargetModel, condition_tokens
 from relaxspec.sampling import SamplingConfig, process_logits, stream_rows
 
 
@@ -72,6 +72,9 @@ class GuidedTarget:
         self.device = model.device
         cond = cond.to(self.device)
         self.cond = torch.cat([cond, model.null_condition(cond)]) if self.streams == 2 else cond
+        # [S*B, C] the condition's tokens for a target conditioned on tokens (else None): what a
+        # drafter that reads the prompt pairs with the prefill's hidden states
+        self.condition_tokens = condition_tokens(model, self.cond)
         self.max_seq = self.cls + self.num_tokens + scratch
         model.setup_caches(self.batch * self.streams, self.max_seq)
         self.key_valid = None

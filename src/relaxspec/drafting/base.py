@@ -63,12 +63,14 @@ class DraftSource(Protocol):
 
     def start(self, first_tokens: torch.Tensor, first_probs: torch.Tensor, first_hidden: torch.Tensor,
               streams: int, num_tokens: int, generator: torch.Generator | None, greedy: bool, *,
-              condition_hidden: torch.Tensor | None = None) -> None:
+              condition_hidden: torch.Tensor | None = None, condition_tokens: torch.Tensor | None = None) -> None:
         """Once, after the target's prefill: image token 0 ``first_tokens [B]``, the law it was
         drawn from ``first_probs [B, V]``, the hidden state that predicted it ``first_hidden
-        [S*B, 1, d]``, and the hidden states at every condition position ``condition_hidden
-        [S*B, C, d]`` (a drafter that reads the condition, as official LANTERN's do);
-        ``num_tokens`` image tokens will be decoded."""
+        [S*B, 1, d]``, the hidden states at every condition position ``condition_hidden
+        [S*B, C, d]`` and, for a target conditioned on tokens, the condition's tokens
+        ``condition_tokens [S*B, C]`` (-1 where padded; else ``None``) -- what a drafter that reads
+        the condition takes, as official LANTERN's do; ``num_tokens`` image tokens will be
+        decoded."""
 
     def propose(self, roots: torch.Tensor, root_index: torch.Tensor, generator: torch.Generator | None,
                 greedy: bool) -> DraftTree:

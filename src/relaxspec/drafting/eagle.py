@@ -23,17 +23,34 @@ Pair ``j`` sits in cache slot ``j``: the drafter sees no condition positions, on
 target's features carry about the condition. With CFG the drafter runs on both streams (features
 from each stream), exactly like the target.
 
-Official LANTERN's LlamaGen drafters (:mod:`relaxspec.drafting.lantern_drafter` reads their
-folders) are LlamaGen blocks with three differences, each a :class:`DrafterConfig` field that
-relaxspec's own drafters leave at its default: layer 0 has no input norm
+Official LANTERN's drafters (:mod:`relaxspec.drafting.lantern_drafter` reads their folders) depart
+from relaxspec's own in three :class:`DrafterConfig` fields that relaxspec's own drafters leave at
+their defaults. LlamaGen's (LlamaGen blocks): layer 0 has no input norm
 (``first_attention_norm=False``: EAGLE feeds ``fc``'s output to attention raw), the drafter keeps
-its own token table (``own_embedding``), and it also reads the condition
-(``condition_pairs = P``): ``P`` leading pairs (the target's final hidden state at condition
-position ``t``, token 0) for ``t = 0 .. P-1``, at all-zero RoPE, before pair 0 (the feature at the
-condition's last position ``P``, image token 0). Image pair ``j`` keeps RoPE row ``j``. The engine
-hands every draft source the prefill's hidden states at the condition positions
-(``condition_hidden``), which such a drafter writes into its cache first; training passes the
-teacher-forced pass's (``condition=``).
+its own token table (``own_embedding``), and it reads the condition (``condition_pairs = P``).
+Anole's (Chameleon decoder layers, its family's) keep the input norm and have the other two.
+
+Reading the condition is one idea for both: before image pair 0 the drafter attends to the
+*condition pairs* ``t = 0 .. C-2`` of a ``C``-position condition, pair ``t`` being (the target's
+final hidden state at condition position ``t``, the token at position ``t + 1``), as official
+LANTERN feeds its drafter ``input_ids[:, 1:]`` beside the prefill's hidden states. Pair 0 (image
+token 0) then pairs the feature at the condition's last position. What differs is what a
+condition position holds:
+
+- LlamaGen blocks: caption features, no tokens: every pair's token is 0, its RoPE row all zero
+  (the table's first ``P`` rows), none masked; ``P = C - 1`` exactly (LANTERN's 119). Image pair
+  ``j`` keeps its grid row (table row ``P + j``).
+- a transformers family (Anole): prompt tokens (``condition_tokens [R, C]``, -1 where left-padded):
+  pair ``t`` sits at the position the target gives position ``t`` (padding skipped; the
+  unconditional context's <s> at 0, as LANTERN's ``input_position_diff`` shift puts it), pairs at
+  padded positions are masked, and image pair ``j`` sits at the last prompt position's plus ``j``.
+  ``P`` bounds ``C - 1`` (the RoPE table covers ``P + 1 + N`` positions).
+
+The engine hands every draft source the prefill's hidden states at the condition positions
+(``condition_hidden``) and the condition's tokens where the target has them
+(``condition_tokens``, :func:`relaxspec.models.base.condition_tokens`); such a drafter writes the
+pairs into cache slots ``0 .. P-1`` first (engine slot ``s`` is cache slot ``P + s``). Training
+passes the teacher-forced pass's (``condition=``, ``condition_tokens=``).
 """
 
 from __future__ import annotations
@@ -68,11 +85,13 @@ class DrafterConfig:
     ``{"class": decoder layer class, "config": layer config fields}``
     (:func:`relaxspec.drafting.family.layer_spec`).
 
-    LlamaGen blocks only, official LANTERN's layout (defaults: relaxspec's own drafters):
-    ``first_attention_norm`` False drops layer 0's input norm; ``own_embedding`` gives the drafter
-    its own (frozen) token table instead of the target's; ``condition_pairs`` ``P > 0`` makes it
-    read the target's features at the first ``P`` condition positions (a ``P + 1``-token
-    condition)."""
+    Official LANTERN's layout (defaults: relaxspec's own drafters): ``first_attention_norm`` False
+    drops layer 0's input norm (LlamaGen blocks only); ``own_embedding`` gives the drafter its own
+    (frozen) token table instead of the target's (a transformers family's covers the model's whole
+    vocabulary, ``layer["config"]["vocab_size"]``, as the prompt's tokens need); ``condition_pairs``
+    ``P > 0`` makes it read the condition's pairs (module docstring): LlamaGen blocks those of a
+    ``P + 1``-token condition, a family drafter those of a prompt of at most ``P + 1`` tokens (with
+    its own token table)."""
 
     target: dict
     n_layer: int = 1
@@ -94,9 +113,12 @@ class DrafterConfig:
         if not isinstance(self.condition_pairs, int) or isinstance(self.condition_pairs, bool) \
                 or self.condition_pairs < 0:
             raise RelaxspecError(f"drafter condition_pairs must be a count >= 0, got {self.condition_pairs!r}")
-        if self.family != LLAMAGEN and self.lantern_layout:
-            raise RelaxspecError(f"a drafter of the {self.family} family has its target's layers: "
-                                 "first_attention_norm, own_embedding and condition_pairs are for LlamaGen blocks")
+        if self.family != LLAMAGEN and not self.first_attention_norm:
+            raise RelaxspecError(f"a drafter of the {self.family} family has its target's layers, input norm "
+                                 "included: first_attention_norm is for LlamaGen blocks")
+        if self.family != LLAMAGEN and self.condition_pairs and not self.own_embedding:
+            raise RelaxspecError(f"a drafter of the {self.family} family reads the prompt's tokens with its own "
+                                 "token table: condition_pairs needs own_embedding")
         if self.family != LLAMAGEN:
             layer = self.layer
             if not (isinstance(layer, dict) and isinstance(layer.get("class"), str)
@@ -109,6 +131,10 @@ class DrafterConfig:
             if layer["config"].get("hidden_size") != self.target["dim"]:
                 raise RelaxspecError(f"the drafter's layers are {layer['config'].get('hidden_size')} wide, "
                                      f"its target {self.target['dim']}")
+            vocabulary = layer["config"].get("vocab_size")
+            if self.own_embedding and not (isinstance(vocabulary, int) and vocabulary >= 1):
+                raise RelaxspecError(f"a drafter of the {self.family} family with its own token table needs "
+                                     "layer.config.vocab_size (the model's vocabulary)")
 
     @property
     def target_config(self) -> GPTConfig:
@@ -127,13 +153,19 @@ class DrafterConfig:
         return not self.first_attention_norm or self.own_embedding or self.condition_pairs > 0
 
     def to_dict(self) -> dict:
-        """As ``config.json`` records it; a llamagen drafter's as it always was (no family, and
-        LANTERN's fields only when set)."""
+        """As ``config.json`` records it; a llamagen drafter's as it always was (no family), and
+        LANTERN's fields only when set."""
+        lantern = {name: getattr(self, name) for name in LANTERN_FIELDS if getattr(self, name) != DEFAULTS[name]}
         if self.family == LLAMAGEN:
-            lantern = {name: getattr(self, name) for name in LANTERN_FIELDS
-                       if getattr(self, name) != DEFAULTS[name]}
             return {"target": self.target, "n_layer": self.n_layer, **lantern}
-        return {key: value for key, value in asdict(self).items() if key not in LANTERN_FIELDS}
+        return {**{key: value for key, value in asdict(self).items() if key not in LANTERN_FIELDS}, **lantern}
+
+    def with_layers(self, n_layer: int) -> "DrafterConfig":
+        """The same drafter with ``n_layer`` layers (a warm start that grows it)."""
+        layer = self.layer
+        if layer is not None:
+            layer = {**layer, "config": {**layer["config"], "num_hidden_layers": int(n_layer)}}
+        return dataclasses.replace(self, n_layer=n_layer, layer=layer)
 
 
 #: Official LANTERN's layout of LlamaGen blocks (:class:`DrafterConfig`) and their defaults.
@@ -189,7 +221,7 @@ def drafter_config(target: TargetModel, n_layer: int = 1, family: str | None = N
 
 def check_target(config: DrafterConfig, target: TargetModel) -> None:
     """Refuse (one line) a ``target`` the drafter was not made for: another family, or another
-    width, vocabulary, grid (or, for LlamaGen blocks, heads)."""
+    width, vocabulary, grid (or, for LlamaGen blocks, heads), or a condition it cannot read."""
     if config.family == LLAMAGEN:
         tcfg, mine = GPTConfig.from_dict(drafter_target_config(target)), config.target_config
         theirs, ours = (tcfg.dim, tcfg.vocab_size, tcfg.block_size, tcfg.n_head), \
@@ -207,11 +239,21 @@ def check_target(config: DrafterConfig, target: TargetModel) -> None:
         what = "dim/vocab/grid"
     if theirs != ours:
         raise RelaxspecError(f"the drafter was trained for a different target ({what} {ours} vs {theirs})")
+    if config.family != LLAMAGEN and config.own_embedding:
+        vocabulary = int(hf.text_model_of(target).config.vocab_size)
+        if getattr(target, "code_ids", None) is None or vocabulary != config.layer["config"]["vocab_size"]:
+            raise RelaxspecError(f"the drafter's token table covers {config.layer['config']['vocab_size']} tokens; "
+                                 f"this target's vocabulary is {vocabulary}")
     if config.condition_pairs:
         cls = int(target.config.cls_token_num)
-        if cls != config.condition_pairs + 1:
+        if config.family == LLAMAGEN and cls != config.condition_pairs + 1:
             raise RelaxspecError(f"the drafter reads a {config.condition_pairs + 1}-token condition "
                                  f"({config.condition_pairs} condition pairs); this target's condition is {cls} tokens")
+        if config.family != LLAMAGEN and cls > config.condition_pairs + 1:
+            raise RelaxspecError(f"the drafter reads prompts of at most {config.condition_pairs + 1} tokens; this "
+                                 f"target's are {cls}")
+        if config.family != LLAMAGEN and not callable(getattr(target, "condition_tokens", None)):
+            raise RelaxspecError("the drafter reads the prompt's tokens; this target has none (condition_tokens)")
 
 
 class EagleDrafter(nn.Module):
@@ -225,6 +267,7 @@ class EagleDrafter(nn.Module):
     def __init__(self, config: DrafterConfig, target: TargetModel | None = None):
         super().__init__()
         self.config = config
+        pairs = config.condition_pairs
         if config.family == LLAMAGEN:
             tcfg = config.target_config
             self.fc = nn.Linear(2 * tcfg.dim, tcfg.dim, bias=True)
@@ -233,7 +276,8 @@ class EagleDrafter(nn.Module):
                 self.layers[0].attention_norm = nn.Identity()
             if config.own_embedding:  # LANTERN: its own copy, frozen (trained drafters never move it)
                 self.embed_tokens = nn.Embedding(tcfg.vocab_size, tcfg.dim).requires_grad_(False)
-            self.register_buffer("rope", rope_table_2d(tcfg.grid_size, tcfg.head_dim, tcfg.rope_base, 0),
+            # [P + block_size, head_dim / 2, 2]: P all-zero rows (the condition pairs'), then the grid's
+            self.register_buffer("rope", rope_table_2d(tcfg.grid_size, tcfg.head_dim, tcfg.rope_base, pairs),
                                  persistent=False)
         else:
             if target is None:
@@ -243,12 +287,17 @@ class EagleDrafter(nn.Module):
             text_model = hf.text_model_of(target)
             self.fc = nn.Linear(2 * config.dim, config.dim, bias=True)
             self.layers = FamilyLayers(text_model, config.layer, config.n_layer)
-            # [block_size, 2, head_dim]: the family rotary's (cos, sin) of image-token index j
-            self.register_buffer("rope", rope_table(text_model, self.layers.text_config, config.target["block_size"]),
-                                 persistent=False)
+            if config.own_embedding:  # LANTERN's Anole drafter: the model's whole vocabulary, frozen
+                self.embed_tokens = nn.Embedding(config.layer["config"]["vocab_size"], config.dim).requires_grad_(False)
+            # [count, 2, head_dim]: the family rotary's (cos, sin) of 1D position p (image-token index j,
+            # or with a prompt read first, its positions then the image's)
+            count = config.target["block_size"] + (pairs + 1 if pairs else 0)
+            self.register_buffer("rope", rope_table(text_model, self.layers.text_config, count), persistent=False)
         self._target: tuple[TargetModel] | None = None  # a tuple so the target is not a submodule
         self._kv_store: torch.Tensor | None = None
-        self._condition_seen: torch.Tensor | None = None  # [rows, 1, 1]: the cached condition pairs are real
+        self._condition_slots = 0  # cache slots the condition's pairs hold (engine slot s is slot P + s)
+        self._condition_keys: torch.Tensor | None = None  # [rows, 1, P]: the cached pairs each query may see
+        self._image_start: torch.Tensor | None = None  # [rows]: image pair 0's position
         for module in self.modules():
             if isinstance(module, nn.Linear):
                 nn.init.normal_(module.weight, std=0.02)
@@ -276,111 +325,173 @@ class EagleDrafter(nn.Module):
             raise RuntimeError("call drafter.attach(target) first")
         return self._target[0]
 
-    def setup_caches(self, rows: int, max_seq: int, condition: torch.Tensor | None = None) -> None:
+    def setup_caches(self, rows: int, max_seq: int, condition: torch.Tensor | None = None,
+                     condition_tokens: torch.Tensor | None = None) -> None:
         """Static caches for ``rows`` rows of ``max_seq`` slots, reused while the shape stays.
-        A drafter that reads the condition (``condition_pairs`` P) also writes its pairs from
-        ``condition [rows, >= P, dim]``, the target's hidden states at the condition positions
-        of this decode's prefill; without them (timing a step) those slots stay hidden."""
-        if self.family != LLAMAGEN:
-            self.layers.setup(rows, max_seq, self.fc.weight.dtype, self.fc.weight.device)
-            return
-        att = self.layers[0].attention
-        pairs = self.config.condition_pairs  # the condition's pairs sit in slots 0..P-1, before the engine's
-        allocate_kv_store(self, self.layers, rows, pairs + max_seq, att.n_kv_head, att.head_dim,
-                          self.fc.weight.dtype, self.fc.weight.device)
-        if pairs:
-            self._cache_condition(rows, condition)
+        A drafter that reads the condition (``condition_pairs``) also writes its pairs first from
+        ``condition [rows, C, dim]``, the target's hidden states at the condition positions of
+        this decode's prefill, and (a family drafter) ``condition_tokens [rows, C]``, the
+        condition's tokens; without them (timing a step) there are no pairs to see."""
+        pairs = 0
+        if self.config.condition_pairs and self.family == LLAMAGEN:
+            pairs = self.config.condition_pairs
+        elif self.config.condition_pairs and condition is not None:
+            pairs = self._check_condition(condition, condition_tokens, rows).shape[1] - 1
+        dtype, device = self.fc.weight.dtype, self.fc.weight.device
+        if self.family == LLAMAGEN:
+            att = self.layers[0].attention
+            allocate_kv_store(self, self.layers, rows, pairs + max_seq, att.n_kv_head, att.head_dim, dtype, device)
+        else:
+            self.layers.setup(rows, pairs + max_seq, dtype, device)
+        self._condition_slots = pairs
+        if self.config.condition_pairs:
+            self._cache_condition(rows, pairs, condition, condition_tokens)
 
-    def _cache_condition(self, rows: int, condition: torch.Tensor | None) -> None:
-        """Write the condition's pairs (``condition [rows, >= P, dim]``: the target's hidden states
-        at condition positions ``0 .. P-1``) into slots ``0 .. P-1``; without them they stay hidden
-        from every query."""
+    def _cache_condition(self, rows: int, pairs: int, condition: torch.Tensor | None,
+                         tokens: torch.Tensor | None) -> None:
+        """Write the condition's pairs into slots ``0 .. P-1`` (each attending causally to the
+        unmasked ones), and keep which of them later queries see and where image pair 0 sits."""
         device = self.fc.weight.device
-        self._condition_seen = torch.full((rows, 1, 1), condition is not None, device=device)
+        self._condition_keys = torch.zeros(rows, 1, pairs, dtype=torch.bool, device=device)
+        self._image_start = torch.full((rows,), pairs if self.family == LLAMAGEN else 0, device=device)
         if condition is None:
             return
-        pairs = self.config.condition_pairs
-        if condition.shape[0] != rows or condition.shape[1] < pairs:
-            raise RelaxspecError(f"the drafter reads {pairs} condition positions of {rows} rows; got hidden states "
-                                 f"{tuple(condition.shape)}")
+        h, positions, valid, start = self._condition_pairs(condition, tokens)
         slots = torch.arange(pairs, device=device).expand(rows, -1)
-        run_blocks(self.layers, self._condition_input(condition[:, :pairs]), self._condition_rope(rows), slots, None,
-                   None)
+        self._layers(h, positions, slots, self._condition_mask(valid), pairs)
+        self._condition_keys, self._image_start = valid[:, None, :], start
 
     @property
     def cache_length(self) -> int:
         """Slots of the current caches (the engine's: the condition's, if any, come before)."""
-        if self.family != LLAMAGEN:
-            return self.layers.slots
-        return self._kv_store.shape[4] - self.config.condition_pairs
+        slots = self._kv_store.shape[4] if self.family == LLAMAGEN else self.layers.slots
+        return slots - self._condition_slots
 
     def clear_caches(self) -> None:
         if self.family != LLAMAGEN:
             self.layers.clear()
         else:
             release_kv_store(self, self.layers)
-            self._condition_seen = None
+        self._condition_slots, self._condition_keys, self._image_start = 0, None, None
 
     def forward(self, features: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, *,
                 cache_slots: torch.Tensor | None = None, attn_mask: torch.Tensor | None = None,
-                kv_len: int | None = None, condition: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                kv_len: int | None = None, condition: torch.Tensor | None = None,
+                condition_tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``features [R, T, dim]`` (target hidden states that predicted ``tokens``), ``tokens
         [R, T]``, ``positions [R, T]`` image-token indices. Returns the predicted next features
         ``[R, T, dim]`` and their draft logits ``[R, T, vocab]`` (fp32, unprocessed).
 
-        A drafter with ``condition_pairs`` P also attends to the condition's pairs: with caches,
-        those :meth:`setup_caches` wrote; without, ``condition [R, >= P, dim]`` (the target's
-        final hidden states at condition positions ``0 .. P-1``, required), run before the ``T``
-        pairs."""
+        A drafter with ``condition_pairs`` also attends to the condition's pairs: with caches,
+        those :meth:`setup_caches` wrote; without, those of ``condition [R, C, dim]`` (the
+        target's final hidden states at the condition positions, required) and, for a family
+        drafter, ``condition_tokens [R, C]`` (the condition's tokens, -1 where padded), run
+        before the ``T`` pairs."""
         target = self.target
         h = self.fc(torch.cat([self._embed(tokens), features.to(self.fc.weight.dtype)], dim=-1))
-        if self.family != LLAMAGEN:
-            h = self.layers.run(h, self.rope[positions], positions, cache_slots, attn_mask, kv_len)
-        elif self.config.condition_pairs:
-            h = self._run_after_condition(h, self.rope[positions], cache_slots, attn_mask, kv_len, condition)
+        if self.config.condition_pairs:
+            h = self._run_after_condition(h, positions, cache_slots, attn_mask, kv_len, condition, condition_tokens)
         else:
-            h = run_blocks(self.layers, h, self.rope[positions], cache_slots, attn_mask, kv_len)
+            h = self._layers(h, positions, cache_slots, attn_mask, kv_len)
         return h, target.head(h)
 
-    def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        table = self.embed_tokens if self.config.own_embedding else self.target.embed_tokens
-        return table(tokens).to(self.fc.weight.dtype)
+    def _layers(self, h: torch.Tensor, positions: torch.Tensor, cache_slots: torch.Tensor | None,
+                attn_mask: torch.Tensor | None, kv_len: int | None) -> torch.Tensor:
+        """The layers over ``h [R, T, dim]`` at ``positions [R, T]`` (rows of the RoPE table)."""
+        positions = positions.clamp(max=self.rope.shape[0] - 1)  # past the image: outputs never used
+        if self.family == LLAMAGEN:
+            return run_blocks(self.layers, h, self.rope[positions], cache_slots, attn_mask, kv_len)
+        return self.layers.run(h, self.rope[positions], positions, cache_slots, attn_mask, kv_len)
 
-    def _condition_input(self, features: torch.Tensor) -> torch.Tensor:
-        """``fc`` of the condition's pairs: (token 0, the target's feature at position ``t``), as
-        LANTERN pairs its ``[0] * P`` input ids with the prefill's hidden states."""
-        tokens = torch.zeros(features.shape[:2], dtype=torch.long, device=features.device)
-        return self.fc(torch.cat([self._embed(tokens), features.to(self.fc.weight.dtype)], dim=-1))
+    def _embed(self, tokens: torch.Tensor, vocabulary: bool = False) -> torch.Tensor:
+        """Image tokens (codes) or, with ``vocabulary``, the model's token ids -> ``[.., dim]``."""
+        if not self.config.own_embedding:
+            return self.target.embed_tokens(tokens).to(self.fc.weight.dtype)
+        if self.family != LLAMAGEN and not vocabulary:  # a code's id in the model's vocabulary
+            tokens = self.target.code_ids[tokens]
+        return self.embed_tokens(tokens).to(self.fc.weight.dtype)
 
-    def _condition_rope(self, rows: int) -> torch.Tensor:
-        """The condition's RoPE rows: all zero (LANTERN's table has ``P`` zero rows first)."""
-        return self.rope.new_zeros(rows, self.config.condition_pairs, *self.rope.shape[1:])
-
-    def _run_after_condition(self, h: torch.Tensor, rope: torch.Tensor, cache_slots: torch.Tensor | None,
-                             attn_mask: torch.Tensor | None, kv_len: int | None,
-                             condition: torch.Tensor | None) -> torch.Tensor:
-        """The blocks over ``h [R, T, dim]`` after the condition's P pairs, which every pair sees."""
-        rows, count = h.shape[:2]
+    def _check_condition(self, condition: torch.Tensor, tokens: torch.Tensor | None, rows: int) -> torch.Tensor:
+        """``condition [rows, C, dim]`` and, for a family drafter, ``tokens [rows, C]``, checked;
+        returns the tokens (LlamaGen blocks: ``[rows, P + 1]`` zeros, captions have none)."""
         pairs = self.config.condition_pairs
-        if cache_slots is not None and self._kv_store is not None:
+        if condition.shape[0] != rows:
+            raise RelaxspecError(f"the drafter reads the condition of {rows} rows; got hidden states "
+                                 f"{tuple(condition.shape)}")
+        if self.family == LLAMAGEN:
+            if condition.shape[1] < pairs:
+                raise RelaxspecError(f"the drafter reads {pairs} condition positions; got hidden states "
+                                     f"{tuple(condition.shape)}")
+            return torch.zeros(rows, pairs + 1, dtype=torch.long, device=condition.device)
+        if tokens is None:
+            raise RelaxspecError("this drafter (official LANTERN's Anole layout) reads the prompt's tokens: give "
+                                 "them with the hidden states (condition_tokens=)")
+        if tuple(tokens.shape) != tuple(condition.shape[:2]) or tokens.shape[1] - 1 > pairs:
+            raise RelaxspecError(f"the drafter reads prompts of at most {pairs + 1} tokens, one token per hidden "
+                                 f"state; got tokens {tuple(tokens.shape)} and hidden states {tuple(condition.shape)}")
+        return tokens
+
+    def _condition_pairs(self, condition: torch.Tensor, tokens: torch.Tensor | None):
+        """The condition's pairs ``t = 0 .. P-1`` (module docstring) through ``fc``: ``h [R, P,
+        dim]``, their RoPE ``positions [R, P]``, which are real (not padding) ``valid [R, P]`` and
+        image pair 0's position ``start [R]``. LlamaGen blocks: token 0 at the table's zero rows,
+        all real, image pair ``j`` at row ``P + j``. A family drafter: token ``t + 1`` at the
+        target's position of ``t`` (left padding skipped), as LANTERN's ``input_ids[:, 1:]``."""
+        rows = condition.shape[0]
+        tokens = self._check_condition(condition, tokens, rows)
+        count = tokens.shape[1] - 1
+        if self.family == LLAMAGEN:
+            positions = torch.arange(count, device=tokens.device).expand(rows, -1)
+            valid = torch.ones(rows, count, dtype=torch.bool, device=tokens.device)
+            start = torch.full((rows,), count, device=tokens.device)
+        else:
+            real = tokens >= 0
+            padding = (~real).sum(-1, keepdim=True)
+            position = (torch.arange(count + 1, device=tokens.device) - padding).clamp(min=0)
+            positions, valid, start = position[:, :-1], real[:, :-1], position[:, -1]
+        pair_tokens = tokens[:, 1:].clamp(min=0)
+        h = self.fc(torch.cat([self._embed(pair_tokens, vocabulary=True),
+                               condition[:, :count].to(self.fc.weight.dtype)], dim=-1))
+        return h, positions, valid, start
+
+    @staticmethod
+    def _condition_mask(valid: torch.Tensor) -> torch.Tensor:
+        """``[R, P, P]``: causal over the condition's real pairs; a padded pair sees itself only
+        (its output is never read, and every other query hides it)."""
+        count = valid.shape[1]
+        causal = torch.ones(count, count, dtype=torch.bool, device=valid.device).tril()
+        return (causal & valid[:, None, :]) | torch.eye(count, dtype=torch.bool, device=valid.device)
+
+    def _run_after_condition(self, h: torch.Tensor, positions: torch.Tensor, cache_slots: torch.Tensor | None,
+                             attn_mask: torch.Tensor | None, kv_len: int | None, condition: torch.Tensor | None,
+                             condition_tokens: torch.Tensor | None) -> torch.Tensor:
+        """The layers over image pairs ``h [R, T, dim]`` after the condition's pairs, which every
+        image pair sees (where real)."""
+        rows, count = h.shape[:2]
+        cached = self._kv_store is not None if self.family == LLAMAGEN else self.layers.slots > 0
+        if cache_slots is not None and cached:
             # Engine slot s is cache slot P + s; the engine's mask covers its slots, the condition's
-            # columns are visible when they were written for this decode.
+            # columns are what setup_caches wrote for this decode.
+            pairs = self._condition_slots
             if attn_mask is None:
                 keys = torch.arange(self.cache_length if kv_len is None else kv_len, device=h.device)
                 attn_mask = keys[None, None, :] <= cache_slots[:, :, None]
-            seen = self._condition_seen[:rows].expand(rows, count, pairs)
-            return run_blocks(self.layers, h, rope, cache_slots + pairs, torch.cat([seen, attn_mask], dim=-1),
-                              None if kv_len is None else pairs + kv_len)
+            seen = self._condition_keys[:rows].expand(rows, count, pairs)
+            return self._layers(h, self._image_start[:rows, None] + positions, cache_slots + pairs,
+                                torch.cat([seen, attn_mask], dim=-1), None if kv_len is None else pairs + kv_len)
         if condition is None:
             raise RelaxspecError("this drafter (official LANTERN's layout) reads the condition: give the target's "
                                  "hidden states at the condition positions (condition=)")
-        h = torch.cat([self._condition_input(condition[:, :pairs]), h], dim=1)
-        rope = torch.cat([self._condition_rope(rows), rope], dim=1)
-        if attn_mask is not None:  # [R, T, T] over the pairs -> [R, P+T, P+T]: condition causal, seen by all
-            full = torch.ones(rows, pairs + count, pairs + count, dtype=torch.bool, device=h.device).tril()
+        pair_h, pair_positions, valid, start = self._condition_pairs(condition, condition_tokens)
+        pairs = pair_h.shape[1]
+        full = torch.ones(rows, pairs + count, pairs + count, dtype=torch.bool, device=h.device).tril()
+        full[:, :, :pairs] &= valid[:, None, :]
+        full[:, :pairs, :pairs] = self._condition_mask(valid)
+        if attn_mask is not None:  # [R, T, T] over the image pairs
             full[:, pairs:, pairs:] = attn_mask
-            attn_mask = full
-        return run_blocks(self.layers, h, rope, None, attn_mask, None)[:, pairs:]
+        h = torch.cat([pair_h, h], dim=1)
+        positions = torch.cat([pair_positions, start[:, None] + positions], dim=1)
+        return self._layers(h, positions, None, full, None)[:, pairs:]
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
@@ -391,14 +502,14 @@ def load_drafter(path: str | Path, target: TargetModel, dtype: torch.dtype | Non
     (:func:`relaxspec.training.drafter.train_drafter`) (``kind == "drafter"``), build it of its
     family's layers and attach it to ``target`` (its device, and its dtype unless ``dtype`` is
     given: training reads fp32 weights as fp32 whatever the target's precision); a drafter made for another
-    family or shape of target is refused. Official LANTERN's LlamaGen drafter folders (a
-    transformers ``config.json`` and ``pytorch_model.bin`` or ``model.safetensors``) are read by
-    :func:`relaxspec.drafting.lantern_drafter.read_lantern_drafter`."""
+    family or shape of target is refused. Official LANTERN's drafter folders, LlamaGen's and
+    Anole's (a transformers ``config.json`` and ``pytorch_model.bin`` or ``model.safetensors``),
+    are read by :func:`relaxspec.drafting.lantern_drafter.read_lantern_drafter`."""
     from relaxspec.drafting.lantern_drafter import is_eagle_folder, read_lantern_drafter
 
     if is_eagle_folder(path):
         fields, state, weights = read_lantern_drafter(path, target)
-        drafter = EagleDrafter(DrafterConfig(**fields))
+        drafter = EagleDrafter(DrafterConfig(**fields), target)
         load_strict(drafter, state, str(weights))  # tensor shapes (its one line names the file)
         return drafter.to(device=target.device, dtype=dtype or target.dtype).eval().attach(target)
     loaded = read_state(path)

@@ -46,18 +46,19 @@ class EagleSource:
 
     # -- plumbing shared by the structures ----------------------------------------------
     def start(self, first_tokens, first_probs, first_hidden, streams: int, num_tokens: int, generator,
-              greedy: bool, *, condition_hidden=None) -> None:
+              greedy: bool, *, condition_hidden=None, condition_tokens=None) -> None:
         """Called once after the target's prefill: ``first_tokens [B]`` (image token 0), the law it
         was drawn from ``first_probs [B, V]``, the hidden state that predicted it ``first_hidden
-        [S*B, 1, d]`` and those of the whole condition ``condition_hidden [S*B, C, d]`` (what a
-        drafter that reads the condition caches first). Feeds pair 0 so the first proposal has its
-        root law."""
+        [S*B, 1, d]``, those of the whole condition ``condition_hidden [S*B, C, d]`` and, for a
+        target conditioned on tokens, those tokens ``condition_tokens [S*B, C]`` (what a drafter
+        that reads the condition caches first). Feeds pair 0 so the first proposal has its root
+        law."""
         self.batch, self.streams = first_tokens.shape[0], streams
         # Row indices made once on the device: an index made on the host is a copy and a sync per step.
         self._image_rows = torch.arange(self.batch, device=first_tokens.device)
         self._stream_rows = torch.arange(self.batch * streams, device=first_tokens.device)
         self.drafter.setup_caches(self.batch * streams, num_tokens + self.structure.drafter_slots + 1,
-                                  condition=condition_hidden)
+                                  condition=condition_hidden, condition_tokens=condition_tokens)
         self.cache_length = self.drafter.cache_length
         device = first_tokens.device
         self._step = compiled(drafter_step, device) if self.compile else drafter_step

@@ -31,7 +31,7 @@ class JacobiSource:
         self._chain = StaticTree(TreeSpec.chain(window), "topk")
 
     def start(self, first_tokens, first_probs, first_hidden, streams: int, num_tokens: int, generator,
-              greedy: bool, *, condition_hidden=None) -> None:
+              greedy: bool, *, condition_hidden=None, condition_tokens=None) -> None:
         """Called once after the target's prefill; the first window is uniform random."""
         self.greedy = greedy
         batch, self.vocab = first_tokens.shape[0], first_probs.shape[-1]

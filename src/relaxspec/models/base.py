@@ -11,6 +11,11 @@ Conventions. ``B`` images, ``S`` CFG streams (2 with guidance: rows ``0..B-1`` c
 hidden size, ``C = config.cls_token_num`` condition slots. The condition occupies cache slots and
 positions ``0..C-1``; image token ``k`` is at slot ``C + k`` once committed; speculative drafts
 sit in scratch slots past the image and are compacted with :meth:`TargetModel.move_cache`.
+
+A target conditioned on token ids (the transformers families' prompts) may also offer
+``condition_tokens(cond) -> [R, C]``: the token at every condition position of each row of
+``cond`` (-1 where padded), what a drafter that reads the prompt (official LANTERN's Anole
+drafter) pairs with the prefill's hidden states; :func:`condition_tokens` asks for it.
 """
 
 from __future__ import annotations
@@ -79,6 +84,13 @@ class TargetModel(Protocol):
 
     def head(self, hidden: Tensor) -> Tensor:
         """Final hidden states ``[.., D]`` -> fp32 logits ``[.., V]`` (the drafter's output head)."""
+
+
+def condition_tokens(model: TargetModel, cond: Tensor) -> Tensor | None:
+    """``model.condition_tokens(cond)`` (``[R, C]`` token ids, -1 where padded) for a target
+    conditioned on tokens; ``None`` for one conditioned otherwise (class ids, caption features)."""
+    method = getattr(model, "condition_tokens", None)
+    return method(cond) if callable(method) else None
 
 
 @runtime_checkable

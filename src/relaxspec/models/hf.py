@@ -401,6 +401,11 @@ class RowEndTarget(torch.nn.Module):
     def null_condition(self, cond: Tensor) -> Tensor:
         return cond.flip(1)  # the unconditional context where the prompt was
 
+    def condition_tokens(self, cond: Tensor) -> Tensor:
+        """``[R, S]``: each row's own context (the first of its two), -1 where padded -- the
+        tokens :meth:`prefill` reads (:func:`relaxspec.models.base.condition_tokens`)."""
+        return cond[:, 0]
+
     def setup_caches(self, rows: int, max_seq: int, dtype: torch.dtype | None = None) -> None:
         # Slots 0..max_seq-1 as the engine numbers them, then each one's row-end companion.
         self._kv.setup(self.text_config, rows, 2 * max_seq, dtype or self.dtype, self.device)

@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -61,7 +61,7 @@ from tqdm.auto import tqdm
 from relaxspec.models.llamagen.checkpoints import PRECISIONS, load_gpt, load_strict, load_vq
 from relaxspec.drafting.eagle import LLAMAGEN, DrafterConfig, EagleDrafter, drafter_config, load_drafter
 from relaxspec.errors import RelaxspecError
-from relaxspec.models.base import TargetModel, TeacherForcedTarget
+from relaxspec.models.base import TargetModel, TeacherForcedTarget, condition_tokens
 from relaxspec.models.llamagen.vq import VQModel
 from relaxspec.sampling import SamplingConfig, guide, process_logits
 from relaxspec.training import common
@@ -541,8 +541,9 @@ def target_features(target: TargetModel, tokens: torch.Tensor, labels: torch.Ten
 
     Returns hidden states ``[R, N, dim]`` and logits ``[R, N, vocab]`` (``R = B + null_rows``; row
     ``k`` predicts token ``k``): condition rows first, then null rows. ``with_condition`` adds a
-    third, the hidden states at every condition position ``[R, C, dim]`` (what a drafter that reads
-    the condition takes, as decoding hands them over). A target without ``forward_train``,
+    third and a fourth, the hidden states at every condition position ``[R, C, dim]`` and, for a
+    target conditioned on tokens, those tokens ``[R, C]`` (else ``None``): what a drafter that reads
+    the condition takes, as decoding hands them over. A target without ``forward_train``,
     conditions with a mask, or ``with_condition`` run through its decoding interface
     (:func:`teacher_forced`).
     """
@@ -553,7 +554,7 @@ def target_features(target: TargetModel, tokens: torch.Tensor, labels: torch.Ten
         return hidden, logits
     mask = None if cond_mask is None else torch.cat([cond_mask, cond_mask[:null_rows]])
     logits, hidden, condition = teacher_forced(target, cond, tokens, mask, with_condition=True)
-    return (hidden, logits, condition) if with_condition else (hidden, logits)
+    return (hidden, logits, condition, condition_tokens(target, cond)) if with_condition else (hidden, logits)
 
 
 @torch.no_grad()
@@ -621,8 +622,8 @@ def unrolled_mask(count: int, depths: int, device=None) -> torch.Tensor:
 
 
 def unrolled(drafter: EagleDrafter, features: torch.Tensor, tokens: torch.Tensor, depths: int, *,
-             noise: torch.Tensor | None = None,
-             condition: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+             noise: torch.Tensor | None = None, condition: torch.Tensor | None = None,
+             condition_tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The drafter's guesses at draft depths ``1 .. depths`` for every pair, as decoding makes
     them: depth 1 from the target's features (``features [R, N, dim]`` of ``tokens [R, N]``,
     plus ``noise`` on them when given), depth ``d`` at pair ``i`` from its own depth-``d - 1``
@@ -632,9 +633,11 @@ def unrolled(drafter: EagleDrafter, features: torch.Tensor, tokens: torch.Tensor
     ``d`` pairs ``i < d - 1`` have no chain (their values are meaningless). Levels below the last
     are computed without gradients (each pass recomputes the levels before it); the last pass,
     which produces every output, carries them. One depth is the plain causal pass. ``condition
-    [R, C, dim]``: the target's hidden states at the condition positions, for a drafter that reads
-    them (official LANTERN's)."""
+    [R, C, dim]``: the target's hidden states at the condition positions, and ``condition_tokens
+    [R, C]`` the condition's tokens, for a drafter that reads them (official LANTERN's)."""
     in_features, in_tokens, positions = drafter_inputs(features, tokens)
+    reads = {name: value for name, value in (("condition", condition), ("condition_tokens", condition_tokens))
+             if value is not None}
     rows, count = in_tokens.shape
     levels = [in_features.float() if noise is None else in_features.float() + noise]
     out_features = out_logits = None
@@ -645,8 +648,7 @@ def unrolled(drafter: EagleDrafter, features: torch.Tensor, tokens: torch.Tensor
         mask = None if depth == 1 else unrolled_mask(count, depth, tokens.device).expand(rows, -1, -1)
         with torch.set_grad_enabled(torch.is_grad_enabled() and depth == depths):
             out_features, out_logits = drafter(torch.cat(levels, dim=1), in_tokens.repeat(1, depth),
-                                               positions.repeat(1, depth), attn_mask=mask,
-                                               **({"condition": condition} if condition is not None else {}))
+                                               positions.repeat(1, depth), attn_mask=mask, **reads)
     return (out_features.reshape(rows, depths, count, -1), out_logits.reshape(rows, depths, count, -1))
 
 
@@ -754,13 +756,14 @@ def batch_loss(drafter: EagleDrafter, tokens: torch.Tensor, labels: torch.Tensor
         features, logits, *condition = target_features(target, tokens, labels, null_rows,
                                                        None if cond_mask is None else cond_mask.to(device),
                                                        with_condition=reads_condition)
-        condition = condition[0] if condition else None
+        condition, condition_tokens = condition if condition else (None, None)
         noise = None
         if noise_generator is not None and config.noise > 0:
             uniform = torch.rand(features[:, :-1].shape, generator=noise_generator, device=device)
             noise = (2 * uniform - 1) * config.noise
         pred_features, pred_logits = unrolled(drafter, features, torch.cat([tokens, tokens[:null_rows]]), depths,
-                                              noise=noise, condition=condition)
+                                              noise=noise, condition=condition,
+                                              condition_tokens=condition_tokens)
         next_features, next_logits = drafter_targets(features, logits)
     batch = tokens.shape[0]
     law_rows = None  # every row: [cond B; null B] under CFG
@@ -1016,7 +1019,7 @@ def train_drafter(config: DrafterTrainConfig, *, target: TeacherForcedTarget | N
     if saved is None:
         shape = drafter_config(target, config.n_layer)
         if start is not None and start.config.lantern_layout:  # official LANTERN's drafter keeps its layout
-            shape = replace(start.config, n_layer=config.n_layer)
+            shape = start.config.with_layers(config.n_layer)
     elif "drafter" in saved:
         shape = DrafterConfig(**saved["drafter"])
     else:
