@@ -172,3 +172,41 @@ def test_the_lantern_page_runs_on_tiny_replicas(tmp_path, monkeypatch, capsys, t
     out = capsys.readouterr().out
     assert "| `eval-ar`" in out and "| `eval-lantern`" in out and "7.50" in out  # the table of the two evals
     assert (tmp_path / "bench-lantern" / "summary.md").is_file() and (tmp_path / "bench-lanternpp" / "summary.md").is_file()
+
+
+@pytest.mark.slow  # a whole document: four commands and a short drafter training on the tiny folder
+def test_the_anole_page_runs_on_a_tiny_replica(tmp_path, monkeypatch, capsys):
+    """Issue 29: the commands of docs/models/anole.md run on a tiny Anole folder in the published
+    layout and a tiny drafter in official LANTERN's (tests/helpers/anole.py), with 2 samples
+    instead of thousands, a few training steps and the CPU; the demo line, which serves a page
+    until stopped, is covered by tests/test_anole.py's race."""
+    import shlex
+
+    import numpy as np
+
+    pytest.importorskip("transformers")
+    from helpers import anole
+    from relaxspec.cli import main
+
+    folder = anole.anole_folder(tmp_path)["model_path"]
+    (tmp_path / "prompts.txt").write_text("\n".join(anole.PROMPTS) + "\n")
+    np.save(tmp_path / "table.npy", anole.neighbour_table(64).astype(np.uint16))
+    files = {"Anole-7b-v0.1-hf": folder, "prompts.txt": tmp_path / "prompts.txt",
+             "anole_drafter": anole.write_drafter_folder(tmp_path / "anole_drafter"),
+             "top_8191_indices.npy": tmp_path / "table.npy"}
+    sizes = {"--self-samples": "2", "--num-images": "2", "--device": "cpu", "--precision": "fp32", "--k": "64",
+             "--patience": "1"}
+    monkeypatch.chdir(tmp_path)
+    commands = [c for c in documented_commands(ROOT / "docs" / "models" / "anole.md") if not c.startswith("relaxspec demo")]
+    assert len(commands) == 5
+    for command in commands:
+        argv = [str(files.get(word, word)) for word in shlex.split(command)[1:]]
+        for flag, value in sizes.items():
+            if flag in argv:
+                argv[argv.index(flag) + 1] = value
+        if argv[0] == "train-drafter":
+            argv = [word for word in argv if word != "--bf16"] + ["--steps", "2", "--batch-size", "2"]
+        assert main([*argv, "--no-progress"]) == 0, (command, capsys.readouterr().err)
+    for out in ("anole-sjd", "anole-lantern", "anole-lantern-official"):
+        assert (tmp_path / out / "0000.png").is_file(), out
+    assert (tmp_path / "bench-anole" / "summary.md").is_file() and (tmp_path / "anole-drafter" / "best").is_dir()
