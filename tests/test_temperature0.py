@@ -213,26 +213,36 @@ def first_argmax(scores: list[float]) -> int:
 
 
 def reference_greedy_walk(spec, node_targets, tokens, parents, depths, nbrs):
-    """LANTERN's greedy definition node by node: each child, in node order, is accepted iff its
-    boosted score ``max(p(x), p~(x))`` is the first argmax of the parent's own ``p``; when every
-    child is rejected the parent's argmax is committed. Returns (committed tokens, departures)."""
-    node, committed, departures = 0, [], []
-    while True:
-        p = node_targets[node]
-        children = [c for c in range(1, len(tokens)) if parents[c] == node]
-        for child in children:
-            x = tokens[child]
-            scores = list(p)
-            scores[x] = max(p[x], reference_relaxed_prob(spec, p, x, depths[child], nbrs))
-            if first_argmax(scores) == x:
-                committed.append(x)
-                departures.append(float(x != first_argmax(p)))
-                node = child
+    """LANTERN's greedy definition, as its official code applies it: every child is accepted iff its
+    boosted score ``max(p(x), p~(x))`` is the first argmax of its parent's own ``p``; each
+    root-to-leaf path, in leaf order, counts its accepted prefix, and the first longest is
+    committed, then the argmax of its last accepted node's ``p``. Returns (committed tokens,
+    departures)."""
+    def accepted(child):
+        p, x = node_targets[parents[child]], tokens[child]
+        scores = list(p)
+        scores[x] = max(p[x], reference_relaxed_prob(spec, p, x, depths[child], nbrs))
+        return first_argmax(scores) == x
+
+    def path_to(node):
+        path = []
+        while node > 0:
+            path, node = [node] + path, parents[node]
+        return path
+
+    leaves = [n for n in range(len(tokens)) if not any(parents[c] == n for c in range(1, len(tokens)))]
+    best = []
+    for leaf in leaves:  # in node order: the first longest wins
+        prefix = []
+        for node in path_to(leaf):
+            if not accepted(node):
                 break
-        else:
-            committed.append(first_argmax(p))
-            departures.append(0.0)
-            return committed, departures
+            prefix.append(node)
+        if len(prefix) > len(best):
+            best = prefix
+    committed = [tokens[n] for n in best]
+    departures = [float(tokens[n] != first_argmax(node_targets[parents[n]])) for n in best]
+    return committed + [first_argmax(node_targets[best[-1] if best else 0])], departures + [0.0]
 
 
 GREEDY_SPECS = {

@@ -154,6 +154,42 @@ def verify_tree(
                                              point_mass=point_mass))
 
 
+def _greedy_reach(rule: AcceptanceRule, target_probs: Tensor, tokens: Tensor, depth: Tensor, valid: Tensor,
+                  children: Tensor, levels: int) -> tuple[Tensor, Tensor]:
+    """Temperature 0: ``(accepted [B, T], rank [B, T])`` -- whether each node passes
+    ``rule.greedy_accept`` against its parent's own target, and how good the best accepted path
+    through it is (``-1`` where the node itself fails): deepest first, then the first by leaf, as
+    official LANTERN / EAGLE-2 take the first longest of their root-to-leaf paths in node order (the
+    path of a deepest accepted node ``m`` is, for them, the first leaf at or below ``m``). Static
+    shapes, no host read."""
+    batch, nodes, vocab = target_probs.shape
+    width = children.shape[2]
+    device = tokens.device
+    # Each node's parent, from the children table (-1 entries land in a spare column).
+    spare = torch.where(children >= 0, children, torch.full_like(children, nodes)).reshape(batch, -1)
+    owners = torch.arange(nodes, device=device).repeat_interleave(width, output_size=nodes * width)
+    parent = torch.zeros(batch, nodes + 1, dtype=torch.long, device=device)
+    parent = parent.scatter(1, spare, owners.expand(batch, -1))[:, :nodes]
+    node_target = target_probs.gather(1, parent.unsqueeze(2).expand(-1, -1, vocab))
+    accepted = rule.greedy_accept(node_target.reshape(batch * nodes, vocab), tokens.reshape(-1),
+                                  depth.reshape(-1)).view(batch, nodes) & valid
+    # The first leaf at or below each node (a node with no valid child is a leaf).
+    safe = children.clamp(min=0).reshape(batch, -1)
+    has_kid = ((children >= 0) & valid.gather(1, safe).view(batch, nodes, width)).any(2)
+    index = torch.arange(nodes, device=device).expand(batch, -1)
+    first_leaf = torch.where(has_kid, torch.full_like(index, nodes), index)
+    for _ in range(levels):
+        below = first_leaf.gather(1, safe).view(batch, nodes, width)
+        below = below.masked_fill((children < 0) | ~valid.gather(1, safe).view(batch, nodes, width), nodes).amin(2)
+        first_leaf = torch.where(has_kid, below, index)
+    # Rank = depth reached, then the earlier leaf: depth * (T + 1) + (T - leaf), largest best.
+    rank = torch.where(accepted, depth * (nodes + 1) + (nodes - first_leaf), torch.full_like(depth, -1))
+    for _ in range(levels):  # one level of the tree per pass, from the leaves up
+        below = rank.gather(1, safe).view(batch, nodes, width).masked_fill(children < 0, -1).amax(2)
+        rank = torch.where(accepted, torch.maximum(rank, below), torch.full_like(depth, -1))
+    return accepted, rank
+
+
 def walk_tree(rule: AcceptanceRule, target_probs: Tensor, tokens: Tensor, proposals: Tensor, depth: Tensor,
               valid: Tensor, children: Tensor, uniforms: Tensor | None, clocks: Tensor | None, *,
               level_widths: tuple[int, ...], greedy: bool, record_tv: bool,
@@ -172,6 +208,12 @@ def walk_tree(rule: AcceptanceRule, target_probs: Tensor, tokens: Tensor, propos
     no = torch.zeros(batch, dtype=torch.bool, device=device)
     zero_tv = torch.zeros(batch, dtype=target_probs.dtype, device=device)
     current = torch.zeros(batch, dtype=torch.long, device=device)
+    if greedy:
+        # Every node's test depends only on its parent's own target (REFERENCE §4), so all are made
+        # at once; LANTERN's greedy rule then commits the longest accepted path (ties: the first in
+        # sibling rank order), which a walk can only follow knowing how deep each child's accepted
+        # subtree reaches.
+        node_ok, reach = _greedy_reach(rule, target_probs, tokens, depth, valid, children, levels)
     target = target_probs[:, 0]
     walking = torch.ones(batch, dtype=torch.bool, device=device)
     final_target = target  # the residual each row's bonus token is drawn from
@@ -190,13 +232,16 @@ def walk_tree(rule: AcceptanceRule, target_probs: Tensor, tokens: Tensor, propos
         kid_depths = depth.gather(1, safe_kids)
         if not greedy:
             kid_proposals = proposals.gather(1, safe_kids[:, :level_width, None].expand(-1, -1, proposals.shape[2]))
+        if greedy:
+            kid_pass, kid_reach = node_ok.gather(1, safe_kids), reach.gather(1, safe_kids)
+            best = torch.full_like(current, -1)
         for rank in range(level_width):
             child = kids[:, rank]
-            testing = walking & ~moved & kid_ok[:, rank]
+            testing = walking & kid_ok[:, rank] & (~moved if not greedy else walking)
             token = kid_tokens[:, rank]
             node_depth = kid_depths[:, rank]
             if greedy:
-                accept = rule.greedy_accept(target, token, node_depth)
+                accept = kid_pass[:, rank]
             else:
                 proposal = kid_proposals[:, rank]
                 alpha = rule.accept_prob(target, proposal, token, node_depth)
@@ -216,8 +261,13 @@ def walk_tree(rule: AcceptanceRule, target_probs: Tensor, tokens: Tensor, propos
                 # is no residual at all.
                 residual = rule.residual(target, proposal, token, node_depth)
                 target = torch.where((testing & ~accept).unsqueeze(1), residual.to(target.dtype), target)
+            if greedy:  # the sibling whose accepted path reaches deepest (then the earlier leaf)
+                better = accept & (kid_reach[:, rank] > best)
+                best = torch.where(better, kid_reach[:, rank], best)
+                next_node = torch.where(better, child, next_node)
+            else:
+                next_node = torch.where(accept, child, next_node)
             moved = moved | accept
-            next_node = torch.where(accept, child, next_node)
         tested.extend([no] * (width - level_width))
         accepted.extend([no] * (width - level_width))
 

@@ -108,9 +108,10 @@ class DynamicTree:
         n_keep = min(self.total - 1, tokens_all.shape[1])
         order_key = scores_all - 1e-6 * torch.arange(tokens_all.shape[1], device=device)
         keep = order_key.topk(n_keep, dim=-1).indices
-        # Node order: by depth, then by score (siblings tested most-likely first).
-        sort_key = depth_all.gather(1, keep).float() * 1e4 - order_key.gather(1, keep).clamp(min=-1e3)
-        keep = keep.gather(1, sort_key.argsort(dim=-1))
+        # Node order: the candidates' own, as EAGLE-2 numbers its tree: by depth, then by the
+        # expanded beam (best first), then by rank under it (siblings tested most-likely first).
+        # Greedy LANTERN takes the first longest path in this order, as the official code does.
+        keep = keep.sort(dim=-1).values
         position = torch.full_like(scores_all, -1, dtype=torch.long)
         position.scatter_(1, keep, torch.arange(1, n_keep + 1, device=device).expand(batch, -1))
         kept_parent = parents_all.gather(1, keep)
