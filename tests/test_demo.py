@@ -361,7 +361,8 @@ def test_a_real_browser_presses_race_and_sees_both_images(served):
     (["--port", "0"], "--port must be 1..65535"),
     (["--out", "FILE"], "exists and is not a folder"),
     (["--vq-ckpt", "vq.pt"], "--vq-ckpt / --gpt-model go with --gpt-ckpt"),
-    (["--prompt", "a fox"], "--prompt / --negative-prompt go with --model-path"),
+    (["--prompt", "a fox"], "--prompt goes with --model-path, or with --t5-path for a LlamaGen t2i checkpoint"),
+    (["--negative-prompt", "dark"], "--negative-prompt goes with --model-path"),
 ])
 def test_demo_command_errors(tmp_path, capsys, argv, message):
     from relaxspec.cli import main
@@ -427,3 +428,36 @@ def test_a_transformers_folder_races_prompts(tmp_path):
     assert (np.asarray(plain.images[0]) == ar_image).all()
     empty = list(race_handler(model, tmp_path / "out", history, threading.Lock(), "  ", "sjd", None, 3, None))
     assert empty[-1][-1] == "**Not run:** write a prompt"
+
+
+def test_official_lanterns_llamagen_t2i_folder_races_prompts(tmp_path, tiny_ckpts):
+    """``relaxspec demo --gpt-ckpt LlamaGen-T2I --vq-ckpt ... --t5-path ...`` (issue 29): a LlamaGen
+    text-to-image model, here the tiny replica of official LANTERN's folder, serves a prompt box
+    and races prompts; its AR lane paints generate's image of the same prompt and seed."""
+    import threading
+
+    from helpers.t5 import make_t5
+    from relaxspec.cli import build_parser, main
+    from relaxspec.cli.demo import load_demo_model
+    from relaxspec.demo.app import race_handler
+
+    folder = Path(__file__).resolve().parent / "data" / "lantern" / "llamagen-t2i"
+    t5 = make_t5(tmp_path / "t5", d_model=16)
+    vq = ["--vq-ckpt", tiny_ckpts["t2i"]["vq"], "--vq-model", tiny_ckpts["t2i"]["vq_json"]]
+    args = build_parser().parse_args(["demo", "--gpt-ckpt", str(folder), *vq, "--t5-path", str(t5), "--prompt",
+                                      "a red cat"])
+    model = load_demo_model(args)
+    assert model.prompts and model.default_class == "a red cat" and model.default_method == "gsd"
+    (tmp_path / "out").mkdir()
+    updates = read_race(race_handler(model, tmp_path / "out", [], threading.Lock(), "the big blue dog", "sjd", None,
+                                     2, None))
+    ar_image, _, my_image, _, _, _, status = updates[-1]
+    assert status.startswith("done: sjd") and ar_image.shape == my_image.shape
+    assert main(["generate", "--gpt-ckpt", str(folder), *vq, "--t5-path", str(t5), "--prompt", "the big blue dog",
+                 "--method", "ar", "--seed", "2", "--upscale", str(ar_image.shape[0] // 16), "--no-progress",
+                 "--out", str(tmp_path / "g")]) == 0
+    from PIL import Image
+
+    assert (np.asarray(Image.open(tmp_path / "g" / "0000.png")) == ar_image).all()
+    with pytest.raises(RelaxspecError, match="give --t5-path DIR"):
+        load_demo_model(build_parser().parse_args(["demo", "--gpt-ckpt", str(folder), *vq]))

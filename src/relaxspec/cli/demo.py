@@ -28,7 +28,10 @@ def add_demo_parser(subparsers) -> argparse.ArgumentParser:
     add_model_options(models, drafter_help="EAGLE drafter (without one: sjd, scd and gsd only)")
     models.add_argument("--model-path", metavar="DIR", help="a transformers model folder (Janus / Janus-Pro, Emu3, Lumina-mGPT): "
                                                            "the page takes prompts")
-    models.add_argument("--prompt", metavar="TEXT", help="--model-path: the prompt the page starts with")
+    models.add_argument("--t5-path", metavar="DIR", help="a LlamaGen t2i --gpt-ckpt (e.g. official LANTERN's "
+                                                         "LlamaGen-T2I folder): the Flan-T5 folder that encodes the "
+                                                         "page's prompts")
+    models.add_argument("--prompt", metavar="TEXT", help="--model-path or --t5-path: the prompt the page starts with")
     models.add_argument("--negative-prompt", metavar="TEXT", help="Emu3: the guidance's negative prompt "
                                                                   "(default: its family's)")
     models.add_argument("--threads", type=int, help="CPU threads for torch (default 1 for the embedded model)")
@@ -53,8 +56,10 @@ def load_demo_model(args: argparse.Namespace):
     prompt the page starts with."""
     from relaxspec.demo.race import DemoModel
 
-    if args.model_path is None and (args.prompt is not None or args.negative_prompt is not None):
-        raise RelaxspecError("--prompt / --negative-prompt go with --model-path")
+    if args.model_path is None and args.negative_prompt is not None:
+        raise RelaxspecError("--negative-prompt goes with --model-path (an Emu3 folder)")
+    if args.model_path is None and args.t5_path is None and args.prompt is not None:
+        raise RelaxspecError("--prompt goes with --model-path, or with --t5-path for a LlamaGen t2i checkpoint")
     embedded = args.gpt_ckpt is None and args.model_path is None
     preset = None
     if getattr(args, "preset", None) is not None:
@@ -73,9 +78,15 @@ def load_demo_model(args: argparse.Namespace):
         pipeline = open_from_args(args, prompts=[prompt], prompt_length=PAGE_PROMPT_TOKENS)
     else:
         pipeline = open_from_args(args)
-        if pipeline.takes != "classes":
-            raise RelaxspecError("relaxspec demo takes class-conditional LlamaGen checkpoints, or a Janus, Emu3 or "
-                                 "Lumina-mGPT folder with --model-path: a LlamaGen t2i checkpoint is not served yet")
+        if pipeline.takes == "prompts":  # a LlamaGen t2i checkpoint: prompts through --t5-path
+            if args.t5_path is None:
+                raise RelaxspecError("this is a text-to-image LlamaGen checkpoint: give --t5-path DIR (the Flan-T5 "
+                                     "folder that encodes the page's prompts)")
+            prompt = args.prompt if args.prompt is not None else DEFAULT_PROMPT
+            pipeline.conditions(prompts=[prompt])  # the text encoder is read (and checked) now
+        elif args.t5_path is not None:
+            raise RelaxspecError("--t5-path encodes prompts for a LlamaGen t2i checkpoint; this one is "
+                                 "class-conditional")
     if preset is not None:
         from relaxspec.pipelines.presets import with_preset
 
