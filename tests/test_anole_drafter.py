@@ -14,7 +14,6 @@ the drafter folder (pytorch_model.bin, or model.safetensors) themselves.
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import numpy as np

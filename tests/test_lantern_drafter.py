@@ -214,18 +214,9 @@ def test_additive_and_multiplicative_lantern_run_from_the_cli(golden, tmp_path, 
 
 
 def edited(tmp_path: Path, weights: bool = True, **changes) -> Path:
-    folder = tmp_path / "edited"
-    folder.mkdir(exist_ok=True)
-    config = json.loads((DRAFTER / "config.json").read_text())
-    for key, value in changes.items():
-        if value is None:
-            config.pop(key, None)
-        else:
-            config[key] = value
-    (folder / "config.json").write_text(json.dumps(config))
-    if weights:
-        shutil.copy(DRAFTER / "model.safetensors", folder / "model.safetensors")
-    return folder
+    from helpers.folders import edited_folder
+
+    return edited_folder(DRAFTER, tmp_path / "edited", files=("model.safetensors",) if weights else (), **changes)
 
 
 @pytest.mark.parametrize("changes, message", [

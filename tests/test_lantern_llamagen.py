@@ -7,8 +7,6 @@ on a tiny random folder in that layout (make_llamagen_golden.py says how)."""
 
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -103,16 +101,9 @@ def test_greedy_exact_sd_with_a_drafter_equals_greedy_ar(captions, tiny_ckpts, t
 
 
 def edited(tmp_path: Path, **changes) -> Path:
-    folder = tmp_path / "edited"
-    shutil.copytree(FOLDER, folder, dirs_exist_ok=True)
-    config = json.loads((folder / "config.json").read_text())
-    for key, value in changes.items():
-        if value is None:
-            config.pop(key, None)
-        else:
-            config[key] = value
-    (folder / "config.json").write_text(json.dumps(config))
-    return folder
+    from helpers.folders import edited_folder
+
+    return edited_folder(FOLDER, tmp_path / "edited", **changes)
 
 
 @pytest.mark.parametrize("changes, message", [
