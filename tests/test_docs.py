@@ -178,7 +178,7 @@ def test_the_lantern_page_runs_on_tiny_replicas(tmp_path, monkeypatch, capsys, t
 def test_the_anole_page_runs_on_a_tiny_replica(tmp_path, monkeypatch, capsys):
     """Issue 29: the commands of docs/models/anole.md run on a tiny Anole folder in the published
     layout and a tiny drafter in official LANTERN's (tests/helpers/anole.py), with 2 samples
-    instead of thousands, a few training steps and the CPU; the demo line, which serves a page
+    instead of thousands (one bench image), a few training steps and the CPU; the demo line, which serves a page
     until stopped, is covered by tests/test_anole.py's race."""
     import shlex
 
@@ -194,7 +194,7 @@ def test_the_anole_page_runs_on_a_tiny_replica(tmp_path, monkeypatch, capsys):
     files = {"Anole-7b-v0.1-hf": folder, "prompts.txt": tmp_path / "prompts.txt",
              "anole_drafter": anole.write_drafter_folder(tmp_path / "anole_drafter"),
              "top_8191_indices.npy": tmp_path / "table.npy"}
-    sizes = {"--self-samples": "2", "--num-images": "2", "--device": "cpu", "--precision": "fp32", "--k": "64",
+    sizes = {"--self-samples": "2", "--num-images": "1", "--device": "cpu", "--precision": "fp32", "--k": "64",
              "--patience": "1"}
     monkeypatch.chdir(tmp_path)
     commands = [c for c in documented_commands(ROOT / "docs" / "models" / "anole.md") if not c.startswith("relaxspec demo")]
