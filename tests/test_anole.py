@@ -130,6 +130,7 @@ def test_the_adapter_implements_the_protocols(files, opened):
                                                             "top_p": 0.9}
 
 
+@pytest.mark.slow  # whole commands on the tiny models (the full suite runs it)
 def test_every_method(opened, tmp_path, monkeypatch):
     """Drafter-free methods and exact SD (chain, static tree, EAGLE-2's dynamic tree) and LANTERN at
     delta 0 with a random drafter of Chameleon's own layer give greedy AR's tokens; the relaxed
@@ -171,6 +172,7 @@ def test_speculative_steps_sync_once(opened):
 
 
 # ---------------------------------------------------------------- commands
+@pytest.mark.slow  # whole commands on the tiny models (the full suite runs it)
 def test_generate_bench_and_train_drafter_take_the_folder(files, tmp_path, capsys):
     """``generate`` (no --tokenizer-path) writes the official pixels of its codes; ``bench`` runs
     drafter-free methods; ``train-drafter --model-path`` writes a drafter that exact SD decodes

@@ -163,6 +163,7 @@ def test_the_layout_maps_onto_relaxspecs_family_drafter(files, opened):
 # ------------------------------------------------------------------------------ decoding
 
 
+@pytest.mark.slow  # whole commands on the tiny models (the full suite runs it)
 def test_greedy_exact_sd_equals_greedy_ar(golden, files, tmp_path, capsys):
     """(b) ``generate --model-path ANOLE --drafter-ckpt DIR`` (the released layout, .bin) with exact
     SD at temperature 0 commits greedy AR's tokens, official LANTERN's greedy tokens (its base

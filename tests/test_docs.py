@@ -115,6 +115,7 @@ def test_gpu_users_keep_their_torch():
     assert not any(d.replace(" ", "").startswith(("torch", "torchvision")) for d in extras)
 
 
+@pytest.mark.slow  # whole commands on the tiny models (the full suite runs it)
 def test_the_lantern_page_runs_on_tiny_replicas(tmp_path, monkeypatch, capsys, tiny_ckpts):
     """Issue 29: every command of docs/models/lantern.md runs on tiny replicas of the files it
     names (official LANTERN's layouts: tests/data/lantern), with 2 captions instead of 1,000 or

@@ -48,6 +48,7 @@ def test_sizes_past_what_the_model_or_machine_allow_are_one_line(flags, message,
     assert not list((tmp_path / "out").glob("*.png"))
 
 
+@pytest.mark.slow  # whole commands on the tiny models (the full suite runs it)
 def test_the_largest_sizes_still_decode(tmp_path, capsys):
     """The bounds refuse only what cannot be used: a window as wide as the image and the largest
     guidance scale decode (greedy tokens are not the all-zero tokens of nan laws)."""

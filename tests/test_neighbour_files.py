@@ -54,6 +54,7 @@ def test_the_official_table_holds_our_nearest_codes(codebook, official_file):
     assert torch.equal(full.sort(1).values, neighbour_table(codebook, codebook.shape[0] - 1, "raw").sort(1).values)
 
 
+@pytest.mark.slow  # whole commands on the tiny models (the full suite runs it)
 def test_a_decode_with_the_file_is_the_decode_with_that_table(official_file, tmp_path):
     """The file is the table the rule reads: a file equal to ours decodes exactly as the computed
     table does (sampled, same seed), and a table in another order decodes as a rule built on that
