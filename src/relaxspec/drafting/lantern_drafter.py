@@ -21,7 +21,8 @@ feature that predicted it).
 **LlamaGen.** The caption is 120 features and no tokens: ``input_ids`` are ``[0] * 120 + image
 tokens``, the condition pairs ``0 .. 118`` sit at RoPE rows that are all zero (its
 ``cls_token_num`` 119), image pair ``j`` at the 2D RoPE row of token ``j``. The layer is a LlamaGen
-block without its input norm. relaxspec's mapping (:data:`MAPPING`) keeps the numbers:
+block without its input norm. relaxspec's mapping (LANTERN's targets' block names,
+:data:`relaxspec.models.llamagen.hf_layout.BLOCK`) keeps the numbers:
 
 ============================================  ==============================================
 LANTERN                                       relaxspec ``EagleDrafter`` (LlamaGen blocks)
@@ -64,7 +65,6 @@ drafter's RoPE table covers beside the image.
 from __future__ import annotations
 
 import math
-import re
 from pathlib import Path
 
 import torch
@@ -75,6 +75,7 @@ from relaxspec.models import hf
 from relaxspec.models.base import TargetModel
 from relaxspec.models.llamagen.checkpoints import read_state
 from relaxspec.models.llamagen.gpt import GPTConfig
+from relaxspec.models.llamagen.hf_layout import BLOCK, QKV_PROJ, SKIPPED, blocks_to_upstream, safetensors_keys
 
 #: input_type -> image tokens, as official LANTERN's drafter hard-codes them (cnets_llamagen.py:566-573).
 GRIDS = {"t2i": 256, "t2i2": 1024}
@@ -82,18 +83,6 @@ GRIDS = {"t2i": 256, "t2i2": 1024}
 CONDITION_PAIRS = 119
 #: The weights files, in the order the official loader tries them.
 WEIGHTS = ("pytorch_model.bin", "model.safetensors")
-#: LANTERN name (layer ``{i}``) -> relaxspec name; q, k and v are stacked into ``wqkv``.
-MAPPING = {
-    "layers.{i}.self_attn.o_proj.weight": "layers.{i}.attention.wo.weight",
-    "layers.{i}.mlp.gate_proj.weight": "layers.{i}.feed_forward.w1.weight",
-    "layers.{i}.mlp.up_proj.weight": "layers.{i}.feed_forward.w3.weight",
-    "layers.{i}.mlp.down_proj.weight": "layers.{i}.feed_forward.w2.weight",
-    "layers.{i}.post_attention_layernorm.weight": "layers.{i}.ffn_norm.weight",
-    "layers.{i}.input_layernorm.weight": "layers.{i}.attention_norm.weight",  # layers i >= 1 only
-}
-QKV = ("layers.{i}.self_attn.q_proj.weight", "layers.{i}.self_attn.k_proj.weight", "layers.{i}.self_attn.v_proj.weight")
-#: Derived buffers some exports carry (the unused 1D rotary module's).
-SKIPPED = re.compile(r"(^|\.)rotary_emb\.(inv_freq|cos_cached|sin_cached)$")
 #: An Anole drafter: its kind, the transformers layer class it is built of, and the tensors of
 #: layer ``{i}`` (the same names in relaxspec's family drafter); ``{bias}`` ones only when the
 #: config's ``attention_bias`` / ``mlp_bias`` say so.
@@ -268,8 +257,8 @@ def expected_keys(kind: str, layers: int, fc_bias: bool, config: dict) -> list[s
     if kind == ANOLE:
         names = ANOLE_LAYER_KEYS + sum((keys for flag, keys in ANOLE_BIASES.items() if config.get(flag)), ())
         return expected + [name.format(i=i) for i in range(layers) for name in names]
-    for i in range(layers):
-        expected += [name.format(i=i) for name in (*QKV, *MAPPING) if i or "input_layernorm" not in name]
+    for i in range(layers):  # LlamaGen blocks, named as LANTERN's targets name theirs; layer 0 has no input norm
+        expected += [f"layers.{i}.{name}" for name in (*QKV_PROJ, *BLOCK) if i or name != "input_layernorm.weight"]
     return expected
 
 
@@ -277,7 +266,7 @@ def to_relaxspec(state: dict[str, torch.Tensor], kind: str, layers: int, fc_bias
                  where: str) -> dict[str, torch.Tensor]:
     """LANTERN's drafter state dict -> :class:`EagleDrafter`'s (refusing, under LANTERN's names,
     a file with keys missing or extra)."""
-    state = {key: value for key, value in state.items() if not SKIPPED.search(key)}
+    state = {key: value for key, value in state.items() if not SKIPPED.search(key)}  # derived buffers
     expected = expected_keys(kind, layers, fc_bias, config)
     missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
     if missing or unexpected:
@@ -291,22 +280,8 @@ def to_relaxspec(state: dict[str, torch.Tensor], kind: str, layers: int, fc_bias
            "fc.bias": state["fc.bias"] if fc_bias else fc.new_zeros(fc.shape[0])}
     if kind == ANOLE:  # relaxspec's family drafter has the same names
         return {**state, **out}
-    for i in range(layers):
-        out[f"layers.{i}.attention.wqkv.weight"] = torch.cat([state[name.format(i=i)] for name in QKV])
-        for name, ours in MAPPING.items():
-            if name.format(i=i) in state:
-                out[ours.format(i=i)] = state[name.format(i=i)]
-    return out
-
-
-def _safetensors_keys(path: Path) -> list[str]:
-    from safetensors import safe_open
-
-    try:
-        with safe_open(str(path), framework="pt") as handle:
-            return list(handle.keys())
-    except Exception:  # noqa: BLE001 - read_state says what is wrong with the file
-        return []
+    blocks, _ = blocks_to_upstream(state, "", where)
+    return {**out, **blocks}
 
 
 def _refuse_a_model(keys, where: str, kind: str) -> None:
@@ -338,7 +313,7 @@ def read_lantern_drafter(path: str | Path, target: TargetModel) -> tuple[dict, d
     if weights is None:
         raise RelaxspecError(f"{where}: a LANTERN drafter folder needs {' or '.join(WEIGHTS)} beside config.json")
     if weights.suffix == ".safetensors":  # a whole model's file is refused from its header, unread
-        _refuse_a_model(_safetensors_keys(weights), where, kind)
+        _refuse_a_model(safetensors_keys(weights), where, kind)
     loaded = read_state(weights)  # a .bin only ever through torch.load(weights_only=True), memory-mapped
     if loaded.layout not in ("raw", "safetensors"):
         raise RelaxspecError(f"{weights}: holds a {loaded.layout!r} container; a LANTERN drafter file is a plain state "

@@ -8,7 +8,7 @@ A folder holds ``config.json`` (transformers' ``LlamaConfig`` keys: ``architectu
 ``"t2i"`` / ``"c2i"``, ``caption_dim``, ``cls_token_num``, ``block_size``, ``rope_base``,
 ``num_classes``) and ``model.safetensors`` under HF-Llama names. It is upstream LlamaGen's network
 renamed, with the same interleaved 2D RoPE (no q/k permutation), so it maps onto
-:class:`~relaxspec.models.llamagen.gpt.Transformer` key for key (:data:`RENAMES`; q, k and v
+:class:`~relaxspec.models.llamagen.gpt.Transformer` key for key (:data:`BLOCK`, :data:`OUTSIDE`; q, k and v
 stacked into ``wqkv``). The text encoder (Flan-T5-XL) and the VQ (``vq_ds16_t2i.pt``) are not in
 the folder: they come from ``--t5-path`` (or ``--caption-features``) and ``--vq-ckpt``, as for
 upstream's files.
@@ -24,22 +24,19 @@ import torch
 from relaxspec.errors import RelaxspecError, shown
 from relaxspec.files import read_json
 
-#: HF-Llama name (a regular expression over the key) -> upstream LlamaGen name.
-RENAMES = (
-    (r"model\.embed_tokens\.weight", "tok_embeddings.weight"),
-    (r"model\.cls_embedding\.(.+)", r"cls_embedding.\1"),
-    (r"model\.layers\.(\d+)\.self_attn\.o_proj\.weight", r"layers.\1.attention.wo.weight"),
-    (r"model\.layers\.(\d+)\.mlp\.gate_proj\.weight", r"layers.\1.feed_forward.w1.weight"),
-    (r"model\.layers\.(\d+)\.mlp\.up_proj\.weight", r"layers.\1.feed_forward.w3.weight"),
-    (r"model\.layers\.(\d+)\.mlp\.down_proj\.weight", r"layers.\1.feed_forward.w2.weight"),
-    (r"model\.layers\.(\d+)\.input_layernorm\.weight", r"layers.\1.attention_norm.weight"),
-    (r"model\.layers\.(\d+)\.post_attention_layernorm\.weight", r"layers.\1.ffn_norm.weight"),
-    (r"model\.norm\.weight", "norm.weight"),
-    (r"lm_head\.weight", "output.weight"),
-)
-QKV = re.compile(r"model\.layers\.(\d+)\.self_attn\.([qkv])_proj\.weight")
+#: A LlamaGen block's tensors under HF-Llama names -> upstream's (both within ``layers.N.``); q, k
+#: and v (:data:`QKV_PROJ`) stack into ``attention.wqkv.weight``. LANTERN's targets and drafters
+#: name their blocks alike (a drafter's layer 0 has no ``input_layernorm``).
+BLOCK = {"self_attn.o_proj.weight": "attention.wo.weight", "mlp.gate_proj.weight": "feed_forward.w1.weight",
+         "mlp.up_proj.weight": "feed_forward.w3.weight", "mlp.down_proj.weight": "feed_forward.w2.weight",
+         "input_layernorm.weight": "attention_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight"}
+QKV_PROJ = tuple(f"self_attn.{part}_proj.weight" for part in "qkv")
+#: The target's other tensors: HF-Llama name -> upstream name (the caption embedder keeps its own).
+OUTSIDE = {"model.embed_tokens.weight": "tok_embeddings.weight", "model.norm.weight": "norm.weight",
+           "lm_head.weight": "output.weight"}
+LAYER_KEY = re.compile(r"layers\.(\d+)\.(.+)")
 #: Entries that are no weights of the network (derived buffers some exports carry).
-SKIPPED = re.compile(r"(^|\.)(rotary_emb\.inv_freq|freqs_cis)$")
+SKIPPED = re.compile(r"(^|\.)(rotary_emb\.(inv_freq|cos_cached|sin_cached)|freqs_cis)$")
 #: The config keys a folder must have, and the GPTConfig field each becomes.
 CONFIG_FIELDS = {"hidden_size": "dim", "num_hidden_layers": "n_layer", "num_attention_heads": "n_head",
                  "vocab_size": "vocab_size", "block_size": "block_size"}
@@ -63,8 +60,6 @@ def is_drafter_folder(path) -> bool:
     """Whether a LANTERN-layout folder holds one of its EAGLE drafters rather than a target: its
     weights have the drafter's ``fc``, or (as the drafters are released) it has only a
     ``pytorch_model.bin`` and one layer."""
-    from safetensors import safe_open
-
     folder = Path(path)
     weights = folder / "model.safetensors"
     if not weights.is_file():
@@ -73,11 +68,7 @@ def is_drafter_folder(path) -> bool:
         except (RelaxspecError, AttributeError):
             return False
         return (folder / "pytorch_model.bin").is_file() and layers == 1
-    try:
-        with safe_open(str(weights), framework="pt") as handle:
-            return "fc.weight" in handle.keys()
-    except Exception:  # noqa: BLE001 - read_lantern_folder says what is wrong with the file
-        return False
+    return "fc.weight" in safetensors_keys(weights)
 
 
 def gpt_fields(config: dict, where: str) -> dict:
@@ -134,65 +125,87 @@ def read_lantern_folder(path) -> tuple[dict[str, torch.Tensor], dict, dict]:
     return to_upstream(hf, gpt.n_layer, where), fields, config
 
 
-def to_upstream(hf: dict[str, torch.Tensor], layers: int, where: str) -> dict[str, torch.Tensor]:
-    """HF-Llama names -> upstream LlamaGen names (q, k, v rows stacked into ``wqkv`` in that
-    order, as upstream splits them)."""
+def blocks_to_upstream(hf: dict[str, torch.Tensor], prefix: str, where: str):
+    """The LlamaGen blocks among ``hf`` (keys ``{prefix}layers.N.<HF-Llama name>``) under upstream
+    names, q, k and v rows stacked into ``wqkv`` in that order, as upstream splits them; and the
+    entries that are no block's (derived buffers dropped). One-line errors for a block tensor
+    LlamaGen does not have or a layer without all of q, k and v."""
     state: dict[str, torch.Tensor] = {}
-    qkv: dict[int, dict[str, torch.Tensor]] = {}
-    unknown = []
+    qkv: dict[str, dict[str, torch.Tensor]] = {}
+    rest, unknown = {}, []
     for key, tensor in hf.items():
+        match = LAYER_KEY.fullmatch(key[len(prefix):]) if key.startswith(prefix) else None
         if SKIPPED.search(key):
             continue
-        match = QKV.fullmatch(key)
-        if match:
-            qkv.setdefault(int(match.group(1)), {})[match.group(2)] = tensor
-            continue
-        for pattern, name in RENAMES:
-            if re.fullmatch(pattern, key):
-                state[re.sub(pattern, name, key)] = tensor
-                break
+        if match is None:
+            rest[key] = tensor
+        elif match.group(2) in QKV_PROJ:
+            qkv.setdefault(match.group(1), {})[match.group(2)] = tensor
+        elif match.group(2) in BLOCK:
+            state[f"layers.{match.group(1)}.{BLOCK[match.group(2)]}"] = tensor
         else:
             unknown.append(key)
     if unknown:
         raise RelaxspecError(f"{where}: weights LlamaGen does not have: {', '.join(unknown[:4])}"
                              + (f", ... ({len(unknown)} in all)" if len(unknown) > 4 else ""))
-    for layer, parts in sorted(qkv.items()):
-        if set(parts) != {"q", "k", "v"}:
-            raise RelaxspecError(f"{where}: layer {layer} lacks {', '.join(sorted({'q', 'k', 'v'} - set(parts)))}_proj")
-        state[f"layers.{layer}.attention.wqkv.weight"] = torch.cat([parts["q"], parts["k"], parts["v"]])
+    for layer, parts in sorted(qkv.items(), key=lambda item: int(item[0])):
+        if set(parts) != set(QKV_PROJ):
+            lacking = ", ".join(name.split(".")[1] for name in QKV_PROJ if name not in parts)
+            raise RelaxspecError(f"{where}: layer {layer} lacks {lacking}")
+        state[f"layers.{layer}.attention.wqkv.weight"] = torch.cat([parts[name] for name in QKV_PROJ])
+    return state, rest
+
+
+def to_upstream(hf: dict[str, torch.Tensor], layers: int, where: str) -> dict[str, torch.Tensor]:
+    """A LANTERN target's HF-Llama names -> upstream LlamaGen names."""
+    state, rest = blocks_to_upstream(hf, "model.", where)
+    unknown = []
+    for key, tensor in rest.items():
+        if key in OUTSIDE:
+            state[OUTSIDE[key]] = tensor
+        elif key.startswith("model.cls_embedding."):
+            state[key[len("model."):]] = tensor
+        else:
+            unknown.append(key)
+    if unknown:
+        raise RelaxspecError(f"{where}: weights LlamaGen does not have: {', '.join(unknown[:4])}"
+                             + (f", ... ({len(unknown)} in all)" if len(unknown) > 4 else ""))
     return state
 
 
 def from_upstream(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The inverse of :func:`to_upstream`: upstream LlamaGen names -> LANTERN's HF-Llama names
     (what LANTERN's conversion of a LlamaGen checkpoint holds; tests write folders with it)."""
-    inverse = {
-        "tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
-        "output.weight": "lm_head.weight",
-    }
+    inverse, block = {v: k for k, v in OUTSIDE.items()}, {v: k for k, v in BLOCK.items()}
     hf = {}
     for key, tensor in state.items():
+        match = LAYER_KEY.fullmatch(key)
         if SKIPPED.search(key):
             continue
         if key in inverse:
             hf[inverse[key]] = tensor
         elif key.startswith("cls_embedding."):
             hf["model." + key] = tensor
-        elif key.endswith("attention.wqkv.weight"):
-            layer = key.split(".")[1]
+        elif match.group(2) == "attention.wqkv.weight":
             dim = tensor.shape[1]
             kv = (tensor.shape[0] - dim) // 2
-            q, k, v = tensor.split([dim, kv, kv])
-            for name, part in (("q", q), ("k", k), ("v", v)):
-                hf[f"model.layers.{layer}.self_attn.{name}_proj.weight"] = part
+            for name, part in zip(QKV_PROJ, tensor.split([dim, kv, kv])):
+                hf[f"model.layers.{match.group(1)}.{name}"] = part
         else:
-            layer, rest = key.split(".")[1], ".".join(key.split(".")[2:])
-            name = {"attention.wo.weight": "self_attn.o_proj.weight", "feed_forward.w1.weight": "mlp.gate_proj.weight",
-                    "feed_forward.w3.weight": "mlp.up_proj.weight", "feed_forward.w2.weight": "mlp.down_proj.weight",
-                    "attention_norm.weight": "input_layernorm.weight",
-                    "ffn_norm.weight": "post_attention_layernorm.weight"}[rest]
-            hf[f"model.layers.{layer}.{name}"] = tensor
+            hf[f"model.layers.{match.group(1)}.{block[match.group(2)]}"] = tensor
     return hf
+
+
+def safetensors_keys(path) -> list[str]:
+    """The tensor names of a safetensors file, read from its header (``[]`` for a file that is not
+    one: the readers that load it say what is wrong)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            return list(handle.keys())
+    except Exception:  # noqa: BLE001 - a damaged or foreign file
+        return []
 
 
 def lantern_config(gpt) -> dict:
@@ -208,5 +221,5 @@ def lantern_config(gpt) -> dict:
             "ffn_dropout_p": 0.1, "class_dropout_p": 0.1, "torch_dtype": "float32"}
 
 
-__all__ = ["RENAMES", "from_upstream", "gpt_fields", "is_drafter_folder", "is_lantern_folder", "lantern_config", "read_lantern_folder",
-           "to_upstream"]
+__all__ = ["BLOCK", "OUTSIDE", "QKV_PROJ", "blocks_to_upstream", "from_upstream", "gpt_fields", "is_drafter_folder",
+           "is_lantern_folder", "lantern_config", "read_lantern_folder", "safetensors_keys", "to_upstream"]
