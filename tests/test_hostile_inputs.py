@@ -277,3 +277,16 @@ def test_plots_that_cannot_be_drawn_are_said_at_the_start(tmp_path, capsys, monk
     assert main(["train-drafter", "--self-samples", "8", "--out", str(tmp_path / "d")]) == 2
     err = capsys.readouterr().err
     assert err.index("note: no accept.png") < err.index("error: stopped before any work")
+
+
+@pytest.mark.parametrize("config", ["gpt", "vq", "drafter"])
+def test_every_recipe_refuses_an_infinite_setting(config):
+    """``--lr inf`` passed the recipes' ``> 0`` checks and trained on nan; every recipe's config
+    refuses a non-finite number (one check, common.need_finite)."""
+    from relaxspec.training.drafter import DrafterTrainConfig
+    from relaxspec.training.gpt import GPTTrainConfig
+    from relaxspec.training.vq import VQTrainConfig
+
+    cls = {"gpt": GPTTrainConfig, "vq": VQTrainConfig, "drafter": DrafterTrainConfig}[config]
+    with pytest.raises(RelaxspecError, match="lr must be a finite number, got inf"):
+        cls(lr=float("inf"))

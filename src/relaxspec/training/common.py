@@ -114,11 +114,9 @@ MAX_STEPS = 10**9
 
 
 def run_length(steps: int | None, epochs: float, steps_per_epoch: int) -> int:
-    """A run's optimizer steps: ``steps`` when given, else ``ceil(epochs * steps_per_epoch)``;
-    refused with one line unless it is finite and at most :data:`MAX_STEPS`."""
+    """A run's optimizer steps: ``steps`` when given (its config checked its range), else
+    ``ceil(epochs * steps_per_epoch)``, refused with one line past :data:`MAX_STEPS`."""
     if steps is not None:
-        if not 0 <= steps <= MAX_STEPS:
-            raise RelaxspecError(f"steps must lie in [0, {MAX_STEPS:,}], got {steps}")
         return steps
     total = epochs * steps_per_epoch
     if not (math.isfinite(total) and 0 <= total <= MAX_STEPS):
@@ -352,6 +350,14 @@ class RecipeConfig:
 
             raise RelaxspecError(f"unknown {cls.what} fields: {', '.join(unknown)}")
         return cls(**data)
+
+
+def need_finite(config) -> None:
+    """Config validation: every float field of the dataclass ``config`` is finite (an ``inf``
+    learning rate or epoch count passes ``> 0`` checks and means nothing)."""
+    for name in config.__dataclass_fields__:
+        value = getattr(config, name)
+        need(not isinstance(value, float) or math.isfinite(value), f"{name} must be a finite number, got {value}")
 
 
 def need(ok: bool, message: str) -> None:

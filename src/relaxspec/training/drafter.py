@@ -166,9 +166,7 @@ class DrafterTrainConfig(common.RecipeConfig):
 
     def validate(self) -> None:
         need = common.need
-        for name in self.__dataclass_fields__:  # inf / nan mean nothing here (inf epochs: an endless run)
-            value = getattr(self, name)
-            need(not isinstance(value, float) or math.isfinite(value), f"{name} must be a finite number, got {value}")
+        common.need_finite(self)  # inf / nan mean nothing here (inf epochs: an endless run)
         need(bool(self.out), "out must name a folder")
         need(self.precision in PRECISIONS, f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
         need(self.self_samples >= 0, f"self_samples must be >= 0, got {self.self_samples}")
@@ -534,27 +532,41 @@ def build_dataset(config: DrafterTrainConfig, target: TargetModel, prompts=None)
 
 @torch.no_grad()
 def target_features(target: TargetModel, tokens: torch.Tensor, labels: torch.Tensor,
-                    null_rows: int, cond_mask: torch.Tensor | None = None,
-                    with_condition: bool = False):
+                    null_rows: int, cond_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The frozen target's teacher-forced pass over ``tokens [B, N]``, under each sequence's
     condition and, for the first ``null_rows`` sequences, also under the null condition.
 
     Returns hidden states ``[R, N, dim]`` and logits ``[R, N, vocab]`` (``R = B + null_rows``; row
-    ``k`` predicts token ``k``): condition rows first, then null rows. ``with_condition`` adds a
-    third and a fourth, the hidden states at every condition position ``[R, C, dim]`` and, for a
-    target conditioned on tokens, those tokens ``[R, C]`` (else ``None``): what a drafter that reads
-    the condition takes, as decoding hands them over. A target without ``forward_train``,
-    conditions with a mask, or ``with_condition`` run through its decoding interface
+    ``k`` predicts token ``k``): condition rows first, then null rows. A target without
+    ``forward_train``, or conditions with a mask, run through its decoding interface
     (:func:`teacher_forced`).
     """
-    cond = torch.cat([labels, target.null_condition(labels[:null_rows])])
-    tokens = torch.cat([tokens, tokens[:null_rows]])
-    if isinstance(target, TeacherForcedTarget) and cond_mask is None and not with_condition:  # reads no mask
+    cond, tokens, mask = _with_null_rows(target, tokens, labels, null_rows, cond_mask)
+    if isinstance(target, TeacherForcedTarget) and mask is None:  # forward_train reads no mask
         logits, hidden = target.forward_train(cond, tokens, return_hidden=True)
         return hidden, logits
-    mask = None if cond_mask is None else torch.cat([cond_mask, cond_mask[:null_rows]])
+    logits, hidden = teacher_forced(target, cond, tokens, mask)
+    return hidden, logits
+
+
+def target_features_with_condition(target: TargetModel, tokens: torch.Tensor, labels: torch.Tensor, null_rows: int,
+                                   cond_mask: torch.Tensor | None = None):
+    """:func:`target_features`, and what a drafter that reads the condition takes, as decoding
+    hands them over: the hidden states at every condition position ``[R, C, dim]`` and, for a
+    target conditioned on tokens, those tokens ``[R, C]`` (else ``None``). Returns ``(hidden,
+    logits, condition, condition_tokens)``."""
+    cond, tokens, mask = _with_null_rows(target, tokens, labels, null_rows, cond_mask)
     logits, hidden, condition = teacher_forced(target, cond, tokens, mask, with_condition=True)
-    return (hidden, logits, condition, condition_tokens(target, cond)) if with_condition else (hidden, logits)
+    return hidden, logits, condition, condition_tokens(target, cond)
+
+
+def _with_null_rows(target: TargetModel, tokens: torch.Tensor, labels: torch.Tensor, null_rows: int,
+                    cond_mask: torch.Tensor | None):
+    """The batch's conditions, tokens and mask with the first ``null_rows`` repeated under the null
+    condition."""
+    cond = torch.cat([labels, target.null_condition(labels[:null_rows])])
+    mask = None if cond_mask is None else torch.cat([cond_mask, cond_mask[:null_rows]])
+    return cond, torch.cat([tokens, tokens[:null_rows]]), mask
 
 
 @torch.no_grad()
@@ -752,11 +764,13 @@ def batch_loss(drafter: EagleDrafter, tokens: torch.Tensor, labels: torch.Tensor
     null_rows = round(config.null_fraction * tokens.shape[0])
     depths = max(depths or 1, config.train_depths)
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=config.bf16):
-        reads_condition = bool(drafter.config.condition_pairs)  # official LANTERN's layout
-        features, logits, *condition = target_features(target, tokens, labels, null_rows,
-                                                       None if cond_mask is None else cond_mask.to(device),
-                                                       with_condition=reads_condition)
-        condition, condition_tokens = condition if condition else (None, None)
+        mask = None if cond_mask is None else cond_mask.to(device)
+        if drafter.config.condition_pairs:  # official LANTERN's layout reads the condition too
+            features, logits, condition, condition_tokens = target_features_with_condition(
+                target, tokens, labels, null_rows, mask)
+        else:
+            (features, logits), condition, condition_tokens = target_features(target, tokens, labels, null_rows,
+                                                                              mask), None, None
         noise = None
         if noise_generator is not None and config.noise > 0:
             uniform = torch.rand(features[:, :-1].shape, generator=noise_generator, device=device)

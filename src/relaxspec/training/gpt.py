@@ -107,6 +107,7 @@ class GPTTrainConfig(common.RecipeConfig):
 
     def validate(self) -> None:
         need = common.need
+        common.need_finite(self)
         need(bool(self.out), "out must name a folder")
         need(self.copies >= 1, f"copies must be >= 1, got {self.copies}")
         need(self.max_shift >= 0, f"max_shift must be >= 0, got {self.max_shift}")

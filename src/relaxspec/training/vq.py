@@ -98,6 +98,7 @@ class VQTrainConfig(common.RecipeConfig):
 
     def validate(self) -> None:
         need = common.need
+        common.need_finite(self)
         need(bool(self.out), "out must name a folder")
         for name in ("l1_weight", "l2_weight", "codebook_weight", "commit_weight", "weight_decay", "grad_clip"):
             need(getattr(self, name) >= 0, f"{name} must be >= 0, got {getattr(self, name)}")
