@@ -235,6 +235,15 @@ def synthetic(method: str, index: int, ms: float, accept_lengths=(1,) * 16, tv: 
             "accept_lengths": list(accept_lengths), "tokens": [0] * 16}
 
 
+def test_a_speedup_from_fewer_than_five_pairs_has_no_interval():
+    """bench and tune share one rule (bench.report.speedup_interval): under five image pairs a
+    bootstrap is no interval (from one pair it was [x, x]), so bench reports the median alone."""
+    few = [synthetic("ar", i, 10.0) for i in range(4)] + [synthetic("fast", i, 5.0 + i) for i in range(4)]
+    rows = {r["label"]: r for r in summarize(few, n_boot=50)}
+    assert rows["fast"]["speedup"] == pytest.approx(float(np.median([10 / 5, 10 / 6, 10 / 7, 10 / 8])))
+    assert rows["fast"]["speedup_lo"] is None and rows["fast"]["speedup_hi"] is None and rows["fast"]["speedup_pairs"] == 4
+
+
 def test_speedup_is_the_median_of_per_image_ratios():
     halves = [synthetic("ar", i, 10.0) for i in range(5)] + [synthetic("fast", i, 5.0, (1, 5, 5, 5)) for i in range(5)]
     rows = {r["label"]: r for r in summarize(halves, n_boot=50)}

@@ -119,6 +119,23 @@ def pairwise_speedups(records: Sequence[dict], label: str, baseline: str = BASEL
                      if r["method"] == label and r["index"] in base and r["seconds"] > 0], dtype=np.float64)
 
 
+#: Paired images a speed-up interval needs: from fewer a bootstrap gives no interval worth the
+#: name (from one pair, ``[x, x]``), so the bounds are ``None``.
+MIN_INTERVAL_PAIRS = 5
+
+
+def speedup_interval(ratios, n_boot: int = 200, seed: int = 0) -> list:
+    """``[median, lo, hi]`` of paired speed-ups (baseline seconds / method seconds per image,
+    ``[pairs]``): ``lo`` and ``hi`` are ``None`` under :data:`MIN_INTERVAL_PAIRS` pairs, all three
+    with none."""
+    ratios = np.asarray(ratios, dtype=np.float64)
+    if not len(ratios):
+        return [None, None, None]
+    if len(ratios) < MIN_INTERVAL_PAIRS:
+        return [float(np.median(ratios)), None, None]
+    return _bootstrap(np.median, ratios, n_boot=n_boot, seed=seed)
+
+
 def method_summary(records: Sequence[dict], label: str, num_tokens: int, baseline: str = BASELINE,
                    n_boot: int = 200, seed: int = 0) -> dict:
     """The speed numbers of one method (its records among ``records``; the baseline's are needed
@@ -145,8 +162,7 @@ def method_summary(records: Sequence[dict], label: str, num_tokens: int, baselin
         "images_per_second": float(1.0 / max(seconds.mean(), 1e-12)),
         "speedup": None, "speedup_lo": None, "speedup_hi": None, "speedup_pairs": len(ratios),
     }
-    if len(ratios):
-        row["speedup"], row["speedup_lo"], row["speedup_hi"] = _bootstrap(np.median, ratios, n_boot=n_boot, seed=seed)
+    row["speedup"], row["speedup_lo"], row["speedup_hi"] = speedup_interval(ratios, n_boot=n_boot, seed=seed)
     if np.isnan(tv).any():  # run with --no-tv-record: nothing was measured
         row["tv_sum_mean"] = row["tv_sum_lo"] = row["tv_sum_hi"] = row["tv_certified"] = None
     else:

@@ -2,7 +2,7 @@
 speed-up against its TV per token, the choice marked), ``settings.csv`` (the numbers behind it)
 and ``report.md``.
 
-A speed-up from fewer than :data:`~relaxspec.tuning.search.MIN_INTERVAL_PAIRS` paired images has
+A speed-up from fewer than :data:`~relaxspec.bench.report.MIN_INTERVAL_PAIRS` paired images has
 no interval: it is written as ``[value, null, null]`` with its pair count (``pairs``), shown as
 ``1.07x (n/a: only 1 pair)``, and :func:`interval_note` says in one line what the budget allowed.
 A preset is still written then (the choice is the best the budget could find), with that honest
@@ -19,7 +19,8 @@ from relaxspec import methods
 from relaxspec.devices import machine_identity, machine_kind
 from relaxspec.files import write_atomic, write_json
 from relaxspec.pipelines.presets import preset_record
-from relaxspec.tuning.search import MIN_INTERVAL_PAIRS, MIN_QUALITY_IMAGES
+from relaxspec.bench.report import MIN_INTERVAL_PAIRS
+from relaxspec.tuning.search import MIN_QUALITY_IMAGES
 
 PRESET_FILE, REPORT_FILE, FRONTIER_FILE, TABLE_FILE = "tune.json", "report.md", "frontier.png", "settings.csv"
 COLUMNS = ("label", "method", "family", "tree", "relaxed", "compile", "pairs", "speedup", "speedup_lo", "speedup_hi", "seconds",
@@ -58,7 +59,7 @@ def describe_heldout(heldout: dict) -> str:
 
 def interval_note(result: dict, minutes: float) -> str | None:
     """One line when the budget allowed the chosen setting fewer than
-    :data:`~relaxspec.tuning.search.MIN_INTERVAL_PAIRS` paired images on the tune or the held-out
+    :data:`~relaxspec.bench.report.MIN_INTERVAL_PAIRS` paired images on the tune or the held-out
     images (what was measured, that it has no interval, and the minutes that would give one);
     ``None`` otherwise."""
     chosen, heldout = result.get("chosen"), result.get("heldout")

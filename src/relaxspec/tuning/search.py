@@ -49,7 +49,8 @@ import torch
 
 from relaxspec import methods
 from relaxspec.bench.config import BASELINE, MethodSpec
-from relaxspec.bench.report import _bootstrap, pairwise_speedups, quality_metrics, within_baseline_quality
+from relaxspec.bench.report import (MIN_INTERVAL_PAIRS, pairwise_speedups, quality_metrics, speedup_interval,
+                                    within_baseline_quality)
 from relaxspec.bench.run import read_records, run_bench
 from relaxspec.decoding.result import add_counts
 from relaxspec.errors import RelaxspecError, shown
@@ -76,9 +77,6 @@ MIN_PROBE_TESTS = 10
 MAX_ROUNDS = 8
 #: The longest --minutes taken (a week): longer is a typo, and seconds past it overflow the plans.
 MAX_MINUTES = 7 * 24 * 60
-#: Fewest paired images a speed-up interval is computed from: a bootstrap over fewer is no
-#: interval (over one pair it is ``[x, x]``); the held-out measurement takes at least this many.
-MIN_INTERVAL_PAIRS = 5
 #: Most images any round, the quality test or the held-out measurement plans.
 MAX_PLAN_IMAGES = 400
 
@@ -90,17 +88,6 @@ def check_minutes(minutes) -> float:
         shown = f"{minutes:g}" if isinstance(minutes, (int, float)) and not isinstance(minutes, bool) else repr(minutes)
         raise RelaxspecError(f"--minutes must be > 0 and at most {MAX_MINUTES} (a week), got {shown}")
     return float(minutes)
-
-
-def speedup_interval(ratios, n_boot: int = 200) -> list:
-    """``[median, lo, hi]`` of paired speed-ups (AR seconds / setting seconds per image, ``[pairs]``):
-    ``lo`` and ``hi`` are ``None`` under :data:`MIN_INTERVAL_PAIRS` pairs, all three with none."""
-    ratios = np.asarray(ratios, dtype=np.float64)
-    if not len(ratios):
-        return [None, None, None]
-    if len(ratios) < MIN_INTERVAL_PAIRS:
-        return [float(np.median(ratios)), None, None]
-    return _bootstrap(np.median, ratios, n_boot=n_boot)
 
 
 @dataclass
