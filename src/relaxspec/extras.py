@@ -56,4 +56,12 @@ def require(name: str, needed_by: str) -> None:
         raise RelaxspecError(f"{needed_by} needs {name}, which is not installed: {EXTRAS[name].install}")
 
 
-__all__ = ["EXTRAS", "Extra", "available", "require"]
+def missing(name: str, what: str) -> str | None:
+    """``"no WHAT (NAME is not installed: pip install ...)"`` when ``name`` is missing, else
+    ``None``: what a command says at its start about an output it will not write."""
+    if available(name):
+        return None
+    return f"no {what} ({name} is not installed: {EXTRAS[name].install})"
+
+
+__all__ = ["EXTRAS", "Extra", "available", "missing", "require"]

@@ -254,9 +254,9 @@ def run_train_drafter(args: argparse.Namespace) -> int:
                 setattr(args, key, value)
     config, resume = config_from_args(args, DrafterTrainConfig, read_drafter_state)
     check_law_weight(args, config.law_loss)
-    if not extras.available("matplotlib"):  # said now, not at the end of the run
-        print(f"relaxspec: note: no accept.png in {config.out} (matplotlib is not installed: "
-              f"{extras.EXTRAS['matplotlib'].install}); metrics.jsonl has the same numbers", file=sys.stderr)
+    note = extras.missing("matplotlib", f"accept.png in {config.out}")
+    if note:  # said now, not at the end of the run
+        print(f"relaxspec: note: {note}; metrics.jsonl has the same numbers", file=sys.stderr)
     result = train_drafter(config, resume=resume)
     last = result.history[-1] if result.history else {}
 

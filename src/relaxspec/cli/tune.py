@@ -112,16 +112,15 @@ def check_inputs(args: argparse.Namespace):
     check_minutes(args.minutes)
     check_threads(args.threads)
     check_at_least("batch size", args.batch_size, 1)
-    if not extras.available("matplotlib"):  # said now, not after the search
-        print(f"relaxspec: note: no {Path(args.out or EMBEDDED_OUT) / 'frontier.png'} (matplotlib is not installed: "
-              f"{extras.EXTRAS['matplotlib'].install}); tune.json, report.md and settings.csv are written",
-              file=sys.stderr)
-    check_seed(args.seed)
     embedded = args.gpt_ckpt is None and args.model_path is None
     if not args.out:
         if not embedded:
             raise RelaxspecError("--out DIR is required")
         args.out = EMBEDDED_OUT
+    note = extras.missing("matplotlib", Path(args.out) / "frontier.png")
+    if note:  # said now, not after the search
+        print(f"relaxspec: note: {note}; tune.json, report.md and settings.csv are written", file=sys.stderr)
+    check_seed(args.seed)
     if (args.classifier is not None or args.real_data is not None) and budget.kind != "quality":
         raise RelaxspecError("--classifier / --real-data go with --within-ar-quality")
     if budget.kind == "quality":
