@@ -20,7 +20,7 @@ from relaxspec.devices import machine_identity, machine_kind
 from relaxspec.files import write_atomic, write_json
 from relaxspec.pipelines.presets import preset_record
 from relaxspec.bench.report import MIN_INTERVAL_PAIRS
-from relaxspec.tuning.search import MIN_QUALITY_IMAGES
+from relaxspec.tuning.search import MIN_QUALITY_IMAGES, round_up
 
 PRESET_FILE, REPORT_FILE, FRONTIER_FILE, TABLE_FILE = "tune.json", "report.md", "frontier.png", "settings.csv"
 COLUMNS = ("label", "method", "family", "tree", "relaxed", "compile", "pairs", "speedup", "speedup_lo", "speedup_hi", "seconds",
@@ -76,10 +76,7 @@ def interval_note(result: dict, minutes: float) -> str | None:
     if not short:
         return None
     fewest = max(min(count for count, _ in short), 1)
-    more = minutes * MIN_INTERVAL_PAIRS / fewest  # the pairs grow about in proportion to the minutes
-    suggested = float(f"{more:.2g}")
-    if suggested < more:  # rounded down: round up instead
-        suggested = float(f"{more * 1.1:.2g}")
+    suggested = round_up(minutes * MIN_INTERVAL_PAIRS / fewest)  # the pairs grow about in proportion to the minutes
     return (f"the budget allowed {chosen['label']} " + " and ".join(text for _, text in short)
             + f": no interval (one needs {MIN_INTERVAL_PAIRS} pairs); give --minutes >= {suggested:g} for one")
 

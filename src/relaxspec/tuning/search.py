@@ -81,6 +81,14 @@ MAX_MINUTES = 7 * 24 * 60
 MAX_PLAN_IMAGES = 400
 
 
+def round_up(minutes: float) -> float:
+    """``minutes`` to two significant figures, never below it (the --minutes a message suggests)."""
+    rounded = float(f"{minutes:.2g}")
+    while rounded < minutes:
+        rounded = float(f"{rounded * 1.1:.2g}")
+    return rounded
+
+
 def check_minutes(minutes) -> float:
     """``--minutes``, checked: a finite number in ``(0, MAX_MINUTES]``."""
     if isinstance(minutes, bool) or not isinstance(minutes, (int, float)) or not (
@@ -291,9 +299,7 @@ class Tuner:
         if left >= least:
             return
         needed = (self.spent() + least) / 60
-        minutes = float(f"{needed * 1.2:.2g}")  # rounded up a little: the floor is an estimate
-        while minutes < needed:
-            minutes = float(f"{minutes * 1.1:.2g}")
+        minutes = round_up(needed * 1.2)  # a little more: the floor is an estimate
         if minutes > MAX_MINUTES:
             raise RelaxspecError(f"the least search (the probe, every setting once against AR, the winner on "
                                  f"{MIN_INTERVAL_PAIRS} held-out images) needs about {least:.3g} s here, more than "
