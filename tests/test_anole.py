@@ -257,8 +257,8 @@ def test_bad_folders_are_one_line(files, tmp_path, refused):
         anole.load_vq(_strip_decoder(files, tmp_path), anole.read_anole_config(files["model_path"])[1])
 
     generate(files["model_path"], "--image-size", "512", message="an Anole image is 128 pixels")
-    generate(files["model_path"], "--tokenizer-path", str(tmp_path), message="--tokenizer-path goes with a Lumina")
-    generate(files["model_path"], "--negative-prompt", "blurry", message="no negative prompt")
+    generate(files["model_path"], "--tokenizer-path", str(tmp_path), message="--tokenizer-path goes with --model-path (Lumina-mGPT); this model is Anole")
+    generate(files["model_path"], "--negative-prompt", "blurry", message="--negative-prompt goes with --model-path (Emu3); this model is Anole")
 
     shuffled = _copy(files, tmp_path, "shuffled")
     config = json.loads((shuffled / "config.json").read_text())

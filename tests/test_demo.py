@@ -361,7 +361,7 @@ def test_a_real_browser_presses_race_and_sees_both_images(served):
     (["--port", "0"], "--port must be 1..65535"),
     (["--out", "FILE"], "exists and is not a folder"),
     (["--vq-ckpt", "vq.pt"], "--vq-ckpt / --gpt-model go with --gpt-ckpt"),
-    (["--prompt", "a fox"], "--prompt goes with --model-path, or with --t5-path for a LlamaGen t2i checkpoint"),
+    (["--prompt", "a fox"], "--prompt goes with a text-to-image model; the embedded model is class-conditional"),
     (["--negative-prompt", "dark"], "--negative-prompt goes with --model-path"),
 ])
 def test_demo_command_errors(tmp_path, capsys, argv, message):
@@ -459,5 +459,5 @@ def test_official_lanterns_llamagen_t2i_folder_races_prompts(tmp_path, tiny_ckpt
     from PIL import Image
 
     assert (np.asarray(Image.open(tmp_path / "g" / "0000.png")) == ar_image).all()
-    with pytest.raises(RelaxspecError, match="give --t5-path DIR"):
+    with pytest.raises(RelaxspecError, match="needs --t5-path DIR"):
         load_demo_model(build_parser().parse_args(["demo", "--gpt-ckpt", str(folder), *vq]))

@@ -133,7 +133,7 @@ def test_generate_with_a_janus_folder_equals_transformers(janus_folder, tmp_path
     (["--prompt", "  "], "prompt 1 is empty"),
     (["--prompt", "a fox", "--gpt-ckpt", "x.pt"], "--model-path is a whole model"),
     (["--prompt", "a fox", "--image-size", "64"], "image size is fixed by its config (8)"),
-    (["--prompt", "a fox", "--negative-prompt", "blurry"], "Janus's guidance has no negative prompt"),
+    (["--prompt", "a fox", "--negative-prompt", "blurry"], "--negative-prompt goes with --model-path (Emu3); this model is Janus"),
     (["--prompt", "a red fox " * 120], "exceed the model's context (256 positions)"),
 ])
 def test_janus_folder_errors_are_one_line(janus_folder, tmp_path, refused, extra, message):

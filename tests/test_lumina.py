@@ -17,6 +17,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
+from relaxspec.pipelines import open_pipeline
 import torch
 import torch.nn.functional as F
 
@@ -321,7 +323,8 @@ def edited_config(files, **changes) -> str:
 def test_bad_inputs_are_one_line(files, tmp_path):
     model, tokens = files["model_path"], files["tokenizer_path"]
     one_line(lambda: open_tiny(files, tokenizer_path=None), "give --tokenizer-path DIR")
-    one_line(lambda: open_tiny(files, negative_prompt="blurry"), "has no negative prompt")
+    one_line(lambda: open_pipeline(model_path=model, tokenizer_path=tokens, negative_prompt="blurry"),
+             "--negative-prompt goes with --model-path (Emu3); this model is Lumina-mGPT")
     one_line(lambda: open_tiny(files, image_size=48), "positive multiple of 32")
     one_line(lambda: open_tiny(files, image_size=0), "positive multiple of 32")
     one_line(lambda: open_tiny(files, image_size=256), "the model's context is 128")

@@ -96,7 +96,7 @@ def test_the_demo_races_a_prompt_on_a_lumina_folder(files, tmp_path):
     (["--image-size", "48"], "positive multiple of 32"),
     (["--tokenizer-path", None], "give --tokenizer-path DIR"),
     (["--tokenizer-path", "model"], "no text_tokenizer.json"),
-    (["--negative-prompt", "blurry"], "no negative prompt"),
+    (["--negative-prompt", "blurry"], "--negative-prompt goes with --model-path (Emu3); this model is Lumina-mGPT"),
     (["--classes", "1"], "this Lumina-mGPT model takes text prompts"),
 ])
 def test_bad_inputs_are_one_line(files, tmp_path, refused, extra, message):

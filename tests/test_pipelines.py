@@ -157,7 +157,7 @@ def test_the_front_door_refuses_what_does_not_go_together(tmp_path):
         (dict(model_path=tmp_path), "not a transformers model folder"),
         (dict(precision="fp8"), "precision must be one of fp32, bf16, fp16"),
         (dict(image_size=0), "image size must be a whole number >= 1"),
-        (dict(t5_path="t5"), "--t5-path encodes prompts for a LlamaGen t2i checkpoint"),
+        (dict(t5_path="t5"), "--t5-path goes with --gpt-ckpt (LlamaGen t2i); this model is the embedded model"),
     ]
     for kwargs, message in cases:
         with pytest.raises(RelaxspecError) as err:

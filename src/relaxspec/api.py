@@ -19,6 +19,8 @@ from relaxspec.errors import RelaxspecError
 from relaxspec.inputs import check_seed, check_upscale
 from relaxspec.methods import MethodOptions
 from relaxspec.pipelines import UPSTREAM_SAMPLING, ImagePipeline, open_pipeline
+from relaxspec.pipelines.families import check_inputs, opening_inputs
+from relaxspec.pipelines.llamagen import LlamaGenC2I, LlamaGenT2I
 from relaxspec.sampling import SamplingConfig, batch_seed
 
 __all__ = ["Generation", "UPSTREAM_SAMPLING", "generate", "pipeline_of"]
@@ -40,8 +42,6 @@ def _embedded(device: str, precision: str) -> ImagePipeline:
 def pipeline_of(model: tuple | ImagePipeline, t5_path: str | None = None) -> ImagePipeline:
     """A pipeline from ``(target, vq, drafter)`` already in memory (LlamaGen-format models; the
     drafter may be ``None``), or the pipeline itself."""
-    from relaxspec.pipelines.llamagen import LlamaGenC2I, LlamaGenT2I
-
     if isinstance(model, ImagePipeline):
         return model
     if not isinstance(model, (tuple, list)) or len(model) != 3:
@@ -69,16 +69,15 @@ def pipeline_of(model: tuple | ImagePipeline, t5_path: str | None = None) -> Ima
 def generate(classes: str | Sequence[int | str] | None = None, method: str | MethodOptions | None = None, *,
              model: tuple | ImagePipeline | None = None, sampling: SamplingConfig | dict | None = None, seed: int = 0,
              device: str | torch.device | None = None, precision: str | None = None, upscale: int = 1,
-             progress: bool = False, prompts: Sequence[str] | None = None, t5_path: str | None = None,
-             model_path: str | None = None, tokenizer_path: str | None = None, drafter_ckpt: str | None = None,
-             negative_prompt: str | None = None, image_size: int | None = None, preset: str | None = None,
-             **method_fields) -> Generation:
+             progress: bool = False, prompts: Sequence[str] | None = None, model_path: str | None = None,
+             drafter_ckpt: str | None = None, image_size: int | None = None, preset: str | None = None,
+             **fields) -> Generation:
     """Generate one image per class (or per prompt, for a text-to-image model).
 
     ``classes``: class ids, or names for a model that names its classes (``"heart,animal-mammal"``
     or a list); default: the model's demo classes. ``method``: a method name (``"ar"``,
     ``"lantern"``, ``"lantern++"``, ``"cool"``, ``"sd"``, ``"sjd"``, ``"scd"``, ``"gsd"``,
-    ``"eagle2"``) or a :class:`MethodOptions`; ``method_fields`` set its fields (``delta=0.2``,
+    ``"eagle2"``) or a :class:`MethodOptions`; ``fields`` set its fields (``delta=0.2``,
     ``compile=True``); default: the model's default method (the embedded model's is in its
     ``defaults.json``). ``sampling``: a :class:`SamplingConfig` or a dict of its fields over the
     model's defaults. ``upscale``: enlarge each image that many times (nearest neighbour).
@@ -86,9 +85,11 @@ def generate(classes: str | Sequence[int | str] | None = None, method: str | Met
     The model: by default the embedded one, loaded once per ``device`` (default cpu) and
     ``precision`` (default fp32); ``model``: a pipeline (:func:`relaxspec.pipelines.open_pipeline`)
     or ``(target, vq, drafter)`` in memory, with ``prompts`` and ``t5_path`` (a local Flan-T5
-    folder) for a LlamaGen t2i target; ``model_path``: a transformers folder (Janus / Janus-Pro,
-    Emu3, Lumina-mGPT with ``tokenizer_path``), opened as ``relaxspec generate --model-path`` opens
-    it for ``prompts``, with ``drafter_ckpt``, ``negative_prompt`` (Emu3) and ``image_size``.
+    folder) for a LlamaGen t2i target; ``model_path``: a transformers folder of any family,
+    opened as ``relaxspec generate --model-path`` opens it for ``prompts``, with ``drafter_ckpt``
+    and ``image_size``. A family's own opening inputs (``tokenizer_path`` for Lumina-mGPT,
+    ``negative_prompt`` for Emu3, :mod:`relaxspec.pipelines.families`) are keywords too: every
+    keyword that is not one is a method field.
 
     ``preset``: a preset file written by ``relaxspec tune`` for this model on this kind of machine
     (:mod:`relaxspec.pipelines.presets`): its method and settings become the default method (its
@@ -99,28 +100,30 @@ def generate(classes: str | Sequence[int | str] | None = None, method: str | Met
     check_seed(seed)
     if preset is not None and method is not None:
         raise RelaxspecError("a preset names its method: give preset or method, not both")
+    known = opening_inputs()
+    inputs = {name: fields.pop(name) for name in list(fields) if name in known and fields[name] is not None}
+    method_fields = {name: value for name, value in fields.items() if name not in known}
     if model_path is not None:
-        if model is not None or classes is not None or t5_path is not None:
-            raise RelaxspecError("model_path is a whole text-to-image model: give prompts, not model / classes / "
-                                 "t5_path")
+        if model is not None or classes is not None:
+            raise RelaxspecError("model_path is a whole text-to-image model: give prompts, not model / classes")
         if not prompts or isinstance(prompts, str):
             raise RelaxspecError("model_path: give prompts=[...] (a list of texts)")
-        pipeline = open_pipeline(model_path=model_path, tokenizer_path=tokenizer_path, prompts=list(prompts),
-                                 drafter_ckpt=drafter_ckpt, device=device or "cpu", precision=precision or "fp32",
-                                 image_size=image_size, negative_prompt=negative_prompt)
+        pipeline = open_pipeline(model_path=model_path, prompts=list(prompts), drafter_ckpt=drafter_ckpt,
+                                 device=device or "cpu", precision=precision or "fp32", image_size=image_size,
+                                 **inputs)
     else:
-        if drafter_ckpt is not None or negative_prompt is not None or image_size is not None \
-                or tokenizer_path is not None:
-            raise RelaxspecError("drafter_ckpt, negative_prompt, image_size and tokenizer_path go with model_path")
+        if drafter_ckpt is not None or image_size is not None:
+            raise RelaxspecError("drafter_ckpt and image_size go with model_path")
         if model is None:
-            if t5_path is not None or prompts is not None:
+            if prompts is not None:
                 raise RelaxspecError("the embedded model is class-conditional: give classes, not prompts")
+            check_inputs(LlamaGenC2I, inputs, "the embedded model (class-conditional)")
             pipeline = _embedded(str(device or "cpu"), precision or "fp32")
         else:
             if device is not None or precision is not None:
                 raise RelaxspecError("device and precision apply to the embedded model; load your own model on the "
                                      "device and in the precision you want")
-            pipeline = pipeline_of(model, t5_path)
+            pipeline = pipeline_of(model, **check_inputs(LlamaGenT2I, inputs, "a LlamaGen model in memory"))
     if preset is not None:
         from relaxspec.pipelines.presets import with_preset
 

@@ -46,8 +46,6 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     bench.set_defaults(handler=run_bench_cli)
     models = bench.add_argument_group("models (default: the embedded emoji model, its drafter and its sampling defaults)")
     add_model_options(models, vq_model_default=None, drafter_help="EAGLE drafter folder (methods that draft with it)")
-    models.add_argument("--model-path", metavar="DIR", help="a transformers model folder (Janus / Janus-Pro, Emu3) "
-                                                           "benchmarked on --prompt / --prompts-file")
 
     images = bench.add_argument_group("images")
     images.add_argument("--classes", metavar="IDS", help="comma-separated class ids (default: all of the model's classes)")
@@ -55,9 +53,6 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                         help="t2i (--model-path, or a LlamaGen t2i --gpt-ckpt with --t5-path): a prompt, repeatable")
     images.add_argument("--prompts-file", metavar="FILE", help="t2i: prompts, one per line (blank lines skipped); a .json file: "
                         "MS-COCO captions (first per image) or a JSON list of captions")
-    images.add_argument("--t5-path", metavar="DIR", help="LlamaGen t2i: the local Flan-T5 folder that encodes prompts")
-    images.add_argument("--negative-prompt", metavar="TEXT", help="Emu3: the guidance's negative prompt (default: "
-                                                                  "its family's)")
     count = images.add_mutually_exclusive_group()
     count.add_argument("--images-per-class", type=int, metavar="N", help="images per class (default 1)")
     count.add_argument("--num-images", type=int, metavar="N", help="images in all, cycling through --classes (or the "
@@ -183,10 +178,8 @@ def run_bench_cli(args: argparse.Namespace) -> int:
         raise RelaxspecError("give --classes or prompts, not both")
     if prompted and args.images_per_class is not None:
         raise RelaxspecError("--images-per-class goes with --classes; with prompts give --num-images")
-    if args.model_path is not None and (args.gpt_ckpt or args.vq_ckpt or args.t5_path):
-        raise RelaxspecError("--model-path is a whole model: leave out --gpt-ckpt / --vq-ckpt / --t5-path")
-    if args.negative_prompt is not None and args.model_path is None:
-        raise RelaxspecError("--negative-prompt goes with --model-path (an Emu3 folder)")
+    if args.model_path is not None and (args.gpt_ckpt or args.vq_ckpt):
+        raise RelaxspecError("--model-path is a whole model: leave out --gpt-ckpt / --vq-ckpt")
     if prompted and args.classifier is not None:
         raise RelaxspecError("--classifier scores class-conditional images; a prompt bench reports speed and the TV "
                              "certificate (score prompt images with relaxspec eval --fid-ref)")
@@ -294,10 +287,9 @@ def bench_images(args: argparse.Namespace, pipeline, prompts: list[str], classif
     
     if pipeline.takes == "prompts":
         if not prompts:
-            raise RelaxspecError(f"this is a text-to-image model ({pipeline.family}): give --prompt / --prompts-file"
-                                 + (" with --t5-path DIR" if hasattr(pipeline, "caption_condition") else ""))
+            raise RelaxspecError(f"this is a text-to-image model ({pipeline.family}): give --prompt / --prompts-file")
         return pipeline.conditions(prompts=prompts)
-    if prompts or getattr(args, "t5_path", None):
+    if prompts:
         raise RelaxspecError("this is a class-conditional (c2i) model: give --classes, not prompts")
     num_classes = pipeline.target.config.num_classes
     classes = class_ids(args.classes, num_classes, pipeline.class_names) if args.classes is not None \

@@ -26,14 +26,7 @@ def add_demo_parser(subparsers) -> argparse.ArgumentParser:
     demo.set_defaults(handler=cmd_demo)
     models = demo.add_argument_group("models (default: the embedded emoji model, its drafter and presets)")
     add_model_options(models, drafter_help="EAGLE drafter (without one: sjd, scd and gsd only)")
-    models.add_argument("--model-path", metavar="DIR", help="a transformers model folder (Janus / Janus-Pro, Emu3, Lumina-mGPT): "
-                                                           "the page takes prompts")
-    models.add_argument("--t5-path", metavar="DIR", help="a LlamaGen t2i --gpt-ckpt (e.g. official LANTERN's "
-                                                         "LlamaGen-T2I folder): the Flan-T5 folder that encodes the "
-                                                         "page's prompts")
-    models.add_argument("--prompt", metavar="TEXT", help="--model-path or --t5-path: the prompt the page starts with")
-    models.add_argument("--negative-prompt", metavar="TEXT", help="Emu3: the guidance's negative prompt "
-                                                                  "(default: its family's)")
+    models.add_argument("--prompt", metavar="TEXT", help="a text-to-image model: the prompt the page starts with")
     models.add_argument("--threads", type=int, help="CPU threads for torch (default 1 for the embedded model)")
     models.add_argument("--preset", metavar="TUNE_JSON", help="a preset file from relaxspec tune for this model on "
                                                              "this kind of machine: the page races its setting")
@@ -56,11 +49,10 @@ def load_demo_model(args: argparse.Namespace):
     prompt the page starts with."""
     from relaxspec.demo.race import DemoModel
 
-    if args.model_path is None and args.negative_prompt is not None:
-        raise RelaxspecError("--negative-prompt goes with --model-path (an Emu3 folder)")
-    if args.model_path is None and args.t5_path is None and args.prompt is not None:
-        raise RelaxspecError("--prompt goes with --model-path, or with --t5-path for a LlamaGen t2i checkpoint")
     embedded = args.gpt_ckpt is None and args.model_path is None
+    if embedded and args.prompt is not None:
+        raise RelaxspecError("--prompt goes with a text-to-image model; the embedded model is class-conditional "
+                             "(the page picks a class)")
     preset = None
     if getattr(args, "preset", None) is not None:
         from relaxspec.pipelines.presets import read_preset
@@ -78,15 +70,12 @@ def load_demo_model(args: argparse.Namespace):
         pipeline = open_from_args(args, prompts=[prompt], prompt_length=PAGE_PROMPT_TOKENS)
     else:
         pipeline = open_from_args(args)
-        if pipeline.takes == "prompts":  # a LlamaGen t2i checkpoint: prompts through --t5-path
-            if args.t5_path is None:
-                raise RelaxspecError("this is a text-to-image LlamaGen checkpoint: give --t5-path DIR (the Flan-T5 "
-                                     "folder that encodes the page's prompts)")
+        if pipeline.takes == "prompts":
             prompt = args.prompt if args.prompt is not None else DEFAULT_PROMPT
-            pipeline.conditions(prompts=[prompt])  # the text encoder is read (and checked) now
-        elif args.t5_path is not None:
-            raise RelaxspecError("--t5-path encodes prompts for a LlamaGen t2i checkpoint; this one is "
-                                 "class-conditional")
+            pipeline.conditions(prompts=[prompt])  # what encodes prompts is read (and checked) now
+        elif args.prompt is not None:
+            raise RelaxspecError(f"--prompt goes with a text-to-image model; this {pipeline.family} model is "
+                                 "class-conditional (the page picks a class)")
     if preset is not None:
         from relaxspec.pipelines.presets import with_preset
 

@@ -17,7 +17,8 @@ import torch
 from tqdm.auto import tqdm
 
 from relaxspec import __version__, methods
-from relaxspec.cli.options import DEFAULT_CLASSES, open_from_args, read_prompts
+from relaxspec.cli.options import (DEFAULT_CLASSES, add_family_inputs, add_model_path, family_inputs, open_from_args,
+                                   read_prompts)
 from relaxspec.conditions import Condition
 from relaxspec.decoding.result import certified_tv, record_tv_sum, total_rank_counts
 from relaxspec.errors import RelaxspecError
@@ -43,19 +44,14 @@ def add_generate_parser(subparsers) -> argparse.ArgumentParser:
     models.add_argument("--gpt-model", metavar="NAME|JSON", help=(
         f"named size ({', '.join(GPT_SIZES)}), or a JSON file of GPTConfig fields for other sizes; "
         "needed for official files (the head count is not in the weights)"))
-    models.add_argument("--model-path", metavar="DIR",
-                        help="a transformers model folder (save_pretrained layout, safetensors) of a supported "
-                             "family: Janus / Janus-Pro, Emu3 or Lumina-mGPT (text prompts with --prompt; needs "
-                             "relaxspec[transformers])")
-    models.add_argument("--tokenizer-path", metavar="DIR",
-                        help="with a Lumina-mGPT --model-path: Meta's Chameleon tokenizer folder (text_tokenizer.json, "
-                             "vqgan.yaml, vqgan.ckpt)")
     models.add_argument("--vq-ckpt", metavar="PATH", help="VQ tokenizer weights (default: the embedded model's)")
     models.add_argument("--vq-model", default="VQ-16", metavar="NAME|JSON",
                         help=f"named tokenizer ({', '.join(VQ_CONFIGS)}) or a JSON file of VQConfig fields (default VQ-16)")
     models.add_argument("--image-size", type=int, help="pixels per side; fixes the token grid (default: the model's "
                                                        "own for relaxspec folders, else 256; Emu3: the image area "
                                                        "its processor asks for, default its own)")
+    add_model_path(models)
+    add_family_inputs(models)
     models.add_argument("--precision", choices=tuple(PRECISIONS), default="fp32", help="GPT weights dtype (default fp32)")
     models.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:1, ...")
     models.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's choice; 1 is often "
@@ -74,12 +70,6 @@ def add_generate_parser(subparsers) -> argparse.ArgumentParser:
                       help="t2i: a text prompt (repeatable), encoded with --t5-path as upstream LlamaGen does")
     cond.add_argument("--prompts-file", metavar="FILE", help="t2i: text prompts, one per line (blank lines skipped); a .json "
                       "file: MS-COCO captions (first per image) or a JSON list of captions")
-    cond.add_argument("--negative-prompt", metavar="TEXT",
-                      help="Emu3: the guidance's negative prompt (default: transformers' Emu3 example's; \"\" = "
-                           "none, the prompt's last token is the unconditional context, as transformers without one)")
-    cond.add_argument("--t5-path", metavar="DIR", help="t2i: a local Flan-T5 folder (save_pretrained layout, "
-                                                      "safetensors) that encodes --prompt / --prompts-file "
-                                                      "(needs relaxspec[transformers])")
 
     sampling = gen.add_argument_group("sampling (upstream order: CFG, temperature, top-k, top-p)")
     sampling.add_argument("--cfg-scale", type=float, help="classifier-free guidance (default 4.0, upstream's demo; "
@@ -184,13 +174,13 @@ def check_inputs(args: argparse.Namespace) -> list[str]:
         raise RelaxspecError(f"--out {out}: exists and is not a folder")
     prompts = read_prompts(args)
     if args.model_path is not None:  # checked before the folder is read: what it takes
+        from relaxspec.pipelines.families import check_inputs as check_family_inputs
         from relaxspec.pipelines.open import folder_pipeline_class
 
-        family = folder_pipeline_class(args.model_path).family
-        if args.classes is not None or args.caption_features or args.t5_path or not prompts:
-            raise RelaxspecError(f"this {family} model takes text prompts: --prompt TEXT or --prompts-file FILE")
-    if args.model_path is None and args.tokenizer_path is not None:
-        raise RelaxspecError("--tokenizer-path goes with --model-path (a Lumina-mGPT folder)")
+        family = folder_pipeline_class(args.model_path)
+        check_family_inputs(family, family_inputs(args))
+        if args.classes is not None or args.caption_features or not prompts:
+            raise RelaxspecError(f"this {family.family} model takes text prompts: --prompt TEXT or --prompts-file FILE")
     if preset is not None:
         fields = dict(preset["method"])
         methods.resolve(fields.pop("method"), given_settings(args), {preset["method"]["method"]: fields})
@@ -222,7 +212,7 @@ def run_settings(args: argparse.Namespace, pipeline, options, sampling, conditio
     sampling, the method's settings (only those it reads), seeding, and the files read."""
     drafter_path = pipeline.drafter_path if options.needs_drafter else None  # not read, so not recorded
     files = {**pipeline.files, "drafter_ckpt": drafter_path, "caption_features": args.caption_features,
-             "caption_mask": args.caption_mask, "t5_path": args.t5_path, "prompts_file": args.prompts_file}
+             "caption_mask": args.caption_mask, "prompts_file": args.prompts_file}
     settings = {
         **pipeline.identity,
         "image_size": pipeline.image_size, "image_tokens": pipeline.image_tokens, **condition.settings,

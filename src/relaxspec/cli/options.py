@@ -43,11 +43,40 @@ def add_model_options(group, *, vq_model_default: str | None = "VQ-16", drafter_
                        help=f"named tokenizer ({', '.join(VQ_CONFIGS)}) or JSON config (default VQ-16)")
     group.add_argument("--drafter-ckpt", metavar="PATH", help=drafter_help)
     group.add_argument("--image-size", type=int, help="pixels per side (official files; default 256)")
-    group.add_argument("--tokenizer-path", metavar="DIR", help="with --model-path: Meta's Chameleon tokenizer folder "
-                                                              "(text_tokenizer.json, vqgan.yaml, vqgan.ckpt) for a "
-                                                              "Lumina-mGPT folder")
+    add_model_path(group)
+    add_family_inputs(group)
     group.add_argument("--precision", choices=tuple(PRECISIONS), default="fp32", help="GPT weights dtype (default fp32)")
     group.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:1, ...")
+
+
+def add_model_path(group) -> None:
+    """``--model-path``: a transformers folder of any registered family."""
+    from relaxspec.pipelines.families import all_families
+
+    names = ", ".join(dict.fromkeys(f.family for f in all_families() if f.opened_with == "--model-path"))
+    group.add_argument("--model-path", metavar="DIR", help=f"a transformers model folder (save_pretrained layout, "
+                                                           f"safetensors) of a supported family: {names}")
+
+
+def add_family_inputs(group, option=None) -> None:
+    """One flag per opening input a model family declares (``--t5-path``, ``--tokenizer-path``,
+    ``--negative-prompt``, a plugin family's), its help naming the families that take it.
+    ``option``: an :class:`Options` to add them through (a recipe's config defaults)."""
+    from relaxspec.pipelines.families import opening_inputs, takers_text
+
+    for declared, takers in opening_inputs().values():
+        text = f"{takers_text(takers)}: {declared.help}"
+        if option is not None:
+            option(declared.flag, text, metavar=declared.metavar)
+        else:
+            group.add_argument(declared.flag, metavar=declared.metavar, help=text)
+
+
+def family_inputs(args: argparse.Namespace) -> dict:
+    """The family opening inputs the command line gives (name -> value)."""
+    from relaxspec.pipelines.families import opening_inputs
+
+    return {name: getattr(args, name) for name in opening_inputs() if getattr(args, name, None) is not None}
 
 
 def device_option(name: str) -> torch.device:
@@ -55,16 +84,17 @@ def device_option(name: str) -> torch.device:
     return resolve_device(name, "--device")
 
 
-#: Model flags and the optional package each needs.
-EXTRAS_OF_FLAGS = {"model_path": "transformers", "t5_path": "transformers", "tokenizer_path": "pyyaml"}
-
-
 def require_extras(args: argparse.Namespace) -> None:
-    """The optional packages the given model flags need, checked before a command does any work
-    (``main`` calls it for every command)."""
-    for flag, extra in EXTRAS_OF_FLAGS.items():
-        if getattr(args, flag, None) is not None:
-            extras.require(extra, "--" + flag.replace("_", "-"))
+    """The optional packages the given model flags need (``--model-path`` transformers, each
+    family input what it declares), checked before a command does any work (``main`` calls it for
+    every command)."""
+    from relaxspec.pipelines.families import opening_inputs
+
+    if getattr(args, "model_path", None) is not None:
+        extras.require("transformers", "--model-path")
+    for name, (declared, _) in opening_inputs().items():
+        if declared.needs is not None and getattr(args, name, None) is not None:
+            extras.require(declared.needs, declared.flag)
 
 
 def int_list(text: str) -> tuple[int, ...]:
@@ -82,11 +112,10 @@ def open_from_args(args: argparse.Namespace, *, prompts: list[str] | None = None
     from relaxspec.pipelines import open_pipeline
 
     return open_pipeline(gpt_ckpt=args.gpt_ckpt, gpt_model=args.gpt_model, vq_ckpt=args.vq_ckpt,
-                         vq_model=args.vq_model, t5_path=getattr(args, "t5_path", None),
-                         model_path=getattr(args, "model_path", None), tokenizer_path=getattr(args, "tokenizer_path", None),
+                         vq_model=args.vq_model, model_path=getattr(args, "model_path", None),
                          drafter_ckpt=args.drafter_ckpt, device=args.device, precision=args.precision,
                          image_size=args.image_size, prompts=prompts, prompt_length=prompt_length,
-                         negative_prompt=getattr(args, "negative_prompt", None), with_drafter=with_drafter)
+                         with_drafter=with_drafter, **family_inputs(args))
 
 
 def read_prompts(args: argparse.Namespace) -> list[str]:

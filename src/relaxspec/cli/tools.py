@@ -15,6 +15,7 @@ from relaxspec.models.llamagen.checkpoints import describe
 from relaxspec.cli.options import device_option
 from relaxspec.decoding.result import add_counts
 from relaxspec.pipelines import open_pipeline
+from relaxspec.pipelines.families import opening_inputs
 from relaxspec.files import read_json
 from relaxspec.inputs import check_threads
 from relaxspec.errors import RelaxspecError
@@ -152,11 +153,11 @@ def _tree_for_this_machine(args: argparse.Namespace, rates: torch.Tensor):
     folder = settings.get("model_path")
     pipeline = open_pipeline(
         gpt_ckpt=settings.get("gpt_ckpt"), gpt_model=settings.get("gpt_model"), vq_ckpt=settings.get("vq_ckpt"),
-        vq_model=settings.get("vq_model", "VQ-16") if not folder else "VQ-16", t5_path=settings.get("t5_path"),
-        model_path=folder, tokenizer_path=settings.get("tokenizer_path"), drafter_ckpt=settings["drafter_ckpt"],
-        device=device, precision=settings.get("precision", "fp32"),
+        vq_model=settings.get("vq_model", "VQ-16") if not folder else "VQ-16", model_path=folder,
+        drafter_ckpt=settings["drafter_ckpt"], device=device, precision=settings.get("precision", "fp32"),
         image_size=settings.get("image_size_given") if folder else settings.get("image_size"),
-        prompts=prompts[:1] if folder and prompts else None, negative_prompt=settings.get("negative_prompt"))
+        prompts=prompts[:1] if folder and prompts else None,
+        **{name: settings.get(name) for name in opening_inputs()})  # the family inputs it recorded
     condition = pipeline.conditions(prompts=prompts[:1]) if pipeline.takes == "prompts" else None
     sampling = SamplingConfig(**settings.get("sampling", {}))
     costs = measure_forward_costs(pipeline.target, pipeline.drafter, sampling=sampling,
@@ -181,11 +182,12 @@ T5_USE = "a text encoder: give it as --t5-path to encode --prompt for LlamaGen t
 def transformers_use(model_type: str, path: Path | None = None) -> str:
     """What relaxspec does with a folder of ``model_type`` (the pipelines say it for theirs; the
     folder ``path`` tells families that share a model type apart)."""
-    from relaxspec.pipelines.open import FOLDER_PIPELINES, folder_pipeline_class, pipeline_class
+    from relaxspec.pipelines.families import folder_entries, pipeline_class
+    from relaxspec.pipelines.open import folder_pipeline_class
 
     if model_type == "t5":
         return T5_USE
-    if model_type in FOLDER_PIPELINES:
+    if model_type in folder_entries():
         return (pipeline_class(model_type) if path is None else folder_pipeline_class(path)).usage
     return "nothing yet: this model type is not supported"
 

@@ -58,8 +58,6 @@ def add_tune_parser(subparsers) -> argparse.ArgumentParser:
     models = tune.add_argument_group("models (default: the embedded emoji model, its drafter and sampling)")
     add_model_options(models, vq_model_default=None, drafter_help="EAGLE drafter folder (without one, only the "
                                                                   "drafter-free methods are tried)")
-    models.add_argument("--model-path", metavar="DIR", help="a transformers model folder (Janus / Janus-Pro, Emu3, "
-                                                           "Lumina-mGPT) tuned on --prompts-file")
 
     images = tune.add_argument_group("images")
     images.add_argument("--classes", metavar="IDS|NAMES", help="classes to tune on (default: every class c with "
@@ -71,8 +69,6 @@ def add_tune_parser(subparsers) -> argparse.ArgumentParser:
     images.add_argument("--prompts-file", metavar="FILE", help="text-to-image: prompts, one per line (a .json file: "
                                                                "MS-COCO captions or a JSON list); the 2nd, 4th, ... are "
                                                                "held out")
-    images.add_argument("--t5-path", metavar="DIR", help="LlamaGen t2i: the local Flan-T5 folder")
-    images.add_argument("--negative-prompt", metavar="TEXT", help="Emu3: the guidance's negative prompt")
 
     sampling = tune.add_argument_group("sampling (default: the model's)")
     sampling.add_argument("--cfg-scale", type=float)

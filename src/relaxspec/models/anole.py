@@ -302,14 +302,11 @@ def sampling_defaults(path) -> dict:
 
 
 def open_folder(path, prompts: list[str], *, device="cpu", dtype=torch.float32, image_size: int | None = None,
-                negative_prompt: str | None = None, prompt_length: int | None = None) -> hf.Opened:
+                prompt_length: int | None = None) -> hf.Opened:
     """An Anole folder ready to decode ``prompts`` (formatted as the official generation does),
     left-padded to ``prompt_length`` when given, or to what the context leaves if that is less
     (padding does not change the law: it is masked and positions skip it). The image size is the
     VQ model's (``vq_config.resolution``, 512 for Anole-7b): Anole has no size conditioning."""
-    if negative_prompt is not None:
-        raise RelaxspecError(f"{NAME} guidance has no negative prompt (its unconditional context is <s> <racm3:break> "
-                             "alone): leave --negative-prompt out")
     config, vq = read_anole_config(path)
     vocabulary = read_vocabulary(path, config)
     if image_size is not None and image_size != vq.resolution:

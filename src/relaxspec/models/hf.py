@@ -7,9 +7,10 @@ through its own layers of the family, :mod:`relaxspec.drafting.family`), forced 
 
 A family module exposes ``NAME`` (what users read), ``MODEL_TYPE`` (``config.json``'s
 ``model_type``), ``sampling_defaults(folder)`` and ``open_folder(folder, prompts, *, device, dtype,
-image_size, negative_prompt, prompt_length[, tokenizer_path]) -> Opened``; its pipeline
-(:mod:`relaxspec.pipelines`) names it, and ``relaxspec.pipelines.open.FOLDER_PIPELINES`` finds the
-pipeline from a folder's ``model_type``.
+image_size, prompt_length, **inputs) -> Opened``, ``inputs`` being the opening inputs its pipeline
+declares (Emu3's ``negative_prompt``, Lumina-mGPT's ``tokenizer_path``); its pipeline
+(:mod:`relaxspec.pipelines`) names it, and :mod:`relaxspec.pipelines.families` finds the pipeline
+from a folder's ``model_type``.
 """
 
 from __future__ import annotations

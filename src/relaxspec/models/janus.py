@@ -185,13 +185,10 @@ def load_processor(path):
 
 
 def open_folder(path, prompts: list[str], *, device="cpu", dtype=torch.float32, image_size: int | None = None,
-                negative_prompt: str | None = None, prompt_length: int | None = None) -> hf.Opened:
+                prompt_length: int | None = None) -> hf.Opened:
     """A Janus folder ready to decode ``prompts`` (formatted as transformers' recipe does), left-
     padded to ``prompt_length`` when given, or to what the context leaves if that is less (padding
     does not change the law: it is masked and positions skip it)."""
-    if negative_prompt is not None:
-        raise RelaxspecError("--negative-prompt: Janus's guidance has no negative prompt (its unconditional rows "
-                             "are the prompt padded out)")
     processor = load_processor(path)
     ids, mask = format_prompts(processor, prompts)
     pad = processor.tokenizer.pad_token_id

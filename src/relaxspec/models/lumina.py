@@ -383,8 +383,7 @@ def default_image_size(config: dict) -> int:
 
 
 def open_folder(path, prompts: list[str], *, device="cpu", dtype=torch.float32, image_size: int | None = None,
-                negative_prompt: str | None = None, prompt_length: int | None = None,
-                tokenizer_path=None) -> hf.Opened:
+                prompt_length: int | None = None, tokenizer_path=None) -> hf.Opened:
     """A Lumina-mGPT folder ready to decode ``prompts`` (formatted as the official inference
     does), with Meta's Chameleon tokenizer folder ``tokenizer_path``; left-padded to
     ``prompt_length`` when given, or to what the context leaves if that is less (padding does not
@@ -393,9 +392,6 @@ def open_folder(path, prompts: list[str], *, device="cpu", dtype=torch.float32, 
         raise RelaxspecError(f"a {NAME} folder needs Meta's Chameleon tokenizer folder (text_tokenizer.json, "
                              "vqgan.yaml, vqgan.ckpt): give --tokenizer-path DIR (a Chameleon folder is read as "
                              "Anole's when its weights hold the VQ decoder, model.vqmodel.decoder.*)")
-    if negative_prompt is not None:
-        raise RelaxspecError(f"{NAME} guidance has no negative prompt (its unconditional context is the image start "
-                             "alone): leave --negative-prompt out")
     read_chameleon_config(path)  # a foreign folder is named before the tokenizer folder is read
     vocabulary = read_vocabulary(tokenizer_path)
     config = _check_folders(path, tokenizer_path, vocabulary)

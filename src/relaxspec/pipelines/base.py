@@ -37,8 +37,9 @@ class ImagePipeline:
     """A model family's target, tokenizer and drafter, with what it needs to turn conditions into
     images.
 
-    Subclasses set :attr:`family` (what users read) and :attr:`takes` (``"classes"`` or
-    ``"prompts"``) and implement :meth:`_conditions`.
+    Subclasses set :attr:`family` (what users read), :attr:`takes` (``"classes"`` or
+    ``"prompts"``) and :attr:`inputs` (what the family opens its model with besides the weights),
+    and implement :meth:`_conditions`.
 
     Args:
         target: a :class:`~relaxspec.models.base.TargetModel`.
@@ -53,6 +54,11 @@ class ImagePipeline:
 
     family = "model"
     takes = "classes"
+    #: What the family opens its model with besides the weights
+    #: (:class:`~relaxspec.pipelines.families.OpeningInput` s).
+    inputs: tuple = ()
+    #: The flag that opens a model of the family (what messages point to).
+    opened_with = "--gpt-ckpt"
 
     def __init__(self, target, tokenizer, drafter=None, *, sampling: dict | None = None, presets: dict | None = None,
                  default_method: str = "ar", default_classes=None, identity: dict | None = None):

@@ -14,6 +14,7 @@ import torch
 from relaxspec.conditions import Condition, check_prompts
 from relaxspec.errors import RelaxspecError
 from relaxspec.pipelines.base import ImagePipeline
+from relaxspec.pipelines.families import check_inputs
 
 #: Prompt tokens a folder is opened for when no prompts are given yet (the demo, a notebook):
 #: any prompt up to this length then decodes; padding is masked and does not change the law.
@@ -25,6 +26,7 @@ class FolderPipeline(ImagePipeline):
     (the model module's import path)."""
 
     takes = "prompts"
+    opened_with = "--model-path"
     MODEL = ""  # the model module's import path
     usage = ""  # what `relaxspec info` says a folder of this family is for
 
@@ -64,33 +66,36 @@ class FolderPipeline(ImagePipeline):
 
 def open_folder(pipeline_class: type[FolderPipeline], path, *, prompts=None, prompt_length: int | None = None,
                 drafter_ckpt=None, device="cpu", precision: str = "fp32", image_size: int | None = None,
-                negative_prompt: str | None = None, tokenizer_path=None) -> FolderPipeline:
+                **inputs) -> FolderPipeline:
     """Open a folder of ``pipeline_class``'s family for ``prompts`` (or, without them, for prompts
-    of up to ``prompt_length`` tokens, :data:`DEFAULT_PROMPT_TOKENS` by default)."""
+    of up to ``prompt_length`` tokens, :data:`DEFAULT_PROMPT_TOKENS` by default). ``inputs``: the
+    family's own opening inputs (``pipeline_class.inputs``), passed to its model module's
+    ``open_folder`` by name."""
     from relaxspec.drafting.eagle import load_drafter
     from relaxspec.models.llamagen.checkpoints import PRECISIONS
 
+    inputs = check_inputs(pipeline_class, inputs)
     module = importlib.import_module(pipeline_class.MODEL)
     if prompts is None:
         prompts, prompt_length = ["a picture"], prompt_length or DEFAULT_PROMPT_TOKENS
     prompts = check_prompts(prompts)
-    extra = {"tokenizer_path": tokenizer_path} if tokenizer_path is not None else {}
-    if tokenizer_path is not None and "tokenizer_path" not in _parameters(module.open_folder):
-        raise RelaxspecError(f"--tokenizer-path goes with a Lumina-mGPT folder; this {module.NAME} folder carries its "
-                             "own tokenizer")
     opened = module.open_folder(path, prompts, device=device, dtype=PRECISIONS[precision], image_size=image_size,
-                                negative_prompt=negative_prompt, prompt_length=prompt_length, **extra)
+                                prompt_length=prompt_length, **inputs)
     drafter = load_drafter(drafter_ckpt, opened.target) if drafter_ckpt is not None else None
     pipeline = pipeline_class(opened, module, drafter, path=path, sampling=module.sampling_defaults(path))
     pipeline.drafter_path = None if drafter_ckpt is None else str(drafter_ckpt)
     pipeline.files = {"model_path": str(path)}
-    if tokenizer_path is not None:
-        pipeline.identity["tokenizer_path"] = str(Path(tokenizer_path).resolve())
-        pipeline.files["tokenizer_path"] = str(tokenizer_path)
+    record_inputs(pipeline, inputs)
     return pipeline
 
 
-def _parameters(function) -> set[str]:
-    import inspect
-
-    return set(inspect.signature(function).parameters)
+def record_inputs(pipeline: ImagePipeline, inputs: dict, *, identity: bool = True) -> None:
+    """What a run records of the path inputs a pipeline was opened with: resolved in its identity
+    (unless ``identity`` is false: a family whose conditions record it) and among its files, whose
+    identities a run keeps. A text input is the family's to record (in its conditions' settings)."""
+    kinds = {declared.name: declared.kind for declared in pipeline.inputs}
+    for name, value in inputs.items():
+        if kinds[name] == "path":
+            if identity:
+                pipeline.identity[name] = str(Path(value).resolve())
+            pipeline.files[name] = str(value)

@@ -10,6 +10,7 @@ import torch
 from relaxspec.conditions import Condition, check_prompts, class_condition
 from relaxspec.errors import RelaxspecError
 from relaxspec.pipelines.base import ImagePipeline
+from relaxspec.pipelines.families import OpeningInput
 
 #: Upstream LlamaGen's c2i demo classes (sample_c2i.py), for a model that names none of its own.
 DEFAULT_CLASSES = "207,360,387,974,88,979,417,279"
@@ -44,6 +45,8 @@ class LlamaGenT2I(ImagePipeline):
 
     family = "LlamaGen t2i"
     takes = "prompts"
+    inputs = (OpeningInput("t5_path", "the local Flan-T5 folder (save_pretrained layout) that encodes prompts, as "
+                                      "upstream LlamaGen's", needs="transformers"),)
 
     def __init__(self, target, tokenizer, drafter=None, *, t5_path: str | None = None, **kwargs):
         super().__init__(target, tokenizer, drafter, **kwargs)
@@ -126,6 +129,8 @@ def open_llamagen(gpt_ckpt, vq_ckpt, *, gpt_model: str | None = None, vq_model: 
         pipeline.family = family
     pipeline.drafter_path = None if drafter_ckpt is None else str(drafter_ckpt)
     pipeline.files = {"gpt_ckpt": str(gpt_ckpt), "vq_ckpt": str(vq_ckpt)}
+    if t5_path is not None:  # its conditions record the folder; its files' identities are kept too
+        pipeline.files["t5_path"] = str(t5_path)
     return pipeline
 
 

@@ -3,10 +3,13 @@ published and Meta's Chameleon tokenizer folder (``--tokenizer-path``); prompts 
 template, forced new lines, pixels as the official code converts them
 (:mod:`relaxspec.models.lumina`, docs/models/lumina-mgpt.md)."""
 
+from relaxspec.pipelines.families import OpeningInput
 from relaxspec.pipelines.folders import FolderPipeline
 
 
 class LuminaPipeline(FolderPipeline):
     family = "Lumina-mGPT"
     MODEL = "relaxspec.models.lumina"
+    inputs = (OpeningInput("tokenizer_path", "Meta's Chameleon tokenizer folder (text_tokenizer.json, vqgan.yaml, "
+                                             "vqgan.ckpt)", needs="pyyaml"),)
     usage = "a Lumina-mGPT target: relaxspec generate --model-path DIR --tokenizer-path CHAMELEON_TOKENIZER_DIR --prompt TEXT"

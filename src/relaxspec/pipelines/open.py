@@ -2,9 +2,12 @@
 
 * nothing: the embedded emoji model (with its drafter, defaults and presets);
 * ``gpt_ckpt`` + ``vq_ckpt`` (+ ``t5_path`` for prompts): a LlamaGen checkpoint pair;
-* ``model_path`` (+ ``tokenizer_path`` for Lumina-mGPT): a transformers folder, whose
-  ``config.json`` ``model_type`` picks the family in :data:`FOLDER_PIPELINES` (Anole and
-  Lumina-mGPT, both ``chameleon``, by whether the weights hold the VQ decoder).
+* ``model_path``: a transformers folder, whose ``config.json`` ``model_type`` picks the family
+  (:mod:`relaxspec.pipelines.families`; Anole and Lumina-mGPT, both ``chameleon``, by whether the
+  weights hold the VQ decoder).
+
+A family's own inputs (``t5_path``, ``tokenizer_path``, ``negative_prompt``, a plugin's) are
+keywords too, checked against what the family declares.
 """
 
 from __future__ import annotations
@@ -16,17 +19,8 @@ import torch
 from relaxspec.devices import resolve_device
 from relaxspec.errors import RelaxspecError
 from relaxspec.pipelines.base import ImagePipeline
-
-#: ``config.json``'s ``model_type`` -> ``module:class`` of its pipeline (imported when used:
-#: transformers is optional). A new family is one line here. Families that share a model type
-#: are listed together: each but the last takes the folders its ``claims(path)`` recognises (by
-#: their files), the last takes the rest.
-FOLDER_PIPELINES = {
-    "janus": "relaxspec.pipelines.janus:JanusPipeline",
-    "emu3": "relaxspec.pipelines.emu3:Emu3Pipeline",
-    "chameleon": ("relaxspec.pipelines.anole:AnolePipeline", "relaxspec.pipelines.lumina:LuminaPipeline"),
-}
-
+from relaxspec.pipelines.families import (FOLDER_PIPELINES, all_families, check_inputs, folder_entries,
+                                          pipeline_class, pipeline_classes)
 
 def folder_pipeline_class(model_path):
     """The pipeline class of a model folder, from its ``model_type`` (one-line errors)."""
@@ -38,24 +32,12 @@ def folder_pipeline_class(model_path):
                              f"--gpt-ckpt {model_path} --vq-ckpt vq_ds16_t2i.pt, with --t5-path FLAN_T5_DIR or "
                              "--caption-features (docs/models/lantern.md)")
     model_type = read_config(model_path).get("model_type")
-    if model_type not in FOLDER_PIPELINES:
-        names = ", ".join(f"{t} ({' or '.join(c.family for c in pipeline_classes(t))})" for t in FOLDER_PIPELINES)
+    entries = folder_entries()
+    if model_type not in entries:
+        names = ", ".join(f"{t} ({' or '.join(c.family for c in pipeline_classes(t))})" for t in entries)
         raise RelaxspecError(f"{model_path}: model type {model_type!r} is not supported ({names} are)")
     *claimants, rest = pipeline_classes(model_type)
     return next((candidate for candidate in claimants if candidate.claims(model_path)), rest)
-
-
-def pipeline_classes(model_type: str) -> list:
-    """The pipeline classes registered for ``model_type`` (:data:`FOLDER_PIPELINES`), in order."""
-    entries = FOLDER_PIPELINES[model_type]
-    return [getattr(importlib.import_module(module), name)
-            for module, name in (entry.split(":") for entry in ((entries,) if isinstance(entries, str) else entries))]
-
-
-def pipeline_class(model_type: str):
-    """The pipeline class registered for ``model_type``; where families share it, the one that
-    takes the folders no other claims (:func:`folder_pipeline_class` reads a folder's files)."""
-    return pipeline_classes(model_type)[-1]
 
 
 def model_module(model_path):
@@ -72,14 +54,15 @@ def folder_sampling(model_path) -> dict:
 
 
 def open_pipeline(*, gpt_ckpt=None, gpt_model: str | None = None, vq_ckpt=None, vq_model: str | None = "VQ-16",
-                  t5_path=None, model_path=None, tokenizer_path=None, drafter_ckpt=None,
-                  device: str | torch.device = "cpu", precision: str = "fp32", image_size: int | None = None,
-                  prompts=None, prompt_length: int | None = None, negative_prompt: str | None = None,
-                  with_drafter: bool = True) -> ImagePipeline:
+                  model_path=None, drafter_ckpt=None, device: str | torch.device = "cpu", precision: str = "fp32",
+                  image_size: int | None = None, prompts=None, prompt_length: int | None = None,
+                  with_drafter: bool = True, **inputs) -> ImagePipeline:
     """The pipeline for what the user has (see the module docstring). ``drafter_ckpt``: an EAGLE
     drafter trained for the target (the embedded model brings its own; ``with_drafter=False``
     leaves it out). ``prompts`` / ``prompt_length``: what a transformers folder is opened for
-    (its target is made for a prompt length). Every argument is checked with a one-line error."""
+    (its target is made for a prompt length). ``inputs``: the family's own opening inputs
+    (:attr:`ImagePipeline.inputs`; ``None`` values are left out). Every argument is checked with a
+    one-line error."""
     from relaxspec.models.llamagen.checkpoints import PRECISIONS
 
     if precision not in PRECISIONS:
@@ -88,30 +71,26 @@ def open_pipeline(*, gpt_ckpt=None, gpt_model: str | None = None, vq_ckpt=None, 
         raise RelaxspecError(f"image size must be a whole number >= 1, got {image_size!r}")
     device = resolve_device(str(device), "--device")
     if model_path is not None:
-        if gpt_ckpt is not None or vq_ckpt is not None or gpt_model is not None or t5_path is not None:
-            raise RelaxspecError("--model-path is a whole model: leave out --gpt-ckpt / --vq-ckpt / --gpt-model / "
-                                 "--t5-path")
+        if gpt_ckpt is not None or vq_ckpt is not None or gpt_model is not None:
+            raise RelaxspecError("--model-path is a whole model: leave out --gpt-ckpt / --vq-ckpt / --gpt-model")
         from relaxspec.pipelines.folders import open_folder
 
-        return open_folder(folder_pipeline_class(model_path), model_path, prompts=prompts, prompt_length=prompt_length,
-                           drafter_ckpt=drafter_ckpt, device=device, precision=precision, image_size=image_size,
-                           negative_prompt=negative_prompt, tokenizer_path=tokenizer_path)
-    if tokenizer_path is not None:
-        raise RelaxspecError("--tokenizer-path goes with --model-path (a Lumina-mGPT folder)")
-    if negative_prompt is not None:
-        raise RelaxspecError("--negative-prompt goes with --model-path (an Emu3 folder)")
-    if gpt_ckpt is not None:
-        from relaxspec.pipelines.llamagen import open_llamagen
+        family = folder_pipeline_class(model_path)
+        return open_folder(family, model_path, prompts=prompts, prompt_length=prompt_length, drafter_ckpt=drafter_ckpt,
+                           device=device, precision=precision, image_size=image_size, **check_inputs(family, inputs))
+    from relaxspec.pipelines.llamagen import LlamaGenC2I, LlamaGenT2I, open_embedded, open_llamagen
 
-        return open_llamagen(gpt_ckpt, vq_ckpt, gpt_model=gpt_model, vq_model=vq_model, t5_path=t5_path,
-                             drafter_ckpt=drafter_ckpt, device=device, precision=precision, image_size=image_size)
+    if gpt_ckpt is not None:
+        return open_llamagen(gpt_ckpt, vq_ckpt, gpt_model=gpt_model, vq_model=vq_model, drafter_ckpt=drafter_ckpt,
+                             device=device, precision=precision, image_size=image_size,
+                             **check_inputs(LlamaGenT2I, inputs, "a LlamaGen checkpoint"))
     if vq_ckpt is not None or gpt_model is not None:
         raise RelaxspecError("--vq-ckpt / --gpt-model go with --gpt-ckpt; without it the embedded model is used")
-    if t5_path is not None:
-        raise RelaxspecError("--t5-path encodes prompts for a LlamaGen t2i checkpoint (--gpt-ckpt); the embedded "
-                             "model is class-conditional")
+    check_inputs(LlamaGenC2I, inputs, "the embedded model (class-conditional)")  # the embedded model is class-conditional: it takes none
     if image_size is not None:
         raise RelaxspecError("--image-size: the embedded model's image size is fixed (32 px)")
-    from relaxspec.pipelines.llamagen import open_embedded
-
     return open_embedded(drafter_ckpt=drafter_ckpt, device=device, precision=precision, with_drafter=with_drafter)
+
+
+__all__ = ["FOLDER_PIPELINES", "all_families", "folder_pipeline_class", "folder_sampling", "model_module",
+           "open_pipeline", "pipeline_class", "pipeline_classes"]

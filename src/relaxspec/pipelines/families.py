@@ -1,0 +1,164 @@
+"""The model families relaxspec opens, and the inputs each opens its model with.
+
+A family is a pipeline class (:class:`~relaxspec.pipelines.base.ImagePipeline`). What it needs
+beyond its weights (Lumina-mGPT's Chameleon tokenizer folder, Emu3's negative prompt, a LlamaGen
+t2i checkpoint's Flan-T5 folder) it declares as :class:`OpeningInput` s in its ``inputs``; the
+commands' flags, their help, ``relaxspec info`` and :func:`~relaxspec.pipelines.open_pipeline`'s
+checks all come from these declarations, so a new family touches no command.
+
+Folder families (a transformers ``save_pretrained`` folder, ``--model-path``) are found by their
+``config.json`` ``model_type``: the built-in ones in :data:`FOLDER_PIPELINES`, and any installed
+package's in its ``relaxspec.families`` entry points (name: the model type, value:
+``module:Class``), e.g. in ``pyproject.toml``::
+
+    [project.entry-points."relaxspec.families"]
+    palette = "palette_relaxspec.pipeline:PalettePipeline"
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from importlib.metadata import entry_points
+
+from relaxspec.errors import RelaxspecError
+
+#: The entry-point group through which installed packages add folder families.
+ENTRY_POINT_GROUP = "relaxspec.families"
+
+#: ``config.json``'s ``model_type`` -> ``module:class`` of its pipeline (imported when used).
+#: Families that share a model type are listed together: each but the last takes the folders its
+#: ``claims(path)`` recognises (by their files), the last takes the rest.
+FOLDER_PIPELINES: dict[str, str | tuple[str, ...]] = {
+    "janus": "relaxspec.pipelines.janus:JanusPipeline",
+    "emu3": "relaxspec.pipelines.emu3:Emu3Pipeline",
+    "chameleon": ("relaxspec.pipelines.anole:AnolePipeline", "relaxspec.pipelines.lumina:LuminaPipeline"),
+}
+
+#: The families opened from LlamaGen files (``--gpt-ckpt``), not from a folder's model type.
+LLAMAGEN_PIPELINES = ("relaxspec.pipelines.llamagen:LlamaGenC2I", "relaxspec.pipelines.llamagen:LlamaGenT2I")
+
+KINDS = ("path", "text")
+
+
+@dataclass(frozen=True)
+class OpeningInput:
+    """One input a family opens its model with, besides the weights.
+
+    Args:
+        name: the keyword (``open_pipeline(tokenizer_path=...)``); the flag is ``--tokenizer-path``.
+        help: what it is, for the flag's help (the families that take it are added).
+        kind: ``"path"`` (a file or folder: a run records it resolved and its file identity) or
+            ``"text"``.
+        metavar: the flag's placeholder.
+        needs: the optional package reading it needs (:mod:`relaxspec.extras`), checked before any work.
+    """
+
+    name: str
+    help: str
+    kind: str = "path"
+    metavar: str = "DIR"
+    needs: str | None = None
+
+    def __post_init__(self):
+        if not self.name.isidentifier() or self.name.startswith("_"):
+            raise ValueError(f"an opening input's name is a keyword, got {self.name!r}")
+        if self.kind not in KINDS:
+            raise ValueError(f"an opening input's kind is one of {KINDS}, got {self.kind!r}")
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+
+def _load(entry: str):
+    module, name = entry.split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def _plugin_entries() -> dict[str, list[str]]:
+    """Model type -> ``module:Class`` from installed packages' entry points."""
+    found: dict[str, list[str]] = {}
+    for point in entry_points(group=ENTRY_POINT_GROUP):
+        found.setdefault(point.name, []).append(point.value)
+    return found
+
+
+def folder_entries() -> dict[str, list[str]]:
+    """Every folder family, built-in and installed: model type -> its pipelines' ``module:Class``
+    (a plugin's family for a built-in model type is tried before the built-in ones)."""
+    entries = {t: [e] if isinstance(e, str) else list(e) for t, e in FOLDER_PIPELINES.items()}
+    for model_type, plugins in _plugin_entries().items():
+        entries[model_type] = plugins + entries.get(model_type, [])
+    return entries
+
+
+def pipeline_classes(model_type: str) -> list:
+    """The pipeline classes registered for ``model_type``, in the order they claim folders."""
+    return [_load(entry) for entry in folder_entries()[model_type]]
+
+
+def pipeline_class(model_type: str):
+    """The pipeline class of ``model_type``; where families share it, the one that takes the
+    folders no other claims."""
+    return pipeline_classes(model_type)[-1]
+
+
+def all_families() -> list:
+    """Every pipeline class: LlamaGen's, then each folder family's (imports the pipeline modules,
+    which are light: a family's model module is imported when a folder is opened)."""
+    classes = [_load(entry) for entry in LLAMAGEN_PIPELINES]
+    for entries in folder_entries().values():
+        classes += [_load(entry) for entry in entries]
+    return classes
+
+
+def opening_inputs() -> dict[str, tuple[OpeningInput, list]]:
+    """Every declared opening input by name, with the families that take it. Two families may
+    declare the same name only as the same kind of input."""
+    found: dict[str, tuple[OpeningInput, list]] = {}
+    for family in all_families():
+        for declared in family.inputs:
+            if declared.name in found:
+                first, takers = found[declared.name]
+                if first.kind != declared.kind:
+                    raise RelaxspecError(f"{family.family} declares the input {declared.name} as {declared.kind}, "
+                                         f"{takers[0].family} as {first.kind}: one name, one kind")
+                if family not in takers:
+                    takers.append(family)
+            else:
+                found[declared.name] = (declared, [family])
+    return found
+
+
+def takers_text(families: list) -> str:
+    """``"Emu3"``, ``"Anole or Lumina-mGPT"``: the families that take an input, for messages."""
+    names = list(dict.fromkeys(f.family for f in families))
+    return " or ".join(names)
+
+
+def check_inputs(family, given: dict, this: str | None = None) -> dict:
+    """``given`` (input name -> value; ``None`` values are left out) checked against what
+    ``family`` declares: an input of another family is refused in one line (``this``: what the
+    message calls the model, by default its family's name)."""
+    declared = {i.name: i for i in family.inputs}
+    known = opening_inputs()
+    given = {name: value for name, value in given.items() if value is not None}
+    for name, value in given.items():
+        if name not in known:
+            raise RelaxspecError(f"{name} is not an input of any model family (they take: "
+                                 f"{', '.join(sorted(known)) or 'none'})")
+        if name not in declared:
+            opening, takers = known[name]
+            where = " or ".join(dict.fromkeys(t.opened_with for t in takers))
+            raise RelaxspecError(f"{opening.flag} goes with {where} ({takers_text(takers)}); this model is "
+                                 f"{this or family.family}")
+        if declared[name].kind == "text" and not isinstance(value, str):
+            raise RelaxspecError(f"{declared[name].flag} is text, got {type(value).__name__}")
+        if declared[name].kind == "path" and not isinstance(value, (str, bytes)) and not hasattr(value, "__fspath__"):
+            raise RelaxspecError(f"{declared[name].flag} is a path, got {type(value).__name__}")
+    return given
+
+
+__all__ = ["ENTRY_POINT_GROUP", "FOLDER_PIPELINES", "LLAMAGEN_PIPELINES", "OpeningInput", "all_families",
+           "check_inputs", "folder_entries", "opening_inputs", "pipeline_class", "pipeline_classes", "takers_text"]
