@@ -10,7 +10,7 @@ import torch
 from helpers.engine import peaked_target
 from relaxspec.cli.train import add_train_drafter_parser, run_train_drafter
 from relaxspec.models.llamagen.checkpoints import save_model
-from relaxspec.drafting.eagle import EagleDrafter
+from relaxspec.drafting.eagle import EagleDrafter, load_drafter
 from relaxspec.errors import RelaxspecError
 from relaxspec.models.llamagen.gpt import GPTConfig, Transformer
 from relaxspec.models.llamagen.vq import VQConfig, VQModel
@@ -24,7 +24,6 @@ from relaxspec.training.drafter import (
     drafter_targets,
     encode_images,
     evaluate_drafter,
-    load_drafter,
     load_token_file,
     sample_from_target,
     target_features,

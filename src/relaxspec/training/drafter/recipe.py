@@ -1,0 +1,316 @@
+"""The recipe: train an EAGLE drafter on a frozen target's features, one readable loop (nanoGPT
+style) around :func:`relaxspec.training.common.run_training`.
+
+``chain_mal`` (``1 + sum_d prod_{i <= d} accept_i``, an estimate of a chain of ``eval_depths``
+drafts' tokens per step that treats the depths' mean rates as independent) scores the evaluations
+of trained weights (step 0 is the untrained baseline): the best of the scheduled evaluations and
+the run's last one are kept in ``out/best``, and training stops after ``patience`` scheduled
+evaluations without a better one. With CFG the drafter runs on both streams, so each sequence is
+also used under the null condition (``null_fraction`` of every batch; 1.0 = every sequence
+contributes both streams).
+
+Randomness is a pure function of ``(seed, step)``: the data order of epoch ``e`` comes from
+``(seed, e)`` and the feature noise of step ``s`` from ``(seed, s)``. Resuming from
+``out/train_state.pt`` (weights, optimizer, step, config; plain tensors and dicts, so it loads
+with ``weights_only=True``) therefore continues bit for bit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from relaxspec.devices import resolve_device
+from relaxspec.drafting.eagle import LLAMAGEN, DrafterConfig, EagleDrafter, drafter_config, load_drafter
+from relaxspec.errors import RelaxspecError
+from relaxspec.models.base import TargetModel, TeacherForcedTarget
+from relaxspec.models.llamagen.checkpoints import load_gpt, load_strict
+from relaxspec.training import common
+from relaxspec.training.common import TRAIN_STATE
+from relaxspec.training.drafter.checkpoints import (
+    ACCEPT_PLOT,
+    export_drafter,
+    plot_acceptance,
+    prior_state,
+    save_checkpoint,
+)
+from relaxspec.training.drafter.config import (
+    ADDED_FIELDS,
+    BEST,
+    PREPARING,
+    RUN_FIELDS,
+    STATE_VERSION,
+    DrafterTrainConfig,
+)
+from relaxspec.training.drafter.data import DrafterDataset, build_dataset
+from relaxspec.training.drafter.maths import chain_mal
+from relaxspec.training.drafter.passes import batch_loss
+
+
+@torch.no_grad()
+def evaluate_drafter(drafter: EagleDrafter, dataset: DrafterDataset, config: DrafterTrainConfig | None = None,
+                     *, max_sequences: int | None = None) -> dict:
+    """Without noise, averaged over the rows of ``dataset`` (both streams per
+    ``config.null_fraction``): the loss and its terms, and per draft depth ``1 ..
+    config.eval_depths`` the mean ``1 - TV(p, q)`` (``accept``, a list) and top-1 agreement
+    (``top1``); ``accuracy`` is depth 1's, ``chain_mal`` the chain's tokens per step."""
+    config = config or DrafterTrainConfig()
+    count = len(dataset) if max_sequences is None else min(len(dataset), max_sequences)
+    totals: dict[str, torch.Tensor] = {}
+    was_training = drafter.training
+    drafter.eval()
+    for start in range(0, count, config.batch_size):
+        stop = min(start + config.batch_size, count)
+        losses = batch_loss(drafter, dataset.tokens[start:stop], dataset.labels[start:stop], config,
+                            cond_mask=None if dataset.cond_mask is None else dataset.cond_mask[start:stop],
+                            depths=config.eval_depths)
+        for name, value in losses.items():
+            if name in ("accept", "top1"):
+                value = value[: config.eval_depths]
+            totals[name] = totals.get(name, 0.0) + value.double() * (stop - start)
+    drafter.train(was_training)
+    means = {name: value / max(count, 1) for name, value in totals.items()}
+    if "accept" in means:  # the chain's tokens per step from the mean per-depth rates
+        means["chain_mal"] = chain_mal(means["accept"])
+    return {name: value.tolist() if value.ndim else float(value) for name, value in means.items()}
+
+
+def _measure(config: DrafterTrainConfig) -> dict:
+    """What an evaluation's chain MAL depends on besides the weights (a resume may change it)."""
+    return {"eval_depths": config.eval_depths, "eval_sequences": config.eval_sequences}
+
+
+@dataclass
+class DrafterTrainResult:
+    drafter: EagleDrafter
+    step: int
+    history: list[dict]  # evaluations: {"step", "loss", "feature_loss", "ce" | "kl" | "tv", "accept", "top1", ...}
+    seconds: float  # training steps only (no evaluation, checkpoints or data preparation)
+    sequences_per_second: float
+    best: dict = field(default_factory=dict)  # the evaluation of the weights in out/best
+    stopped_early: bool = False
+
+
+def _read_prompts(config: DrafterTrainConfig) -> list[str]:
+    """The self-samples' prompts (``prompts_file``, blank lines skipped)."""
+    from relaxspec.files import read_prompts_file
+
+    prompts = read_prompts_file(config.prompts_file)
+    if not prompts:
+        raise RelaxspecError(f"--prompts-file {config.prompts_file}: no prompts in the file")
+    return prompts
+
+
+def _encode_prompts(config: DrafterTrainConfig, target) -> tuple[torch.Tensor, torch.Tensor]:
+    """A LlamaGen t2i target's self-sample conditions: ``prompts_file`` encoded with ``t5_path`` as
+    ``relaxspec generate --t5-path`` encodes prompts (caption features and mask)."""
+    from relaxspec.pipelines.llamagen import LlamaGenT2I
+
+    if target.config.model_type != "t2i":
+        raise RelaxspecError("--t5-path encodes prompts for a text-to-image (t2i) target; this one is c2i")
+    condition = LlamaGenT2I(target, None, t5_path=config.t5_path).encode(_read_prompts(config))
+    return condition.cond, condition.mask
+
+
+def _open_folder(config: DrafterTrainConfig, device) -> tuple[TargetModel, tuple]:
+    """A transformers folder's target and its self-samples' formatted prompts."""
+    from relaxspec.pipelines import open_pipeline
+
+    prompts = _read_prompts(config)
+    pipeline = open_pipeline(model_path=config.model_path, tokenizer_path=config.tokenizer_path, prompts=prompts,
+                             device=device, precision=config.precision, image_size=config.image_size,
+                             negative_prompt=config.negative_prompt)
+    condition = pipeline.conditions(prompts=prompts)
+    return pipeline.target, (condition.cond, condition.mask)
+
+
+def open_target(config: DrafterTrainConfig, target: TargetModel | None = None,
+                dataset: DrafterDataset | None = None) -> tuple[TargetModel, tuple | None]:
+    """``target``, else the one ``config`` names (``model_path`` or ``gpt_ckpt``), and what its
+    self-samples cycle for a prompt-conditioned target: ``(cond, cond_mask)`` (else ``None``)."""
+    device = resolve_device(config.device)
+    prompts = None
+    if target is None and config.model_path is not None:
+        target, prompts = _open_folder(config, device)
+    elif target is None:
+        if config.gpt_ckpt is None:
+            raise RelaxspecError("no target: give --gpt-ckpt (and --gpt-model for an official file) or --model-path")
+        target = load_gpt(config.gpt_ckpt, config.gpt_model, image_size=config.image_size,
+                          downsample=config.downsample, precision=config.precision, device=device)
+    if config.t5_path is not None and prompts is None and dataset is None:
+        prompts = _encode_prompts(config, target)
+    if target.config.model_type != "c2i" and prompts is None and (dataset is None or dataset.labels.ndim == 1):
+        raise RelaxspecError("this target is t2i: give --prompts-file FILE with --t5-path DIR (LlamaGen) to train on "
+                             "its own samples of prompts")
+    return target, prompts
+
+
+@torch.no_grad()
+def grow_drafter(drafter: EagleDrafter, start: EagleDrafter, name: str = "init_from") -> None:
+    """Warm-start ``drafter`` from the trained ``start`` of the same family and target: ``fc`` and
+    ``start``'s layers carry over, and any further layers start as the identity
+    (:func:`relaxspec.training.common.start_as_identity`), so a deeper drafter begins as exactly
+    the function ``start`` computes."""
+    if start.config.family != drafter.config.family:
+        raise RelaxspecError(f"--init-from {name}: that drafter is of the {start.config.family} "
+                             f"family, this run trains one of the {drafter.config.family} family")
+    if start.config.n_layer > drafter.config.n_layer:
+        raise RelaxspecError(f"--init-from {name}: that drafter has {start.config.n_layer} blocks, this run trains "
+                             f"{drafter.config.n_layer} (a warm start keeps or adds blocks)")
+    drafter.fc.load_state_dict(start.fc.state_dict())
+    if start.config.own_embedding and drafter.config.own_embedding:  # LANTERN's own (frozen) token table
+        drafter.embed_tokens.load_state_dict(start.embed_tokens.state_dict())
+    for index, layer in enumerate(drafter.layers):
+        if index < len(start.layers):
+            layer.load_state_dict(start.layers[index].state_dict())
+        else:
+            common.start_as_identity(layer)
+
+
+def train_drafter(config: DrafterTrainConfig, *, target: TeacherForcedTarget | None = None,
+                  dataset: DrafterDataset | None = None, resume: bool = False) -> DrafterTrainResult:
+    """Train (or, with ``resume``, continue training) an EAGLE drafter for ``target``, of its
+    family (:func:`relaxspec.drafting.eagle.drafter_config`: LlamaGen blocks, or a transformers
+    target's own decoder layers).
+
+    ``target`` and ``dataset`` default to what ``config`` names (``gpt_ckpt``; ``data`` /
+    ``self_samples`` / ``images``). The target is frozen in place (``eval()``, no gradients).
+    Writes ``config.out``; returns the trained drafter and its evaluation history.
+    """
+    out = Path(config.out)
+    saved = prior_state(out, resume)
+    if config.prompts_file is not None and target is None:
+        config.prompts_sha256 = hashlib.sha256("\n".join(_read_prompts(config)).encode()).hexdigest()
+    if saved is not None:
+        common.check_resumable({**ADDED_FIELDS, **saved["config"]}, config.to_dict(), RUN_FIELDS)
+        if saved.get(PREPARING):  # stopped while drawing its self-samples: start training from step 0
+            saved = None
+    target, prompts = open_target(config, target, dataset)
+    device = target.device
+    target.eval().requires_grad_(False)
+    out.mkdir(parents=True, exist_ok=True)
+    if dataset is None and config.self_samples and saved is None:
+        # Drawing the self-samples is slow and cached batch by batch: name the recipe now, so that
+        # --resume after a Ctrl-C while drawing them continues with it (and reuses the cache).
+        common.save_train_state(out, {"format_version": STATE_VERSION, "step": 0, "config": config.to_dict(),
+                                      PREPARING: True})
+    if dataset is None:
+        dataset = build_dataset(config, target, prompts)
+    dataset.check_for(target)
+    train_set, val_set = dataset.split(config.val_fraction, config.seed)
+    eval_set, eval_name = (val_set, "val") if len(val_set) else (train_set, "train")
+
+    # The drafter is of the target's family (LlamaGen blocks, or a transformers target's own decoder
+    # layers); a resumed run rebuilds the one it saved (a run saved before drafters had families
+    # trained LlamaGen blocks).
+    start = load_drafter(config.init_from, target, dtype=torch.float32) if config.init_from and saved is None else None
+    if saved is None:
+        shape = drafter_config(target, config.n_layer)
+        if start is not None and start.config.lantern_layout:  # official LANTERN's drafter keeps its layout
+            shape = start.config.with_layers(config.n_layer)
+    elif "drafter" in saved:
+        shape = DrafterConfig(**saved["drafter"])
+    else:
+        shape = drafter_config(target, config.n_layer, family=LLAMAGEN)
+    torch.manual_seed(config.seed)
+    drafter = EagleDrafter(shape, target).to(device).attach(target)
+    if start is not None:
+        grow_drafter(drafter, start, config.init_from)
+    drafter.train()
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=config.lr, betas=config.betas, weight_decay=config.weight_decay)
+    # best: the evaluation whose weights out/best holds; scheduled_best: the best chain MAL of the
+    # scheduled evaluations, what patience counts from (see evaluate)
+    step, history, best, bad_evals, scheduled_best = 0, [], {}, 0, None
+    if saved is not None:
+        load_strict(drafter, saved["model"], str(out / TRAIN_STATE))
+        optimizer.load_state_dict(saved["optimizer"])
+        common.set_rng_state(saved["rng"])
+        step, history = int(saved["step"]), list(saved["history"])
+        best, bad_evals = dict(saved.get("best") or {}), int(saved.get("bad_evals", 0))
+        if best.get("step") == 0:  # saved before the untrained baseline stopped being a candidate
+            best = {}
+        # states saved before the two were kept apart: their best was a scheduled evaluation
+        scheduled_best = saved.get("scheduled_best", best.get("chain_mal"))
+        if saved.get("measure") != _measure(config):  # scores of another measure do not compare
+            best, bad_evals, scheduled_best = {}, 0, None
+    common.rewrite_metrics(out, history)  # a fresh run drops what one stopped before its first checkpoint logged
+
+    steps_per_epoch = math.ceil(len(train_set) / config.batch_size)
+    total = common.run_length(config.steps, config.epochs, steps_per_epoch)
+    extra = {"recipe": "relaxspec train-drafter", "law_loss": config.law_loss, "train_depths": config.train_depths}
+
+    def evaluate(at: int) -> bool:
+        # Step 0 is the untrained baseline: logged, never a candidate for out/best. Every later
+        # evaluation (the scheduled ones and a run's last step) competes for out/best, so a finished
+        # run always leaves its best trained weights there. Only the scheduled ones count for
+        # patience: a split run is also evaluated where its first part ended, and must still stop
+        # where a whole one does.
+        nonlocal best, bad_evals, scheduled_best
+        metrics = evaluate_drafter(drafter, eval_set, config, max_sequences=config.eval_sequences)
+        score = metrics["chain_mal"]
+        improved = at > 0 and (not best or score > best["chain_mal"])
+        record = {"step": at, "split": eval_name, **metrics, "best": improved}
+        history.append(record)
+        if at > 0 and at % config.eval_interval == 0:
+            if scheduled_best is None or score > scheduled_best:
+                scheduled_best, bad_evals = score, 0
+            else:
+                bad_evals += 1
+        if improved:
+            best = dict(record)
+            common.publish_model(out, drafter, kind="drafter", name=BEST, extra={"training": {**extra, "best": record}})
+        if improved or at == 0:
+            checkpoint(at)  # the saved state always names what out/best holds (and holds the baseline)
+        law = " ".join(f"{name} {metrics[name]:.4f}" for name in ("ce", "kl", "tv") if name in metrics)
+        accept = " ".join(f"{a:.3f}" for a in metrics["accept"])
+        common.log_metrics(out, record, f"step {at}: {eval_name} loss {metrics['loss']:.4f} feature "
+                                        f"{metrics['feature_loss']:.4f} {law} | 1-TV by depth {accept} | chain MAL "
+                                        f"{metrics['chain_mal']:.3f} | top-1 {metrics['accuracy']:.3f}"
+                                        + (" (best)" if improved else " (baseline)" if at == 0
+                                           else f" (best: step {best.get('step')})"))
+        if config.patience and bad_evals >= config.patience:
+            tqdm.write(f"stopping: no better chain MAL in {bad_evals} evaluations (best: step {best.get('step')})")
+            checkpoint(at)
+            return True
+        return False
+
+    def checkpoint(at: int) -> None:
+        save_checkpoint(out, drafter, optimizer, at, config, history, best, bad_evals, _measure(config),
+                         scheduled_best)
+
+    def step_loss(step: int, index: torch.Tensor):
+        noise = torch.Generator(device=device).manual_seed(common.mix(config.seed, step))
+        losses = batch_loss(drafter, train_set.tokens[index], train_set.labels[index], config, noise_generator=noise,
+                            cond_mask=None if train_set.cond_mask is None else train_set.cond_mask[index])
+        scalars = {name: value for name, value in losses.items() if value.ndim == 0}
+        return losses["loss"], {**scalars, "accept_1": losses["accept"][0]}
+
+    first = step
+    if first == 0 and total > 0 and not history:  # a run resumed at step 0 has its baseline already
+        evaluate(0)
+    stopped_before = bool(config.patience) and bad_evals >= config.patience  # a resumed run that had stopped
+    law_name = "ce" if config.law_loss == "ce" else config.law_loss.split("+")[0]
+    # epoch e visits a permutation drawn from (seed, e) (common.shuffled); a short last batch is kept
+    run = common.run_training(
+        step_loss, optimizer, steps=first if stopped_before else total, first=first, size=len(train_set),
+        batch_size=config.batch_size, seed=config.seed, grad_clip=config.grad_clip, parameters=drafter.parameters(),
+        lr=lambda at: common.warmup_constant(at, config.lr, config.warmup_steps),
+        hooks=[common.Every(config.eval_interval, evaluate), common.Every(config.checkpoint_interval, checkpoint)],
+        postfix=lambda m: {"loss": f"{m['loss']:.4f}", law_name: f"{m[law_name]:.3f}",
+                           "1-TV": f"{m['accept_1']:.3f}"},
+        desc="train-drafter", progress=config.progress)
+    if run.step == first:  # nothing left to train (e.g. resumed at the end): still leave a checkpoint
+        checkpoint(first)
+    try:
+        plot_acceptance(history, out / ACCEPT_PLOT)
+    except (OSError, ValueError, RuntimeError) as err:  # a plot never costs the run its export
+        tqdm.write(f"could not plot {out / ACCEPT_PLOT}: {err}")
+    if config.export and best:
+        export_drafter(out / BEST, config.export, target, {**extra, "best": best})
+    return DrafterTrainResult(drafter.eval(), run.step, history, run.seconds, run.per_second, best,
+                              run.stopped or stopped_before)
