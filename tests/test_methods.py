@@ -12,7 +12,7 @@ import pytest
 from relaxspec import embedded, methods
 from relaxspec.bench.config import expand_methods
 from relaxspec.cli import build_parser
-from relaxspec.cli.generate import given_settings
+from relaxspec.cli.imagerun import given_settings
 from relaxspec.errors import RelaxspecError
 from relaxspec.methods import registry
 from relaxspec.methods.base import Method, Preset, Setting

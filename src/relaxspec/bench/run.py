@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import hashlib
 import json
 import os
 import time
@@ -40,6 +39,7 @@ from relaxspec.conditions import Condition, class_ids
 from relaxspec.methods import BuildContext
 from relaxspec.decoding.result import DecodeResult
 from relaxspec.errors import RelaxspecError
+from relaxspec.runs.folder import different_settings, settings_hash
 from relaxspec.sampling import SamplingConfig, batch_seed
 
 RECORDS_FILE, SETTINGS_FILE = "records.jsonl", "settings.json"
@@ -119,10 +119,6 @@ def bench_settings(methods: Sequence[MethodSpec], classes: Sequence[int] | Condi
     }
 
 
-def settings_hash(settings: dict) -> str:
-    return hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
 def read_records(out_dir: str | Path, expected_hash: str | None = None) -> list[dict]:
     """The complete records in ``records.jsonl`` (a line cut off by a crash is skipped), only those
     of ``expected_hash`` when given."""
@@ -161,11 +157,7 @@ def prepare_out_dir(out: Path, settings: dict, digest: str, overwrite: bool) -> 
                              "choose another folder or pass --overwrite")
     if old is not None and old.get("settings_hash") != digest:
         if not overwrite:
-            before = old.get("settings", {}) if isinstance(old.get("settings"), dict) else {}
-            now = json.loads(json.dumps(settings, default=str))
-            changed = sorted(k for k in set(now) | set(before) if now.get(k) != before.get(k))
-            raise RelaxspecError(f"--out {out} holds a benchmark with different settings (changed: "
-                                 f"{', '.join(changed) or '?'}); choose another folder or pass --overwrite")
+            raise different_settings(out, "a benchmark", settings, old)
         old = None
     records = read_records(out, digest) if old is not None else []
     write_atomic(records_path, lambda temp: temp.write_text("".join(json.dumps(r) + "\n" for r in records)))

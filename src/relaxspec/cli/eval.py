@@ -123,16 +123,16 @@ def shard_dir(out: Path, rank: int, world: int) -> Path:
 
 
 def parse_generate_args(argv: list[str]) -> argparse.Namespace:
-    """``relaxspec generate``'s options, checked by its own parser."""
-    from relaxspec.cli.generate import add_generate_parser
+    """``relaxspec generate``'s options (:func:`relaxspec.cli.imagerun.add_image_run_options`)."""
+    from relaxspec.cli.imagerun import add_image_run_options
     from relaxspec.cli.options import Parser
 
     argv = argv[1:] if argv and argv[0] == "--" else argv
     if not argv:
         raise RelaxspecError("give relaxspec generate's options after '--' (at least the models and --out DIR)")
-    parser = Parser(prog="relaxspec")
-    add_generate_parser(parser.add_subparsers(dest="command", required=True))
-    return parser.parse_args(["generate", *argv])
+    parser = Parser(prog="relaxspec eval ... --")
+    add_image_run_options(parser)
+    return parser.parse_args(argv)
 
 
 def _write_captions(path: Path, features: np.ndarray, mask: np.ndarray | None) -> None:
@@ -149,9 +149,11 @@ def _write_captions(path: Path, features: np.ndarray, mask: np.ndarray | None) -
 
 
 def generate_shard(args: argparse.Namespace, gen: argparse.Namespace, rank: int, world: int, local: int) -> Path:
-    """Generate this rank's slice into its shard folder with ``relaxspec generate`` (resumable)."""
-    from relaxspec.cli.generate import cmd_generate
+    """Generate this rank's slice into its shard folder: the pipeline the options name, the
+    shard's conditions, and :func:`relaxspec.runs.images.write_image_run` (resumable)."""
+    from relaxspec.cli.imagerun import prepare, run_settings
     from relaxspec.cli.options import DEFAULT_CLASSES
+    from relaxspec.runs.images import summary, write_image_run
 
     out = Path(gen.out)
     folder = shard_dir(out, rank, world)
@@ -179,7 +181,7 @@ def generate_shard(args: argparse.Namespace, gen: argparse.Namespace, rank: int,
         if not classes:
             raise RelaxspecError("no classes given")
         mine = [classes[i] for i in shard_range(len(classes), rank, world)]
-        gen.classes = ",".join(map(str, mine))
+        gen.classes = mine
         count = len(mine)
     if count == 0:
         print(f"rank {rank}/{world}: no images in this shard", file=sys.stderr)
@@ -188,7 +190,12 @@ def generate_shard(args: argparse.Namespace, gen: argparse.Namespace, rank: int,
     gen.seed = gen.seed * world + rank
     if world > 1 and gen.device == "cuda":
         gen.device = f"cuda:{local}"
-    cmd_generate(gen)
+    pipeline, condition, options, sampling = prepare(gen)
+    stats = write_image_run(pipeline, condition, options, sampling, folder, run_settings(gen, pipeline, options, sampling,
+                                                                                          condition),
+                            seed=gen.seed, batch_size=gen.batch_size, overwrite=gen.overwrite,
+                            progress=not gen.no_progress, grid_max=gen.grid_max, upscale_by=gen.upscale)
+    print(summary(folder, stats))
     return folder
 
 
@@ -215,12 +222,6 @@ def shards_complete(out: Path) -> bool:
         except (OSError, json.JSONDecodeError):
             return False
     return True
-
-
-def generated_images(out: Path) -> tuple[list[Path], list[int | None]]:
-    """Every generated PNG of every shard, in order, with its class (``None`` for captions)."""
-    files, records = generated_records(out)
-    return files, [record.get("class") for record in records]
 
 
 def generated_records(out: Path) -> tuple[list[Path], list[dict]]:
@@ -455,5 +456,5 @@ def run_eval(args: argparse.Namespace) -> int:
     return 0
 
 
-__all__ = ["add_eval_parser", "clean_fid", "distributed", "eval_prompts", "generated_images", "generated_records",
+__all__ = ["add_eval_parser", "clean_fid", "distributed", "eval_prompts", "generated_records",
            "markdown_table", "run_eval", "shard_range", "table_rows"]

@@ -1,0 +1,236 @@
+"""What ``relaxspec generate`` and ``relaxspec eval`` share: an image run's options, and from them
+the pipeline, its conditions, the method, the sampling and the run's settings
+(:mod:`relaxspec.runs.images` writes the run)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+
+from relaxspec import methods
+from relaxspec.cli.options import (DEFAULT_CLASSES, add_family_inputs, add_model_path, family_inputs, open_from_args,
+                                   read_prompts)
+from relaxspec.conditions import Condition
+from relaxspec.errors import RelaxspecError
+from relaxspec.files import load_caption_features
+from relaxspec.inputs import check_at_least, check_seed, check_threads, check_upscale
+from relaxspec.models.llamagen.checkpoints import PRECISIONS
+from relaxspec.models.llamagen.gpt import GPT_SIZES
+from relaxspec.models.llamagen.vq import VQ_CONFIGS
+from relaxspec.runs.images import image_settings
+
+
+def add_image_run_options(parser: argparse.ArgumentParser) -> None:
+    """generate's options (models, conditions, sampling, method, output)."""
+    models = parser.add_argument_group("models")
+    models.add_argument("--gpt-ckpt", metavar="PATH",
+                        help="GPT weights: official .pt/.pth, .safetensors, or a relaxspec model folder "
+                             "(default: the embedded emoji model, with its tokenizer and drafter)")
+    models.add_argument("--gpt-model", metavar="NAME|JSON", help=(
+        f"named size ({', '.join(GPT_SIZES)}), or a JSON file of GPTConfig fields for other sizes; "
+        "needed for official files (the head count is not in the weights)"))
+    models.add_argument("--vq-ckpt", metavar="PATH", help="VQ tokenizer weights (default: the embedded model's)")
+    models.add_argument("--vq-model", default="VQ-16", metavar="NAME|JSON",
+                        help=f"named tokenizer ({', '.join(VQ_CONFIGS)}) or a JSON file of VQConfig fields (default VQ-16)")
+    models.add_argument("--image-size", type=int, help="pixels per side; fixes the token grid (default: the model's "
+                                                       "own for relaxspec folders, else 256; Emu3: the image area "
+                                                       "its processor asks for, default its own)")
+    add_model_path(models)
+    add_family_inputs(models)
+    models.add_argument("--precision", choices=tuple(PRECISIONS), default="fp32", help="GPT weights dtype (default fp32)")
+    models.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:1, ...")
+    models.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's choice; 1 is often "
+                                                    "fastest for small models on a busy machine)")
+
+    cond = parser.add_argument_group("conditions")
+    cond.add_argument("--classes", metavar="IDS|NAMES",
+                      help=f"comma-separated class ids for a c2i model, or class names when the model names its "
+                           f"classes (the embedded model: e.g. animal-mammal,food-fruit) (default: upstream's demo "
+                           f"list {DEFAULT_CLASSES}, or the embedded model's demo classes)")
+    cond.add_argument("--caption-features", metavar="PATH",
+                      help="t2i: .npy of caption features [N, tokens, dim] (T5, left-padded), or .npz with "
+                           "'features' and optional 'mask'")
+    cond.add_argument("--caption-mask", metavar="PATH", help="t2i: .npy [N, tokens] of 1 (real token) / 0 (padding)")
+    cond.add_argument("--prompt", action="append", metavar="TEXT",
+                      help="t2i: a text prompt (repeatable), encoded with --t5-path as upstream LlamaGen does")
+    cond.add_argument("--prompts-file", metavar="FILE", help="t2i: text prompts, one per line (blank lines skipped); a .json "
+                      "file: MS-COCO captions (first per image) or a JSON list of captions")
+
+    sampling = parser.add_argument_group("sampling (upstream order: CFG, temperature, top-k, top-p)")
+    sampling.add_argument("--cfg-scale", type=float, help="classifier-free guidance (default 4.0, upstream's demo; "
+                                                          "the embedded model's own default with it; 1 = off)")
+    sampling.add_argument("--temperature", type=float, help="0 = greedy (default 1.0)")
+    sampling.add_argument("--top-k", type=int, help="0 = off (default 2000, upstream's demo; embedded: its own)")
+    sampling.add_argument("--top-p", type=float, help="in (0, 1] (default 1.0 = off)")
+    sampling.add_argument("--seed", type=int, default=0,
+                          help="batch b samples with a generator seeded seed * 1000003 + b (default 0)")
+
+    method = parser.add_argument_group("decoding method (each flag is a setting of the methods in relaxspec.methods; a "
+                                    "flag the chosen method does not read is an error)")
+    method.add_argument("--method", choices=methods.names(), metavar="NAME",
+                        help=f"{' | '.join(methods.names())} (default: ar, or the embedded model's documented default "
+                             "method, MODEL_CARD.md); a model's own presets tune a name (the embedded model's "
+                             "--method lantern is its tuned LANTERN)")
+    method.add_argument("--drafter-ckpt", metavar="PATH", help="EAGLE drafter (methods that draft with it)")
+    method.add_argument("--preset", metavar="TUNE_JSON", help="a preset file from relaxspec tune for this model on this "
+                                                             "kind of machine: its method, settings, sampling and "
+                                                             "threads (flags set over it)")
+    add_setting_flags(method)
+
+    output = parser.add_argument_group("output")
+    output.add_argument("--out", required=True, metavar="DIR", help="output folder")
+    output.add_argument("--batch-size", type=int, default=1, help="images per decoding batch (default 1)")
+    output.add_argument("--upscale", type=int, default=1, metavar="N",
+                        help="enlarge every PNG (and so the grid) N times, nearest neighbour, so small images "
+                             "are viewable (tokens and stats are unchanged; the output side is capped at 8192 px; "
+                             "default 1)")
+    output.add_argument("--grid-max", type=int, default=64, help="images in grid.png (the first N; default 64)")
+    output.add_argument("--overwrite", action="store_true",
+                        help="replace a previous run in --out made with different settings")
+    output.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def add_setting_flags(group) -> None:
+    """One flag per method setting of the registry (unset flags stay ``None``: the method's
+    preset and defaults apply)."""
+    for setting in methods.settings().values():
+        kwargs = dict(dest=setting.name, default=None, help=setting.help)
+        if setting.kind is bool:
+            kwargs["action"] = "store_false" if setting.off_switch else "store_true"
+        else:
+            kwargs.update(type=setting.kind, choices=setting.choices)
+        group.add_argument(setting.cli_flag, **kwargs)
+
+
+def given_settings(args: argparse.Namespace) -> dict:
+    """The method flags the user set (unset flags stay out: the method's preset and defaults apply)."""
+    return {name: getattr(args, name) for name in methods.settings() if getattr(args, name, None) is not None}
+
+
+def command_condition(args: argparse.Namespace, pipeline, prompts: list[str]) -> Condition:
+    """The images' conditions from --classes, prompts or --caption-features, for ``pipeline``."""
+    if pipeline.takes == "classes":
+        if getattr(args, "caption_features", None) or getattr(args, "caption_mask", None):
+            raise RelaxspecError("this is a class-conditional (c2i) model: give --classes, not --caption-features")
+        if prompts:
+            raise RelaxspecError("this is a class-conditional (c2i) model: give --classes, not prompts")
+        return pipeline.conditions(classes=args.classes)
+    if args.classes is not None:
+        if hasattr(pipeline, "caption_condition"):
+            raise RelaxspecError("this is a text-to-image (t2i) model: give --prompt / --caption-features, not --classes")
+        raise RelaxspecError(f"this {pipeline.family} model takes text prompts: --prompt TEXT or --prompts-file FILE")
+    if prompts:
+        return pipeline.conditions(prompts=prompts)
+    if getattr(args, "caption_features", None) and hasattr(pipeline, "caption_condition"):
+        features, mask = load_caption_features(args.caption_features, args.caption_mask)
+        return pipeline.caption_condition(features, mask, args.caption_features)
+    if hasattr(pipeline, "caption_condition"):
+        if getattr(args, "t5_path", None):
+            raise RelaxspecError("--t5-path encodes prompts: give --prompt TEXT or --prompts-file FILE")
+        config = pipeline.target.config
+        raise RelaxspecError(f"this is a text-to-image (t2i) model: give --prompt TEXT with --t5-path DIR, or "
+                             f"--caption-features PATH.npy (caption features [N, {config.cls_token_num}, "
+                             f"{config.caption_dim}], e.g. Flan-T5-XL outputs)")
+    raise RelaxspecError(f"this {pipeline.family} model takes text prompts: give --prompt TEXT (repeatable) or "
+                         "--prompts-file FILE")
+
+
+def check_inputs(args: argparse.Namespace) -> list[str]:
+    """Everything that can be checked before a model loads (one line each); returns the prompts."""
+    if args.image_size is not None:
+        check_at_least("image size", args.image_size, 1)
+    check_at_least("batch size", args.batch_size, 1)
+    check_at_least("grid max", args.grid_max, 0)
+    check_upscale(args.upscale)  # the output side is checked once the model's image size is known
+    check_seed(args.seed)
+    embedded = args.gpt_ckpt is None and args.model_path is None
+    preset = preset_option(args)
+    if args.threads is None and preset is not None and preset.get("threads"):
+        args.threads = int(preset["threads"])  # the threads it was timed with
+    if args.threads is None and embedded:
+        # A model this small is fastest on one thread, and far slower with two when anything else
+        # runs on the other core (thread hand-offs, not arithmetic, dominate).
+        args.threads = 1
+    if args.threads is not None:
+        torch.set_num_threads(check_threads(args.threads))
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise RelaxspecError(f"--out {out}: exists and is not a folder")
+    prompts = read_prompts(args)
+    if args.model_path is not None:  # checked before the folder is read: what it takes
+        from relaxspec.pipelines.families import check_inputs as check_family_inputs
+        from relaxspec.pipelines.open import folder_pipeline_class
+
+        family = folder_pipeline_class(args.model_path)
+        check_family_inputs(family, family_inputs(args))
+        if args.classes is not None or args.caption_features or not prompts:
+            raise RelaxspecError(f"this {family.family} model takes text prompts: --prompt TEXT or --prompts-file FILE")
+    if preset is not None:
+        fields = dict(preset["method"])
+        methods.resolve(fields.pop("method"), given_settings(args), {preset["method"]["method"]: fields})
+    elif embedded:  # the method is checked before any weights load (the embedded model's presets are a file)
+        from relaxspec import embedded as shipped
+
+        early = shipped.defaults()
+        methods.resolve(args.method or early.get("method", {}).get("method", "ar"), given_settings(args),
+                        early.get("presets"))
+    else:
+        methods.resolve(args.method or "ar", given_settings(args))
+    return prompts
+
+
+def preset_option(args: argparse.Namespace) -> dict | None:
+    """The ``--preset`` file, read and checked (``None`` without one); it names the method, so
+    ``--method`` is refused beside it."""
+    if getattr(args, "preset", None) is None:
+        return None
+    from relaxspec.pipelines.presets import read_preset
+
+    if getattr(args, "method", None) is not None:
+        raise RelaxspecError("--preset names the method: leave out --method (setting flags still apply over it)")
+    return read_preset(args.preset)
+
+
+def run_settings(args: argparse.Namespace, pipeline, options, sampling, condition: Condition) -> dict:
+    """The run's settings (:func:`relaxspec.runs.images.image_settings`) with the files the options
+    named (caption features, prompts file) and what reopens its model."""
+    files = {"caption_features": args.caption_features, "caption_mask": args.caption_mask,
+             "prompts_file": args.prompts_file}
+    settings = image_settings(pipeline, options, sampling, condition, seed=args.seed, batch_size=args.batch_size,
+                              precision=args.precision, files=files)
+    if args.upscale != 1:  # recorded only when used, so runs from before the flag still resume
+        settings["upscale"] = args.upscale
+    if args.model_path is not None and args.image_size is not None:
+        # A folder family reads --image-size its own way (Emu3: the processor's image area), so the
+        # flag as given is what reopens this run's model (build-tree --budget auto).
+        settings["image_size_given"] = args.image_size
+    return settings
+
+
+def prepare(args: argparse.Namespace):
+    """``(pipeline, condition, options, sampling)`` from an image run's options, each checked (the
+    inputs before any weights load)."""
+    prompts = check_inputs(args)
+    pipeline = open_from_args(args, prompts=prompts if args.model_path is not None and prompts else None)
+    if args.preset is not None:
+        from relaxspec.pipelines.presets import with_preset
+
+        pipeline = with_preset(pipeline, args.preset)
+    sampling = pipeline.sampling(cfg_scale=args.cfg_scale, temperature=args.temperature, top_k=args.top_k,
+                                 top_p=args.top_p)
+    options = methods.resolve(args.method or pipeline.default_method, given_settings(args), pipeline.presets)
+    if args.drafter_ckpt is not None and not options.needs_drafter and args.preset is None:
+        raise RelaxspecError(f"--drafter-ckpt is not used by {options.family.where(options)}")
+    if options.needs_drafter and pipeline.drafter is None:
+        raise RelaxspecError("--drafter-ckpt is required: this method drafts with an EAGLE drafter trained for the "
+                             "target (train one with relaxspec train-drafter)")
+    pipeline.check_fits(options)
+    condition = command_condition(args, pipeline, prompts)
+    check_upscale(args.upscale, pipeline.image_size)
+    return pipeline, condition, options, sampling
+
+
+__all__ = ["add_image_run_options", "add_setting_flags", "check_inputs", "command_condition", "given_settings",
+           "prepare", "preset_option", "run_settings"]

@@ -1,0 +1,217 @@
+"""An image run: conditions -> image tokens (any method) -> PNGs, ``tokens.npy`` and ``stats.json``
+in one folder, written batch by batch; a run started again with the same settings keeps every
+finished image (``relaxspec generate``, and each shard of ``relaxspec eval``).
+
+Batch ``b`` samples with a generator seeded ``batch_seed(seed, b)``, so a resumed run draws what
+an uninterrupted one would.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from relaxspec import __version__
+from relaxspec.decoding.result import certified_tv, record_tv_sum, total_rank_counts
+from relaxspec.errors import RelaxspecError
+from relaxspec.files import file_identity, write_atomic, write_grid, write_json, write_png
+from relaxspec.runs.folder import different_settings, settings_hash
+from relaxspec.sampling import batch_seed
+
+STATS_FILE, TOKENS_FILE = "stats.json", "tokens.npy"
+
+
+def image_settings(pipeline, options, sampling, condition, *, seed: int, batch_size: int, precision: str,
+                   files: dict | None = None, extra: dict | None = None) -> dict:
+    """What ``stats.json`` records and the resume check compares: the model's identity, the images,
+    sampling, the method's settings (only those it reads), seeding, and the identities of the files
+    read (the model's, the drafter when the method reads it, and ``files``: role -> path)."""
+    drafter_path = pipeline.drafter_path if options.needs_drafter else None  # not read, so not recorded
+    files = {**pipeline.files, "drafter_ckpt": drafter_path, **(files or {})}
+    return {
+        **pipeline.identity,
+        "image_size": pipeline.image_size, "image_tokens": pipeline.image_tokens, **condition.settings,
+        "sampling": sampling.to_dict(), "method": options.to_dict(),
+        "drafter_ckpt": None if drafter_path is None else str(Path(drafter_path).resolve()),
+        "seed": seed, "seeding": "batch b: torch.Generator().manual_seed(seed * 1000003 + b)",
+        "batch_size": batch_size, "precision": precision, "device": str(pipeline.device),
+        "files": {key: file_identity(path) for key, path in files.items() if path},
+        **(extra or {}),
+    }
+
+
+def write_image_run(pipeline, condition, options, sampling, out, settings: dict, *, seed: int = 0,
+                    batch_size: int = 1, overwrite: bool = False, progress: bool = True, grid_max: int = 64,
+                    upscale_by: int = 1, started: float | None = None) -> dict:
+    """Generate one image per row of ``condition`` with ``pipeline`` into ``out`` and return the
+    finished ``stats.json``. ``settings``: what identifies the run (:func:`image_settings`); a
+    folder holding another run's images is refused unless ``overwrite``. ``started``: when the
+    command began (``time.perf_counter()``), for the load time the totals report."""
+    wall = started if started is not None else time.perf_counter()
+    out = Path(out)
+    digest = settings_hash(settings)
+    num_images, num_tokens = len(condition), pipeline.image_tokens
+    out.mkdir(parents=True, exist_ok=True)
+    records, tokens, old_counts = previous_run(out, settings, digest, num_images, num_tokens, overwrite)
+    batch_counts = kept_batch_counts(old_counts, records, batch_size, num_images)
+
+    print(f"relaxspec: {options.describe()}", file=sys.stderr)  # the settings in use, and only those
+    stats = {"relaxspec_version": __version__, "settings_hash": digest, "settings": settings,
+             "complete": False, "images": [], "totals": {}}
+    load_seconds = time.perf_counter() - wall
+    bar = tqdm(total=num_images, initial=len(records), unit="image", desc="generate",
+               disable=True if not progress else None)
+    generated = 0
+    for batch, start in enumerate(range(0, num_images, batch_size)):
+        index = list(range(start, min(start + batch_size, num_images)))
+        if all(i in records for i in index):
+            continue
+        batch_seed_b = batch_seed(seed, batch)
+        generator = torch.Generator(device=pipeline.device).manual_seed(batch_seed_b)
+        result = pipeline.generate(condition.select(index), options, sampling, generator=generator,
+                                   progress=progress and sys.stderr.isatty())
+        began = time.perf_counter()
+        with torch.inference_mode():
+            pixels = pipeline.pixels(result.tokens)
+        vq_seconds = time.perf_counter() - began
+        mal = result.mean_accepted_length
+        if result.rank_tests is not None:  # per batch, so a resumed run keeps the finished batches' counts
+            batch_counts[str(batch)] = {"tests": result.rank_tests.tolist(), "accepts": result.rank_accepts.tolist()}
+        if batch_counts:
+            stats["acceptance_counts"] = total_rank_counts(batch_counts.values())
+            stats["acceptance_counts_by_batch"] = batch_counts
+        for row, i in enumerate(index):
+            name = f"{i:04d}.png"
+            write_png(out / name, upscale(pixels[row], upscale_by))
+            tokens[i] = result.tokens[row].numpy()
+            records[i] = {
+                "index": i, "file": name, **condition.records[i], "batch": batch, "batch_seed": batch_seed_b,
+                "seconds": result.seconds / len(index), "vq_seconds": vq_seconds / len(index),
+                "target_forwards": int(result.target_forwards[row]),
+                "drafter_forwards": int(result.drafter_forwards[row]),
+                "drafter_seconds": result.drafter_seconds / len(index),
+                "target_forward_seconds": result.target_forward_seconds / len(index),
+                "drafter_forward_seconds": result.drafter_forward_seconds / len(index),
+                "mean_accepted_length": float(mal[row]), **result.tv_record(row),
+            }
+        generated += len(index)
+        # Tokens first, then the record of what is finished: a crash in between only redoes a batch.
+        write_atomic(out / TOKENS_FILE, lambda path: np.save(path, tokens))
+        stats["images"] = [records[i] for i in sorted(records)]
+        write_json(out / STATS_FILE, stats)
+        bar.update(len(index))
+    bar.close()
+
+    write_grid(out, [records[i]["file"] for i in range(min(num_images, grid_max))])
+    done = [records[i] for i in range(num_images)]
+    stats.update(complete=True, images=done, totals=run_totals(done, num_tokens, generated))
+    stats["totals"].update(load_seconds=load_seconds, wall_seconds_this_run=time.perf_counter() - wall)
+    write_atomic(out / TOKENS_FILE, lambda path: np.save(path, tokens))
+    write_json(out / STATS_FILE, stats)
+    return stats
+
+
+def summary(out, stats: dict) -> str:
+    """The line a finished run prints: where, how many generated now and kept, time and MAL."""
+    totals = stats["totals"]
+    count, generated = totals["images"], totals["generated_this_run"]
+    return (f"{count} images in {out} ({generated} generated now, {count - generated} kept); "
+            f"{totals['seconds_per_image']:.2f} s/image, {totals['target_forwards_per_image']:.1f} target forwards/image, "
+            f"MAL {totals['mean_accepted_length']:.2f}")
+
+
+def run_totals(done: list[dict], num_tokens: int, generated: int) -> dict:
+    """stats.json's totals over the finished images' records: times and where they went, target
+    forwards, MAL, and the TV certificate (``min(1, mean of the per-image sums)``, never a mean of
+    capped values; none when the record was off)."""
+    num_images = len(done)
+    forwards = sum(r["target_forwards"] for r in done)
+    seconds = sum(r["seconds"] for r in done)
+    tv_sums = [record_tv_sum(r) for r in done]
+    recorded = not any(math.isnan(v) for v in tv_sums)  # --no-tv-record: no certificate
+    return {
+        "images": num_images, "generated_this_run": generated,
+        "seconds": seconds, "seconds_per_image": seconds / num_images,
+        "vq_seconds_per_image": sum(r["vq_seconds"] for r in done) / num_images,
+        # where the decoding time went (records of runs before forwards were timed count as 0)
+        **{f"{part}_share": sum(r.get(f"{part}_seconds", 0.0) for r in done) / max(seconds, 1e-12)
+           for part in ("target_forward", "drafter_forward")},
+        "target_forwards_per_image": forwards / num_images,
+        "mean_accepted_length": num_images * num_tokens / forwards,
+        "tv_sum_mean": sum(tv_sums) / num_images if recorded else None,
+        "tv_per_token_mean": sum(tv_sums) / (num_images * num_tokens) if recorded else None,
+        "tv_certified": certified_tv(tv_sums) if recorded else None,
+    }
+
+
+def kept_batch_counts(old: dict, records: dict[int, dict], batch_size: int, num_images: int) -> dict[str, dict]:
+    """Of the earlier run's per-batch ``[depth, rank]`` acceptance counts ``old``, those of the
+    batches kept whole (every image finished), by batch index; a batch that is redone drops its
+    old counts, so nothing is counted twice."""
+    kept = {}
+    for key, table in old.items() if isinstance(old, dict) else ():
+        if not (key.isdigit() and isinstance(table, dict) and {"tests", "accepts"} <= set(table)):
+            continue
+        first = int(key) * batch_size
+        if all(i in records for i in range(first, min(first + batch_size, num_images))):
+            kept[key] = table
+    return kept
+
+
+def previous_run(out: Path, settings: dict, settings_hash: str, num_images: int, num_tokens: int,
+                 overwrite: bool) -> tuple[dict[int, dict], np.ndarray, dict]:
+    """The images of an earlier run with the same settings that are finished (PNG on disk, tokens
+    saved), the token array to continue (tokens of unfinished images are -1) and that run's
+    per-batch acceptance counts."""
+    tokens = np.full((num_images, num_tokens), -1, dtype=np.int64)
+    stats_path = out / STATS_FILE
+    if not stats_path.exists():
+        return {}, tokens, {}
+    try:
+        old = json.loads(stats_path.read_text())
+        old_hash, old_images = old["settings_hash"], old["images"]
+        if not isinstance(old_images, list) or not all(isinstance(r, dict) for r in old_images):
+            raise TypeError
+    except (json.JSONDecodeError, KeyError, TypeError):
+        old = old_hash = None
+    if old_hash != settings_hash:
+        if not overwrite:
+            if old is None:
+                raise RelaxspecError(f"--out {out}: {stats_path.name} there is not from relaxspec; "
+                                     "choose another folder or pass --overwrite")
+            raise different_settings(out, "a run", settings, old)
+        for record in old_images if old is not None else []:
+            stale = out / str(record.get("file", ""))
+            if stale.parent == out and stale.suffix == ".png" and stale.is_file():
+                stale.unlink()
+        return {}, tokens, {}
+    try:
+        saved = np.load(out / TOKENS_FILE, allow_pickle=False)
+    except (OSError, ValueError, EOFError):
+        return {}, tokens, {}
+    if saved.shape != tokens.shape:
+        return {}, tokens, {}
+    records = {}
+    for record in old_images:
+        i = record.get("index")
+        if (isinstance(i, int) and 0 <= i < num_images and (out / str(record.get("file"))).is_file()
+                and (saved[i] >= 0).all()):
+            records[i] = record
+            tokens[i] = saved[i]
+    return records, tokens, old.get("acceptance_counts_by_batch") or {}
+
+
+def upscale(pixels: np.ndarray, factor: int) -> np.ndarray:
+    """``[H, W, 3]`` -> ``[factor * H, factor * W, 3]``, each pixel a ``factor`` x ``factor`` block."""
+    return pixels if factor == 1 else pixels.repeat(factor, axis=0).repeat(factor, axis=1)
+
+
+__all__ = ["STATS_FILE", "TOKENS_FILE", "image_settings", "kept_batch_counts", "previous_run", "run_totals", "summary", "upscale",
+           "write_image_run"]
