@@ -17,7 +17,6 @@ from relaxspec.acceptance import (
     CoolRule,
     ExactRule,
     LanternRule,
-    build_rule,
     cached_neighbour_table,
     cool_weights,
     neighbour_table,
@@ -508,9 +507,6 @@ def test_cached_neighbour_table_round_trip(tmp_path, monkeypatch):
         lambda: CoolRule(delta=1.1, horizon=0),
         lambda: CoolRule(delta=1.1, nu=-1.0),
         lambda: CoolRule(weights=[1.0, -2.0]),
-        lambda: build_rule("medusa"),
-        lambda: build_rule("cool", delta=1.1, temperature=2.0),
-        lambda: build_rule("lantern", k=3, delta=0.1),
         lambda: neighbour_table(torch.randn(5, 2), 5),
         lambda: neighbour_table(torch.randn(5, 2), 2, "cosine"),
     ],
@@ -518,11 +514,3 @@ def test_cached_neighbour_table_round_trip(tmp_path, monkeypatch):
 def test_bad_configs_raise(make):
     with pytest.raises(RelaxspecError):
         make()
-
-
-def test_build_rule():
-    assert isinstance(build_rule("exact"), ExactRule)
-    assert isinstance(build_rule("Cool", delta=2.0), CoolRule)
-    rule = build_rule("lantern", neighbours=NBRS, k=2, lam=2.0, residual="plain")
-    assert isinstance(rule, LanternRule) and rule.lam == 2.0 and rule.delta is None
-    assert not rule.lossless

@@ -42,7 +42,8 @@ from relaxspec.acceptance import CoolRule, ExactRule, LanternRule, neighbour_tab
 from relaxspec.decoding import DecodeResult, MethodOptions, decode
 from relaxspec.decoding.ar import generate_ar
 from helpers.engine import SMALL_TREE, fake_vq, markov_pair, scaled_, tiny_drafter, tiny_target
-from relaxspec.decoding.engine import build_rule, generate_speculative
+from relaxspec.decoding.engine import generate_speculative
+from relaxspec.methods import build_rule
 from relaxspec.drafting.eagle import EagleDrafter
 from relaxspec.drafting.base import DraftTree
 from relaxspec.drafting.dynamic_tree import DynamicTree

@@ -138,7 +138,7 @@ def test_anneal_option_builds_the_capped_schedule(monkeypatch, tmp_path):
     from types import SimpleNamespace
 
     from relaxspec.decoding import MethodOptions
-    from relaxspec.decoding.engine import build_rule
+    from relaxspec.methods import build_rule
 
     monkeypatch.setenv("RELAXSPEC_CACHE", str(tmp_path))
     codebook = torch.randn(16, 4, generator=torch.Generator().manual_seed(0))

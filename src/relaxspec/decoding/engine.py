@@ -32,11 +32,6 @@ def build_parts(options: MethodOptions, context: BuildContext):
     return options.family.build(options, context)
 
 
-def build_rule(options: MethodOptions, vq=None, horizon: int = 5, target=None) -> AcceptanceRule:
-    """The acceptance rule alone (tests and tools that walk trees by hand)."""
-    return options.family.rule(options, BuildContext(target=target, tokenizer=vq), horizon=horizon)
-
-
 @torch.no_grad()
 def generate_speculative(model, cond, sampling: SamplingConfig, options: MethodOptions, *, generator=None,
                          drafter=None, vq=None, cond_mask=None, progress: bool = False, rule: AcceptanceRule | None = None,

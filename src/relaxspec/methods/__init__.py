@@ -27,5 +27,12 @@ def resolve(name: str, given: dict | None = None, model_presets: dict | None = N
     return options
 
 
-__all__ = ["BuildContext", "Method", "MethodOptions", "Preset", "Setting", "bench_defaults", "canonical", "lookup", "methods",
+def build_rule(options: MethodOptions, tokenizer=None, *, horizon: int = 5, target=None):
+    """The acceptance rule ``options`` decode with (its family builds it, as the engine does), for
+    tests and tools that walk trees by hand. ``tokenizer``: the image tokenizer (LANTERN's
+    neighbours come from its codebook)."""
+    return options.family.rule(options, BuildContext(target=target, tokenizer=tokenizer), horizon=horizon)
+
+
+__all__ = ["BuildContext", "build_rule", "Method", "MethodOptions", "Preset", "Setting", "bench_defaults", "canonical", "lookup", "methods",
            "names", "presets", "resolve", "settings"]
