@@ -70,3 +70,44 @@ def test_a_planted_violation_breaks_its_contract(tmp_path, module, line, broken)
     code, output = lint(tmp_path / "src")
     assert code != 0, output
     assert {name for name, kept in verdicts(output).items() if not kept} == broken, output
+
+
+# ---------------------------------------------------------------- private names and file sizes
+MAX_LINES = 600
+
+
+def private_uses(package: Path) -> list[str]:
+    """Every use of another module's private (one-underscore) name: ``from relaxspec.x import _y``
+    and ``module._y`` on a relaxspec module imported by name."""
+    import ast
+
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        modules = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("relaxspec"):
+                for alias in node.names:
+                    if alias.name.startswith("_") and not alias.name.startswith("__"):
+                        found.append(f"{path.relative_to(package)}:{node.lineno} imports {alias.name}")
+                    modules.add(alias.asname or alias.name)
+            elif isinstance(node, ast.Import):
+                modules.update((a.asname or a.name.split(".")[0]) for a in node.names if a.name.startswith("relaxspec"))
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+                    and isinstance(node.value, ast.Name) and node.value.id in modules):
+                found.append(f"{path.relative_to(package)}:{node.lineno} uses {node.value.id}.{node.attr}")
+    return found
+
+
+def test_no_module_uses_another_modules_private_name(tmp_path):
+    assert private_uses(PACKAGE) == []
+    planted = tmp_path / "relaxspec"
+    (planted / "a").mkdir(parents=True)
+    (planted / "a" / "b.py").write_text("from relaxspec.c import _hidden\nimport relaxspec.d as d\nd._other()\n")
+    assert private_uses(planted) == ["a/b.py:1 imports _hidden", "a/b.py:3 uses d._other"]
+
+
+def test_every_source_file_is_under_the_size_bound():
+    sizes = {str(p.relative_to(PACKAGE)): len(p.read_text().splitlines()) for p in PACKAGE.rglob("*.py")}
+    assert {name: n for name, n in sizes.items() if n >= MAX_LINES} == {}

@@ -252,7 +252,7 @@ def load_vq(path, config: VQGANConfig, *, device="cpu") -> ChameleonVQGAN:
     from safetensors import safe_open
 
     state = {}
-    for file in lumina._safetensors_files(Path(path)):
+    for file in lumina.safetensors_files(Path(path)):
         with safe_open(str(file), framework="pt") as opened:
             for key in opened.keys():
                 if key.startswith(VQ_PREFIX):

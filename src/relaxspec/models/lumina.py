@@ -235,7 +235,7 @@ def check_vocabulary(config: dict, vocabulary: ChameleonVocabulary, path) -> Non
                                  "its Chameleon tokenizer folder")
 
 
-def _safetensors_files(folder: Path) -> list[Path]:
+def safetensors_files(folder: Path) -> list[Path]:
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         try:
@@ -277,7 +277,7 @@ def load_chameleon(path, *, device="cpu", dtype=torch.float32, aside: tuple[str,
 
     folder = Path(path)
     read_chameleon_config(folder)
-    files = _safetensors_files(folder)
+    files = safetensors_files(folder)
     try:
         config = transformers.ChameleonConfig.from_pretrained(folder, local_files_only=True)
     except Exception as err:  # noqa: BLE001 - a config transformers cannot read: say what, in one line
