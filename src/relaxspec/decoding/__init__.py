@@ -7,7 +7,7 @@ __all__ = ["DecodeResult", "MethodOptions", "certified_tv", "decode"]
 
 
 def decode(model, cond, sampling, options: MethodOptions | None = None, *, generator=None, drafter=None,
-           vq=None, cond_mask=None, progress: bool = False, on_step=None) -> DecodeResult:
+           vq=None, cond_mask=None, progress: bool = False, on_step=None, source=None, rule=None) -> DecodeResult:
     """Generate ``[B, N]`` image tokens for ``cond`` with the method ``options`` names.
 
     ``model``: the target, any :class:`~relaxspec.models.base.TargetModel` (LlamaGen's
@@ -15,7 +15,9 @@ def decode(model, cond, sampling, options: MethodOptions | None = None, *, gener
     drafter (methods sd / lantern / cool); ``vq``: the tokenizer whose codebook defines LANTERN's
     latent neighbours. ``options.compile`` runs the steps compiled, ``options.record_tv=False``
     skips the TV record of relaxed rules. ``on_step(tokens, done)`` is called as tokens are
-    committed (:func:`relaxspec.decoding.engine.generate_speculative`).
+    committed (:func:`relaxspec.decoding.engine.generate_speculative`). ``source`` / ``rule``: a
+    draft source and acceptance rule built once for many decodes (``relaxspec bench``), in place of
+    what ``options`` would build.
     """
     options = options or MethodOptions()
     if options.method == "ar":
@@ -26,4 +28,4 @@ def decode(model, cond, sampling, options: MethodOptions | None = None, *, gener
     from relaxspec.decoding.engine import generate_speculative
 
     return generate_speculative(model, cond, sampling, options, generator=generator, drafter=drafter, vq=vq,
-                                cond_mask=cond_mask, progress=progress, on_step=on_step)
+                                cond_mask=cond_mask, progress=progress, on_step=on_step, source=source, rule=rule)
