@@ -283,9 +283,9 @@ def test_pareto_front():
 
 
 def test_report_tables_and_plot_data(bench_dir, monkeypatch):
-    from relaxspec.bench import report
+    from relaxspec.bench.report import plots
 
-    monkeypatch.setattr(report, "plots_available", lambda: False)
+    monkeypatch.setattr(plots, "plots_available", lambda: False)
     result = write_report(bench_dir, n_boot=20)
     names = {p.name for p in result["files"]}
     assert names == {"summary.json", "summary.csv", "summary.md", "plot_data.json"}
