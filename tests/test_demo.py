@@ -448,11 +448,20 @@ def test_official_lanterns_llamagen_t2i_folder_races_prompts(tmp_path, tiny_ckpt
                                       "a red cat"])
     model = load_demo_model(args)
     assert model.prompts and model.default_class == "a red cat" and model.default_method == "gsd"
+    from relaxspec.demo.app import check_handler
+
+    encoded = []  # the check before a race is queued does not run the text encoder
+    encode = model.pipeline.encode
+    model.pipeline.encode = lambda prompts: encoded.append(prompts) or encode(prompts)
+    assert check_handler(model, "the big blue dog", "sjd", "", 2, None)[1] is True
+    assert check_handler(model, "  ", "sjd", "", 2, None) == ("**Not run:** write a prompt", False)
+    assert encoded == []
     (tmp_path / "out").mkdir()
     updates = read_race(race_handler(model, tmp_path / "out", [], threading.Lock(), "the big blue dog", "sjd", None,
                                      2, None))
     ar_image, _, my_image, _, _, _, status = updates[-1]
     assert status.startswith("done: sjd") and ar_image.shape == my_image.shape
+    assert encoded == [["the big blue dog"]]  # the race encodes it
     assert main(["generate", "--gpt-ckpt", str(folder), *vq, "--t5-path", str(t5), "--prompt", "the big blue dog",
                  "--method", "ar", "--seed", "2", "--upscale", str(ar_image.shape[0] // 16), "--no-progress",
                  "--out", str(tmp_path / "g")]) == 0

@@ -65,10 +65,10 @@ def speculative_names() -> list[str]:
     return [name for name in methods.presets() if name not in ("ar", "ar-compiled")]
 
 
-def read_request(model: DemoModel, condition, method, knob, seed, cfg_scale):
+def read_request(model: DemoModel, condition, method, knob, seed, cfg_scale, encode: bool = True):
     """The page's inputs, as sent, -> ``(request, condition, options, sampling)``; a bad value
     raises :class:`RelaxspecError` (or ``ValueError`` / ``TypeError`` for a value of the wrong
-    kind) with one line."""
+    kind) with one line. ``encode=False``: a prompt is checked as text, not encoded."""
     knob = None if knob is None or not str(knob).strip() else str(knob).strip()
     try:
         knob = None if knob is None else float(knob)
@@ -77,14 +77,15 @@ def read_request(model: DemoModel, condition, method, knob, seed, cfg_scale):
     request = RaceRequest(condition=condition or "", method=method or "", knob=knob,
                           seed=0 if seed in (None, "") else seed,
                           cfg_scale=None if cfg_scale in (None, "") else float(cfg_scale))
-    return (request, *resolve_request(model, request))
+    return (request, *resolve_request(model, request, encode))
 
 
 def check_handler(model: DemoModel, condition, method, knob, seed, cfg_scale) -> tuple[str, bool]:
     """The page's first answer to a press, before the race is queued (races run one at a time, so
-    a bad input must not wait for the one in progress): ``(status line, whether to race)``."""
+    a bad input must not wait for the one in progress): ``(status line, whether to race)``. Only
+    what is cheap is checked here; a prompt is encoded (and a too-long one refused) in the race."""
     try:
-        read_request(model, condition, method, knob, seed, cfg_scale)
+        read_request(model, condition, method, knob, seed, cfg_scale, encode=False)
     except (RelaxspecError, ValueError, TypeError) as err:
         return f"**Not run:** {err}", False
     return "queued: one race at a time on this page", True

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from relaxspec import methods
-from relaxspec.conditions import Condition
+from relaxspec.conditions import Condition, check_prompts
 from relaxspec.decoding import DecodeResult
 from relaxspec.errors import RelaxspecError
 from relaxspec.files import write_png
@@ -101,9 +101,10 @@ class Lane:
     seconds: float | None = None
 
 
-def condition_of(model: DemoModel, text: str) -> Condition:
+def condition_of(model: DemoModel, text: str, encode: bool = True) -> Condition | None:
     """The page's condition box -> the condition: one class (name or id), or a prompt, checked by
-    the pipeline as every command checks it."""
+    the pipeline as every command checks it. ``encode=False``: a prompt is only checked as text
+    (encoding it, a text encoder's forward, is the race's work), and ``None`` is returned."""
     text = str(text).strip()
     if not model.prompts:
         if not text:
@@ -113,13 +114,18 @@ def condition_of(model: DemoModel, text: str) -> Condition:
         return model.pipeline.conditions(classes=text)
     if not text:
         raise RelaxspecError("write a prompt")
+    if not encode:
+        check_prompts([text])
+        return None
     return model.pipeline.conditions(prompts=[text])
 
 
-def resolve_request(model: DemoModel, request: RaceRequest) -> tuple[Condition, methods.MethodOptions, SamplingConfig]:
+def resolve_request(model: DemoModel, request: RaceRequest,
+                    encode: bool = True) -> tuple[Condition | None, methods.MethodOptions, SamplingConfig]:
     """The condition, the method's options and the sampling a request means, validated as
-    ``relaxspec generate`` validates them: a :class:`RelaxspecError` says what is wrong."""
-    condition = condition_of(model, request.condition)
+    ``relaxspec generate`` validates them: a :class:`RelaxspecError` says what is wrong.
+    ``encode=False``: the cheap check before a race is queued (a prompt is not encoded)."""
+    condition = condition_of(model, request.condition, encode)
     name = methods.canonical(request.method or "")
     if name in ("ar", "ar-compiled"):
         raise RelaxspecError("choose a speculative method: AR is the other side of the race")
