@@ -304,7 +304,7 @@ def test_a_budget_too_short_to_measure_anything_writes_no_preset(llamagen, tmp_p
 
 def test_a_speedup_from_fewer_than_five_pairs_has_no_interval():
     from relaxspec.tuning.report import describe_heldout, describe_row, interval_note
-    from relaxspec.tuning.search import MIN_INTERVAL_PAIRS, speedup_interval
+    from relaxspec.bench.report import MIN_INTERVAL_PAIRS, speedup_interval
 
     assert MIN_INTERVAL_PAIRS == 5
     assert speedup_interval([1.07]) == [1.07, None, None]
@@ -344,8 +344,8 @@ def test_too_few_pairs_give_an_honest_preset_every_reader_takes(llamagen, tmp_pa
                        halving_done=True, heldout_plan={"images": 1, "seed": 2})
 
     def records(ar_seconds: float) -> list[dict]:
-        return [{"method": method, "index": 0, "class": 1, "seconds": seconds, "mal": 1.5, "tv_per_token": None}
-                for method, seconds in (("ar", ar_seconds), (label, 1.0))]
+        return [{"method": method, "index": 0, "class": 1, "seconds": seconds, "mal": 1.5, "target_forwards": 2,
+                 "tv_per_token": None} for method, seconds in (("ar", ar_seconds), (label, 1.0))]
 
     monkeypatch.setattr(search, "read_records", lambda folder: records(1.07))
     monkeypatch.setattr(tuner, "bench", lambda *args, **kwargs: records(1.2))
@@ -370,6 +370,45 @@ def test_too_few_pairs_give_an_honest_preset_every_reader_takes(llamagen, tmp_pa
                     "(speed-up 1.20x measured): no interval (one needs 5 pairs); give --minutes >= 2.5 for one")
     report = (tuner.out / "report.md").read_text()
     assert "**1.20x (n/a: only 1 pair) eager AR**" in report and note in report and "[1.07, 1.07]" not in report
+
+
+def test_tune_reports_bench_mal_tokens_per_target_forward(llamagen, tmp_path, monkeypatch):
+    """MAL means one thing in bench and tune: image tokens committed per target forward over all
+    images (total tokens / total forwards). Two images decoded in 2 and 8 forwards make 2n / 10,
+    not the mean of the per-image MALs (n / 2 + n / 8) / 2 that tune once reported; a state saved
+    then still resumes, the closest setting's numbers recomputed from the records."""
+    from relaxspec.bench.report import summarize
+    from relaxspec.pipelines import open_pipeline
+    from relaxspec.tuning import Budget, TuneConfig, Tuner, search
+
+    files = llamagen["files"]
+    pipeline = open_pipeline(gpt_ckpt=files["gpt"], gpt_model=files["gpt_json"], vq_ckpt=files["vq"],
+                             vq_model=files["vq_json"], image_size=16)
+    n = pipeline.image_tokens
+    config = TuneConfig(budget=Budget("lossless"), minutes=0.5, tune=[0, 2], heldout=[1], progress=False)
+    tuner = Tuner(pipeline, pipeline.sampling(), tmp_path / "tune", config)
+    label = "sjd[window=8]"
+    old_closest = {"label": label, "relaxed": False, "speedup": 0.9, "pairs": 2, "mal": (n / 2 + n / 8) / 2}
+    tuner.state.update(candidates=[{"label": label, "method": "sjd", "fields": {"window": 8}, "tree": None}],
+                       rounds=[{"labels": [label], "images": 2, "start": 0, "seed": 1, "complete": True}],
+                       halving_done=True, heldout_plan={"images": 2, "seed": 2}, chosen=None, closest=old_closest)
+
+    def record(method: str, index: int, forwards: int) -> dict:
+        return {"method": method, "index": index, "class": 1, "seconds": forwards / 100, "wall_seconds": forwards / 100,
+                "drafter_seconds": 0.0, "target_forwards": forwards, "drafter_forwards": 0, "mal": n / forwards,
+                "tv_sum": 0.0, "tv_per_token": None, "accept_lengths": [1] * forwards, "tokens": [0] * n}
+
+    records = [record("ar", 0, n), record("ar", 1, n), record(label, 0, 2), record(label, 1, 8)]
+    monkeypatch.setattr(search, "read_records", lambda folder: records)
+    monkeypatch.setattr(tuner, "bench", lambda *args, **kwargs: records)
+    bench_mal = {row["label"]: row["mal"] for row in summarize(records, num_tokens=n, n_boot=0)}
+    assert bench_mal[label] == pytest.approx(2 * n / 10) and bench_mal["ar"] == 1.0
+    rows = {row["label"]: row for row in tuner.rows()}
+    assert {key: rows[key]["mal"] for key in rows} == pytest.approx(bench_mal)
+    assert rows[label]["mal"] != pytest.approx((n / 2 + n / 8) / 2)  # the old per-image mean
+    assert tuner.heldout(rows[label])["mal"] == pytest.approx(bench_mal[label])
+    assert tuner.closest(list(rows.values()))["mal"] == pytest.approx(bench_mal[label])
+    assert "mal_image_mean" not in rows[label]
 
 
 # ---------------------------------------------------------------------------- state.json, checked
@@ -451,7 +490,7 @@ def _set(path: str, value):
     (_set("heldout_quality", []), "heldout_quality: a verdict without ok and metrics"),
 ])
 def test_a_malformed_state_is_named(change, problem):
-    from relaxspec.tuning.search import state_problem
+    from relaxspec.tuning.state import state_problem
 
     assert state_problem(_valid_state()) is None
     assert state_problem({**_valid_state(), "chosen": None, "closest": {"label": "sd", "speedup": 0.9, "pairs": 3,
@@ -499,7 +538,7 @@ def test_a_hand_edited_state_is_refused_in_one_line_and_the_preset_kept(llamagen
 
 
 def test_a_damaged_probe_is_named():
-    from relaxspec.tuning.search import probes_problem
+    from relaxspec.tuning.state import probes_problem
 
     good = {"exact": {"tests": [[4, 2], [1, 0]], "accepts": [[3, 1], [0, 0]], "images": 2}}
     assert probes_problem(good) is None

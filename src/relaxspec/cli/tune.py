@@ -102,7 +102,7 @@ def budget_from_args(args: argparse.Namespace):
 
 def check_inputs(args: argparse.Namespace):
     """Everything checked before a model loads (one line each)."""
-    from relaxspec.tuning.search import check_minutes
+    from relaxspec.tuning.config import check_minutes
 
     budget = budget_from_args(args)
     check_minutes(args.minutes)

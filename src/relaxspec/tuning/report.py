@@ -7,7 +7,11 @@ no interval: it is written as ``[value, null, null]`` with its pair count (``pai
 ``1.07x (n/a: only 1 pair)``, and :func:`interval_note` says in one line what the budget allowed.
 A preset is still written then (the choice is the best the budget could find), with that honest
 null interval; the held-out measurement always plans at least that many images, so its interval
-is missing only when a run resumed from an older plan."""
+is missing only when a run resumed from an older plan.
+
+MAL (the rows, ``settings.csv``, the held-out measurement) is bench's: image tokens committed per
+target forward over all of a setting's images
+(:func:`~relaxspec.bench.report.statistics.tokens_per_forward`), not a mean of per-image MALs."""
 
 from __future__ import annotations
 
@@ -20,7 +24,7 @@ from relaxspec.devices import machine_identity, machine_kind
 from relaxspec.files import write_atomic, write_json
 from relaxspec.pipelines.presets import preset_record
 from relaxspec.bench.report import MIN_INTERVAL_PAIRS
-from relaxspec.tuning.search import MIN_QUALITY_IMAGES, round_up
+from relaxspec.tuning.config import MIN_QUALITY_IMAGES, round_up
 
 PRESET_FILE, REPORT_FILE, FRONTIER_FILE, TABLE_FILE = "tune.json", "report.md", "frontier.png", "settings.csv"
 COLUMNS = ("label", "method", "family", "tree", "relaxed", "compile", "pairs", "speedup", "speedup_lo", "speedup_hi", "seconds",

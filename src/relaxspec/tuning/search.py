@@ -23,8 +23,10 @@ The phases, each kept in the output folder so that running the same command agai
 Decisions (the survivors and size of each round, the choice) are written to ``state.json`` as
 they are made, so a resumed run never re-decides differently; the time spent is kept there too
 and counts against ``--minutes`` across resumptions. A ``state.json`` is checked where it is read
-(:func:`state_problem`): one that this code did not write is refused with one line, never half
-used.
+(:func:`relaxspec.tuning.state.state_problem`): one that this code did not write is refused with
+one line, never half used. The speed-ups, MAL and TV reported are recomputed from the decodes'
+records on every run (the closest setting's too, though the state keeps a copy), so a state saved
+before tune's MAL meant bench's (tokens per target forward) resumes with today's numbers.
 
 Budgets: ``--minutes`` is at most :data:`MAX_MINUTES` (a week). Once the forwards are timed, a
 budget that cannot pay for the least search (the probe, every setting and AR once, the winner and
@@ -41,85 +43,36 @@ import json
 import math
 import sys
 import time
-from dataclasses import dataclass, field
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from relaxspec import methods
 from relaxspec.bench.config import BASELINE, MethodSpec
 from relaxspec.bench.report import (MIN_INTERVAL_PAIRS, pairwise_speedups, quality_metrics, speedup_interval,
-                                    within_baseline_quality)
+                                    tokens_per_forward, within_baseline_quality)
 from relaxspec.bench.run import read_records, run_bench
 from relaxspec.decoding.result import add_counts
-from relaxspec.errors import RelaxspecError, shown
-from relaxspec.files import read_json, write_json
 from relaxspec.devices import machine_identity
+from relaxspec.errors import RelaxspecError
+from relaxspec.files import write_json
 from relaxspec.pipelines.presets import model_fingerprint
-from relaxspec.tuning.budget import Budget, choose, pareto, survivors, within
+from relaxspec.tuning.budget import choose, pareto, survivors, within
 from relaxspec.tuning.candidates import PROBE_RULES, PROBE_TREE, Candidate, build_candidates, candidate_trees
+from relaxspec.tuning.config import (MAX_MINUTES, MAX_PLAN_IMAGES, MIN_QUALITY_IMAGES, TuneConfig, check_minutes,
+                                     round_up)
+from relaxspec.tuning.state import STATE_FILE, costs_problem, open_state, probes_problem, read_owned
 
-STATE_FILE = "state.json"
-#: Everything a tuning run writes in its folder (removed by --overwrite).
-OWNED = ("costs.json", "probe.json", "trees", "rounds", "quality", "quality-reference", "heldout", "heldout-reference",
-         STATE_FILE, "tune.json", "report.md", "settings.csv", "frontier.png")
 #: Shares of the budget kept for the held-out measurement and for the quality test.
 HELDOUT_SHARE, QUALITY_SHARE = 0.15, 0.2
 #: Compiling a setting costs about this on a CPU (seconds, assumed before it is measured).
 COMPILE_GUESS_S = {"cpu": 30.0, "cuda": 30.0}
-#: Fewest images the quality test scores per setting (its intervals need a sample).
-MIN_QUALITY_IMAGES = 16
 #: A round's settings: at most this many finalists get a compiled variant.
 COMPILED_FINALISTS = 2
 MIN_PROBE_TESTS = 10
 #: Successive halving stops after this many rounds.
 MAX_ROUNDS = 8
-#: The longest --minutes taken (a week): longer is a typo, and seconds past it overflow the plans.
-MAX_MINUTES = 7 * 24 * 60
-#: Most images any round, the quality test or the held-out measurement plans.
-MAX_PLAN_IMAGES = 400
-
-
-def round_up(minutes: float) -> float:
-    """``minutes`` to two significant figures, never below it (the --minutes a message suggests)."""
-    rounded = float(f"{minutes:.2g}")
-    while rounded < minutes:
-        rounded = float(f"{rounded * 1.1:.2g}")
-    return rounded
-
-
-def check_minutes(minutes) -> float:
-    """``--minutes``, checked: a finite number in ``(0, MAX_MINUTES]``."""
-    if isinstance(minutes, bool) or not isinstance(minutes, (int, float)) or not (
-            math.isfinite(minutes) and 0 < minutes <= MAX_MINUTES):
-        shown = f"{minutes:g}" if isinstance(minutes, (int, float)) and not isinstance(minutes, bool) else repr(minutes)
-        raise RelaxspecError(f"--minutes must be > 0 and at most {MAX_MINUTES} (a week), got {shown}")
-    return float(minutes)
-
-
-@dataclass
-class TuneConfig:
-    """What a tuning run is asked: the budget, the wall-clock minutes, the tune and held-out
-    conditions (class ids, or prompts for a text-to-image model), seeding, threads, batch size,
-    whether to try compilation, and the quality source (a classifier, and real images or
-    ``None`` for an independent AR reference sample)."""
-
-    budget: Budget
-    minutes: float
-    tune: list
-    heldout: list
-    seed: int = 0
-    threads: int | None = 1
-    batch_size: int = 1
-    compile: bool = True
-    classifier: object = None
-    real_images: np.ndarray | None = None
-    real_labels: np.ndarray | None = None
-    quality_source: str | None = None
-    progress: bool = True
-    command: str = "relaxspec tune"
-    extra_identity: dict = field(default_factory=dict)
 
 
 class Tuner:
@@ -137,7 +90,7 @@ class Tuner:
         self.budget_s = 60.0 * config.minutes
         self.settings = self._settings()
         digest = hashlib.sha256(json.dumps(self.settings, sort_keys=True, default=str).encode()).hexdigest()[:16]
-        self.state = self._open_state(digest, overwrite)
+        self.state = open_state(self.out, self.settings, digest, overwrite)
         self.started = time.perf_counter()
         self.spent_before = float(self.state.get("spent_seconds", 0.0))
 
@@ -149,48 +102,6 @@ class Tuner:
                 "tune": [str(x) for x in c.tune], "heldout": [str(x) for x in c.heldout], "seed": c.seed,
                 "threads": c.threads, "batch_size": c.batch_size, "compile": c.compile,
                 "quality_source": c.quality_source, **c.extra_identity}
-
-    def _open_state(self, digest: str, overwrite: bool) -> dict:
-        if self.out.exists() and not self.out.is_dir():
-            raise RelaxspecError(f"--out {self.out}: exists and is not a folder")
-        path = self.out / STATE_FILE
-        leftovers = [name for name in OWNED if (self.out / name).exists()]
-        if path.exists():
-            try:
-                state = read_json(path)
-            except RelaxspecError:  # not JSON, not UTF-8 text, nested too deeply
-                state, problem = None, "not JSON"
-            else:
-                problem = state_problem(state)
-            if problem is not None:
-                if not overwrite:
-                    raise RelaxspecError(f"--out {self.out}: {STATE_FILE} is not a tune state this relaxspec wrote "
-                                         f"({problem}); remove it or pass --overwrite")
-                state = None
-            if state is not None and state.get("settings_hash") == digest:
-                return state
-            if state is not None and not overwrite:
-                before = state.get("settings", {})
-                now = json.loads(json.dumps(self.settings, default=str))
-                changed = sorted(k for k in set(now) | set(before) if now.get(k) != before.get(k))
-                raise RelaxspecError(f"--out {self.out} holds a tuning run with other settings (changed: "
-                                     f"{', '.join(changed) or '?'}); choose another folder or pass --overwrite")
-        elif leftovers and not overwrite:
-            raise RelaxspecError(f"--out {self.out} holds {leftovers[0]} but no {STATE_FILE}; choose another folder or "
-                                 "pass --overwrite")
-        import shutil
-
-        for name in leftovers:
-            target = self.out / name
-            if target.is_dir():
-                shutil.rmtree(target)
-            else:
-                target.unlink()
-        self.out.mkdir(parents=True, exist_ok=True)
-        state = {"settings_hash": digest, "settings": json.loads(json.dumps(self.settings, default=str)),
-                 "spent_seconds": 0.0, "rounds": []}
-        write_json(path, state)
-        return state
 
     def spent(self) -> float:
         return self.spent_before + time.perf_counter() - self.started
@@ -239,29 +150,15 @@ class Tuner:
             heldout = self.heldout(chosen) if chosen is not None else None
             self.state["done"] = True
             return {"rows": rows, "chosen": chosen, "heldout": heldout, "trees": trees, "costs": costs,
-                    "closest": self.state.get("closest"), "spent_seconds": self.spent(),
+                    "closest": self.closest(rows), "spent_seconds": self.spent(),
                     "candidates": {c.label: c for c in self.all_candidates()}}
         finally:
             self.save()
 
-    def _read_owned(self, name: str, problem) -> dict:
-        """One of the run's own files in --out, checked by ``problem(data) -> str | None``: a
-        hand-edited or damaged one is refused in one line, as a damaged state is."""
-        try:
-            data = read_json(self.out / name)
-        except RelaxspecError as err:
-            why = str(err).split(": ", 1)[-1]
-        else:
-            why = problem(data)
-            if why is None:
-                return data
-        raise RelaxspecError(f"--out {self.out}: {name} is not one this relaxspec wrote ({why}); remove it or pass "
-                             "--overwrite")
-
     def cost_curve(self) -> dict:
         path = self.out / "costs.json"
         if path.exists():
-            return self._read_owned("costs.json", costs_problem)
+            return read_owned(self.out, "costs.json", costs_problem)
         from relaxspec.bench.cost import measure_forward_costs
 
         self.say("timing the target and drafter forwards (the cost curve)")
@@ -269,7 +166,7 @@ class Tuner:
         if self.pipeline.takes == "prompts":
             first = self.images(self.config.tune, 0, 1)
             cond, mask = first.cond.to(self.device), None if first.mask is None else first.mask.to(self.device)
-        with _threads(self.config.threads):
+        with pinned_threads(self.config.threads):
             costs = measure_forward_costs(self.pipeline.target, self.pipeline.drafter, sampling=self.sampling,
                                           reps=7 if self.budget_s >= 300 else 3, warmup=1, cond=cond, cond_mask=mask)
         data = costs.to_dict()
@@ -316,7 +213,7 @@ class Tuner:
         from relaxspec.bench.cost import ForwardCosts
 
         path = self.out / "probe.json"
-        probes = self._read_owned("probe.json", probes_problem) if path.exists() else {}
+        probes = read_owned(self.out, "probe.json", probes_problem) if path.exists() else {}
         rules = ["exact"] + (["relaxed"] if self.config.budget.relaxed_allowed else [])
         count = max(2, min(12, int(self.budget_s / 150)))
         for rule in rules:
@@ -326,7 +223,7 @@ class Tuner:
             fields = dict(PROBE_RULES[rule])
             options = self.pipeline.method(fields.pop("method"), {"draft": "static", "tree": PROBE_TREE, **fields})
             tests = accepts = None
-            with _threads(self.config.threads):
+            with pinned_threads(self.config.threads):
                 for start in range(0, count, max(1, self.config.batch_size)):
                     n = min(max(1, self.config.batch_size), count - start)
                     condition = self._condition(self.images(self.config.tune, start, n))
@@ -382,7 +279,7 @@ class Tuner:
         ar = rows.get(BASELINE, {}).get("seconds")
         if ar:
             return ar
-        costs = self._read_owned("costs.json", costs_problem)
+        costs = read_owned(self.out, "costs.json", costs_problem)
         return costs["ar_image_seconds_estimate"] * 1.5
 
     def halving(self) -> None:
@@ -482,34 +379,32 @@ class Tuner:
         """One row per tried setting over every tune image it decoded (rounds and the quality
         test, each paired with AR in its own folder): median paired speed-up with a bootstrap
         interval (``None`` bounds under :data:`MIN_INTERVAL_PAIRS` pairs), mean TV per token, seconds
-        per image, images, and the quality verdict."""
+        per image, MAL (bench's: tokens / target forwards over all its images), and the quality
+        verdict."""
         ratios: dict[str, list] = {}
-        tv: dict[str, list] = {}
-        seconds: dict[str, list] = {}
-        mal: dict[str, list] = {}
+        decoded: dict[str, list[dict]] = {}
         for folder in self._folders(rounds_only):
             records = read_records(folder)
             for label in dict.fromkeys(r["method"] for r in records):
-                mine = [r for r in records if r["method"] == label]
-                seconds.setdefault(label, []).extend(r["seconds"] for r in mine)
-                mal.setdefault(label, []).extend(r["mal"] for r in mine)
-                tv.setdefault(label, []).extend(r["tv_per_token"] for r in mine if r.get("tv_per_token") is not None)
-                if label != BASELINE:
+                decoded.setdefault(label, []).extend(r for r in records if r["method"] == label)
+                if label != BASELINE:  # paired within a folder: image indices restart in each
                     ratios.setdefault(label, []).extend(pairwise_speedups(records, label).tolist())
         candidates = {c.label: c for c in self.all_candidates()}
         quality = self.state.get("quality", {})
         rows = []
-        for label, secs in seconds.items():
+        for label, mine in decoded.items():
             cand = candidates.get(label)
             relaxed = cand.relaxed if cand is not None else False
             r = np.asarray(ratios.get(label, []), dtype=np.float64)
             speed = speedup_interval(r)
+            tv = [x["tv_per_token"] for x in mine if x.get("tv_per_token") is not None]
             family = (cand.method + ("++" if "lam" in cand.fields else "")) if cand else "ar"
             row = {"label": label, "method": cand.method if cand else "ar", "family": family, "relaxed": relaxed,
                    "tree": cand.tree if cand else None, "speedup": speed[0], "speedup_lo": speed[1],
-                   "speedup_hi": speed[2], "pairs": int(len(r)), "seconds": float(np.mean(secs)),
-                   "mal": float(np.mean(mal[label])),
-                   "tv_per_token": (float(np.mean(tv[label])) if tv.get(label) else None) if relaxed else 0.0,
+                   "speedup_hi": speed[2], "pairs": int(len(r)),
+                   "seconds": float(np.mean([x["seconds"] for x in mine])),
+                   "mal": tokens_per_forward(mine, self.pipeline.image_tokens),
+                   "tv_per_token": (float(np.mean(tv)) if tv else None) if relaxed else 0.0,
                    "compile": bool(cand.fields.get("compile")) if cand else False}
             if label in quality and not rounds_only:
                 row["quality_ok"] = quality[label]["ok"]
@@ -595,6 +490,15 @@ class Tuner:
         self.save()
         return chosen
 
+    def closest(self, rows: list[dict]) -> dict | None:
+        """The setting nearest to qualifying when none did (decided once, kept by label), with its
+        numbers as measured now: the copy in a state saved before tune's MAL meant bench's (tokens
+        / target forwards) holds a mean of per-image MALs."""
+        kept = self.state.get("closest")
+        if kept is None:
+            return None
+        return next((row for row in rows if row["label"] == kept["label"]), kept)
+
     def heldout(self, chosen: dict) -> dict:
         by_label = {c.label: c for c in self.all_candidates()}
         if "heldout_plan" not in self.state:
@@ -617,7 +521,7 @@ class Tuner:
         result = {"images": len(mine), "speedup": speedup_interval(ratios, n_boot=500), "pairs": int(len(ratios)),
                   "seconds": float(np.mean([r["seconds"] for r in mine])),
                   "ar_seconds": float(np.mean([r["seconds"] for r in records if r["method"] == BASELINE])),
-                  "mal": float(np.mean([r["mal"] for r in mine])),
+                  "mal": tokens_per_forward(mine, self.pipeline.image_tokens),
                   "tv_per_token": float(np.mean(tv)) if tv and chosen["relaxed"] else (0.0 if not chosen["relaxed"] else None)}
         if self.config.budget.kind == "quality" and chosen["relaxed"]:
             if "heldout_quality" not in self.state:
@@ -635,205 +539,22 @@ class Tuner:
         return result
 
 
-# ---------------------------------------------------------------------------- state.json, checked
-
-
-def _number_table(table) -> bool:
-    """``{"1": 0.01, "4": 0.012, ...}``: forward sizes -> seconds."""
-    if not isinstance(table, dict) or not table:
-        return False
-    try:
-        return all(int(size) >= 1 and isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0
-                   for size, value in table.items())
-    except ValueError:
-        return False
-
-
-def costs_problem(costs) -> str | None:
-    """What is wrong with a ``costs.json`` (``None``: nothing)."""
-    if not isinstance(costs, dict):
-        return "not a JSON object"
-    if not _number_table(costs.get("target_seconds")):
-        return "target_seconds is not a table of forward sizes to seconds"
-    if not isinstance(costs.get("drafter_seconds"), dict) or \
-            costs["drafter_seconds"] and not _number_table(costs["drafter_seconds"]):
-        return "drafter_seconds is not a table of forward sizes to seconds"
-    estimate = costs.get("ar_image_seconds_estimate")
-    if isinstance(estimate, bool) or not isinstance(estimate, (int, float)) or not estimate > 0:
-        return "ar_image_seconds_estimate is not a positive number"
-    return None
-
-
-def probes_problem(probes) -> str | None:
-    """What is wrong with a ``probe.json`` (``None``: nothing)."""
-    if not isinstance(probes, dict):
-        return "not a JSON object"
-    for rule, probe in probes.items():
-        if rule not in PROBE_RULES or not isinstance(probe, dict):
-            return f"{shown(rule)} is not a probe of an acceptance rule"
-        for key in ("tests", "accepts"):
-            table = probe.get(key)
-            if not isinstance(table, list) or not table or not all(
-                    isinstance(row, list) and len(row) == len(table[0]) and row and
-                    all(isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0 for v in row)
-                    for row in table):
-                return f"{rule}.{key} is not a table of counts"
-        if len(probe["tests"]) != len(probe["accepts"]) or len(probe["tests"][0]) != len(probe["accepts"][0]):
-            return f"{rule}: tests and accepts differ in shape"
-    return None
-
-
-def state_problem(state) -> str | None:
-    """What makes ``state`` (a parsed ``state.json``) other than a state :class:`Tuner` writes, in
-    a few words, or ``None``: its keys, their types and ranges, every setting it names (a label
-    of its candidates or compiled variants, each a method the registry resolves) and the rows it
-    keeps. :meth:`Tuner._open_state` asks this before a resumed run uses any of it."""
-    if not isinstance(state, dict):
-        return "not a JSON object"
-    if not isinstance(state.get("settings_hash"), str):
-        return "no settings_hash"
-    if not isinstance(state.get("settings"), dict):
-        return "no settings"
-    if not _is_number(state.get("spent_seconds"), finite=True) or state["spent_seconds"] < 0:
-        return "spent_seconds is not a number >= 0"
-    for flag in ("halving_done", "compiled_added", "quality_complete", "done"):
-        if flag in state and not isinstance(state[flag], bool):
-            return f"{flag} is not true or false"
-    labels = set()
-    for key in ("candidates", "compiled"):
-        if key not in state:
-            continue
-        if not isinstance(state[key], list):
-            return f"{key} is not a list"
-        for item in state[key]:
-            problem = _candidate_problem(item)
-            if problem is not None:
-                return f"{key}: {problem}"
-            labels.add(item["label"])
-    rounds = state.get("rounds")
-    if not isinstance(rounds, list):
-        return "rounds is not a list"
-    for number, plan in enumerate(rounds, 1):
-        problem = _plan_problem(plan, labels, ("labels", "images", "start", "seed"))
-        if problem is None and not isinstance(plan.get("complete"), bool):
-            problem = "complete is not true or false"
-        if problem is not None:
-            return f"round {number}: {problem}"
-    if "chosen" in state and state["chosen"] is not None and state["chosen"] not in labels:
-        return f"chosen {state['chosen']!r} is no setting it tried"
-    if state.get("closest") is not None:
-        problem = _row_problem(state["closest"])
-        if problem is not None:
-            return f"closest: {problem}"
-    for key, fields in (("quality_plan", ("labels", "images", "start", "seed")), ("heldout_plan", ("images", "seed"))):
-        if key in state:
-            problem = _plan_problem(state[key], labels, fields, empty_labels=True)
-            if problem is not None:
-                return f"{key}: {problem}"
-    if "quality" in state:
-        if not isinstance(state["quality"], dict):
-            return "quality is not an object"
-        for label, verdict in state["quality"].items():
-            problem = (f"names {label!r}, no setting it tried" if label != BASELINE and label not in labels
-                       else _verdict_problem(verdict))
-            if problem is not None:
-                return f"quality: {problem}"
-    if "heldout_quality" in state:
-        problem = _verdict_problem(state["heldout_quality"])
-        if problem is not None:
-            return f"heldout_quality: {problem}"
-    return None
-
-
-def _is_number(value, finite: bool = False) -> bool:
-    """A real number (JSON's NaN too, as a measurement may be, unless ``finite``)."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and (math.isfinite(value) or not finite)
-
-
-def _is_whole(value, least: int) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= least
-
-
-def _candidate_problem(item) -> str | None:
-    if not isinstance(item, dict) or not isinstance(item.get("label"), str) or not isinstance(item.get("method"), str) \
-            or not isinstance(item.get("fields"), dict) or not isinstance(item.get("tree"), (str, type(None))):
-        return "a setting without label, method, fields and tree"
-    try:
-        methods.resolve(item["method"], item["fields"])
-    except (RelaxspecError, TypeError, ValueError) as err:
-        return f"{item['label']!r}: {err}"
-    return None
-
-
-def _plan_problem(plan, labels: set, fields: tuple, empty_labels: bool = False) -> str | None:
-    """A round's or a phase's plan: ``labels`` (settings it tried), ``images`` (1 ..
-    :data:`MAX_PLAN_IMAGES`), ``start`` (>= 0), ``seed`` (whole numbers)."""
-    if not isinstance(plan, dict):
-        return "not an object"
-    if "labels" in fields:
-        names = plan.get("labels")
-        if not isinstance(names, list) or not (names or empty_labels) or not all(isinstance(n, str) for n in names):
-            return "labels is not a list of settings"
-        unknown = [n for n in names if n not in labels]
-        if unknown:
-            return f"{unknown[0]!r} is no setting it tried"
-    if "images" in fields and not (_is_whole(plan.get("images"), 1) and plan["images"] <= MAX_PLAN_IMAGES):
-        return f"images is not a whole number in [1, {MAX_PLAN_IMAGES}]"
-    if "start" in fields and not _is_whole(plan.get("start"), 0):
-        return "start is not a whole number >= 0"
-    if "seed" in fields and not (isinstance(plan.get("seed"), int) and not isinstance(plan["seed"], bool)):
-        return "seed is not a whole number"
-    return None
-
-
-def _row_problem(row) -> str | None:
-    """A measured row as :meth:`Tuner.rows` makes it (the fields the reports read)."""
-    if not isinstance(row, dict) or not isinstance(row.get("label"), str):
-        return "not a row with a label"
-    for key in ("speedup", "speedup_lo", "speedup_hi", "tv_per_token"):
-        if row.get(key) is not None and not _is_number(row[key]):
-            return f"{key} is not a number"
-    if row.get("pairs") is not None and not _is_whole(row["pairs"], 0):
-        return "pairs is not a whole number"
-    for key in ("relaxed", "quality_ok"):
-        if row.get(key) is not None and not isinstance(row[key], bool):
-            return f"{key} is not true or false"
-    return None
-
-
-def _verdict_problem(verdict) -> str | None:
-    """A quality verdict: ``ok`` and its ``metrics`` (the intervals the report prints)."""
-    if not isinstance(verdict, dict) or not isinstance(verdict.get("ok"), bool) or \
-            not isinstance(verdict.get("metrics"), dict):
-        return "a verdict without ok and metrics"
-    for key, value in verdict["metrics"].items():
-        if key.endswith("_diff_vs_ar") or key in ("class_accuracy", "fid_like", "precision", "recall"):
-            if value is not None and not (isinstance(value, list) and len(value) == 3
-                                          and all(v is None or _is_number(v) for v in value)):
-                return f"{key} is not [value, lo, hi]"
-    return None
-
-
 def _warmup(candidates: list[Candidate]) -> int:
     """One unrecorded decode per setting first when any compiles (compilation stays out of the
     timings, also in a round resumed in a new process); none otherwise."""
     return 1 if any(c.fields.get("compile") for c in candidates) else 0
 
 
-class _threads:
-    """Pin torch's CPU threads for a block (``None`` leaves them)."""
-
-    def __init__(self, threads: int | None):
-        self.threads = threads
-
-    def __enter__(self):
-        self.before = torch.get_num_threads()
-        if self.threads is not None:
-            torch.set_num_threads(self.threads)
-
-    def __exit__(self, *exc):
-        torch.set_num_threads(self.before)
+@contextmanager
+def pinned_threads(threads: int | None):
+    """Pin torch's CPU threads for a block (``None`` leaves them); restored afterwards."""
+    before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
-__all__ = ["MAX_MINUTES", "MIN_INTERVAL_PAIRS", "STATE_FILE", "TuneConfig", "Tuner", "check_minutes", "speedup_interval",
-           "state_problem"]
+__all__ = ["Tuner", "pinned_threads"]
