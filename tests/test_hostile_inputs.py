@@ -207,7 +207,7 @@ def test_extras_find_packages_without_importing_them(monkeypatch):
 
 
 def test_a_lumina_index_naming_a_shard_outside_its_folder_is_refused(tmp_path):
-    from relaxspec.models.lumina import _safetensors_files
+    from relaxspec.models.lumina import safetensors_files
 
     folder = tmp_path / "model"
     folder.mkdir()
@@ -217,9 +217,9 @@ def test_a_lumina_index_naming_a_shard_outside_its_folder_is_refused(tmp_path):
         (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"w": "a.safetensors",
                                                                                         "v": outside}}))
         with pytest.raises(RelaxspecError, match="outside its folder"):
-            _safetensors_files(folder)
+            safetensors_files(folder)
     (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"w": "a.safetensors"}}))
-    assert _safetensors_files(folder) == [folder / "a.safetensors"]
+    assert safetensors_files(folder) == [folder / "a.safetensors"]
 
 
 def test_demo_host_and_port_are_checked_before_the_model_loads(capsys):
