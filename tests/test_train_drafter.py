@@ -412,3 +412,84 @@ def test_best_holds_trained_weights_never_the_baseline(tmp_path, target: Transfo
                          dataset=dataset)
     assert wild.best["step"] in (2, 4) and not wild.history[0]["best"]
     assert wild.best["chain_mal"] == max(r["chain_mal"] for r in wild.history if r["step"] > 0)
+
+
+# ---------------------------------------------------------------------------------- family inputs
+
+
+def test_family_inputs_are_one_checked_field_and_old_runs_map_into_it() -> None:
+    """``inputs`` holds what the target's family opens it with (names it declares); an older run's
+    ``t5_path`` / ``tokenizer_path`` / ``negative_prompt`` fields read back as its inputs."""
+    from pathlib import Path
+
+    assert DrafterTrainConfig().inputs == {}
+    assert DrafterTrainConfig(inputs={"t5_path": Path("t5"), "negative_prompt": None}).inputs == {"t5_path": "t5"}
+    with pytest.raises(RelaxspecError, match="nope is not an input of any model family"):
+        DrafterTrainConfig(inputs={"nope": "x"})
+    with pytest.raises(RelaxspecError, match="--negative-prompt is text, got int"):
+        DrafterTrainConfig(inputs={"negative_prompt": 3})
+    old = {**DrafterTrainConfig().to_dict(), "t5_path": "t5", "tokenizer_path": None, "negative_prompt": "blurry"}
+    del old["inputs"]
+    assert DrafterTrainConfig.from_dict(old).inputs == {"t5_path": "t5", "negative_prompt": "blurry"}
+
+
+def test_a_resume_compares_inputs_one_by_one(tmp_path) -> None:
+    """A path input may move (like --gpt-ckpt); a text input is the recipe. An older run's saved
+    fields compare with today's inputs."""
+    from relaxspec.training.drafter.config import check_resume
+
+    old = {**DrafterTrainConfig().to_dict(), "t5_path": "t5", "tokenizer_path": None, "negative_prompt": "blurry"}
+    del old["inputs"]
+    check_resume(old, DrafterTrainConfig(inputs={"t5_path": "t5", "negative_prompt": "blurry"}))
+    check_resume(old, DrafterTrainConfig(inputs={"t5_path": "moved/t5", "negative_prompt": "blurry"}))
+    with pytest.raises(RelaxspecError, match=r"different recipe: negative_prompt \(saved 'blurry', now 'dark'\)"):
+        check_resume(old, DrafterTrainConfig(inputs={"t5_path": "t5", "negative_prompt": "dark"}))
+    with pytest.raises(RelaxspecError, match=r"negative_prompt \(saved 'blurry', now None\)"):
+        check_resume(old, DrafterTrainConfig(inputs={"t5_path": "t5"}))
+
+
+def test_an_old_run_resumes_from_the_command_line(tmp_path, target: Transformer, dataset: DrafterDataset) -> None:
+    """A train state written before ``inputs`` (the old fields, all unset) continues with ``--resume``
+    and keeps its recipe; a family input the target's family does not take is refused in one line."""
+    from relaxspec.cli import main
+
+    save_model(target, tmp_path / "target")
+    np.savez(tmp_path / "data.npz", tokens=dataset.tokens.numpy(), labels=dataset.labels.numpy())
+    out = ["--out", str(tmp_path / "run"), "--no-progress"]
+    assert main(["train-drafter", "--gpt-ckpt", str(tmp_path / "target"), "--data", str(tmp_path / "data.npz"),
+                 "--steps", "1", "--batch-size", "4", *out]) == 0
+    state = torch.load(tmp_path / "run" / TRAIN_STATE, weights_only=True)
+    del state["config"]["inputs"]
+    state["config"].update(t5_path=None, tokenizer_path=None, negative_prompt=None)
+    torch.save(state, tmp_path / "run" / TRAIN_STATE)
+    assert main(["train-drafter", "--resume", "--steps", "2", *out]) == 0
+    state = torch.load(tmp_path / "run" / TRAIN_STATE, weights_only=True)
+    assert state["step"] == 2 and state["config"]["inputs"] == {} and "t5_path" not in state["config"]
+
+
+def test_another_family_s_input_is_refused_before_the_target_loads(tmp_path, refused) -> None:
+    common = ["train-drafter", "--gpt-ckpt", str(tmp_path / "none"), "--self-samples", "2", "--out",
+              str(tmp_path / "run")]
+    refused(common + ["--negative-prompt", "blurry"],
+            "--negative-prompt goes with --model-path (Emu3); this model is a LlamaGen checkpoint")
+    refused(common + ["--tokenizer-path", "tok"], "--tokenizer-path goes with --model-path (")
+
+
+def test_a_checkpoint_pair_opens_as_every_command_opens_it(tmp_path, tiny_ckpts, capsys, refused) -> None:
+    """``--gpt-ckpt`` with ``--vq-ckpt`` opens through ``open_pipeline`` (the pair checked), and
+    ``--images`` are encoded with that VQ; a c2i checkpoint refuses a t2i one's input."""
+    from PIL import Image
+
+    from relaxspec.cli import main
+
+    (tmp_path / "images").mkdir()
+    rng = np.random.default_rng(0)
+    for i in range(4):
+        Image.fromarray(rng.integers(0, 256, (16, 16, 3), dtype=np.uint8)).save(tmp_path / "images" / f"{i}.png")
+    pair = tiny_ckpts["c2i"]["args"]
+    out = tmp_path / "run"
+    assert main(["train-drafter", *pair, "--images", str(tmp_path / "images"), "--label", "1", "--steps", "1",
+                 "--batch-size", "2", "--out", str(out), "--no-progress"]) == 0, capsys.readouterr().err
+    assert (out / "model.safetensors").is_file()
+    refused(["train-drafter", *pair, "--t5-path", str(tmp_path), "--self-samples", "2", "--out", str(tmp_path / "x")],
+            "this is a class-conditional (c2i) model")

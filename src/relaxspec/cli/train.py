@@ -7,12 +7,21 @@ functions (:mod:`relaxspec.training`, :mod:`relaxspec.evaluation.classifier`,
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
 
 from relaxspec.models.llamagen.checkpoints import PRECISIONS
-from relaxspec.cli.options import Options, add_run_options, config_from_args, int_list
+from relaxspec.cli.options import (
+    Options,
+    add_family_inputs,
+    add_model_path,
+    add_run_options,
+    config_from_args,
+    family_inputs,
+    int_list,
+)
 from relaxspec.data.emoji import INSTALL_COMMAND, PACKAGE, VERSION, build_emoji_dataset, load_data
 from relaxspec import extras
 from relaxspec.errors import RelaxspecError
@@ -159,8 +168,8 @@ def add_train_drafter_parser(subparsers) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "train-drafter", help="train an EAGLE drafter on a target's features",
         description="Train the EAGLE drafter (REFERENCE §1.6) on a frozen target's features: a LlamaGen "
-                    "checkpoint (--gpt-ckpt; a t2i one with --t5-path) or a transformers folder (--model-path: "
-                    "Janus, Emu3, Lumina-mGPT); text-to-image targets train on their own samples of --prompts-file. "
+                    "checkpoint (--gpt-ckpt; a t2i one with --t5-path) or a model folder of any family (--model-path, "
+                    "with its family's inputs); text-to-image targets train on their own samples of --prompts-file. "
                     "Every evaluation logs the mean 1 - TV(p, q) per draft depth (exact acceptance) on the held-out "
                     "sequences; --law-loss kl distils the decoding law. Writes OUT/model.safetensors + config.json "
                     "(last), OUT/best/ (best chain MAL) and OUT/train_state.pt (--resume continues).",
@@ -171,9 +180,8 @@ def add_train_drafter_parser(subparsers) -> argparse.ArgumentParser:
     option.section("target")
     option("--gpt-ckpt", "target checkpoint: an official .pt or a relaxspec folder", metavar="PATH")
     option("--gpt-model", "target size for an official checkpoint (GPT-B, GPT-L, GPT-XL, ...)")
-    option("--model-path", "a transformers model folder (Janus / Janus-Pro, Emu3, Lumina-mGPT) as the target",
-           metavar="DIR")
-    option("--tokenizer-path", "with a Lumina-mGPT --model-path: Meta's Chameleon tokenizer folder", metavar="DIR")
+    add_model_path(option.group)
+    add_family_inputs(option.group, option=option)
     option("--image-size", "image resolution of an official checkpoint (Emu3: the image size to paint)", type=int)
     option("--downsample", "tokenizer downsampling factor", type=int)
     option("--precision", "target weights precision", choices=list(PRECISIONS))
@@ -182,12 +190,9 @@ def add_train_drafter_parser(subparsers) -> argparse.ArgumentParser:
            "it; repeatable", action="append", metavar="FILE")
     option("--label", "class id for sources without labels", type=int)
     option("--self-samples", "also train on COUNT samples drawn from the target", type=int, metavar="COUNT")
-    option("--prompts-file", "with --model-path, or --t5-path: the self-samples' prompts, one per line (cycled; a .json file: "
-           "MS-COCO captions or a JSON list)",
+    option("--prompts-file", "a target that takes prompts (--model-path, or a LlamaGen t2i --gpt-ckpt with --t5-path): "
+           "the self-samples' prompts, one per line (cycled; a .json file: MS-COCO captions or a JSON list)",
            metavar="FILE")
-    option("--t5-path", "a LlamaGen t2i target: the local Flan-T5 folder that encodes --prompts-file", metavar="DIR")
-    option("--negative-prompt", "with --model-path on Emu3: the guidance's negative prompt (default: its family's)",
-           metavar="TEXT")
     option("--classes", "classes of the self-samples, e.g. '1 2 3' or '1,2,3' (default: uniform)", type=class_ids,
            nargs="+", metavar="CLASS")
     option("--cfg-scale", "CFG scale of the self-samples and of the laws measured and distilled (--model-path: "
@@ -197,7 +202,7 @@ def add_train_drafter_parser(subparsers) -> argparse.ArgumentParser:
     option("--top-k", "top-k of the self-samples and the laws (0 = off; --model-path: default its own)", type=int)
     option("--top-p", "top-p of the self-samples and the laws (1 = off; --model-path: default its own)", type=float)
     option("--images", "folder of images (class sub-folders or --label) to encode with the VQ model", metavar="DIR")
-    option("--vq-ckpt", "VQ tokenizer checkpoint for --images", metavar="PATH")
+    option("--vq-ckpt", "the target's VQ tokenizer, for --images (opened with --gpt-ckpt as its pair)", metavar="PATH")
     option("--vq-model", "VQ model name for an official VQ checkpoint")
     option("--val-fraction", "share of sequences held out to measure draft accuracy", type=float)
     option.section("training")
@@ -253,6 +258,9 @@ def run_train_drafter(args: argparse.Namespace) -> int:
             if getattr(args, key, None) is None:
                 setattr(args, key, value)
     config, resume = config_from_args(args, DrafterTrainConfig, read_drafter_state)
+    given = family_inputs(args)
+    if given:  # over a resumed run's saved inputs
+        config = dataclasses.replace(config, inputs={**config.inputs, **given})
     check_law_weight(args, config.law_loss)
     note = extras.missing("matplotlib", f"accept.png in {config.out}")
     if note:  # said now, not at the end of the run

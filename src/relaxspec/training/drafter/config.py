@@ -10,9 +10,11 @@ the files it writes beside it.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 from relaxspec.models.llamagen.checkpoints import PRECISIONS
+from relaxspec.pipelines.families import opening_inputs
 from relaxspec.sampling import SamplingConfig
 from relaxspec.training import common
 
@@ -24,11 +26,15 @@ PREPARING = "preparing"
 SELF_SAMPLES = "self_samples.npz"
 #: Fields a resumed run may change: how long it runs, where, and how chatty it is. Everything
 #: else is the recipe and must stay what it was, or the continuation would not be exact.
+#: A family's opening inputs of the path kind (``inputs``) are where files are, like ``gpt_ckpt``:
+#: they may change too (see :func:`check_resume`).
 RUN_FIELDS = ("out", "epochs", "steps", "device", "bf16", "progress", "checkpoint_interval",
-              "eval_interval", "eval_sequences", "gpt_ckpt", "vq_ckpt", "model_path", "prompts_file", "t5_path",
+              "eval_interval", "eval_sequences", "gpt_ckpt", "vq_ckpt", "model_path", "prompts_file",
               "patience", "export", "eval_depths")
 #: Fields added after the first train states were written, and what a state without them did.
 ADDED_FIELDS = {"law_loss": "ce", "distill_weight": 1.0, "train_depths": 1}
+#: Fields of older train states that are family opening inputs now (``inputs``, by the same names).
+INPUT_FIELDS = ("t5_path", "tokenizer_path", "negative_prompt")
 LAW_LOSSES = ("ce", "kl", "tv", "kl+tv")
 #: Where a run keeps the weights of its best evaluation (``out/best``).
 BEST = common.BEST
@@ -44,11 +50,11 @@ class DrafterTrainConfig(common.RecipeConfig):
     # target (official files need gpt_model; our folders carry their config)
     gpt_ckpt: str | None = None
     gpt_model: str | None = None
-    model_path: str | None = None  # a transformers folder (Janus, Emu3, Lumina-mGPT): trained on its own samples
-    tokenizer_path: str | None = None  # Lumina-mGPT: Meta's Chameleon tokenizer folder
-    prompts_file: str | None = None  # the self-samples' prompts, one per line (model_path, or t5_path)
-    t5_path: str | None = None  # a LlamaGen t2i target: the Flan-T5 folder that encodes prompts_file
-    negative_prompt: str | None = None  # Emu3's guidance (default: its family's)
+    model_path: str | None = None  # a model folder of any family (Janus, Emu3, ...): trained on its own samples
+    # what the target's family opens it with besides the weights (relaxspec.pipelines.families): input
+    # name -> value, e.g. {"t5_path": DIR} for a LlamaGen t2i target, {"tokenizer_path": DIR} for Lumina-mGPT
+    inputs: dict = field(default_factory=dict)
+    prompts_file: str | None = None  # the self-samples' prompts, one per line (a target that takes prompts)
     prompts_sha256: str | None = None  # set from prompts_file's prompts, so a resume cannot swap them
     image_size: int | None = None
     downsample: int = 16
@@ -101,7 +107,13 @@ class DrafterTrainConfig(common.RecipeConfig):
     eval_sequences: int = 256
     progress: bool = True
 
+    @classmethod
+    def from_dict(cls, data: dict) -> "DrafterTrainConfig":
+        """A config from its dict, also one an older run saved (:func:`upgrade`)."""
+        return super().from_dict(upgrade(data))
+
     def __post_init__(self) -> None:
+        self.inputs = _checked_inputs(self.inputs)
         self.data = [str(p) for p in (self.data or [])]
         self.betas = tuple(float(b) for b in self.betas)
         if self.classes is not None:
@@ -158,13 +170,10 @@ class DrafterTrainConfig(common.RecipeConfig):
              "--model-path needs --prompts-file FILE (the prompts of its self-samples)")
         need(self.model_path is None or self.self_samples >= 1,
              "--model-path trains on the model's own samples: give --self-samples COUNT")
-        need(self.prompts_file is None or self.model_path is not None or self.t5_path is not None,
-             "--prompts-file goes with --model-path, or with --t5-path for a LlamaGen t2i target")
-        need(self.t5_path is None or (self.prompts_file is not None and self.self_samples >= 1 and not self.data
-                                      and self.images is None and self.classes is None),
-             "--t5-path trains a t2i target on its own samples of prompts: give --self-samples COUNT and "
-             "--prompts-file FILE (not --data / --images / --classes)")
-        need(self.negative_prompt is None or self.model_path is not None, "--negative-prompt goes with --model-path")
+        need(self.prompts_file is None or (self.self_samples >= 1 and not self.data and self.images is None
+                                           and self.classes is None),
+             "--prompts-file trains a target on its own samples of prompts: give --self-samples COUNT (not --data / "
+             "--images / --classes)")
         self.sampling  # validates
 
     @property
@@ -172,3 +181,56 @@ class DrafterTrainConfig(common.RecipeConfig):
         """How self-samples are drawn."""
         return SamplingConfig(cfg_scale=self.cfg_scale, temperature=self.temperature, top_k=self.top_k,
                               top_p=1.0 if self.top_p is None else self.top_p)
+
+
+def upgrade(data: dict) -> dict:
+    """A saved config dict as today's fields: an older run's ``t5_path`` / ``tokenizer_path`` /
+    ``negative_prompt`` fields (:data:`INPUT_FIELDS`) are its ``inputs`` now, so ``--resume``
+    continues it."""
+    data = dict(data)
+    old = {name: data.pop(name) for name in INPUT_FIELDS if name in data}
+    inputs = {name: value for name, value in old.items() if value is not None}
+    if inputs or "inputs" in data:
+        data["inputs"] = {**inputs, **(data.get("inputs") or {})}
+    return data
+
+
+def _checked_inputs(inputs) -> dict:
+    """``inputs`` with the names of declared family inputs only (one-line refusal), paths as text
+    (the config is saved as JSON-able values); ``None`` values are left out."""
+    common.need(isinstance(inputs, dict), f"inputs must map family input names to values, got {type(inputs).__name__}")
+    given = {name: value for name, value in inputs.items() if value is not None}
+    if not given:
+        return {}
+    known = opening_inputs()
+    checked = {}
+    for name, value in given.items():
+        common.need(name in known, f"{name} is not an input of any model family (they take: "
+                                   f"{', '.join(sorted(known)) or 'none'})")
+        opening = known[name][0]
+        if opening.kind == "path" and hasattr(value, "__fspath__"):
+            value = os.fspath(value)
+        common.need(isinstance(value, str), f"{opening.flag} is {'a path' if opening.kind == 'path' else 'text'}, "
+                                            f"got {type(value).__name__}")
+        checked[name] = value
+    return checked
+
+
+def check_resume(saved: dict, config: DrafterTrainConfig) -> None:
+    """Raise unless ``config`` continues the run whose saved config is ``saved`` (an older run's
+    too: :data:`ADDED_FIELDS`, :func:`upgrade`): every field but :data:`RUN_FIELDS` and the family
+    inputs that are paths must be what it was. The inputs are compared one by one."""
+    saved = upgrade({**ADDED_FIELDS, **saved})
+    current = config.to_dict()
+    names = sorted(set(saved.get("inputs") or {}) | set(current["inputs"]))
+    known = opening_inputs() if names else {}
+    # each input a field of its own, by its name (as older runs saved t5_path), unless a field has it
+    keys = {name: f"inputs.{name}" if name in current else name for name in names}
+    paths = tuple(keys[name] for name in names if name in known and known[name][0].kind == "path")
+
+    def flat(fields: dict) -> dict:
+        inputs = fields.get("inputs") or {}
+        return {**{k: v for k, v in fields.items() if k != "inputs"},
+                **{keys[name]: inputs.get(name) for name in names}}
+
+    common.check_resumable(flat(saved), flat(current), RUN_FIELDS + paths)

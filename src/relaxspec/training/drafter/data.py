@@ -288,9 +288,11 @@ def encode_images(folder: str | Path, vq: VQModel, image_size: int, *, label: in
     return DrafterDataset(torch.cat(chunks), torch.tensor(labels))
 
 
-def build_dataset(config: DrafterTrainConfig, target: TargetModel, prompts=None) -> DrafterDataset:
+def build_dataset(config: DrafterTrainConfig, target: TargetModel, prompts=None, vq: VQModel | None = None
+                  ) -> DrafterDataset:
     """All the sources ``config`` names, concatenated (token files, then self-samples, then images).
-    ``prompts``: ``(cond, cond_mask)`` of a prompt-conditioned target, what its self-samples cycle."""
+    ``prompts``: ``(cond, cond_mask)`` of a prompt-conditioned target, what its self-samples cycle.
+    ``vq``: the VQ model ``images`` are encoded with, when already open (else ``config.vq_ckpt``'s)."""
     parts = [load_token_file(path, config.label) for path in config.data]
     if config.self_samples and prompts is not None:
         parts.append(sample_prompts(target, *prompts, config.self_samples, sampling=config.sampling, seed=config.seed,
@@ -301,7 +303,7 @@ def build_dataset(config: DrafterTrainConfig, target: TargetModel, prompts=None)
                                         seed=config.seed, batch_size=config.batch_size, progress=config.progress,
                                         cache=Path(config.out) / SELF_SAMPLES))
     if config.images is not None:
-        vq = load_vq(config.vq_ckpt, config.vq_model, device=target.device)
+        vq = vq if vq is not None else load_vq(config.vq_ckpt, config.vq_model, device=target.device)
         size = target.config.grid_size * vq.config.downsample_factor
         parts.append(encode_images(config.images, vq, size, label=config.label, batch_size=config.batch_size,
                                    progress=config.progress))

@@ -39,14 +39,7 @@ from relaxspec.training.drafter.checkpoints import (
     prior_state,
     save_checkpoint,
 )
-from relaxspec.training.drafter.config import (
-    ADDED_FIELDS,
-    BEST,
-    PREPARING,
-    RUN_FIELDS,
-    STATE_VERSION,
-    DrafterTrainConfig,
-)
+from relaxspec.training.drafter.config import BEST, PREPARING, STATE_VERSION, DrafterTrainConfig, check_resume
 from relaxspec.training.drafter.data import DrafterDataset, build_dataset
 from relaxspec.training.drafter.maths import chain_mal
 from relaxspec.training.drafter.passes import batch_loss
@@ -106,48 +99,79 @@ def _read_prompts(config: DrafterTrainConfig) -> list[str]:
     return prompts
 
 
-def _encode_prompts(config: DrafterTrainConfig, target) -> tuple[torch.Tensor, torch.Tensor]:
-    """A LlamaGen t2i target's self-sample conditions: ``prompts_file`` encoded with ``t5_path`` as
-    ``relaxspec generate --t5-path`` encodes prompts (caption features and mask)."""
+def _around(target: TargetModel, inputs: dict):
+    """The pipeline of a LlamaGen target already loaded (given in memory, or a ``gpt_ckpt`` without
+    ``vq_ckpt``, which train-drafter does not need), with its family's ``inputs`` checked: it formats
+    conditions (a t2i one's prompts with its ``t5_path``) and paints nothing. ``None`` for a target
+    of another kind."""
+    from relaxspec.models.llamagen.gpt import Transformer
+    from relaxspec.pipelines.families import check_inputs
+    from relaxspec.pipelines.llamagen import LlamaGenC2I, LlamaGenT2I
+
+    if not isinstance(target, Transformer):
+        return None
+    if target.config.model_type == "c2i":
+        return LlamaGenC2I(target, None, **check_inputs(LlamaGenC2I, inputs, "a class-conditional LlamaGen "
+                                                                             "checkpoint (c2i)"))
+    return LlamaGenT2I(target, None, **check_inputs(LlamaGenT2I, inputs))
+
+
+def _open_named(config: DrafterTrainConfig, prompts: list[str] | None):
+    """The pipeline of the target ``config`` names, opened as every command opens one
+    (:func:`relaxspec.pipelines.open_pipeline`: LlamaGen files or folders, LANTERN's LlamaGen
+    folders, any family's model folder), with its family's ``config.inputs``. A LlamaGen checkpoint
+    without ``vq_ckpt`` (needed only for ``images``) is loaded alone, its inputs checked the same way."""
+    from relaxspec.pipelines import open_pipeline
+    from relaxspec.pipelines.families import check_inputs
     from relaxspec.pipelines.llamagen import LlamaGenT2I
 
-    if target.config.model_type != "t2i":
-        raise RelaxspecError("--t5-path encodes prompts for a text-to-image (t2i) target; this one is c2i")
-    condition = LlamaGenT2I(target, None, t5_path=config.t5_path).encode(_read_prompts(config))
-    return condition.cond, condition.mask
+    device = resolve_device(config.device)
+    if config.model_path is None and config.gpt_ckpt is None:
+        raise RelaxspecError("no target: give --gpt-ckpt (and --gpt-model for an official file) or --model-path")
+    if config.model_path is None and config.vq_ckpt is None:
+        check_inputs(LlamaGenT2I, config.inputs, "a LlamaGen checkpoint")  # as open_pipeline does, before loading
+        target = load_gpt(config.gpt_ckpt, config.gpt_model, image_size=config.image_size,
+                          downsample=config.downsample, precision=config.precision, device=device)
+        return _around(target, config.inputs)
+    return open_pipeline(gpt_ckpt=config.gpt_ckpt, gpt_model=config.gpt_model, vq_ckpt=config.vq_ckpt,
+                         vq_model=config.vq_model, model_path=config.model_path, device=device,
+                         precision=config.precision, image_size=config.image_size, prompts=prompts,
+                         with_drafter=False, **config.inputs)
 
 
-def _open_folder(config: DrafterTrainConfig, device) -> tuple[TargetModel, tuple]:
-    """A transformers folder's target and its self-samples' formatted prompts."""
-    from relaxspec.pipelines import open_pipeline
-
-    prompts = _read_prompts(config)
-    pipeline = open_pipeline(model_path=config.model_path, tokenizer_path=config.tokenizer_path, prompts=prompts,
-                             device=device, precision=config.precision, image_size=config.image_size,
-                             negative_prompt=config.negative_prompt)
-    condition = pipeline.conditions(prompts=prompts)
-    return pipeline.target, (condition.cond, condition.mask)
+def _open(config: DrafterTrainConfig, target: TargetModel | None, dataset: DrafterDataset | None):
+    """:func:`open_target`, and the LlamaGen VQ it opened with the target (for ``images``), else ``None``."""
+    prompts = None
+    if config.prompts_file is not None and (target is None or dataset is None):
+        prompts = _read_prompts(config)
+    vq = None
+    if target is None:
+        pipeline = _open_named(config, prompts)
+        target = pipeline.target
+        if config.model_path is None:
+            vq = pipeline.tokenizer
+    else:  # already open: only its prompts may need formatting (a LlamaGen target's, by its pipeline)
+        pipeline = _around(target, config.inputs) if prompts is not None and dataset is None else None
+    conditions = None
+    if prompts is not None and dataset is None:
+        if pipeline is None:
+            raise RelaxspecError("--prompts-file: a target given in memory (not LlamaGen) formats no prompts here; "
+                                 "give its dataset, or name it (model_path) so that its family formats them")
+        condition = pipeline.conditions(prompts=prompts)
+        conditions = (condition.cond, condition.mask)
+    if target.config.model_type != "c2i" and conditions is None and (dataset is None or dataset.labels.ndim == 1):
+        raise RelaxspecError("this target is t2i: give --prompts-file FILE (and its family's inputs, e.g. --t5-path DIR "
+                             "for LlamaGen) to train on its own samples of prompts")
+    return target, conditions, vq
 
 
 def open_target(config: DrafterTrainConfig, target: TargetModel | None = None,
                 dataset: DrafterDataset | None = None) -> tuple[TargetModel, tuple | None]:
-    """``target``, else the one ``config`` names (``model_path`` or ``gpt_ckpt``), and what its
-    self-samples cycle for a prompt-conditioned target: ``(cond, cond_mask)`` (else ``None``)."""
-    device = resolve_device(config.device)
-    prompts = None
-    if target is None and config.model_path is not None:
-        target, prompts = _open_folder(config, device)
-    elif target is None:
-        if config.gpt_ckpt is None:
-            raise RelaxspecError("no target: give --gpt-ckpt (and --gpt-model for an official file) or --model-path")
-        target = load_gpt(config.gpt_ckpt, config.gpt_model, image_size=config.image_size,
-                          downsample=config.downsample, precision=config.precision, device=device)
-    if config.t5_path is not None and prompts is None and dataset is None:
-        prompts = _encode_prompts(config, target)
-    if target.config.model_type != "c2i" and prompts is None and (dataset is None or dataset.labels.ndim == 1):
-        raise RelaxspecError("this target is t2i: give --prompts-file FILE with --t5-path DIR (LlamaGen) to train on "
-                             "its own samples of prompts")
-    return target, prompts
+    """``target``, else the one ``config`` names (``model_path`` or ``gpt_ckpt``, with its family's
+    ``inputs``), and what its self-samples cycle for a prompt-conditioned target: ``(cond,
+    cond_mask)``, the family's own conditions of ``prompts_file`` (else ``None``)."""
+    target, conditions, _ = _open(config, target, dataset)
+    return target, conditions
 
 
 @torch.no_grad()
@@ -187,10 +211,10 @@ def train_drafter(config: DrafterTrainConfig, *, target: TeacherForcedTarget | N
     if config.prompts_file is not None and target is None:
         config.prompts_sha256 = hashlib.sha256("\n".join(_read_prompts(config)).encode()).hexdigest()
     if saved is not None:
-        common.check_resumable({**ADDED_FIELDS, **saved["config"]}, config.to_dict(), RUN_FIELDS)
+        check_resume(saved["config"], config)
         if saved.get(PREPARING):  # stopped while drawing its self-samples: start training from step 0
             saved = None
-    target, prompts = open_target(config, target, dataset)
+    target, prompts, vq = _open(config, target, dataset)
     device = target.device
     target.eval().requires_grad_(False)
     out.mkdir(parents=True, exist_ok=True)
@@ -200,7 +224,7 @@ def train_drafter(config: DrafterTrainConfig, *, target: TeacherForcedTarget | N
         common.save_train_state(out, {"format_version": STATE_VERSION, "step": 0, "config": config.to_dict(),
                                       PREPARING: True})
     if dataset is None:
-        dataset = build_dataset(config, target, prompts)
+        dataset = build_dataset(config, target, prompts, vq=vq)
     dataset.check_for(target)
     train_set, val_set = dataset.split(config.val_fraction, config.seed)
     eval_set, eval_name = (val_set, "val") if len(val_set) else (train_set, "train")
