@@ -24,6 +24,7 @@ from relaxspec.bench.report import (
     summarize,
     write_report,
 )
+from relaxspec.api import pipeline_of
 from relaxspec.bench.run import PreparedMethod, read_records, run_bench
 from relaxspec.cli.options import Parser, UsageError
 from relaxspec.decoding import decode
@@ -48,13 +49,18 @@ def models(tiny_c2i_models):
     return tiny_c2i_models
 
 
+def bench_on(models, classes, specs, out, *, drafter: bool = True, **kwargs):
+    """run_bench on the tiny models as a LlamaGen c2i pipeline, for ``classes``."""
+    pipeline = pipeline_of((models["target"], models["vq"], models["drafter"] if drafter else None))
+    return run_bench(pipeline, pipeline.conditions(classes=classes), specs, SAMPLING, out, **kwargs)
+
+
 @pytest.fixture(scope="module")
 def bench_dir(models, tmp_path_factory):
     """One finished benchmark (2 images x 5 methods) shared by the report tests."""
     out = tmp_path_factory.mktemp("bench")
     specs = expand_methods(BENCH_METHODS["names"], BENCH_METHODS["sweeps"])
-    run_bench(models["target"], models["vq"], models["drafter"], [1, 2], specs, SAMPLING, out, warmup=0,
-              progress=False)
+    bench_on(models, [1, 2], specs, out, warmup=0, progress=False)
     return out
 
 
@@ -159,8 +165,7 @@ def test_bench_resumes_and_never_mixes_settings(models, tmp_path, monkeypatch):
 
     monkeypatch.setattr(bench_run, "decode_method", counting)
     specs = expand_methods(["ar", "sjd", "scd"])
-    bench = lambda **kw: run_bench(models["target"], models["vq"], None, [1, 2, 3], specs, SAMPLING, tmp_path,
-                                   progress=False, **kw)
+    bench = lambda **kw: bench_on(models, [1, 2, 3], specs, tmp_path, drafter=False, progress=False, **kw)
     bench(warmup=1)
     assert len(calls) == 3 + 9  # one warm-up decode per method, then 3 images x 3 methods
     path = tmp_path / "records.jsonl"
@@ -202,8 +207,8 @@ def test_prebuilt_sources_and_rules_decode_exactly_like_decode(models):
 def test_throughput_mode_records_each_image_of_a_batch(models, tmp_path):
     threads = torch.get_num_threads()
     specs = expand_methods(["ar", "sjd"])
-    records = run_bench(models["target"], models["vq"], None, [1, 2, 3], specs, SAMPLING, tmp_path, batch_size=2,
-                        warmup=0, threads=1, progress=False)
+    records = bench_on(models, [1, 2, 3], specs, tmp_path, drafter=False, batch_size=2, warmup=0, threads=1,
+                       progress=False)
     assert torch.get_num_threads() == threads  # the pinned thread count is restored
     assert len(records) == 6 and {r["batch_size"] for r in records} == {1, 2}
     by = {(r["index"], r["method"]): r for r in records}
@@ -212,15 +217,17 @@ def test_throughput_mode_records_each_image_of_a_batch(models, tmp_path):
 
 
 def test_bench_input_errors(models, tmp_path):
-    target, vq = models["target"], models["vq"]
     with pytest.raises(RelaxspecError, match="needs a trained drafter"):
-        run_bench(target, vq, None, [1], expand_methods(["sd-chain"]), SAMPLING, tmp_path / "a", progress=False)
+        bench_on(models, [1], expand_methods(["sd-chain"]), tmp_path / "a", drafter=False, progress=False)
     with pytest.raises(RelaxspecError, match="class id 10 is out of range"):
-        run_bench(target, vq, None, [1, 10], expand_methods(["ar"]), SAMPLING, tmp_path / "b", progress=False)
+        bench_on(models, [1, 10], expand_methods(["ar"]), tmp_path / "b", progress=False)
+    with pytest.raises(RelaxspecError, match="no images to benchmark"):
+        run_bench(pipeline_of((models["target"], models["vq"], None)), [1], expand_methods(["ar"]), SAMPLING,
+                  tmp_path / "b", progress=False)  # class ids are given as a pipeline's Condition
     (tmp_path / "c").mkdir()
     (tmp_path / "c" / "records.jsonl").write_text("{}\n")
     with pytest.raises(RelaxspecError, match="without a readable settings.json"):
-        run_bench(target, vq, None, [1], expand_methods(["ar"]), SAMPLING, tmp_path / "c", progress=False)
+        bench_on(models, [1], expand_methods(["ar"]), tmp_path / "c", progress=False)
 
 
 # ------------------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """The benchmark loop: every method on the same images and seeds, in one process, interleaved.
 
-Image ``i`` (class ``classes[i]``, or prompt ``i`` of a pipeline's :class:`~relaxspec.conditions.Condition`) is decoded by every method before image ``i + 1`` starts, and
+Image ``i`` (row ``i`` of a pipeline's :class:`~relaxspec.conditions.Condition`: a class id or a
+prompt) is decoded by every method before image ``i + 1`` starts, and
 the order of the methods rotates by one each image, so slow drift of the machine (other jobs,
 thermal state, caches) falls on all methods alike and no method always runs first. Each decode
 gets its own generator seeded ``seed * 1000003 + unit`` (``unit`` = the image, or the batch with
@@ -33,9 +34,9 @@ from tqdm.auto import tqdm
 
 from relaxspec import __version__
 from relaxspec.bench.config import BASELINE, MethodSpec
-from relaxspec.decoding.ar import generate_ar
-from relaxspec.decoding.engine import build_parts, generate_speculative
-from relaxspec.conditions import Condition, class_ids
+from relaxspec.decoding import decode
+from relaxspec.decoding.engine import build_parts
+from relaxspec.conditions import Condition
 from relaxspec.methods import BuildContext
 from relaxspec.decoding.result import DecodeResult
 from relaxspec.errors import RelaxspecError
@@ -71,6 +72,11 @@ class PreparedMethod:
         return cls(spec, sampling, options, source, rule)
 
 
+def prompted(condition: Condition) -> bool:
+    """Whether a bench's images are prompts (else class ids)."""
+    return bool(condition.records) and "prompt" in condition.records[0]
+
+
 def prompts_of(condition: Condition) -> list[str]:
     """The prompt of each image of a text-to-image bench (a pipeline's :class:`Condition`)."""
     return [record["prompt"] for record in condition.records]
@@ -78,38 +84,16 @@ def prompts_of(condition: Condition) -> list[str]:
 
 def decode_method(method: PreparedMethod, target, cond: torch.Tensor, generator: torch.Generator,
                   cond_mask: torch.Tensor | None = None) -> DecodeResult:
-    """One decode of ``cond [B, ...]`` — the same call :func:`relaxspec.decoding.decode` makes, with
-    the prebuilt source and rule."""
-    if method.options.method == "ar":
-        return generate_ar(target, cond, method.sampling, generator=generator, compile=method.options.compile,
-                           cond_mask=cond_mask)
-    return generate_speculative(target, cond, method.sampling, method.options, generator=generator,
-                                rule=method.rule, source=method.source, cond_mask=cond_mask)
+    """One decode of ``cond [B, ...]``: :func:`relaxspec.decoding.decode` with the prebuilt source
+    and rule."""
+    return decode(target, cond, method.sampling, method.options, generator=generator, cond_mask=cond_mask,
+                  source=method.source, rule=method.rule)
 
 
-def model_identity(target, vq=None, drafter=None) -> dict:
-    """Configs plus a cheap weight fingerprint (sums of the first and last tensors), for callers
-    that do not pass file identities."""
-    def fingerprint(module) -> list[float] | None:
-        if module is None:
-            return None
-        params = list(module.parameters())
-        return [float(params[0].detach().double().sum()), float(params[-1].detach().double().sum())]
-
-    def config(module):
-        if module is None:
-            return None
-        cfg = module.config
-        return cfg.to_dict() if hasattr(cfg, "to_dict") else repr(cfg)
-
-    return {name: {"config": config(m), "fingerprint": fingerprint(m)}
-            for name, m in (("target", target), ("vq", vq), ("drafter", drafter))}
-
-
-def bench_settings(methods: Sequence[MethodSpec], classes: Sequence[int] | Condition, seed: int,
+def bench_settings(methods: Sequence[MethodSpec], condition: Condition, seed: int,
                    sampling: SamplingConfig, threads: int, batch_size: int, num_tokens: int, identity: dict) -> dict:
-    images = {"prompts": prompts_of(classes)} if isinstance(classes, Condition) else {
-        "classes": [int(c) for c in classes]}
+    images = {"prompts": prompts_of(condition)} if prompted(condition) else {
+        "classes": [int(record["class"]) for record in condition.records]}
     return {
         "methods": [m.to_dict() for m in methods], "baseline": BASELINE, **images,
         "seed": seed, "seeding": "unit u (image, or batch of batch_size images): "
@@ -219,46 +203,43 @@ def result_records(result: DecodeResult, wall: float, method: MethodSpec, indice
     return records
 
 
-def run_bench(target, vq, drafter, classes: Sequence[int] | Condition, methods: Sequence[MethodSpec],
-              sampling: SamplingConfig,
+def run_bench(pipeline, condition: Condition, methods: Sequence[MethodSpec], sampling: SamplingConfig,
               out_dir: str | Path, *, seed: int = 0, threads: int | None = 1, warmup: int = 1, batch_size: int = 1,
               progress: bool = True, identity: dict | None = None, overwrite: bool = False) -> list[dict]:
-    """Benchmark ``methods`` on images ``i = 0 .. len(classes) - 1`` (image ``i`` conditioned on
-    ``classes[i]``: a class id, or a prompt of a :class:`~relaxspec.conditions.Condition`) and return every record of the
-    run (resumed ones included).
+    """Benchmark ``methods`` on ``pipeline`` (:class:`~relaxspec.pipelines.ImagePipeline`) for the
+    images of ``condition`` (image ``i`` conditioned on row ``i``: class ids are a condition too,
+    ``pipeline.conditions(classes=...)``) and return every record of the run (resumed ones
+    included).
 
     ``threads``: ``torch.set_num_threads`` for the run (restored afterwards; ``None`` leaves it).
     ``warmup``: unrecorded decodes per method before the first recorded one.
     ``batch_size > 1``: throughput mode; each decode takes ``batch_size`` images and every image's
-    record holds its share of the batch's time. ``identity``: what identifies the checkpoints
-    (default :func:`model_identity`).
+    record holds its share of the batch's time. ``identity``: what the settings record about the
+    model (default: its content, :meth:`~relaxspec.pipelines.ImagePipeline.fingerprint`).
     """
-    if not classes:
-        raise RelaxspecError("no images to benchmark")
+    if not isinstance(condition, Condition) or not len(condition):
+        raise RelaxspecError("no images to benchmark (give a pipeline's Condition)")
     if not methods:
         raise RelaxspecError("no methods to benchmark")
     if batch_size < 1 or warmup < 0 or (threads is not None and threads < 1):
         raise RelaxspecError(f"batch size and threads must be >= 1 and warm-up >= 0 "
                              f"(got {batch_size}, {threads}, {warmup})")
-    config = target.config
-    prompted = isinstance(classes, Condition)
-    if prompted != (config.model_type != "c2i"):
-        raise RelaxspecError("a text-to-image model is benchmarked on prompts, a class-conditional one on classes")
-    if not prompted:
-        class_ids([int(c) for c in classes], config.num_classes)  # the one class check
     labels = [m.label for m in methods]
     if len(set(labels)) != len(labels):
         raise RelaxspecError("method labels must be unique")
+    target, vq = pipeline.target, pipeline.tokenizer
+    drafter = pipeline.drafter if any(m.needs_drafter for m in methods) else None
     out = Path(out_dir)
-    settings = bench_settings(methods, classes, seed, sampling, threads or torch.get_num_threads(), batch_size,
-                              config.block_size, identity if identity is not None else model_identity(target, vq, drafter))
+    settings = bench_settings(methods, condition, seed, sampling, threads or torch.get_num_threads(), batch_size,
+                              pipeline.image_tokens, identity if identity is not None else {"model": pipeline.fingerprint()})
     digest = settings_hash(settings)
     records = prepare_out_dir(out, settings, digest, overwrite)
     done = {(r["index"], r["method"]) for r in records}
-    units = [list(range(start, min(start + batch_size, len(classes)))) for start in range(0, len(classes), batch_size)]
+    units = [list(range(start, min(start + batch_size, len(condition)))) for start in range(0, len(condition), batch_size)]
     todo = [(u, m) for u, index in enumerate(units) for m in methods if any((i, m.label) not in done for i in index)]
     if not todo:
         return records
+    key = "prompt" if prompted(condition) else "class"
 
     with contextlib.ExitStack() as stack:
         stack.callback(torch.set_num_threads, torch.get_num_threads())
@@ -268,11 +249,8 @@ def run_bench(target, vq, drafter, classes: Sequence[int] | Condition, methods: 
         device = target.device
 
         def conditions(index: list[int]) -> tuple[list, torch.Tensor, torch.Tensor | None]:
-            if prompted:
-                part = classes.select(index).to(device)
-                return prompts_of(part), part.cond, part.mask
-            labels = [int(classes[i]) for i in index]
-            return labels, torch.tensor(labels, device=device), None
+            part = condition.select(index).to(device)
+            return [record[key] for record in part.records], part.cond, part.mask
 
         _, first, first_mask = conditions(units[0])
         pending = {m.label for _, m in todo}
@@ -294,8 +272,7 @@ def run_bench(target, vq, drafter, classes: Sequence[int] | Condition, methods: 
                     continue
                 bar.set_postfix_str(f"image {index[0]} {m.label}", refresh=False)
                 result, wall = timed_decode(prepared[m.label], target, cond, seed_u, cond_mask)
-                new = [r for r in result_records(result, wall, m, index, cond_classes, seed_u, u, position, digest,
-                                                 "prompt" if prompted else "class")
+                new = [r for r in result_records(result, wall, m, index, cond_classes, seed_u, u, position, digest, key)
                        if (r["index"], m.label) not in done]
                 _append(path, new)
                 records.extend(new)
@@ -311,7 +288,7 @@ __all__ = [
     "prompts_of",
     "bench_settings",
     "decode_method",
-    "model_identity",
+    "prompted",
     "read_records",
     "run_bench",
     "settings_hash",

@@ -267,9 +267,8 @@ def run_bench_cli(args: argparse.Namespace) -> int:
     decodes = -(-len(images) // args.batch_size) * len(specs)
     print(f"bench: {len(images)} images x {len(specs)} methods ({', '.join(s.label for s in specs)}) = {decodes} "
           f"decodes at batch size {args.batch_size}, {args.threads} thread(s) -> {args.out}", file=sys.stderr)
-    run_bench(pipeline.target, pipeline.tokenizer, pipeline.drafter if drafting else None, images, specs, sampling,
-              args.out, seed=args.seed, threads=args.threads, warmup=args.warmup, batch_size=args.batch_size,
-              progress=progress, identity=identity, overwrite=args.overwrite)
+    run_bench(pipeline, images, specs, sampling, args.out, seed=args.seed, threads=args.threads, warmup=args.warmup,
+              batch_size=args.batch_size, progress=progress, identity=identity, overwrite=args.overwrite)
     return _report(write_report, args.out, pipeline.tokenizer, classifier, args, progress)
 
 
@@ -298,7 +297,7 @@ def bench_images(args: argparse.Namespace, pipeline, prompts: list[str], classif
     classes = [classes[i % len(classes)] for i in range(total)]
     if classifier is not None:  # every quality input checked now, not after an hour of decoding
         check_quality_inputs(classifier, args.real_data, classes, num_classes)
-    return classes
+    return pipeline.conditions(classes=classes)
 
 
 def _report(write_report, out: str, vq, classifier, args: argparse.Namespace, progress: bool) -> int:

@@ -9,6 +9,7 @@ learn a family's details. :func:`relaxspec.pipelines.open_pipeline` is the one w
 
 from __future__ import annotations
 
+import hashlib
 from typing import Callable, Sequence
 
 import numpy as np
@@ -22,6 +23,9 @@ from relaxspec.errors import RelaxspecError
 from relaxspec.methods import MethodOptions
 from relaxspec.sampling import SamplingConfig
 
+#: Elements sampled (evenly strided) from each weight tensor for a fingerprint.
+FINGERPRINT_ELEMENTS = 4096
+
 #: Upstream LlamaGen's demo sampling (sample_c2i.py): what a model that brings no defaults gets.
 UPSTREAM_SAMPLING = {"cfg_scale": 4.0, "temperature": 1.0, "top_k": 2000, "top_p": 1.0}
 
@@ -31,6 +35,35 @@ def to_uint8(pixels: Tensor) -> np.ndarray:
     from relaxspec.models.llamagen.vq import to_uint8 as llamagen_uint8
 
     return llamagen_uint8(pixels).cpu().numpy()
+
+
+def weights_fingerprint(module) -> str | None:
+    """A short content hash of a module's weights: every parameter's name, shape and an evenly
+    strided sample of its values (as fp32 bytes on the host, so device and file location do not
+    matter, and a fine-tune of any layer changes it). Configs are left out: a transformers
+    family's target is opened for a prompt length, which is no property of the weights. ``None``
+    for ``None``."""
+    if module is None:
+        return None
+    digest = hashlib.sha256()
+    for name, tensor in named_parameters(module):
+        flat = tensor.detach().reshape(-1)
+        stride = max(1, flat.numel() // FINGERPRINT_ELEMENTS)
+        digest.update(f"{name}{tuple(tensor.shape)}".encode())
+        digest.update(flat[::stride][:FINGERPRINT_ELEMENTS].to("cpu", torch.float32).numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def named_parameters(obj) -> list:
+    """A module's parameters, or those of the modules a wrapper holds (a transformers family's
+    image tokenizer wraps the model's VQ part)."""
+    if isinstance(obj, torch.nn.Module):
+        return list(obj.named_parameters())
+    found = []
+    for attribute, value in sorted(vars(obj).items()):
+        if isinstance(value, torch.nn.Module):
+            found += [(f"{attribute}.{name}", tensor) for name, tensor in value.named_parameters()]
+    return found
 
 
 class ImagePipeline:
@@ -49,7 +82,8 @@ class ImagePipeline:
         presets: the model's own tuned setting per method name (``{}``: the registry's).
         default_method: the method a call without one uses.
         default_classes: the classes a call without conditions draws (class pipelines), or ``None``.
-        identity: what a run records about the model (paths, configs, file identities).
+        identity: where the model came from, what a run records (paths, configs); its content is
+            :meth:`fingerprint`.
     """
 
     family = "model"
@@ -93,6 +127,17 @@ class ImagePipeline:
     @property
     def class_names(self) -> list[str] | None:
         return getattr(self.target, "class_names", None)
+
+    def fingerprint(self) -> dict:
+        """The model's identity by content, what runs and presets are tied to: its family, image
+        tokens, the weight fingerprints of the target, its image tokenizer (LANTERN's neighbours
+        come from its codebook) and the drafter, and the dtype the target's weights run in (where
+        the files lie does not matter; :attr:`identity` records that)."""
+        first = next(iter(tensor for _, tensor in named_parameters(self.target)), None)
+        return {"family": self.family, "image_tokens": self.image_tokens,
+                "target": weights_fingerprint(self.target), "tokenizer": weights_fingerprint(self.tokenizer),
+                "drafter": weights_fingerprint(self.drafter),
+                "dtype": str(first.dtype).replace("torch.", "") if first is not None else None}
 
     def describe(self) -> str:
         return f"{self.family}, {self.image_size}-px images ({self.grid}x{self.grid} tokens)"

@@ -15,7 +15,6 @@ the preset's folder, so the folder can be moved or copied as a whole.
 from __future__ import annotations
 
 import copy
-import hashlib
 import json
 from pathlib import Path
 
@@ -31,49 +30,6 @@ from relaxspec.sampling import SamplingConfig
 PRESET_KIND, PRESET_VERSION = "relaxspec-preset", 1
 #: The --precision that opens weights in a dtype (``"bfloat16"`` -> ``"bf16"``).
 PRECISION_OF = {str(dtype).replace("torch.", ""): name for name, dtype in PRECISIONS.items()}
-#: Elements sampled (evenly strided) from each weight tensor for the fingerprint.
-FINGERPRINT_ELEMENTS = 4096
-
-
-def weights_fingerprint(module) -> str | None:
-    """A short content hash of a module's weights: every parameter's name, shape and an evenly
-    strided sample of its values (as fp32 bytes on the host, so device and file location do not
-    matter, and a fine-tune of any layer changes it). Configs are left out: a transformers
-    family's target is opened for a prompt length, which is no property of the weights. ``None``
-    for ``None``."""
-    if module is None:
-        return None
-    digest = hashlib.sha256()
-    for name, tensor in _named_parameters(module):
-        flat = tensor.detach().reshape(-1)
-        stride = max(1, flat.numel() // FINGERPRINT_ELEMENTS)
-        digest.update(f"{name}{tuple(tensor.shape)}".encode())
-        digest.update(flat[::stride][:FINGERPRINT_ELEMENTS].to("cpu", torch.float32).numpy().tobytes())
-    return digest.hexdigest()[:16]
-
-
-def _named_parameters(obj):
-    """A module's parameters, or those of the modules a wrapper holds (a transformers family's
-    image tokenizer wraps the model's VQ part)."""
-    if isinstance(obj, torch.nn.Module):
-        return list(obj.named_parameters())
-    found = []
-    for attribute, value in sorted(vars(obj).items()):
-        if isinstance(value, torch.nn.Module):
-            found += [(f"{attribute}.{name}", tensor) for name, tensor in value.named_parameters()]
-    return found
-
-
-def model_fingerprint(pipeline) -> dict:
-    """What a preset is tied to about the model: its family, image tokens, the content
-    fingerprints of the target, its image tokenizer (LANTERN's neighbours come from its codebook)
-    and the drafter, and the dtype the target's weights run in."""
-    target = pipeline.target
-    first = next(iter(tensor for _, tensor in _named_parameters(target)), None)
-    return {"family": pipeline.family, "image_tokens": pipeline.image_tokens,
-            "target": weights_fingerprint(target), "tokenizer": weights_fingerprint(pipeline.tokenizer),
-            "drafter": weights_fingerprint(pipeline.drafter),
-            "dtype": str(first.dtype).replace("torch.", "") if first is not None else None}
 
 
 def preset_record(options, sampling, *, pipeline, threads: int | None, batch_size: int, measured: dict,
@@ -90,7 +46,7 @@ def preset_record(options, sampling, *, pipeline, threads: int | None, batch_siz
             pass  # a tree outside the preset's folder keeps its path
     return {"kind": PRESET_KIND, "version": PRESET_VERSION, "relaxspec_version": __version__,
             "method": fields, "sampling": sampling.to_dict(), "budget": budget, "measured": measured,
-            "model": model_fingerprint(pipeline), "machine": machine_identity(pipeline.device),
+            "model": pipeline.fingerprint(), "machine": machine_identity(pipeline.device),
             "threads": threads, "batch_size": batch_size, "command": command}
 
 
@@ -166,7 +122,7 @@ def check_preset(preset: dict, pipeline) -> None:
     machine kind."""
     where = f"--preset {preset.get('path', 'file')}"
     _check_identity(preset.get("path", "file"), preset)
-    made, here = preset.get("model") or {}, model_fingerprint(pipeline)
+    made, here = preset.get("model") or {}, pipeline.fingerprint()
     # The precision first: weights opened in another dtype have other values, hence another
     # fingerprint, and "another model" would send the user to tune what they already tuned.
     if made.get("dtype") != here["dtype"]:
@@ -215,5 +171,5 @@ def with_preset(pipeline, preset):
     return tuned
 
 
-__all__ = ["PRESET_KIND", "PRESET_VERSION", "check_preset", "model_fingerprint", "preset_record", "read_preset",
+__all__ = ["PRESET_KIND", "PRESET_VERSION", "check_preset", "preset_record", "read_preset",
            "weights_fingerprint", "with_preset"]

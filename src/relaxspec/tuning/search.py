@@ -57,7 +57,6 @@ from relaxspec.decoding.result import add_counts
 from relaxspec.devices import machine_identity
 from relaxspec.errors import RelaxspecError
 from relaxspec.files import write_json
-from relaxspec.pipelines.presets import model_fingerprint
 from relaxspec.tuning.budget import choose, pareto, survivors, within
 from relaxspec.tuning.candidates import PROBE_RULES, PROBE_TREE, Candidate, build_candidates, candidate_trees
 from relaxspec.tuning.config import (MAX_MINUTES, MAX_PLAN_IMAGES, MIN_QUALITY_IMAGES, TuneConfig, check_minutes,
@@ -97,7 +96,7 @@ class Tuner:
     # ------------------------------------------------------------------ state
     def _settings(self) -> dict:
         c = self.config
-        return {"budget": c.budget.to_dict(), "model": model_fingerprint(self.pipeline),
+        return {"budget": c.budget.to_dict(), "model": self.pipeline.fingerprint(),
                 "machine": machine_identity(self.device), "device": str(self.device), "sampling": self.sampling.to_dict(),
                 "tune": [str(x) for x in c.tune], "heldout": [str(x) for x in c.heldout], "seed": c.seed,
                 "threads": c.threads, "batch_size": c.batch_size, "compile": c.compile,
@@ -119,19 +118,17 @@ class Tuner:
 
     # ------------------------------------------------------------------ images
     def images(self, pool: list, start: int, count: int):
-        """``count`` conditions cycling through ``pool`` from ``start``: class ids, or a
-        :class:`~relaxspec.conditions.Condition` of prompts."""
+        """The :class:`~relaxspec.conditions.Condition` of ``count`` images cycling through ``pool``
+        (class ids or prompts) from ``start``."""
         picked = [pool[(start + i) % len(pool)] for i in range(count)]
         if self.pipeline.takes == "prompts":
             return self.pipeline.conditions(prompts=[str(p) for p in picked])
-        return [int(c) for c in picked]
+        return self.pipeline.conditions(classes=[int(c) for c in picked])
 
     def bench(self, folder: str, candidates: list[Candidate], images, seed: int, warmup: int) -> list[dict]:
         specs = [MethodSpec(label=BASELINE, options={"method": "ar"}, family=BASELINE)] + [c.spec() for c in candidates]
-        identity = {"model": model_fingerprint(self.pipeline)}
-        return run_bench(self.pipeline.target, self.pipeline.tokenizer, self.pipeline.drafter, images, specs,
-                         self.sampling, self.out / folder, seed=seed, threads=self.config.threads, warmup=warmup,
-                         batch_size=self.config.batch_size, progress=self.config.progress, identity=identity)
+        return run_bench(self.pipeline, images, specs, self.sampling, self.out / folder, seed=seed, threads=self.config.threads, warmup=warmup,
+                         batch_size=self.config.batch_size, progress=self.config.progress)
 
     # ------------------------------------------------------------------ phases
     def run(self) -> dict:
@@ -226,7 +223,7 @@ class Tuner:
             with pinned_threads(self.config.threads):
                 for start in range(0, count, max(1, self.config.batch_size)):
                     n = min(max(1, self.config.batch_size), count - start)
-                    condition = self._condition(self.images(self.config.tune, start, n))
+                    condition = self.images(self.config.tune, start, n)
                     generator = torch.Generator(device=self.device).manual_seed(self.config.seed * 1000003 + 77 + start)
                     result = self.pipeline.generate(condition, options, self.sampling, generator=generator)
                     tests, accepts = add_counts(tests, result.rank_tests.double().cpu()), \
@@ -250,11 +247,6 @@ class Tuner:
                     tree_path.write_text(json.dumps({"paths": [list(p) for p in spec.paths], **facts}) + "\n")
                 found[rule].append({"name": f"{rule}-{name}", "path": str(tree_path.resolve()), **facts})
         return found
-
-    def _condition(self, images):
-        if isinstance(images, list):
-            return self.pipeline.conditions(classes=images)
-        return images
 
     def candidates(self, trees: dict) -> list[Candidate]:
         if "candidates" not in self.state:
@@ -457,15 +449,13 @@ class Tuner:
             fake[label] = (self.pipeline.pixels(tokens), np.array([r["class"] for r in mine]))
             indices[label] = [r["index"] for r in mine]
         if self.config.real_images is not None:  # the command checked there are two or more of each set
-            classes = sorted(set(int(c) for c in images))
+            classes = sorted({int(record["class"]) for record in images.records})
             reference = self.config.real_images[np.isin(self.config.real_labels, classes)]
         else:
             self.say("quality reference: an independent AR sample of the same classes")
-            ref = run_bench(self.pipeline.target, self.pipeline.tokenizer, None, images,
-                            [MethodSpec(label=BASELINE, options={"method": "ar"}, family=BASELINE)], self.sampling,
-                            self.out / reference_folder, seed=reference_seed, threads=self.config.threads, warmup=0,
-                            batch_size=self.config.batch_size, progress=self.config.progress,
-                            identity={"model": model_fingerprint(self.pipeline)})
+            ref = run_bench(self.pipeline, images, [MethodSpec(label=BASELINE, options={"method": "ar"}, family=BASELINE)],
+                            self.sampling, self.out / reference_folder, seed=reference_seed, threads=self.config.threads,
+                            warmup=0, batch_size=self.config.batch_size, progress=self.config.progress)
             ref = sorted(ref, key=lambda r: r["index"])
             reference = self.pipeline.pixels(torch.tensor([r["tokens"] for r in ref]))
         metrics = quality_metrics(fake, self.config.classifier, reference, indices=indices, n_boot=200)
