@@ -269,7 +269,7 @@ def test_another_budget_in_the_same_folder_is_refused(llamagen, cost_model, tmp_
     out = tmp_path / "tune"
     args = [*llamagen["args"], "--minutes", "0.05", "--no-compile", "--classes", "0,2", "--heldout-classes", "1"]
     main(["tune", *args, "--lossless", "--out", str(out), "--no-progress"])
-    refused(["tune", *args, "--max-tv-per-token", "0.1", "--out", str(out)], "holds a tuning run with other settings "
+    refused(["tune", *args, "--max-tv-per-token", "0.1", "--out", str(out)], "holds a tuning run with different settings "
                                                                             "(changed: budget")
     (out / "state.json").write_text("{")
     refused(["tune", *args, "--lossless", "--out", str(out)], "state.json is not a tune state this relaxspec wrote "

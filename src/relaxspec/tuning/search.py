@@ -38,7 +38,6 @@ carries no interval (``None`` bounds and its pair count): a bootstrap over one p
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import sys
@@ -57,6 +56,7 @@ from relaxspec.decoding.result import add_counts
 from relaxspec.devices import machine_identity
 from relaxspec.errors import RelaxspecError
 from relaxspec.files import write_json
+from relaxspec.runs.folder import settings_hash
 from relaxspec.tuning.budget import choose, pareto, survivors, within
 from relaxspec.tuning.candidates import PROBE_RULES, PROBE_TREE, Candidate, build_candidates, candidate_trees
 from relaxspec.tuning.config import (MAX_MINUTES, MAX_PLAN_IMAGES, MIN_QUALITY_IMAGES, TuneConfig, check_minutes,
@@ -88,7 +88,7 @@ class Tuner:
         self.device = pipeline.device
         self.budget_s = 60.0 * config.minutes
         self.settings = self._settings()
-        digest = hashlib.sha256(json.dumps(self.settings, sort_keys=True, default=str).encode()).hexdigest()[:16]
+        digest = settings_hash(self.settings)
         self.state = open_state(self.out, self.settings, digest, overwrite)
         self.started = time.perf_counter()
         self.spent_before = float(self.state.get("spent_seconds", 0.0))

@@ -5,15 +5,15 @@ code did not write is refused with one line, never half used."""
 
 from __future__ import annotations
 
-import json
 import math
 import shutil
 from pathlib import Path
 
-from relaxspec import methods
+from relaxspec import __version__, methods
 from relaxspec.bench.config import BASELINE
 from relaxspec.errors import RelaxspecError, shown
 from relaxspec.files import read_json, write_json
+from relaxspec.runs.folder import different_settings, stored
 from relaxspec.tuning.candidates import PROBE_RULES
 from relaxspec.tuning.config import MAX_PLAN_IMAGES
 
@@ -47,11 +47,7 @@ def open_state(out: Path, settings: dict, digest: str, overwrite: bool) -> dict:
         if state is not None and state.get("settings_hash") == digest:
             return state
         if state is not None and not overwrite:
-            before = state.get("settings", {})
-            now = json.loads(json.dumps(settings, default=str))
-            changed = sorted(k for k in set(now) | set(before) if now.get(k) != before.get(k))
-            raise RelaxspecError(f"--out {out} holds a tuning run with other settings (changed: "
-                                 f"{', '.join(changed) or '?'}); choose another folder or pass --overwrite")
+            raise different_settings(out, "a tuning run", settings, state)
     elif leftovers and not overwrite:
         raise RelaxspecError(f"--out {out} holds {leftovers[0]} but no {STATE_FILE}; choose another folder or "
                              "pass --overwrite")
@@ -62,7 +58,7 @@ def open_state(out: Path, settings: dict, digest: str, overwrite: bool) -> dict:
         else:
             target.unlink()
     out.mkdir(parents=True, exist_ok=True)
-    state = {"settings_hash": digest, "settings": json.loads(json.dumps(settings, default=str)),
+    state = {"settings_hash": digest, "settings": stored(settings), "relaxspec_version": __version__,
              "spent_seconds": 0.0, "rounds": []}
     write_json(path, state)
     return state
