@@ -67,6 +67,11 @@ def test_the_family_brings_its_flag_help_and_info(files, capsys):
     text = " ".join(capsys.readouterr().out.split())
     assert "--palette-path FILE Palette: the JSON list of RGB colours" in text
     assert "a supported family: Janus, Emu3, Anole, Lumina-mGPT, Palette" in text  # what --model-path opens
+    assert main(["info", "--families"]) == 0
+    listed = capsys.readouterr().out
+    assert ("Palette: --model-path (config.json model_type 'palette'), prompts (helpers.palette_pipeline:PalettePipeline)"
+            in listed and "    --palette-path / palette_path= (path): the JSON list of RGB colours" in listed)
+    assert "--tokenizer-path / tokenizer_path= (path; needs pyyaml)" in listed  # the built-in ones too
     code = main(["info", str(files["folder"])])
     assert code == 0 and "a Palette target: relaxspec generate --model-path DIR --palette-path FILE" in \
         capsys.readouterr().out

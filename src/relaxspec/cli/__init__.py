@@ -30,7 +30,7 @@ def build_parser() -> Parser:
     from relaxspec.cli import bench, demo, eval, generate, tools, train, tune
 
     parser = Parser(prog="relaxspec", description="Exact and relaxed speculative decoding for autoregressive image generators: "
-                                                         "LlamaGen, and Janus / Emu3 through transformers.")
+                                                         "LlamaGen files, and transformers folders of the registered families (relaxspec info --families).")
     parser.add_argument("--version", action="version", version=f"relaxspec {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="{" + COMMANDS + "}")
     generate.add_generate_parser(commands)

@@ -14,7 +14,8 @@ from relaxspec.runs.images import summary, write_image_run
 
 def add_generate_parser(subparsers) -> argparse.ArgumentParser:
     gen = subparsers.add_parser("generate", help="generate images", description=(
-        "Generate images with a LlamaGen checkpoint (or, with --model-path, a Janus / Emu3 transformers folder). "
+        "Generate images with a LlamaGen checkpoint (or, with --model-path, a transformers folder of a registered "
+        "family; the embedded emoji model without either). "
         "Writes NNNN.png per image, grid.png, tokens.npy "
         "and stats.json into --out; an interrupted run resumes when started again with the same settings."))
     gen.set_defaults(handler=cmd_generate)

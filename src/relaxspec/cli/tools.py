@@ -57,8 +57,10 @@ def add_info_parser(subparsers) -> None:
     info = subparsers.add_parser("info", help="describe a checkpoint",
                                description="Print a checkpoint's layout, inferred config and parameter count.")
     info.set_defaults(handler=cmd_info)
-    info.add_argument("ckpt", metavar="CKPT", help="a checkpoint file or relaxspec folder, or 'embedded' for the "
-                                                   "shipped emoji model")
+    info.add_argument("ckpt", metavar="CKPT", nargs="?", help="a checkpoint file, relaxspec or transformers folder, "
+                                                              "or 'embedded' for the shipped emoji model")
+    info.add_argument("--families", action="store_true", help="list the model families relaxspec opens (built in and "
+                                                              "from installed packages) and the inputs each takes")
     info.add_argument("--json", action="store_true", help="print JSON")
 
 
@@ -214,7 +216,37 @@ def transformers_folder(path: Path) -> dict | None:
             "relaxspec reads it as": transformers_use(kind, path)}
 
 
+def families_record() -> list[dict]:
+    """Every registered family: how a model of it is opened, what it draws from, its own inputs."""
+    from relaxspec.pipelines.families import all_families, folder_entries
+
+    types = {entry: model_type for model_type, entries in folder_entries().items() for entry in entries}
+    records = []
+    for family in all_families():
+        entry = f"{family.__module__}:{family.__qualname__}"
+        opened = family.opened_with + (f" (config.json model_type {types[entry]!r})" if entry in types else "")
+        records.append({"family": family.family, "opened_with": opened, "takes": family.takes, "pipeline": entry,
+                        "inputs": [{"flag": i.flag, "keyword": i.name, "kind": i.kind, "help": i.help, "needs": i.needs}
+                                   for i in family.inputs]})
+    return records
+
+
 def cmd_info(args: argparse.Namespace) -> int:
+    if args.families:
+        if args.ckpt is not None:
+            raise RelaxspecError("give a checkpoint or --families, not both")
+        records = families_record()
+        if args.json:
+            print(json.dumps(records, indent=2))
+            return 0
+        for record in records:
+            print(f"{record['family']}: {record['opened_with']}, {record['takes']} ({record['pipeline']})")
+            for given in record["inputs"]:
+                needs = f"; needs {given['needs']}" if given["needs"] else ""
+                print(f"    {given['flag']} / {given['keyword']}= ({given['kind']}{needs}): {given['help']}")
+        return 0
+    if args.ckpt is None:
+        raise RelaxspecError("give a checkpoint (or 'embedded'), or --families")
     if args.ckpt == EMBEDDED and not Path(args.ckpt).exists():
         return _info_embedded(args)
     folder = transformers_folder(Path(args.ckpt))
