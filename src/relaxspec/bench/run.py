@@ -188,15 +188,12 @@ def result_records(result: DecodeResult, wall: float, method: MethodSpec, indice
     rows = len(indices)
     records = []
     for row, i in enumerate(indices):
+        record = result.image_record(row)
+        record["mal"] = record.pop("mean_accepted_length")  # the name bench's records have always had
         records.append({
             "settings_hash": digest, "index": i, "method": method.label, "family": method.family,
             key: classes[row], "unit": unit, "seed": seed, "batch_size": rows, "order": position,
-            "seconds": result.seconds / rows, "wall_seconds": wall / rows,
-            "drafter_seconds": result.drafter_seconds / rows,
-            "target_forward_seconds": result.target_forward_seconds / rows,
-            "drafter_forward_seconds": result.drafter_forward_seconds / rows,
-            "target_forwards": int(result.target_forwards[row]), "drafter_forwards": int(result.drafter_forwards[row]),
-            "mal": float(result.mean_accepted_length[row]), **result.tv_record(row),
+            **record, "wall_seconds": wall / rows,
             "accept_lengths": [int(n) for n in result.accept_lengths[row]],
             "tokens": result.tokens[row].tolist(),
         })

@@ -69,6 +69,18 @@ class DecodeResult:
         return {"tv_sum": float(self.tv_sum[row]), "tv_per_token": float(self.tv_per_token[row])}
 
 
+    def image_record(self, row: int) -> dict:
+        """What every run records of image ``row`` of this decode (generate's ``stats.json``, bench's
+        ``records.jsonl``): its share of the batch's times, its target and drafter forwards, its
+        accepted length per target forward and its TV record."""
+        rows = self.tokens.shape[0]
+        return {"seconds": self.seconds / rows, "drafter_seconds": self.drafter_seconds / rows,
+                "target_forward_seconds": self.target_forward_seconds / rows,
+                "drafter_forward_seconds": self.drafter_forward_seconds / rows,
+                "target_forwards": int(self.target_forwards[row]), "drafter_forwards": int(self.drafter_forwards[row]),
+                "mean_accepted_length": float(self.mean_accepted_length[row]), **self.tv_record(row)}
+
+
 def certified_tv(tv_sums) -> float:
     """The run's certificate from per-image :attr:`DecodeResult.tv_sum` values:
     ``min(1, mean tv_sum)``, a bound on the TV distance between the method's and the model's law

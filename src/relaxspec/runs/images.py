@@ -81,7 +81,6 @@ def write_image_run(pipeline, condition, options, sampling, out, settings: dict,
         with torch.inference_mode():
             pixels = pipeline.pixels(result.tokens)
         vq_seconds = time.perf_counter() - began
-        mal = result.mean_accepted_length
         if result.rank_tests is not None:  # per batch, so a resumed run keeps the finished batches' counts
             batch_counts[str(batch)] = {"tests": result.rank_tests.tolist(), "accepts": result.rank_accepts.tolist()}
         if batch_counts:
@@ -91,16 +90,8 @@ def write_image_run(pipeline, condition, options, sampling, out, settings: dict,
             name = f"{i:04d}.png"
             write_png(out / name, upscale(pixels[row], upscale_by))
             tokens[i] = result.tokens[row].numpy()
-            records[i] = {
-                "index": i, "file": name, **condition.records[i], "batch": batch, "batch_seed": batch_seed_b,
-                "seconds": result.seconds / len(index), "vq_seconds": vq_seconds / len(index),
-                "target_forwards": int(result.target_forwards[row]),
-                "drafter_forwards": int(result.drafter_forwards[row]),
-                "drafter_seconds": result.drafter_seconds / len(index),
-                "target_forward_seconds": result.target_forward_seconds / len(index),
-                "drafter_forward_seconds": result.drafter_forward_seconds / len(index),
-                "mean_accepted_length": float(mal[row]), **result.tv_record(row),
-            }
+            records[i] = {"index": i, "file": name, **condition.records[i], "batch": batch, "batch_seed": batch_seed_b,
+                          **result.image_record(row), "vq_seconds": vq_seconds / len(index)}
         generated += len(index)
         # Tokens first, then the record of what is finished: a crash in between only redoes a batch.
         write_atomic(out / TOKENS_FILE, lambda path: np.save(path, tokens))
