@@ -15,7 +15,8 @@ import torch
 from relaxspec.bench import run as bench_run
 from relaxspec.cli.bench import add_bench_parser
 from relaxspec.bench.config import DEFAULT_METHODS, expand_methods, parse_methods
-from relaxspec.cli.eval import add_eval_parser, shard_range
+from relaxspec.cli.eval import add_eval_parser
+from relaxspec.runs.shards import shard_range
 from relaxspec.bench.report import (
     acceptance_map,
     accepted_flags,
@@ -529,3 +530,36 @@ def test_gsd_is_benchmarked_like_decode(models):
     theirs = decode(models["target"], cond, SAMPLING, spec.method_options(), vq=models["vq"],
                     generator=torch.Generator().manual_seed(0))
     assert torch.equal(mine.tokens, theirs.tokens) and mine.accept_lengths == theirs.accept_lengths
+
+
+def test_bench_shards_over_processes_and_merges_what_one_process_writes(models, tmp_path, monkeypatch, capsys):
+    """torchrun's RANK / WORLD_SIZE split the batches; each rank times its own; the last to finish
+    merges the shards into the records one process writes (same seeds, tokens, order), each
+    record naming the rank and device that timed it, and the report says so."""
+    common = [*models["args"], "--classes", "1,2,3", "--methods", "ar,sjd", "--batch-size", "1", "--warmup", "0",
+              "--threads", "1", "--no-plots", "--no-progress"]
+    assert run_cli(["bench", *common, "--out", str(tmp_path / "one")]) == 0
+    capsys.readouterr()
+    sharded = tmp_path / "two"
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    assert run_cli(["bench", *common, "--out", str(sharded)]) == 0
+    assert "the rank that finishes last merges" in capsys.readouterr().err
+    assert not (sharded / "records.jsonl").exists()
+    monkeypatch.setenv("RANK", "1")
+    assert run_cli(["bench", *common, "--out", str(sharded)]) == 0
+    assert "timed by 2 processes" in capsys.readouterr().out  # the report's note
+
+    def tokens(folder):
+        return {(r["index"], r["method"]): (r["tokens"], r["seed"], r["order"]) for r in read_records(folder)}
+
+    assert tokens(sharded) == tokens(tmp_path / "one") and len(tokens(sharded)) == 6
+    merged = read_records(sharded)
+    assert {(r["index"], r["rank"]) for r in merged} == {(0, 0), (1, 1), (2, 1)}  # batches 0 | 1, 2
+    assert all(r["device"].startswith("cpu: ") for r in merged)
+    assert json.loads((sharded / "settings.json").read_text())["settings_hash"] == \
+        json.loads((tmp_path / "one" / "settings.json").read_text())["settings_hash"]
+    assert "timed by 2 processes" in json.dumps(json.loads((sharded / "summary.json").read_text()))
+    # A finished rank started again decodes nothing and merges again.
+    assert run_cli(["bench", *common, "--out", str(sharded)]) == 0
+    assert len(read_records(sharded / "shard-01-of-02")) == 4

@@ -202,7 +202,8 @@ def result_records(result: DecodeResult, wall: float, method: MethodSpec, indice
 
 def run_bench(pipeline, condition: Condition, methods: Sequence[MethodSpec], sampling: SamplingConfig,
               out_dir: str | Path, *, seed: int = 0, threads: int | None = 1, warmup: int = 1, batch_size: int = 1,
-              progress: bool = True, identity: dict | None = None, overwrite: bool = False) -> list[dict]:
+              progress: bool = True, identity: dict | None = None, overwrite: bool = False,
+              part: range | None = None, timed_by: dict | None = None) -> list[dict]:
     """Benchmark ``methods`` on ``pipeline`` (:class:`~relaxspec.pipelines.ImagePipeline`) for the
     images of ``condition`` (image ``i`` conditioned on row ``i``: class ids are a condition too,
     ``pipeline.conditions(classes=...)``) and return every record of the run (resumed ones
@@ -213,6 +214,12 @@ def run_bench(pipeline, condition: Condition, methods: Sequence[MethodSpec], sam
     ``batch_size > 1``: throughput mode; each decode takes ``batch_size`` images and every image's
     record holds its share of the batch's time. ``identity``: what the settings record about the
     model (default: its content, :meth:`~relaxspec.pipelines.ImagePipeline.fingerprint`).
+
+    ``part``: the units (images, or batches of ``batch_size``) this process runs, for a run
+    sharded over processes (:mod:`relaxspec.runs.shards`); the others are left to the other
+    processes. Seeds, method order and record indices are those of the whole run, so the shards'
+    records together are the records one process would write (timings aside). ``timed_by``: what
+    every record says about where it was timed (a rank and its device).
     """
     if not isinstance(condition, Condition) or not len(condition):
         raise RelaxspecError("no images to benchmark (give a pipeline's Condition)")
@@ -233,7 +240,8 @@ def run_bench(pipeline, condition: Condition, methods: Sequence[MethodSpec], sam
     records = prepare_out_dir(out, settings, digest, overwrite)
     done = {(r["index"], r["method"]) for r in records}
     units = [list(range(start, min(start + batch_size, len(condition)))) for start in range(0, len(condition), batch_size)]
-    todo = [(u, m) for u, index in enumerate(units) for m in methods if any((i, m.label) not in done for i in index)]
+    mine = range(len(units)) if part is None else part
+    todo = [(u, m) for u in mine for m in methods if any((i, m.label) not in done for i in units[u])]
     if not todo:
         return records
     key = "prompt" if prompted(condition) else "class"
@@ -249,17 +257,18 @@ def run_bench(pipeline, condition: Condition, methods: Sequence[MethodSpec], sam
             part = condition.select(index).to(device)
             return [record[key] for record in part.records], part.cond, part.mask
 
-        _, first, first_mask = conditions(units[0])
+        _, first, first_mask = conditions(units[mine[0]])
         pending = {m.label for _, m in todo}
         for w in range(warmup):
             for m in methods:
                 if m.label in pending:
                     timed_decode(prepared[m.label], target, first, WARMUP_SEED + w, first_mask)
-        bar = tqdm(total=len(units) * len(methods), initial=len(units) * len(methods) - len(todo), unit="decode",
+        bar = tqdm(total=len(mine) * len(methods), initial=len(mine) * len(methods) - len(todo), unit="decode",
                    desc="bench", disable=True if not progress else None)
         stack.callback(bar.close)
         path = out / RECORDS_FILE
-        for u, index in enumerate(units):
+        for u in mine:
+            index = units[u]
             shift = u % len(methods)
             order = list(methods[shift:]) + list(methods[:shift])  # rotate: no method always runs first
             cond_classes, cond, cond_mask = conditions(index)
@@ -269,7 +278,8 @@ def run_bench(pipeline, condition: Condition, methods: Sequence[MethodSpec], sam
                     continue
                 bar.set_postfix_str(f"image {index[0]} {m.label}", refresh=False)
                 result, wall = timed_decode(prepared[m.label], target, cond, seed_u, cond_mask)
-                new = [r for r in result_records(result, wall, m, index, cond_classes, seed_u, u, position, digest, key)
+                new = [{**r, **(timed_by or {})}
+                       for r in result_records(result, wall, m, index, cond_classes, seed_u, u, position, digest, key)
                        if (r["index"], m.label) not in done]
                 _append(path, new)
                 records.extend(new)
@@ -278,8 +288,51 @@ def run_bench(pipeline, condition: Condition, methods: Sequence[MethodSpec], sam
     return records
 
 
+def merge_shards(out: str | Path, world: int, overwrite: bool = False) -> bool:
+    """When every shard of a sharded bench (``out/shard-RR-of-WW/``, one per process) holds all
+    its records, write them together as ``out``'s own ``settings.json`` and ``records.jsonl`` (what
+    one process would have written, each record saying which rank and device timed it) and return
+    True; else False (another process is still running). Shards of different settings, or a folder
+    holding another benchmark, are refused in one line."""
+    from relaxspec.files import write_atomic, write_json
+    from relaxspec.runs.shards import shard_folders
+
+    out = Path(out)
+    folders = [folder for folder in shard_folders(out) if folder.name.endswith(f"-of-{world:02d}")]
+    metas = []
+    for folder in folders:
+        try:
+            metas.append(json.loads((folder / SETTINGS_FILE).read_text()))
+        except (OSError, json.JSONDecodeError):
+            return False  # a shard that has not started yet
+    if len(metas) < world:
+        return False
+    if len({meta.get("settings_hash") for meta in metas}) > 1:
+        raise RelaxspecError(f"{out}: its shards were run with different settings; rerun them with one command")
+    meta = metas[0]
+    settings, digest = meta["settings"], meta["settings_hash"]
+    records = [record for folder in folders for record in read_records(folder, digest)]
+    images = len(settings.get("prompts") or settings.get("classes") or [])
+    pairs = {(record["index"], record["method"]) for record in records}
+    if len(pairs) < images * len(settings["methods"]):
+        return False
+    if (out / SETTINGS_FILE).is_file() and not overwrite:
+        try:
+            old = json.loads((out / SETTINGS_FILE).read_text())
+        except json.JSONDecodeError:
+            old = None
+        if not isinstance(old, dict) or old.get("settings_hash") != digest:
+            raise different_settings(out, "a benchmark", settings, old)
+    order = {label: i for i, label in enumerate(m["label"] for m in settings["methods"])}
+    records.sort(key=lambda record: (record["index"], order.get(record["method"], 0)))
+    write_atomic(out / RECORDS_FILE, lambda temp: temp.write_text("".join(json.dumps(r) + "\n" for r in records)))
+    write_json(out / SETTINGS_FILE, {**meta, "shards": world})
+    return True
+
+
 __all__ = [
     "RECORDS_FILE",
+    "merge_shards",
     "SETTINGS_FILE",
     "PreparedMethod",
     "prompts_of",

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from relaxspec.bench.config import BASELINE, DEFAULT_METHODS, expand_methods, parse_methods
 from relaxspec.cli.options import add_model_options, open_from_args, read_prompts
+from relaxspec.runs.shards import SHARD, distributed, shard_dir, shard_folders, shard_range
 from relaxspec.conditions import class_ids
 from relaxspec.errors import RelaxspecError, shown
 from relaxspec import extras
@@ -160,7 +161,7 @@ def run_bench_cli(args: argparse.Namespace) -> int:
     import torch
 
     from relaxspec.bench.report import write_report
-    from relaxspec.bench.run import run_bench
+    from relaxspec.bench.run import merge_shards, run_bench
 
     if args.list_methods:
         print(list_methods(embedded_bench_defaults(args)[0]))
@@ -202,7 +203,12 @@ def run_bench_cli(args: argparse.Namespace) -> int:
             raise RelaxspecError(f"--classifier needs relaxspec.evaluation, which is not importable ({err})") from None
         classifier = load_classifier(args.classifier)
 
+    rank, world, local = distributed()
     if args.report_only:
+        if world == 1 and shard_folders(Path(args.out)):  # a sharded bench's report, its shards merged first
+            worlds = {int(SHARD.search(p.name).group(2)) for p in shard_folders(Path(args.out))}
+            if not merge_shards(args.out, worlds.pop(), args.overwrite):
+                raise RelaxspecError(f"{args.out}: its shards are not all finished; run the sharded bench again")
         vq = None
         if classifier is not None:
             vq = open_from_args(args, with_drafter=False).tokenizer
@@ -236,6 +242,8 @@ def run_bench_cli(args: argparse.Namespace) -> int:
         raise RelaxspecError(f"{', '.join(drafting)} draft with an EAGLE drafter: give --drafter-ckpt (train one with "
                              "relaxspec train-drafter), or choose drafter-free --methods such as ar,sjd,scd")
     torch.set_num_threads(args.threads)
+    if world > 1 and args.device == "cuda":
+        args.device = f"cuda:{local}"
     prompts = _prompts(args) if prompted else []
     drafter_ckpt, args.drafter_ckpt = args.drafter_ckpt, args.drafter_ckpt if drafting else None
     pipeline = open_from_args(args, prompts=prompts if args.model_path is not None and prompts else None,
@@ -267,8 +275,21 @@ def run_bench_cli(args: argparse.Namespace) -> int:
     decodes = -(-len(images) // args.batch_size) * len(specs)
     print(f"bench: {len(images)} images x {len(specs)} methods ({', '.join(s.label for s in specs)}) = {decodes} "
           f"decodes at batch size {args.batch_size}, {args.threads} thread(s) -> {args.out}", file=sys.stderr)
-    run_bench(pipeline, images, specs, sampling, args.out, seed=args.seed, threads=args.threads, warmup=args.warmup,
-              batch_size=args.batch_size, progress=progress, identity=identity, overwrite=args.overwrite)
+    run = dict(seed=args.seed, threads=args.threads, warmup=args.warmup, batch_size=args.batch_size,
+               progress=progress, identity=identity, overwrite=args.overwrite)
+    if world == 1:
+        run_bench(pipeline, images, specs, sampling, args.out, **run)
+    else:  # this rank's slice of the batches, timed here; the last rank to finish merges and reports
+        from relaxspec.devices import machine_identity, machine_kind
+
+        folder = shard_dir(Path(args.out), rank, world)
+        part = shard_range(-(-len(images) // args.batch_size), rank, world)
+        run_bench(pipeline, images, specs, sampling, folder, part=part,
+                  timed_by={"rank": rank, "device": machine_kind(machine_identity(pipeline.device))}, **run)
+        if not merge_shards(args.out, world, args.overwrite):
+            print(f"rank {rank}/{world}: batches {part.start}-{part.stop - 1} done in {folder}; the rank that finishes "
+                  "last merges the shards and writes the report", file=sys.stderr)
+            return 0
     return _report(write_report, args.out, pipeline.tokenizer, classifier, args, progress)
 
 

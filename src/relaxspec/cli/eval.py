@@ -48,20 +48,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import re
 import sys
 from pathlib import Path
 
 import numpy as np
 
 from relaxspec.errors import RelaxspecError
+from relaxspec.runs.shards import SHARD, distributed, shard_dir, shard_folders, shard_range
 from relaxspec.cli.options import require_extras
 from relaxspec.extras import require
 from relaxspec.files import load_caption_features, read_json, write_atomic, write_json
 
 SCORES_FILE = "eval.json"
-SHARD = re.compile(r"shard-(\d+)-of-(\d+)$")
 INCEPTION_FILE = "inception-2015-12-05.pt"
 
 
@@ -100,26 +98,6 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
                          "each, with the intervals; written to the first folder's parent as eval-table.md")
     ev.add_argument("generate_args", nargs=argparse.REMAINDER, help="-- then relaxspec generate's options")
     return ev
-
-
-def distributed() -> tuple[int, int, int]:
-    """``(rank, world_size, local_rank)`` from torchrun's environment (``0, 1, 0`` without it)."""
-    try:
-        rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-        local = int(os.environ.get("LOCAL_RANK", str(rank)))
-    except ValueError:
-        raise RelaxspecError("RANK / WORLD_SIZE / LOCAL_RANK must be integers") from None
-    if world < 1 or not 0 <= rank < world:
-        raise RelaxspecError(f"bad sharding: RANK {rank} of WORLD_SIZE {world}")
-    return rank, world, local
-
-
-def shard_range(total: int, rank: int, world: int) -> range:
-    return range(total * rank // world, total * (rank + 1) // world)
-
-
-def shard_dir(out: Path, rank: int, world: int) -> Path:
-    return out / f"shard-{rank:02d}-of-{world:02d}"
 
 
 def parse_generate_args(argv: list[str]) -> argparse.Namespace:
@@ -197,15 +175,6 @@ def generate_shard(args: argparse.Namespace, gen: argparse.Namespace, rank: int,
                             progress=not gen.no_progress, grid_max=gen.grid_max, upscale_by=gen.upscale)
     print(summary(folder, stats))
     return folder
-
-
-def shard_folders(out: Path) -> list[Path]:
-    """The shard folders of one sharding (refuses a folder that mixes world sizes)."""
-    folders = sorted(p for p in out.glob("shard-*-of-*") if p.is_dir() and SHARD.search(p.name))
-    worlds = {int(SHARD.search(p.name).group(2)) for p in folders}
-    if len(worlds) > 1:
-        raise RelaxspecError(f"{out} holds shards of different world sizes ({sorted(worlds)}); use one folder per sharding")
-    return folders
 
 
 def shards_complete(out: Path) -> bool:
@@ -456,5 +425,5 @@ def run_eval(args: argparse.Namespace) -> int:
     return 0
 
 
-__all__ = ["add_eval_parser", "clean_fid", "distributed", "eval_prompts", "generated_records",
-           "markdown_table", "run_eval", "shard_range", "table_rows"]
+__all__ = ["add_eval_parser", "clean_fid", "eval_prompts", "generated_records", "markdown_table", "run_eval",
+           "table_rows"]

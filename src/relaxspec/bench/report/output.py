@@ -152,6 +152,21 @@ def load_bench(out_dir: str | Path) -> tuple[dict, list[dict]]:
     return settings, records
 
 
+def timed_by_note(records) -> str | None:
+    """For a bench sharded over processes, which rank and device timed which images (every image's
+    methods ran on one device, so each paired speed-up compares one device's timings)."""
+    ranks: dict = {}
+    for record in records:
+        if "rank" in record:
+            ranks.setdefault((record["rank"], record.get("device", "?")), set()).add(int(record["index"]))
+    if not ranks:
+        return None
+    parts = [f"rank {rank} on {device}: images {min(found)}-{max(found)} ({len(found)})"
+             for (rank, device), found in sorted(ranks.items())]
+    return (f"timed by {len(ranks)} processes, each image's methods on one device (its speed-ups pair that "
+            "device's timings): " + "; ".join(parts))
+
+
 def write_report(out_dir: str | Path, *, vq=None, classifier=None, real_data: str | Path | None = None,
                  n_boot: int = 200, k: int = 3, plots: bool = True, progress: bool = False,
                  baseline: str | None = None) -> dict:
@@ -177,6 +192,9 @@ def write_report(out_dir: str | Path, *, vq=None, classifier=None, real_data: st
         row["method"] = (spec.get("options") or {}).get("method")
         row["description"] = spec.get("description")
     notes = []
+    timed = timed_by_note(records)
+    if timed:
+        notes.append(timed)
     if baseline not in labels or not any(r["method"] == baseline for r in records):
         notes.append(f"no {baseline} records: speed-ups are not available")
 
