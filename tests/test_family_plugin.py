@@ -77,6 +77,36 @@ def test_the_family_brings_its_flag_help_and_info(files, capsys):
         capsys.readouterr().out
 
 
+def test_a_broken_or_clashing_family_is_skipped_with_a_warning(installed, tmp_path, capsys):
+    """An installed family that does not import, or declares an input relaxspec's own options use,
+    costs one warning line; every command and the API still work, the other families too."""
+    import relaxspec
+    from relaxspec.pipelines import families
+
+    site = tmp_path / "site"
+    info = site / "bad_families-0.1.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: bad-families\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("[relaxspec.families]\nmissing = no_such_module:Nothing\n"
+                                           "clash = helpers.clashing_family:ClashingPipeline\n")
+    sys.path.insert(0, str(site))
+    families._warned.clear()
+    try:
+        assert main(["generate", "--help"]) == 0
+        captured = capsys.readouterr()
+        warnings = [line for line in captured.err.splitlines() if line.startswith("relaxspec: warning:")]
+        assert len(warnings) == 2 and "no_such_module:Nothing" in warnings[0] + warnings[1]
+        assert any("declares the input(s) device" in w for w in warnings)
+        assert "--palette-path" in captured.out  # the working plugin is still there
+        images, _ = relaxspec.generate(["heart"], "ar")
+        assert len(images) == 1
+        with pytest.raises(relaxspec.RelaxspecError, match="'missing' folders does not load here"):
+            families.pipeline_classes("missing")
+    finally:
+        sys.path.remove(str(site))
+        families._warned.clear()
+
+
 def test_its_input_is_checked_like_a_built_in_one(files, tmp_path, capsys):
     out = ["--out", tmp_path / "g", "--no-progress"]
     assert "give --palette-path FILE" in refused(["generate", "--model-path", files["folder"], "--prompt", "x", *out],

@@ -142,6 +142,12 @@ def test_bench_and_eval_take_prompts(t5, tiny_ckpts, tmp_path, capsys, monkeypat
     assert main(["generate", *t2i, *prompts, "--no-progress", "--out", str(tmp_path / "gen")]) == 0
     ar = [r["tokens"] for r in sorted(records, key=lambda r: r["index"]) if r["method"] == "ar"]
     assert np.array_equal(np.load(tmp_path / "gen" / "tokens.npy"), np.array(ar))
+    # What each run records of the text encoder, as before the family inputs were declared (so
+    # folders written then still resume): generate keeps its file identity, bench's identity does not.
+    generated = json.loads((tmp_path / "gen" / "stats.json").read_text())["settings"]
+    assert "t5_path" in generated["files"] and generated["t5_path"] == str(t5.resolve())
+    benched = json.loads((tmp_path / "bench" / "settings.json").read_text())["settings"]["models"]
+    assert set(benched["files"]) == {"gpt_ckpt", "vq_ckpt"} and benched["t5_path"] == str(t5.resolve())
 
     for rank in ("0", "1"):  # two torchrun ranks, one after the other
         for name, value in (("RANK", rank), ("WORLD_SIZE", "2"), ("LOCAL_RANK", rank)):

@@ -54,15 +54,15 @@ def pipeline_of(model: tuple | ImagePipeline, t5_path: str | None = None) -> Ima
             (drafter is not None and not isinstance(drafter, torch.nn.Module)):
         raise RelaxspecError(f"model=(target, vq, drafter) takes a LlamaGen-format Transformer, its VQModel and an "
                              f"EAGLE drafter or None (relaxspec.models.llamagen.checkpoints.load_gpt / load_vq), got "
-                             f"({', '.join(type(part).__name__ for part in model)}); a Janus, Emu3 or Lumina-mGPT folder is "
-                             "model_path=DIR, any other model a pipeline (relaxspec.pipelines.open_pipeline)")
+                             f"({', '.join(type(part).__name__ for part in model)}); a transformers folder of a family relaxspec "
+                             "opens is model_path=DIR, any other model a pipeline (relaxspec.pipelines.open_pipeline)")
     if getattr(target.config, "model_type", "c2i") == "c2i":
         if t5_path is not None:
             raise RelaxspecError("this is a class-conditional (c2i) model: give classes, not prompts")
         return LlamaGenC2I(target, vq, drafter)
     if not hasattr(target.config, "caption_dim"):
-        raise RelaxspecError("relaxspec.generate encodes prompts for LlamaGen t2i models; for a Janus, Emu3 or "
-                             "Lumina-mGPT model give its folder as model_path (docs/models/)")
+        raise RelaxspecError("relaxspec.generate encodes prompts for LlamaGen t2i models; for another family give "
+                             "its folder as model_path (relaxspec info --families, docs/models/)")
     return LlamaGenT2I(target, vq, drafter, t5_path=t5_path)
 
 
@@ -123,7 +123,13 @@ def generate(classes: str | Sequence[int | str] | None = None, method: str | Met
             if device is not None or precision is not None:
                 raise RelaxspecError("device and precision apply to the embedded model; load your own model on the "
                                      "device and in the precision you want")
-            pipeline = pipeline_of(model, **check_inputs(LlamaGenT2I, inputs, "a LlamaGen model in memory"))
+            if isinstance(model, ImagePipeline):  # opened already, with its inputs
+                if inputs:
+                    raise RelaxspecError(f"{', '.join(sorted(inputs))}: a pipeline is opened with its inputs; give them "
+                                         "to open_pipeline")
+                pipeline = model
+            else:
+                pipeline = pipeline_of(model, **check_inputs(LlamaGenT2I, inputs, "a LlamaGen model in memory"))
     if preset is not None:
         from relaxspec.pipelines.presets import with_preset
 

@@ -49,6 +49,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -168,11 +169,13 @@ def generate_shard(args: argparse.Namespace, gen: argparse.Namespace, rank: int,
     gen.seed = gen.seed * world + rank
     if world > 1 and gen.device == "cuda":
         gen.device = f"cuda:{local}"
+    started = time.perf_counter()
     pipeline, condition, options, sampling = prepare(gen)
     stats = write_image_run(pipeline, condition, options, sampling, folder, run_settings(gen, pipeline, options, sampling,
                                                                                           condition),
                             seed=gen.seed, batch_size=gen.batch_size, overwrite=gen.overwrite,
-                            progress=not gen.no_progress, grid_max=gen.grid_max, upscale_by=gen.upscale)
+                            progress=not gen.no_progress, grid_max=gen.grid_max, upscale_by=gen.upscale,
+                            started=started)
     print(summary(folder, stats))
     return folder
 

@@ -196,8 +196,14 @@ def preset_option(args: argparse.Namespace) -> dict | None:
 def run_settings(args: argparse.Namespace, pipeline, options, sampling, condition: Condition) -> dict:
     """The run's settings (:func:`relaxspec.runs.images.image_settings`) with the files the options
     named (caption features, prompts file) and what reopens its model."""
+    from relaxspec.pipelines.families import opening_inputs
+
+    declared = opening_inputs()
     files = {"caption_features": args.caption_features, "caption_mask": args.caption_mask,
-             "prompts_file": args.prompts_file}
+             "prompts_file": args.prompts_file,
+             # the family's path inputs its pipeline does not list among its files (LlamaGen's t5_path)
+             **{name: value for name, value in family_inputs(args).items()
+                if declared[name][0].kind == "path" and name not in pipeline.files}}
     settings = image_settings(pipeline, options, sampling, condition, seed=args.seed, batch_size=args.batch_size,
                               precision=args.precision, files=files)
     if args.upscale != 1:  # recorded only when used, so runs from before the flag still resume

@@ -18,6 +18,7 @@ package's in its ``relaxspec.families`` entry points (name: the model type, valu
 from __future__ import annotations
 
 import importlib
+import sys
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 
@@ -39,6 +40,21 @@ FOLDER_PIPELINES: dict[str, str | tuple[str, ...]] = {
 LLAMAGEN_PIPELINES = ("relaxspec.pipelines.llamagen:LlamaGenC2I", "relaxspec.pipelines.llamagen:LlamaGenT2I")
 
 KINDS = ("path", "text")
+
+#: Keywords ``open_pipeline`` and ``relaxspec.generate`` take themselves (and every method setting's
+#: name): a family input of one of these names would be read as the other, so its family is skipped.
+RESERVED = frozenset({"gpt_ckpt", "gpt_model", "vq_ckpt", "vq_model", "model_path", "drafter_ckpt", "device",
+                      "precision", "image_size", "prompts", "prompt_length", "with_drafter", "classes", "method",
+                      "model", "sampling", "seed", "upscale", "progress", "preset", "out", "threads", "batch_size"})
+
+_warned: set[str] = set()
+
+
+def _warn(message: str) -> None:
+    """One stderr line per problem of an installed family, said once per process."""
+    if message not in _warned:
+        _warned.add(message)
+        print(f"relaxspec: warning: {message}", file=sys.stderr)
 
 
 @dataclass(frozen=True)
@@ -94,8 +110,12 @@ def folder_entries() -> dict[str, list[str]]:
 
 
 def pipeline_classes(model_type: str) -> list:
-    """The pipeline classes registered for ``model_type``, in the order they claim folders."""
-    return [_load(entry) for entry in folder_entries()[model_type]]
+    """The pipeline classes registered for ``model_type``, in the order they claim folders (one
+    that does not load is refused in one line: the folder needs it)."""
+    classes = [_usable(entry) for entry in folder_entries()[model_type]]
+    if not all(classes):
+        raise RelaxspecError(f"the model family of {model_type!r} folders does not load here (see the warning above)")
+    return classes
 
 
 def pipeline_class(model_type: str):
@@ -104,12 +124,32 @@ def pipeline_class(model_type: str):
     return pipeline_classes(model_type)[-1]
 
 
+def _usable(entry: str):
+    """The pipeline class ``entry`` names, or ``None`` (with a one-line warning) when an installed
+    package's family does not import or declares an input it may not."""
+    try:
+        family = _load(entry)
+    except Exception as err:  # noqa: BLE001 - another package's code: any failure skips its family
+        _warn(f"the model family {entry} (a relaxspec.families entry point) does not load "
+              f"({type(err).__name__}: {err}); it is skipped")
+        return None
+    from relaxspec import methods
+
+    taken = sorted({i.name for i in getattr(family, "inputs", ())} & (RESERVED | set(methods.settings())))
+    if taken:
+        _warn(f"the model family {entry} declares the input(s) {', '.join(taken)}, which relaxspec's own options "
+              "use; it is skipped")
+        return None
+    return family
+
+
 def all_families() -> list:
     """Every pipeline class: LlamaGen's, then each folder family's (imports the pipeline modules,
-    which are light: a family's model module is imported when a folder is opened)."""
+    which are light: a family's model module is imported when a folder is opened). An installed
+    family that does not load is left out with a warning, so it breaks no command."""
     classes = [_load(entry) for entry in LLAMAGEN_PIPELINES]
     for entries in folder_entries().values():
-        classes += [_load(entry) for entry in entries]
+        classes += [family for family in map(_usable, entries) if family is not None]
     return classes
 
 
@@ -160,5 +200,5 @@ def check_inputs(family, given: dict, this: str | None = None) -> dict:
     return given
 
 
-__all__ = ["ENTRY_POINT_GROUP", "FOLDER_PIPELINES", "LLAMAGEN_PIPELINES", "OpeningInput", "all_families",
+__all__ = ["ENTRY_POINT_GROUP", "FOLDER_PIPELINES", "LLAMAGEN_PIPELINES", "OpeningInput", "RESERVED", "all_families",
            "check_inputs", "folder_entries", "opening_inputs", "pipeline_class", "pipeline_classes", "takers_text"]

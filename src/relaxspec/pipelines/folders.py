@@ -89,13 +89,12 @@ def open_folder(pipeline_class: type[FolderPipeline], path, *, prompts=None, pro
     return pipeline
 
 
-def record_inputs(pipeline: ImagePipeline, inputs: dict, *, identity: bool = True) -> None:
-    """What a run records of the path inputs a pipeline was opened with: resolved in its identity
-    (unless ``identity`` is false: a family whose conditions record it) and among its files, whose
-    identities a run keeps. A text input is the family's to record (in its conditions' settings)."""
+def record_inputs(pipeline: ImagePipeline, inputs: dict) -> None:
+    """What a run records of the path inputs a folder pipeline was opened with: resolved in its
+    identity and among its files, whose identities a run keeps. A text input is the family's to
+    record (in its conditions' settings)."""
     kinds = {declared.name: declared.kind for declared in pipeline.inputs}
     for name, value in inputs.items():
         if kinds[name] == "path":
-            if identity:
-                pipeline.identity[name] = str(Path(value).resolve())
+            pipeline.identity[name] = str(Path(value).resolve())
             pipeline.files[name] = str(value)

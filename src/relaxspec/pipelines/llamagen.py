@@ -129,8 +129,6 @@ def open_llamagen(gpt_ckpt, vq_ckpt, *, gpt_model: str | None = None, vq_model: 
         pipeline.family = family
     pipeline.drafter_path = None if drafter_ckpt is None else str(drafter_ckpt)
     pipeline.files = {"gpt_ckpt": str(gpt_ckpt), "vq_ckpt": str(vq_ckpt)}
-    if t5_path is not None:  # its conditions record the folder; its files' identities are kept too
-        pipeline.files["t5_path"] = str(t5_path)
     return pipeline
 
 

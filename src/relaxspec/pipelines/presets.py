@@ -18,7 +18,6 @@ import copy
 import json
 from pathlib import Path
 
-import torch
 
 from relaxspec import __version__, methods
 from relaxspec.devices import machine_identity, machine_kind
@@ -171,5 +170,4 @@ def with_preset(pipeline, preset):
     return tuned
 
 
-__all__ = ["PRESET_KIND", "PRESET_VERSION", "check_preset", "preset_record", "read_preset",
-           "weights_fingerprint", "with_preset"]
+__all__ = ["PRESET_KIND", "PRESET_VERSION", "check_preset", "preset_record", "read_preset", "with_preset"]
