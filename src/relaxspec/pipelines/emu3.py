@@ -8,6 +8,7 @@ from relaxspec.pipelines.folders import FolderPipeline
 class Emu3Pipeline(FolderPipeline):
     family = "Emu3"
     MODEL = "relaxspec.models.emu3"
-    inputs = (OpeningInput("negative_prompt", "the guidance's negative prompt (default: the family's)", kind="text",
-                           metavar="TEXT"),)
+    inputs = (OpeningInput("negative_prompt", "the guidance's negative prompt (default: transformers' Emu3 "
+                                              "example's; \"\" = none, the prompt's last token is the unconditional "
+                                              "context, as transformers without one)", kind="text", metavar="TEXT"),)
     usage = "an Emu3 target (its Gen checkpoints): relaxspec generate --model-path DIR --prompt TEXT"
