@@ -205,6 +205,38 @@ def test_cli_trains_and_resumes(tmp_path, target: Transformer, dataset: DrafterD
         run_train_drafter(args)
 
 
+def test_two_runs_may_not_share_an_out_folder(tmp_path, target: Transformer, dataset: DrafterDataset) -> None:
+    """While a run holds --out, another is refused in one line (naming the holder) before it reads
+    or writes anything there; once the holder ends (or is killed: the lock is the OS's), the
+    folder is free again."""
+    import subprocess
+    import sys
+
+    from relaxspec.cli import main
+    from relaxspec.training.common import LOCK_FILE
+
+    save_model(target, tmp_path / "target")
+    np.savez(tmp_path / "data.npz", tokens=dataset.tokens.numpy(), labels=dataset.labels.numpy())
+    out = tmp_path / "run"
+    argv = ["train-drafter", "--gpt-ckpt", str(tmp_path / "target"), "--data", str(tmp_path / "data.npz"), "--steps",
+            "2", "--batch-size", "4", "--no-progress", "--out", str(out)]
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from relaxspec.training.common import out_lock\n"
+                               "with out_lock(sys.argv[1], 'train-drafter'):\n    print('held', flush=True); "
+                               "time.sleep(60)", str(out)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(RelaxspecError, match=rf"--out {out} is in use by another train-drafter run \(pid "
+                                                 rf"{holder.pid}\); wait for it to end or choose another folder"):
+            train_drafter(DrafterTrainConfig(out=str(out), steps=2, batch_size=4, progress=False),
+                          target=target, dataset=dataset)
+        assert not (out / TRAIN_STATE).exists()
+    finally:
+        holder.kill()
+        holder.wait()
+    assert main(argv) == 0  # the killed holder's lock went with it
+    assert (out / LOCK_FILE).is_file() and torch.load(out / TRAIN_STATE, weights_only=True)["step"] == 2
+
+
 # ---------------------------------------------------------------------------------- data
 
 

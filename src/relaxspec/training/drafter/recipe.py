@@ -204,8 +204,14 @@ def train_drafter(config: DrafterTrainConfig, *, target: TeacherForcedTarget | N
 
     ``target`` and ``dataset`` default to what ``config`` names (``gpt_ckpt``; ``data`` /
     ``self_samples`` / ``images``). The target is frozen in place (``eval()``, no gradients).
-    Writes ``config.out``; returns the trained drafter and its evaluation history.
+    Writes ``config.out``, which no other run may use meanwhile (:func:`common.out_lock`);
+    returns the trained drafter and its evaluation history.
     """
+    with common.out_lock(config.out, "train-drafter"):
+        return _train(config, target=target, dataset=dataset, resume=resume)
+
+
+def _train(config: DrafterTrainConfig, *, target, dataset, resume: bool) -> DrafterTrainResult:
     out = Path(config.out)
     saved = prior_state(out, resume)
     if config.prompts_file is not None and target is None:
