@@ -18,6 +18,7 @@ package's in its ``relaxspec.families`` entry points (name: the model type, valu
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 from dataclasses import dataclass
 from importlib.metadata import entry_points
@@ -177,28 +178,41 @@ def takers_text(families: list) -> str:
     return " or ".join(names)
 
 
-def check_inputs(family, given: dict, this: str | None = None) -> dict:
-    """``given`` (input name -> value; ``None`` values are left out) checked against what
-    ``family`` declares: an input of another family is refused in one line (``this``: what the
-    message calls the model, by default its family's name)."""
-    declared = {i.name: i for i in family.inputs}
+def known_inputs(given: dict) -> dict:
+    """``given`` (input name -> value) as inputs some family declares: ``None`` values left out, an
+    unknown name or a value of the wrong kind refused in one line, paths as text."""
     known = opening_inputs()
-    given = {name: value for name, value in given.items() if value is not None}
+    checked = {}
     for name, value in given.items():
+        if value is None:
+            continue
         if name not in known:
             raise RelaxspecError(f"{name} is not an input of any model family (they take: "
                                  f"{', '.join(sorted(known)) or 'none'})")
+        opening = known[name][0]
+        if opening.kind == "path" and hasattr(value, "__fspath__"):
+            value = os.fspath(value)
+        if not isinstance(value, str):
+            raise RelaxspecError(f"{opening.flag} is {'a path' if opening.kind == 'path' else 'text'}, "
+                                 f"got {type(value).__name__}")
+        checked[name] = value
+    return checked
+
+
+def check_inputs(family, given: dict, this: str | None = None) -> dict:
+    """``given`` (input name -> value; :func:`known_inputs`) checked against what ``family``
+    declares: an input of another family is refused in one line (``this``: what the message calls
+    the model, by default its family's name)."""
+    given = known_inputs(given)
+    declared = {i.name for i in family.inputs}
+    for name in given:
         if name not in declared:
-            opening, takers = known[name]
+            opening, takers = opening_inputs()[name]
             where = " or ".join(dict.fromkeys(t.opened_with for t in takers))
             raise RelaxspecError(f"{opening.flag} goes with {where} ({takers_text(takers)}); this model is "
                                  f"{this or family.family}")
-        if declared[name].kind == "text" and not isinstance(value, str):
-            raise RelaxspecError(f"{declared[name].flag} is text, got {type(value).__name__}")
-        if declared[name].kind == "path" and not isinstance(value, (str, bytes)) and not hasattr(value, "__fspath__"):
-            raise RelaxspecError(f"{declared[name].flag} is a path, got {type(value).__name__}")
     return given
 
 
 __all__ = ["ENTRY_POINT_GROUP", "FOLDER_PIPELINES", "LLAMAGEN_PIPELINES", "OpeningInput", "RESERVED", "all_families",
-           "check_inputs", "folder_entries", "opening_inputs", "pipeline_class", "pipeline_classes", "takers_text"]
+           "check_inputs", "folder_entries", "known_inputs", "opening_inputs", "pipeline_class", "pipeline_classes", "takers_text"]

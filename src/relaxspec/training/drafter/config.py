@@ -10,11 +10,10 @@ the files it writes beside it.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 from relaxspec.models.llamagen.checkpoints import PRECISIONS
-from relaxspec.pipelines.families import opening_inputs
+from relaxspec.pipelines.families import known_inputs, opening_inputs
 from relaxspec.sampling import SamplingConfig
 from relaxspec.training import common
 
@@ -113,7 +112,9 @@ class DrafterTrainConfig(common.RecipeConfig):
         return super().from_dict(upgrade(data))
 
     def __post_init__(self) -> None:
-        self.inputs = _checked_inputs(self.inputs)
+        common.need(isinstance(self.inputs, dict),
+                    f"inputs must map family input names to values, got {type(self.inputs).__name__}")
+        self.inputs = known_inputs(self.inputs)
         self.data = [str(p) for p in (self.data or [])]
         self.betas = tuple(float(b) for b in self.betas)
         if self.classes is not None:
@@ -193,27 +194,6 @@ def upgrade(data: dict) -> dict:
     if inputs or "inputs" in data:
         data["inputs"] = {**inputs, **(data.get("inputs") or {})}
     return data
-
-
-def _checked_inputs(inputs) -> dict:
-    """``inputs`` with the names of declared family inputs only (one-line refusal), paths as text
-    (the config is saved as JSON-able values); ``None`` values are left out."""
-    common.need(isinstance(inputs, dict), f"inputs must map family input names to values, got {type(inputs).__name__}")
-    given = {name: value for name, value in inputs.items() if value is not None}
-    if not given:
-        return {}
-    known = opening_inputs()
-    checked = {}
-    for name, value in given.items():
-        common.need(name in known, f"{name} is not an input of any model family (they take: "
-                                   f"{', '.join(sorted(known)) or 'none'})")
-        opening = known[name][0]
-        if opening.kind == "path" and hasattr(value, "__fspath__"):
-            value = os.fspath(value)
-        common.need(isinstance(value, str), f"{opening.flag} is {'a path' if opening.kind == 'path' else 'text'}, "
-                                            f"got {type(value).__name__}")
-        checked[name] = value
-    return checked
 
 
 def check_resume(saved: dict, config: DrafterTrainConfig) -> None:
