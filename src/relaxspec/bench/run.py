@@ -288,17 +288,21 @@ def run_bench(pipeline, condition: Condition, methods: Sequence[MethodSpec], sam
     return records
 
 
-def merge_shards(out: str | Path, world: int, overwrite: bool = False) -> bool:
+def merge_shards(out: str | Path, world: int | None = None, overwrite: bool = False) -> bool:
     """When every shard of a sharded bench (``out/shard-RR-of-WW/``, one per process) holds all
     its records, write them together as ``out``'s own ``settings.json`` and ``records.jsonl`` (what
     one process would have written, each record saying which rank and device timed it) and return
-    True; else False (another process is still running). Shards of different settings, or a folder
-    holding another benchmark, are refused in one line."""
+    True; else False (another process is still running). ``world``: the process count (default: the
+    shards' own). Shards of different settings, or a folder holding another benchmark, are refused
+    in one line."""
     from relaxspec.files import write_atomic, write_json
-    from relaxspec.runs.shards import shard_folders
+    from relaxspec.runs.shards import SHARD, shard_folders
 
     out = Path(out)
-    folders = [folder for folder in shard_folders(out) if folder.name.endswith(f"-of-{world:02d}")]
+    folders = shard_folders(out)  # one world size (a folder mixing them is refused)
+    if not folders:
+        return False
+    world = world if world is not None else int(SHARD.search(folders[0].name).group(2))
     metas = []
     for folder in folders:
         try:

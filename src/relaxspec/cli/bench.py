@@ -13,7 +13,7 @@ from pathlib import Path
 
 from relaxspec.bench.config import BASELINE, DEFAULT_METHODS, expand_methods, parse_methods
 from relaxspec.cli.options import add_model_options, open_from_args, read_prompts
-from relaxspec.runs.shards import SHARD, distributed, shard_dir, shard_folders, shard_range
+from relaxspec.runs.shards import distributed, shard_dir, shard_folders, shard_range
 from relaxspec.conditions import class_ids
 from relaxspec.errors import RelaxspecError, shown
 from relaxspec import extras
@@ -206,8 +206,7 @@ def run_bench_cli(args: argparse.Namespace) -> int:
     rank, world, local = distributed()
     if args.report_only:
         if world == 1 and shard_folders(Path(args.out)):  # a sharded bench's report, its shards merged first
-            worlds = {int(SHARD.search(p.name).group(2)) for p in shard_folders(Path(args.out))}
-            if not merge_shards(args.out, worlds.pop(), args.overwrite):
+            if not merge_shards(args.out, overwrite=args.overwrite):
                 raise RelaxspecError(f"{args.out}: its shards are not all finished; run the sharded bench again")
         vq = None
         if classifier is not None:
