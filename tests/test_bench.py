@@ -563,3 +563,9 @@ def test_bench_shards_over_processes_and_merges_what_one_process_writes(models, 
     # A finished rank started again decodes nothing and merges again.
     assert run_cli(["bench", *common, "--out", str(sharded)]) == 0
     assert len(read_records(sharded / "shard-01-of-02")) == 4
+    # --report-only in one process merges finished shards first.
+    (sharded / "records.jsonl").unlink()
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("RANK", "0")
+    assert run_cli(["bench", *common, "--out", str(sharded), "--report-only"]) == 0
+    assert tokens(sharded) == tokens(tmp_path / "one")
