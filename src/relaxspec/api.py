@@ -20,7 +20,7 @@ from relaxspec.inputs import check_seed, check_upscale
 from relaxspec.methods import MethodOptions
 from relaxspec.pipelines import UPSTREAM_SAMPLING, ImagePipeline, open_pipeline
 from relaxspec.pipelines.families import check_inputs, opening_inputs
-from relaxspec.pipelines.llamagen import LlamaGenC2I, LlamaGenT2I
+from relaxspec.pipelines.llamagen import LlamaGenC2I, llamagen_pipeline
 from relaxspec.sampling import SamplingConfig, batch_seed
 
 __all__ = ["Generation", "UPSTREAM_SAMPLING", "generate", "pipeline_of"]
@@ -39,9 +39,9 @@ def _embedded(device: str, precision: str) -> ImagePipeline:
     return open_pipeline(device=device, precision=precision)
 
 
-def pipeline_of(model: tuple | ImagePipeline, t5_path: str | None = None) -> ImagePipeline:
+def pipeline_of(model: tuple | ImagePipeline, **inputs) -> ImagePipeline:
     """A pipeline from ``(target, vq, drafter)`` already in memory (LlamaGen-format models; the
-    drafter may be ``None``), or the pipeline itself."""
+    drafter may be ``None``; ``inputs``: a t2i target's ``t5_path``), or the pipeline itself."""
     if isinstance(model, ImagePipeline):
         return model
     if not isinstance(model, (tuple, list)) or len(model) != 3:
@@ -56,14 +56,7 @@ def pipeline_of(model: tuple | ImagePipeline, t5_path: str | None = None) -> Ima
                              f"EAGLE drafter or None (relaxspec.models.llamagen.checkpoints.load_gpt / load_vq), got "
                              f"({', '.join(type(part).__name__ for part in model)}); a transformers folder of a family relaxspec "
                              "opens is model_path=DIR, any other model a pipeline (relaxspec.pipelines.open_pipeline)")
-    if getattr(target.config, "model_type", "c2i") == "c2i":
-        if t5_path is not None:
-            raise RelaxspecError("this is a class-conditional (c2i) model: give classes, not prompts")
-        return LlamaGenC2I(target, vq, drafter)
-    if not hasattr(target.config, "caption_dim"):
-        raise RelaxspecError("relaxspec.generate encodes prompts for LlamaGen t2i models; for another family give "
-                             "its folder as model_path (relaxspec info --families, docs/models/)")
-    return LlamaGenT2I(target, vq, drafter, t5_path=t5_path)
+    return llamagen_pipeline(target, vq, drafter, **inputs)
 
 
 def generate(classes: str | Sequence[int | str] | None = None, method: str | MethodOptions | None = None, *,
@@ -129,7 +122,7 @@ def generate(classes: str | Sequence[int | str] | None = None, method: str | Met
                                          "to open_pipeline")
                 pipeline = model
             else:
-                pipeline = pipeline_of(model, **check_inputs(LlamaGenT2I, inputs, "a LlamaGen model in memory"))
+                pipeline = pipeline_of(model, **inputs)
     if preset is not None:
         from relaxspec.pipelines.presets import with_preset
 

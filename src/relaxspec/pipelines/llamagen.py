@@ -132,6 +132,18 @@ def open_llamagen(gpt_ckpt, vq_ckpt, *, gpt_model: str | None = None, vq_model: 
     return pipeline
 
 
+def llamagen_pipeline(target, vq=None, drafter=None, **inputs) -> ImagePipeline:
+    """The pipeline around a LlamaGen target already in memory (with its VQ and drafter, either may
+    be ``None``: one without a VQ formats conditions and paints nothing), its family's ``inputs``
+    (a t2i target's ``t5_path``) checked as :func:`~relaxspec.pipelines.open_pipeline` checks them."""
+    from relaxspec.pipelines.families import check_inputs
+
+    if target.config.model_type == "c2i":
+        return LlamaGenC2I(target, vq, drafter, **check_inputs(LlamaGenC2I, inputs, "a class-conditional LlamaGen "
+                                                                                  "model (c2i)"))
+    return LlamaGenT2I(target, vq, drafter, **check_inputs(LlamaGenT2I, inputs))
+
+
 def open_embedded(*, drafter_ckpt=None, device="cpu", precision: str = "fp32", with_drafter: bool = True):
     """The embedded emoji model (a LlamaGen c2i pipeline) with its shipped drafter, sampling
     defaults, tuned presets, default method and demo classes (``embedded/defaults.json``)."""
@@ -152,4 +164,4 @@ def _asdict(config) -> dict:
     return dataclasses.asdict(config)
 
 
-__all__ = ["DEFAULT_CLASSES", "LlamaGenC2I", "LlamaGenT2I", "open_embedded", "open_llamagen", "spec_id"]
+__all__ = ["DEFAULT_CLASSES", "LlamaGenC2I", "LlamaGenT2I", "llamagen_pipeline", "open_embedded", "open_llamagen", "spec_id"]

@@ -101,19 +101,12 @@ def _read_prompts(config: DrafterTrainConfig) -> list[str]:
 
 def _around(target: TargetModel, inputs: dict):
     """The pipeline of a LlamaGen target already loaded (given in memory, or a ``gpt_ckpt`` without
-    ``vq_ckpt``, which train-drafter does not need), with its family's ``inputs`` checked: it formats
-    conditions (a t2i one's prompts with its ``t5_path``) and paints nothing. ``None`` for a target
-    of another kind."""
+    ``vq_ckpt``, which train-drafter does not need): it formats conditions (a t2i one's prompts
+    with its ``t5_path``) and paints nothing. ``None`` for a target of another kind."""
     from relaxspec.models.llamagen.gpt import Transformer
-    from relaxspec.pipelines.families import check_inputs
-    from relaxspec.pipelines.llamagen import LlamaGenC2I, LlamaGenT2I
+    from relaxspec.pipelines.llamagen import llamagen_pipeline
 
-    if not isinstance(target, Transformer):
-        return None
-    if target.config.model_type == "c2i":
-        return LlamaGenC2I(target, None, **check_inputs(LlamaGenC2I, inputs, "a class-conditional LlamaGen "
-                                                                             "checkpoint (c2i)"))
-    return LlamaGenT2I(target, None, **check_inputs(LlamaGenT2I, inputs))
+    return llamagen_pipeline(target, **inputs) if isinstance(target, Transformer) else None
 
 
 def _open_named(config: DrafterTrainConfig, prompts: list[str] | None):
