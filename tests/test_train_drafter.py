@@ -396,11 +396,14 @@ def test_resume_continues_a_run_stopped_while_drawing_self_samples(tmp_path, tar
     monkeypatch.setattr(ar_module, "generate_ar", ctrl_c_on_second)
     assert main(["train-drafter", "--gpt-ckpt", str(tmp_path / "target"), "--self-samples", "8", "--batch-size", "4",
                  "--classes", "1", "2", "--steps", "2", "--lr", "1e-3", *out]) == 130
-    assert int(np.load(tmp_path / "run" / SELF_SAMPLES)["done"]) == 4
+    assert not (tmp_path / "run" / SELF_SAMPLES).exists()  # written whole once every batch is drawn
+    assert len(list((tmp_path / "run").glob("self_samples.parts-*/batch-*.npy"))) == 1  # the first batch is kept
     calls.clear()
     monkeypatch.setattr(ar_module, "generate_ar", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
     assert main(["train-drafter", "--resume", *out]) == 0
     assert len(calls) == 1  # only the unfinished batch
+    assert int(np.load(tmp_path / "run" / SELF_SAMPLES)["done"]) == 8
+    assert not list((tmp_path / "run").glob("self_samples.parts-*"))
     state = torch.load(tmp_path / "run" / TRAIN_STATE, weights_only=True)
     assert state["step"] == 2 and state["config"]["lr"] == 1e-3 and state["config"]["classes"] == [1, 2]
 

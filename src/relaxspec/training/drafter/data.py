@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -159,7 +161,8 @@ def _generate_labels(stats: Path) -> tuple[list[int] | None, list[int] | None]:
 @torch.no_grad()
 def sample_from_target(target: TeacherForcedTarget, count: int, *, classes: list[int] | None = None,
                        sampling: SamplingConfig | None = None, seed: int = 0, batch_size: int = 16,
-                       progress: bool = False, cache: str | Path | None = None) -> DrafterDataset:
+                       progress: bool = False, cache: str | Path | None = None, shard: Shard | None = None
+                       ) -> DrafterDataset:
     """``count`` images sampled from a class-conditional target with :func:`generate_ar` (classes
     cycled from ``classes``, or drawn uniformly from ``seed``), batch by batch as
     :func:`sample_prompts` draws them: with ``cache``, an interrupted run picks up where it
@@ -172,20 +175,37 @@ def sample_from_target(target: TeacherForcedTarget, count: int, *, classes: list
     else:
         labels = torch.randint(target.config.num_classes, (count,), generator=torch.Generator().manual_seed(seed))
     return sample_prompts(target, labels.to(target.device), None, count, sampling=sampling, seed=seed,
-                          batch_size=batch_size, progress=progress, cache=cache)
+                          batch_size=batch_size, progress=progress, cache=cache, shard=shard)
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Which batches this process draws: batch ``todo[i]`` for ``i % world == rank`` of those not
+    cached yet; ``barrier`` waits for every process of the run (the processes must agree on what
+    is cached before drawing, and each read all batches once every one is drawn)."""
+
+    rank: int = 0
+    world: int = 1
+    barrier: Callable[[], None] = lambda: None
 
 
 @torch.no_grad()
 def sample_prompts(target: TargetModel, cond: torch.Tensor, cond_mask: torch.Tensor | None, count: int, *,
                    sampling: SamplingConfig, seed: int = 0, batch_size: int = 16, progress: bool = False,
-                   cache: str | Path | None = None) -> DrafterDataset:
+                   cache: str | Path | None = None, shard: Shard | None = None) -> DrafterDataset:
     """``count`` images sampled from a prompt-conditioned target with :func:`generate_ar`, its
     formatted prompts ``cond [P, ...]`` (mask ``cond_mask``) cycled. Batch ``b`` samples with a
-    generator seeded ``mix(seed, b)``; with ``cache`` (an ``.npz``) every finished batch is saved,
-    and a run of the same conditions and settings picks up where an interrupted one stopped."""
+    generator seeded ``mix(seed, b)``, whichever process draws it; with ``cache`` (an ``.npz``,
+    :class:`~relaxspec.training.drafter.cache.SampleCache`) every finished batch is kept, and a
+    run of the same conditions and settings, on any number of processes, picks up where an
+    interrupted one stopped. With ``shard`` this process draws its share of the batches; every
+    process returns all of them (the cache is how they meet, so it is required)."""
     from relaxspec.decoding.ar import generate_ar
-    from relaxspec.files import write_atomic
+    from relaxspec.training.drafter.cache import SampleCache
 
+    shard = shard or Shard()
+    if shard.world > 1 and cache is None:
+        raise RelaxspecError("self-samples drawn by several processes meet in their cache: give cache")
     index = torch.arange(count) % cond.shape[0]
     conds, masks = cond[index], None if cond_mask is None else cond_mask[index]
     digest = hashlib.sha256()
@@ -194,32 +214,35 @@ def sample_prompts(target: TargetModel, cond: torch.Tensor, cond_mask: torch.Ten
             digest.update(str(tuple(part.shape)).encode() + part.cpu().numpy().tobytes())
     key = json.dumps({"conditions": digest.hexdigest(), "count": count, "seed": seed, "batch_size": batch_size,
                       "sampling": sampling.to_dict(), "tokens": target.config.block_size}, sort_keys=True)
-    tokens = np.full((count, target.config.block_size), -1, dtype=np.int64)
-    done = 0
-    cache = None if cache is None else Path(cache)
-    if cache is not None and cache.is_file():
-        try:
-            with np.load(cache, allow_pickle=False) as old:
-                if str(old["key"]) == key and old["tokens"].shape == tokens.shape:
-                    tokens, done = old["tokens"].copy(), int(old["done"])
-        except (OSError, ValueError, KeyError):
-            done = 0  # unreadable: sample again
-    starts = list(range(0, count, batch_size))
-    bar = tqdm(total=len(starts), initial=sum(start < done for start in starts), desc="self-samples",
+    store = None if cache is None else SampleCache(cache, key, count, batch_size, target.config.block_size)
+    if store is not None and store.complete():
+        return DrafterDataset(torch.from_numpy(store.load()[0]), conds, masks)
+    if store is not None:
+        tokens, done = store.load()
+    else:
+        tokens, done = np.full((count, target.config.block_size), -1, dtype=np.int64), [False] * math.ceil(count / batch_size)
+    shard.barrier()  # every process has read what is cached before any draws more
+    mine = [batch for batch, drawn in enumerate(done) if not drawn][shard.rank :: shard.world]
+    bar = tqdm(total=len(done), initial=sum(done), desc="self-samples",
                disable=not progress, leave=False)
-    for batch, start in enumerate(starts):
-        if start < done:
-            continue
-        rows = slice(start, start + batch_size)
+    for batch in mine:
+        rows = slice(batch * batch_size, min((batch + 1) * batch_size, count))
         generator = torch.Generator(device=target.device).manual_seed(common.mix(seed, batch))
         tokens[rows] = generate_ar(target, conds[rows], sampling, generator=generator,
                                    cond_mask=None if masks is None else masks[rows]).tokens.cpu().numpy()
-        done = min(start + batch_size, count)
-        if cache is not None:
-            cache.parent.mkdir(parents=True, exist_ok=True)
-            write_atomic(cache, lambda temp: np.savez(temp, tokens=tokens, done=done, key=key))
-        bar.update(1)
+        if store is not None:
+            store.write(batch, tokens[rows])
+        bar.update(min(shard.world, bar.total - bar.n))  # the others draw theirs meanwhile
     bar.close()
+    if store is not None:
+        shard.barrier()  # every batch is drawn
+        tokens, done = store.load()
+        if not all(done):
+            raise RelaxspecError(f"{cache}: {done.count(False)} batch(es) of self-samples drawn by other processes are "
+                                 "not there: --out must be on a file system every node of the run shares")
+        shard.barrier()  # every process has read them
+        if shard.rank == 0:
+            store.finish(tokens)
     return DrafterDataset(torch.from_numpy(tokens), conds, masks)
 
 
@@ -288,25 +311,27 @@ def encode_images(folder: str | Path, vq: VQModel, image_size: int, *, label: in
     return DrafterDataset(torch.cat(chunks), torch.tensor(labels))
 
 
-def build_dataset(config: DrafterTrainConfig, target: TargetModel, prompts=None, vq: VQModel | None = None
-                  ) -> DrafterDataset:
+def build_dataset(config: DrafterTrainConfig, target: TargetModel, prompts=None, vq: VQModel | None = None,
+                  shard: Shard | None = None) -> DrafterDataset:
     """All the sources ``config`` names, concatenated (token files, then self-samples, then images).
     ``prompts``: ``(cond, cond_mask)`` of a prompt-conditioned target, what its self-samples cycle.
-    ``vq``: the VQ model ``images`` are encoded with, when already open (else ``config.vq_ckpt``'s)."""
+    ``vq``: the VQ model ``images`` are encoded with, when already open (else ``config.vq_ckpt``'s).
+    ``shard``: this process's share of the self-samples (every process gets all of them)."""
+    progress = config.progress and (shard is None or shard.rank == 0)
     parts = [load_token_file(path, config.label) for path in config.data]
     if config.self_samples and prompts is not None:
         parts.append(sample_prompts(target, *prompts, config.self_samples, sampling=config.sampling, seed=config.seed,
-                                    batch_size=config.batch_size, progress=config.progress,
-                                    cache=Path(config.out) / SELF_SAMPLES))
+                                    batch_size=config.batch_size, progress=progress,
+                                    cache=Path(config.out) / SELF_SAMPLES, shard=shard))
     elif config.self_samples:
         parts.append(sample_from_target(target, config.self_samples, classes=config.classes, sampling=config.sampling,
-                                        seed=config.seed, batch_size=config.batch_size, progress=config.progress,
-                                        cache=Path(config.out) / SELF_SAMPLES))
+                                        seed=config.seed, batch_size=config.batch_size, progress=progress,
+                                        cache=Path(config.out) / SELF_SAMPLES, shard=shard))
     if config.images is not None:
         vq = vq if vq is not None else load_vq(config.vq_ckpt, config.vq_model, device=target.device)
         size = target.config.grid_size * vq.config.downsample_factor
         parts.append(encode_images(config.images, vq, size, label=config.label, batch_size=config.batch_size,
-                                   progress=config.progress))
+                                   progress=progress))
     if not parts:
         raise RelaxspecError("no training data: give --data FILE, --self-samples COUNT or --images DIR")
     return DrafterDataset.concat(parts)
