@@ -90,7 +90,8 @@ def chain_mal(accept: torch.Tensor) -> torch.Tensor:
 def drafter_loss(pred_features: torch.Tensor, pred_logits: torch.Tensor, next_features: torch.Tensor,
                  next_logits: torch.Tensor, *, feature_weight: float = 1.0, ce_weight: float = 0.1,
                  law_loss: str = "ce", distill_weight: float = 1.0, sampling: SamplingConfig | None = None,
-                 train_depths: int | None = None, law_rows: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+                 train_depths: int | None = None, law_rows: torch.Tensor | None = None,
+                 counts: tuple[int, int] | None = None) -> dict[str, torch.Tensor]:
     """The loss over draft depths, and what it measures per depth.
 
     ``pred_features [R, D, T, dim]`` / ``pred_logits [R, D, T, vocab]``
@@ -112,7 +113,12 @@ def drafter_loss(pred_features: torch.Tensor, pred_logits: torch.Tensor, next_fe
     ``loss = feature_weight * feature_loss + ce_weight * ce`` (or ``+ distill_weight * law``).
     Measured on every depth: ``accept [D]``, the mean ``1 - TV(p, q)`` of the decoding laws;
     ``top1 [D]``, how often the drafter's most likely token is the target's; ``accuracy`` = depth
-    1's ``top1``. ``chain_mal``: ``1 + sum_d prod_{i <= d} accept_i``."""
+    1's ``top1``. ``chain_mal``: ``1 + sum_d prod_{i <= d} accept_i``.
+
+    ``counts``: the rows and law rows of the whole batch when these are one process's share of it
+    (:func:`~relaxspec.training.drafter.passes.batch_loss` on a rank): every mean is then this
+    share's part of the batch's, so the shares' values sum to the batch's (``chain_mal`` is left
+    to the sum)."""
     sampling = sampling or SamplingConfig()
     rows, depths, count = pred_logits.shape[:3]
     train_depths = depths if train_depths is None else train_depths
@@ -121,17 +127,19 @@ def drafter_loss(pred_features: torch.Tensor, pred_logits: torch.Tensor, next_fe
     valid = torch.arange(count, device=device)[None, :] >= torch.arange(depths, device=device)[:, None]
     per_depth = valid.sum(dim=1).clamp_min(1).float()
 
-    def mean_per_depth(values: torch.Tensor) -> torch.Tensor:  # [rows, D, T] -> [D]
-        return (values * valid).sum(dim=(0, 2)) / (per_depth * values.shape[0])
+    def mean_per_depth(values: torch.Tensor, over: int | None = None) -> torch.Tensor:  # [rows, D, T] -> [D]
+        return (values * valid).sum(dim=(0, 2)) / (per_depth * (values.shape[0] if over is None else over))
+
+    all_rows, all_law_rows = counts or (None, None)
 
     trained = slice(0, train_depths)
     feature = F.smooth_l1_loss(pred_features.float(), next_features[:, None].float().expand_as(pred_features),
                                reduction="none").mean(dim=-1)
-    result = {"feature_loss": mean_per_depth(feature)[trained].mean()}
+    result = {"feature_loss": mean_per_depth(feature, all_rows)[trained].mean()}
     if law_loss == "ce":
         probs = next_logits.float().softmax(dim=-1)[:, None]
         ce = -(probs * pred_logits.float().log_softmax(dim=-1)).sum(dim=-1)
-        result["ce"] = mean_per_depth(ce)[trained].mean()
+        result["ce"] = mean_per_depth(ce, all_rows)[trained].mean()
         law = ce_weight * result["ce"]
     if law_rows is not None:  # the rows decoding compares: paired [cond; null] under CFG, else cond
         pred_logits, next_logits = pred_logits[law_rows], next_logits[law_rows]
@@ -146,15 +154,17 @@ def drafter_loss(pred_features: torch.Tensor, pred_logits: torch.Tensor, next_fe
             if sampling.top_k > 0 or sampling.top_p < 1.0:  # q renormalised on p's support: finite, 0 at q = p
                 log_q = log_q - torch.logsumexp(log_q.masked_fill(p == 0, float("-inf")), dim=-1, keepdim=True)
             kl = (torch.xlogy(p, p) - p * log_q).sum(dim=-1)
-            result["kl"] = mean_per_depth(kl)[trained].mean()
+            result["kl"] = mean_per_depth(kl, all_law_rows)[trained].mean()
             law = law + result["kl"]
         if "tv" in law_loss:
-            result["tv"] = mean_per_depth(tv)[trained].mean()
+            result["tv"] = mean_per_depth(tv, all_law_rows)[trained].mean()
             law = law + result["tv"]
         law = distill_weight * law
     result["loss"] = feature_weight * result["feature_loss"] + law
     with torch.no_grad():
-        accept = mean_per_depth(1 - tv)
-        top1 = mean_per_depth((q.argmax(dim=-1) == p.argmax(dim=-1)).float())
-    result.update(accept=accept, top1=top1, accuracy=top1[0], chain_mal=chain_mal(accept))
+        accept = mean_per_depth(1 - tv, all_law_rows)
+        top1 = mean_per_depth((q.argmax(dim=-1) == p.argmax(dim=-1)).float(), all_law_rows)
+    result.update(accept=accept, top1=top1, accuracy=top1[0])
+    if counts is None:
+        result["chain_mal"] = chain_mal(accept)
     return result

@@ -80,7 +80,7 @@ def teacher_forced(target: TargetModel, cond: torch.Tensor, tokens: torch.Tensor
 
 def unrolled(drafter: EagleDrafter, features: torch.Tensor, tokens: torch.Tensor, depths: int, *,
              noise: torch.Tensor | None = None, condition: torch.Tensor | None = None,
-             condition_tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+             condition_tokens: torch.Tensor | None = None, forward=None) -> tuple[torch.Tensor, torch.Tensor]:
     """The drafter's guesses at draft depths ``1 .. depths`` for every pair, as decoding makes
     them: depth 1 from the target's features (``features [R, N, dim]`` of ``tokens [R, N]``,
     plus ``noise`` on them when given), depth ``d`` at pair ``i`` from its own depth-``d - 1``
@@ -91,7 +91,10 @@ def unrolled(drafter: EagleDrafter, features: torch.Tensor, tokens: torch.Tensor
     are computed without gradients (each pass recomputes the levels before it); the last pass,
     which produces every output, carries them. One depth is the plain causal pass. ``condition
     [R, C, dim]``: the target's hidden states at the condition positions, and ``condition_tokens
-    [R, C]`` the condition's tokens, for a drafter that reads them (official LANTERN's)."""
+    [R, C]`` the condition's tokens, for a drafter that reads them (official LANTERN's).
+    ``forward``: what runs the drafter (default the drafter; in a multi-process run its
+    DistributedDataParallel wrapper, which averages the gradients over the processes)."""
+    forward = forward or drafter
     in_features, in_tokens, positions = drafter_inputs(features, tokens)
     reads = {name: value for name, value in (("condition", condition), ("condition_tokens", condition_tokens))
              if value is not None}
@@ -104,21 +107,31 @@ def unrolled(drafter: EagleDrafter, features: torch.Tensor, tokens: torch.Tensor
             levels.append(torch.cat([torch.zeros_like(previous[:, :1]), previous[:, :-1]], dim=1))
         mask = None if depth == 1 else unrolled_mask(count, depth, tokens.device).expand(rows, -1, -1)
         with torch.set_grad_enabled(torch.is_grad_enabled() and depth == depths):
-            out_features, out_logits = drafter(torch.cat(levels, dim=1), in_tokens.repeat(1, depth),
+            out_features, out_logits = forward(torch.cat(levels, dim=1), in_tokens.repeat(1, depth),
                                                positions.repeat(1, depth), attn_mask=mask, **reads)
     return (out_features.reshape(rows, depths, count, -1), out_logits.reshape(rows, depths, count, -1))
 
 
 def batch_loss(drafter: EagleDrafter, tokens: torch.Tensor, labels: torch.Tensor, config: DrafterTrainConfig, *,
                noise_generator: torch.Generator | None = None, cond_mask: torch.Tensor | None = None,
-               depths: int | None = None) -> dict[str, torch.Tensor]:
+               depths: int | None = None, share: slice | None = None, batch: int | None = None,
+               forward=None) -> dict[str, torch.Tensor]:
     """Target features for one batch, the drafter unrolled over ``depths`` draft depths (default
     ``config.train_depths``; the loss counts the first ``train_depths``) on the (noised) pairs,
-    the loss and its per-depth measures (:func:`~relaxspec.training.drafter.maths.drafter_loss`)."""
+    the loss and its per-depth measures (:func:`~relaxspec.training.drafter.maths.drafter_loss`).
+
+    ``share``: these rows are rows ``share`` of a batch of ``batch`` (one process's part of a
+    multi-process step). What is drawn or averaged over the batch is the whole batch's, restricted
+    to these rows: its null rows (``null_fraction`` of the batch, first rows first), its feature
+    noise and the normalisers of every mean, so the parts' values (``chain_mal`` aside) sum to
+    those of the batch in one process. ``forward``: what runs the drafter (:func:`unrolled`)."""
     target = drafter.target
     device = target.device
     tokens, labels = tokens.to(device), labels.to(device)
-    null_rows = round(config.null_fraction * tokens.shape[0])
+    rows = tokens.shape[0]
+    first, whole = (0, rows) if share is None else (share.start, batch)
+    null_all = round(config.null_fraction * whole)
+    null_rows = min(max(null_all - first, 0), rows)  # the batch's null rows are its first ones
     depths = max(depths or 1, config.train_depths)
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=config.bf16):
         mask = None if cond_mask is None else cond_mask.to(device)
@@ -130,18 +143,29 @@ def batch_loss(drafter: EagleDrafter, tokens: torch.Tensor, labels: torch.Tensor
                                                                               mask), None, None
         noise = None
         if noise_generator is not None and config.noise > 0:
-            uniform = torch.rand(features[:, :-1].shape, generator=noise_generator, device=device)
+            shape = (whole + null_all, *features.shape[1:-1], features.shape[-1])
+            uniform = torch.rand((shape[0], shape[1] - 1, shape[2]), generator=noise_generator, device=device)
+            if share is not None:  # [cond rows; null rows] of the batch -> these rows'
+                uniform = uniform[torch.cat([torch.arange(first, first + rows),
+                                             whole + torch.arange(first, first + null_rows)]).to(device)]
             noise = (2 * uniform - 1) * config.noise
         pred_features, pred_logits = unrolled(drafter, features, torch.cat([tokens, tokens[:null_rows]]), depths,
                                               noise=noise, condition=condition,
-                                              condition_tokens=condition_tokens)
+                                              condition_tokens=condition_tokens, forward=forward)
         next_features, next_logits = drafter_targets(features, logits)
-    batch = tokens.shape[0]
-    law_rows = None  # every row: [cond B; null B] under CFG
-    if config.sampling.use_cfg and null_rows < batch:
-        law_rows = torch.cat([torch.arange(null_rows), torch.arange(batch, batch + null_rows)]).to(device)
-    elif not config.sampling.use_cfg and null_rows:  # decoding runs the condition's stream only
-        law_rows = torch.arange(batch, device=device)
+    law_rows, _ = _law_rows(rows, null_rows, config.sampling.use_cfg, device)
+    counts = None if share is None else (whole + null_all, _law_rows(whole, null_all, config.sampling.use_cfg)[1])
     return drafter_loss(pred_features, pred_logits, next_features, next_logits, feature_weight=config.feature_weight,
                         ce_weight=config.ce_weight, law_loss=config.law_loss, distill_weight=config.distill_weight,
-                        sampling=config.sampling, train_depths=config.train_depths, law_rows=law_rows)
+                        sampling=config.sampling, train_depths=config.train_depths, law_rows=law_rows, counts=counts)
+
+
+def _law_rows(batch: int, null_rows: int, use_cfg: bool, device=None) -> tuple[torch.Tensor | None, int]:
+    """The rows of ``[cond batch; null null_rows]`` whose laws decoding compares (``None``: all)
+    and how many: the paired ``[cond; null]`` rows under CFG, the condition's rows without
+    (decoding runs no other stream)."""
+    if use_cfg and null_rows < batch:
+        return torch.cat([torch.arange(null_rows), torch.arange(batch, batch + null_rows)]).to(device), 2 * null_rows
+    if not use_cfg and null_rows:
+        return torch.arange(batch, device=device), batch
+    return None, batch + null_rows
