@@ -14,6 +14,11 @@ class RelaxspecError(ValueError):
     """Bad input from the user: a message meant to be read, never a traceback."""
 
 
+class SaidByRankZero(RelaxspecError):
+    """An error every process of a multi-process run meets alike (a bad setting, a folder in use):
+    rank 0 says it; the others exit with it without repeating the line."""
+
+
 def shown(value, limit: int = SHOWN_CHARS) -> str:
     """``repr(value)``, or its first ``limit`` characters and how long it was."""
     text = repr(value)

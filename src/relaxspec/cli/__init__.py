@@ -21,7 +21,7 @@ import warnings
 
 from relaxspec import __version__
 from relaxspec.cli.options import Parser, UsageError, require_extras
-from relaxspec.errors import RelaxspecError
+from relaxspec.errors import RelaxspecError, SaidByRankZero
 
 COMMANDS = "generate,info,data,train-vq,train-gpt,train-drafter,train-classifier,build-tree,bench,tune,eval,demo,make-test-checkpoints"
 
@@ -61,6 +61,8 @@ def main(argv: list[str] | None = None) -> int:
             return args.handler(args)
     except SystemExit as done:  # --help / --version
         return done.code if isinstance(done.code, int) else 0
+    except SaidByRankZero:  # a multi-process run's rank > 0: rank 0 prints the line
+        return 2
     except (UsageError, RelaxspecError) as err:
         return _fail(str(err))
     except OSError as err:  # missing, unreadable or unwritable paths

@@ -248,7 +248,36 @@ def add_train_drafter_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run_train_drafter(args: argparse.Namespace) -> int:
-    """Entry point of ``relaxspec train-drafter``; raises :class:`RelaxspecError` on bad input."""
+    """Entry point of ``relaxspec train-drafter``; raises :class:`RelaxspecError` on bad input.
+    Under torchrun every process runs it; rank 0 says what they all would (settings) and prints
+    the result."""
+    from relaxspec.runs.shards import distributed
+    from relaxspec.training.distributed import alike
+
+    rank = distributed()[0]
+    with alike(rank):
+        config, resume = _drafter_config(args)
+    if rank == 0:
+        note = extras.missing("matplotlib", f"accept.png in {config.out}")
+        if note:  # said now, not at the end of the run
+            print(f"relaxspec: note: {note}; metrics.jsonl has the same numbers", file=sys.stderr)
+    result = train_drafter(config, resume=resume)
+    if rank != 0:
+        return 0
+    last = result.history[-1] if result.history else {}
+
+    def rounded(value):
+        return [round(v, 5) for v in value] if isinstance(value, list) else round(value, 5)
+
+    print(json.dumps({"out": config.out, "step": result.step, "stopped_early": result.stopped_early,
+                      "sequences_per_second": round(result.sequences_per_second, 2),
+                      **{k: rounded(v) for k, v in last.items() if isinstance(v, (float, list))},
+                      "best": {k: rounded(v) if isinstance(v, (float, list)) else v for k, v in result.best.items()}}))
+    return 0
+
+
+def _drafter_config(args: argparse.Namespace) -> tuple[DrafterTrainConfig, bool]:
+    """The run's config from the options (and, with --resume, the saved run's)."""
     if "classes" in args:  # each --classes word may itself be a comma list
         args.classes = [c for word in args.classes for c in word]
     if getattr(args, "model_path", None) is not None and not getattr(args, "resume", False):
@@ -262,20 +291,7 @@ def run_train_drafter(args: argparse.Namespace) -> int:
     if given:  # over a resumed run's saved inputs
         config = dataclasses.replace(config, inputs={**config.inputs, **given})
     check_law_weight(args, config.law_loss)
-    note = extras.missing("matplotlib", f"accept.png in {config.out}")
-    if note:  # said now, not at the end of the run
-        print(f"relaxspec: note: {note}; metrics.jsonl has the same numbers", file=sys.stderr)
-    result = train_drafter(config, resume=resume)
-    last = result.history[-1] if result.history else {}
-
-    def rounded(value):
-        return [round(v, 5) for v in value] if isinstance(value, list) else round(value, 5)
-
-    print(json.dumps({"out": config.out, "step": result.step, "stopped_early": result.stopped_early,
-                      "sequences_per_second": round(result.sequences_per_second, 2),
-                      **{k: rounded(v) for k, v in last.items() if isinstance(v, (float, list))},
-                      "best": {k: rounded(v) if isinstance(v, (float, list)) else v for k, v in result.best.items()}}))
-    return 0
+    return config, resume
 
 
 def check_law_weight(args: argparse.Namespace, law_loss: str) -> None:

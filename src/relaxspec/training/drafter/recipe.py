@@ -17,8 +17,11 @@ with ``weights_only=True``) therefore continues bit for bit.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
+import re
+import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,10 +30,10 @@ from tqdm.auto import tqdm
 
 from relaxspec.devices import resolve_device
 from relaxspec.drafting.eagle import LLAMAGEN, DrafterConfig, EagleDrafter, drafter_config, load_drafter
-from relaxspec.errors import RelaxspecError
+from relaxspec.errors import RelaxspecError, SaidByRankZero
 from relaxspec.models.base import TargetModel, TeacherForcedTarget
 from relaxspec.models.llamagen.checkpoints import load_gpt, load_strict
-from relaxspec.training import common
+from relaxspec.training import common, distributed
 from relaxspec.training.common import TRAIN_STATE
 from relaxspec.training.drafter.checkpoints import (
     ACCEPT_PLOT,
@@ -40,7 +43,7 @@ from relaxspec.training.drafter.checkpoints import (
     save_checkpoint,
 )
 from relaxspec.training.drafter.config import BEST, PREPARING, STATE_VERSION, DrafterTrainConfig, check_resume
-from relaxspec.training.drafter.data import DrafterDataset, build_dataset
+from relaxspec.training.drafter.data import DrafterDataset, Shard, build_dataset
 from relaxspec.training.drafter.maths import chain_mal
 from relaxspec.training.drafter.passes import batch_loss
 
@@ -109,7 +112,7 @@ def _around(target: TargetModel, inputs: dict):
     return llamagen_pipeline(target, **inputs) if isinstance(target, Transformer) else None
 
 
-def _open_named(config: DrafterTrainConfig, prompts: list[str] | None):
+def _open_named(config: DrafterTrainConfig, prompts: list[str] | None, device: torch.device | None = None):
     """The pipeline of the target ``config`` names, opened as every command opens one
     (:func:`relaxspec.pipelines.open_pipeline`: LlamaGen files or folders, LANTERN's LlamaGen
     folders, any family's model folder), with its family's ``config.inputs``. A LlamaGen checkpoint
@@ -118,7 +121,7 @@ def _open_named(config: DrafterTrainConfig, prompts: list[str] | None):
     from relaxspec.pipelines.families import check_inputs
     from relaxspec.pipelines.llamagen import LlamaGenT2I
 
-    device = resolve_device(config.device)
+    device = device or resolve_device(config.device)
     if config.model_path is None and config.gpt_ckpt is None:
         raise RelaxspecError("no target: give --gpt-ckpt (and --gpt-model for an official file) or --model-path")
     if config.model_path is None and config.vq_ckpt is None:
@@ -132,14 +135,15 @@ def _open_named(config: DrafterTrainConfig, prompts: list[str] | None):
                          with_drafter=False, **config.inputs)
 
 
-def _open(config: DrafterTrainConfig, target: TargetModel | None, dataset: DrafterDataset | None):
+def _open(config: DrafterTrainConfig, target: TargetModel | None, dataset: DrafterDataset | None,
+          device: torch.device | None = None):
     """:func:`open_target`, and the LlamaGen VQ it opened with the target (for ``images``), else ``None``."""
     prompts = None
     if config.prompts_file is not None and (target is None or dataset is None):
         prompts = _read_prompts(config)
     vq = None
     if target is None:
-        pipeline = _open_named(config, prompts)
+        pipeline = _open_named(config, prompts, device)
         target = pipeline.target
         if config.model_path is None:
             vq = pipeline.tokenizer
@@ -199,32 +203,100 @@ def train_drafter(config: DrafterTrainConfig, *, target: TeacherForcedTarget | N
     ``self_samples`` / ``images``). The target is frozen in place (``eval()``, no gradients).
     Writes ``config.out``, which no other run may use meanwhile (:func:`common.out_lock`);
     returns the trained drafter and its evaluation history.
+
+    Under torchrun (``WORLD_SIZE`` > 1) the processes form one run
+    (:mod:`relaxspec.training.distributed`): each draws its share of the self-samples into the
+    shared cache, trains on its ``batch_size / world`` rows of every step's batch
+    (DistributedDataParallel; the null rows, noise and means are the whole batch's, so the weights
+    are the one-process run's up to float rounding), and rank 0 evaluates, checkpoints and exports
+    (its result holds the history; the other ranks' holds none). ``--out`` must be a folder every
+    process sees. A process that stops takes the others down with one line.
     """
-    with common.out_lock(config.out, "train-drafter"):
-        return _train(config, target=target, dataset=dataset, resume=resume)
+    rank, world, _ = distributed.distributed()
+    with distributed.alike(rank):
+        if config.batch_size % world:
+            raise RelaxspecError(f"--batch-size {config.batch_size} is the global batch: it does not divide over the "
+                                 f"{world} processes of this run (WORLD_SIZE {world})")
+        device = target.device if target is not None else resolve_device(config.device)
+        group, device = distributed.join(device)
+    try:
+        with _hold(config.out, group):
+            return _train(config, target=target, dataset=dataset, resume=resume, group=group, device=device)
+    except RelaxspecError:
+        raise
+    except Exception as err:
+        if group.world > 1 and distributed.peer_lost(err):
+            said = re.sub(r"^\[[^\]]*\]\s*", "", (str(err).strip() or type(err).__name__).splitlines()[0])
+            said = said.split(". ")[0][:160]  # gloo's: "Read error [host]:port: Connection reset by peer"
+            raise distributed.PeerLost(
+                f"rank {group.rank}: another process of this run stopped ({said}); {config.out} keeps the last "
+                "checkpoint: --resume continues, with any number of processes") from None
+        raise
+    finally:
+        distributed.leave()
 
 
-def _train(config: DrafterTrainConfig, *, target, dataset, resume: bool) -> DrafterTrainResult:
+@contextlib.contextmanager
+def _hold(out: str | Path, group: distributed.Group):
+    """Hold ``out`` for this run (:func:`common.out_lock`, taken by rank 0) and check that every
+    process sees the folder rank 0 writes (several nodes need a file system they share)."""
+    if group.world == 1:
+        with common.out_lock(out, "train-drafter"):
+            yield
+        return
+    with contextlib.ExitStack() as held:
+        refusal = None
+        if group.main:
+            try:
+                held.enter_context(common.out_lock(out, "train-drafter"))
+            except RelaxspecError as err:
+                refusal = str(err)
+        if group.agree(refusal is not None):
+            raise RelaxspecError(refusal) if group.main else SaidByRankZero(f"--out {out} is refused")
+        mark = Path(out) / WORLD_MARK
+        nonce = group.share(secrets.randbits(62) if group.main else 0)
+        if group.main:
+            mark.write_text(str(nonce))
+        group.barrier()
+        seen = mark.read_text().strip() if mark.is_file() else ""
+        blind = int(group.sum(torch.tensor([int(seen != str(nonce))], device=group.device)).item())
+        if blind:
+            with distributed.alike(group.rank):
+                raise RelaxspecError(f"--out {out}: {blind} process(es) of this run do not see the folder rank 0 "
+                                     "writes; across nodes --out must be on a file system they all share")
+        yield
+
+
+#: Written by rank 0 of a multi-process run for every rank to read back (:func:`_hold`).
+WORLD_MARK = ".world"
+
+
+def _train(config: DrafterTrainConfig, *, target, dataset, resume: bool, group: distributed.Group,
+           device: torch.device) -> DrafterTrainResult:
     out = Path(config.out)
-    saved = prior_state(out, resume)
-    if config.prompts_file is not None and target is None:
-        config.prompts_sha256 = hashlib.sha256("\n".join(_read_prompts(config)).encode()).hexdigest()
-    if saved is not None:
-        check_resume(saved["config"], config)
-        if saved.get(PREPARING):  # stopped while drawing its self-samples: start training from step 0
-            saved = None
-    target, prompts, vq = _open(config, target, dataset)
+    with distributed.alike(group.rank):  # every process reads the same folder and settings
+        saved = prior_state(out, resume)
+        if config.prompts_file is not None and target is None:
+            config.prompts_sha256 = hashlib.sha256("\n".join(_read_prompts(config)).encode()).hexdigest()
+        if saved is not None:
+            check_resume(saved["config"], config)
+            if saved.get(PREPARING):  # stopped while drawing its self-samples: start training from step 0
+                saved = None
+    group.barrier()  # all have read the folder before rank 0 writes in it
+    main = group.main
+    target, prompts, vq = _open(config, target, dataset, device)
     device = target.device
     target.eval().requires_grad_(False)
     out.mkdir(parents=True, exist_ok=True)
-    if dataset is None and config.self_samples and saved is None:
+    if dataset is None and config.self_samples and saved is None and main:
         # Drawing the self-samples is slow and cached batch by batch: name the recipe now, so that
         # --resume after a Ctrl-C while drawing them continues with it (and reuses the cache).
         common.save_train_state(out, {"format_version": STATE_VERSION, "step": 0, "config": config.to_dict(),
                                       PREPARING: True})
     if dataset is None:
-        dataset = build_dataset(config, target, prompts, vq=vq)
-    dataset.check_for(target)
+        dataset = build_dataset(config, target, prompts, vq=vq, shard=Shard(group.rank, group.world, group.barrier))
+    with distributed.alike(group.rank):
+        dataset.check_for(target)
     train_set, val_set = dataset.split(config.val_fraction, config.seed)
     eval_set, eval_name = (val_set, "val") if len(val_set) else (train_set, "train")
 
@@ -261,7 +333,12 @@ def _train(config: DrafterTrainConfig, *, target, dataset, resume: bool) -> Draf
         scheduled_best = saved.get("scheduled_best", best.get("chain_mal"))
         if saved.get("measure") != _measure(config):  # scores of another measure do not compare
             best, bad_evals, scheduled_best = {}, 0, None
-    common.rewrite_metrics(out, history)  # a fresh run drops what one stopped before its first checkpoint logged
+    if main:
+        common.rewrite_metrics(out, history)  # a fresh run drops what one stopped before its first checkpoint logged
+    forward = drafter
+    if group.world > 1:  # gradients averaged over the processes (each step's loss is scaled to match)
+        forward = torch.nn.parallel.DistributedDataParallel(
+            drafter, device_ids=[device] if device.type == "cuda" else None, forward_sync_buffers=False)
 
     steps_per_epoch = math.ceil(len(train_set) / config.batch_size)
     total = common.run_length(config.steps, config.epochs, steps_per_epoch)
@@ -303,18 +380,34 @@ def _train(config: DrafterTrainConfig, *, target, dataset, resume: bool) -> Draf
         return False
 
     def checkpoint(at: int) -> None:
-        save_checkpoint(out, drafter, optimizer, at, config, history, best, bad_evals, _measure(config),
-                         scheduled_best)
+        if main:
+            save_checkpoint(out, drafter, optimizer, at, config, history, best, bad_evals, _measure(config),
+                            scheduled_best)
 
     def step_loss(step: int, index: torch.Tensor):
         noise = torch.Generator(device=device).manual_seed(common.mix(config.seed, step))
-        losses = batch_loss(drafter, train_set.tokens[index], train_set.labels[index], config, noise_generator=noise,
-                            cond_mask=None if train_set.cond_mask is None else train_set.cond_mask[index])
-        scalars = {name: value for name, value in losses.items() if value.ndim == 0}
-        return losses["loss"], {**scalars, "accept_1": losses["accept"][0]}
+        share, weight = group.rows(len(index)), 1.0
+        if group.world == 1:
+            share = None
+        elif share.start == share.stop:  # a short last batch left this rank none: a row weighted 0
+            share, weight = slice(0, 1), 0.0  # (DDP needs every rank's backward)
+        rows = index if share is None else index[share]
+        losses = batch_loss(drafter, train_set.tokens[rows], train_set.labels[rows], config, noise_generator=noise,
+                            cond_mask=None if train_set.cond_mask is None else train_set.cond_mask[rows],
+                            share=share, batch=len(index), forward=forward)
+        metrics = {name: value for name, value in losses.items() if value.ndim == 0}
+        metrics["accept_1"] = losses["accept"][0]
+        if share is None:
+            return losses["loss"], metrics
+        # each rank's values are its part of the batch's: summed, they are the batch's
+        total = group.sum(torch.stack([value.detach().float() for value in metrics.values()]).to(group.device) * weight)
+        return losses["loss"] * (weight * group.world), dict(zip(metrics, total))
+
+    def evaluate_once(at: int) -> bool:  # rank 0 evaluates; every rank stops where it says
+        return group.agree(evaluate(at) if main else False)
 
     first = step
-    if first == 0 and total > 0 and not history:  # a run resumed at step 0 has its baseline already
+    if first == 0 and total > 0 and not history and main:  # a run resumed at step 0 has its baseline already
         evaluate(0)
     stopped_before = bool(config.patience) and bad_evals >= config.patience  # a resumed run that had stopped
     law_name = "ce" if config.law_loss == "ce" else config.law_loss.split("+")[0]
@@ -323,12 +416,15 @@ def _train(config: DrafterTrainConfig, *, target, dataset, resume: bool) -> Draf
         step_loss, optimizer, steps=first if stopped_before else total, first=first, size=len(train_set),
         batch_size=config.batch_size, seed=config.seed, grad_clip=config.grad_clip, parameters=drafter.parameters(),
         lr=lambda at: common.warmup_constant(at, config.lr, config.warmup_steps),
-        hooks=[common.Every(config.eval_interval, evaluate), common.Every(config.checkpoint_interval, checkpoint)],
+        hooks=[common.Every(config.eval_interval, evaluate_once), common.Every(config.checkpoint_interval, checkpoint)],
         postfix=lambda m: {"loss": f"{m['loss']:.4f}", law_name: f"{m[law_name]:.3f}",
                            "1-TV": f"{m['accept_1']:.3f}"},
-        desc="train-drafter", progress=config.progress)
+        desc="train-drafter", progress=config.progress and main)
     if run.step == first:  # nothing left to train (e.g. resumed at the end): still leave a checkpoint
         checkpoint(first)
+    if not main:
+        return DrafterTrainResult(drafter.eval(), run.step, [], run.seconds, run.per_second, {},
+                                  run.stopped or stopped_before)
     try:
         plot_acceptance(history, out / ACCEPT_PLOT)
     except (OSError, ValueError, RuntimeError) as err:  # a plot never costs the run its export

@@ -1,0 +1,156 @@
+"""A recipe on many processes: ``torchrun --nproc_per_node G relaxspec train-drafter ...``.
+
+torchrun starts ``G`` processes (times ``--nnodes``) with ``RANK``, ``WORLD_SIZE``,
+``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT`` set; :func:`join` forms their process group
+(NCCL when the run's device is CUDA, each rank on ``cuda:LOCAL_RANK``; gloo on CPUs) and
+:class:`Group` is what a recipe asks of it: its rank, its rows of a global batch, a barrier, a
+sum over ranks and rank 0's word on a decision. Without torchrun the group is one process and
+every call is free, so a recipe has one code path.
+
+A process that dies takes the run down, never into a hang: under torchrun its agent stops the
+others (SIGTERM, which :func:`join` turns into one line); between processes started by hand, the
+survivors' next collective fails at once (gloo: "connection reset by peer") and
+:func:`peer_lost` names that failure, which the recipe turns into one line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import signal
+import sys
+from dataclasses import dataclass
+
+import torch
+
+from relaxspec.errors import RelaxspecError, SaidByRankZero
+from relaxspec.runs.shards import distributed
+
+#: How long a collective waits for the slowest rank (rank 0 evaluating a 7B target's drafter
+#: while the others wait is minutes; a dead rank is noticed long before, see the module's doc).
+TIMEOUT = datetime.timedelta(minutes=60)
+
+
+class PeerLost(RelaxspecError):
+    """Another process of the run stopped; this one stops too."""
+
+
+@dataclass(frozen=True)
+class Group:
+    """The processes of one run; the default is a run of one process."""
+
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+
+    @property
+    def main(self) -> bool:
+        """Rank 0: the process that evaluates, checkpoints, exports and prints."""
+        return self.rank == 0
+
+    def rows(self, size: int) -> slice:
+        """This rank's rows of a global batch of ``size``: a contiguous ``size / world`` (an epoch's
+        short last batch: as even a split as it allows, possibly none)."""
+        return slice(size * self.rank // self.world, size * (self.rank + 1) // self.world)
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            torch.distributed.barrier()
+
+    def agree(self, flag: bool) -> bool:
+        """Rank 0's ``flag``, on every rank (e.g. "stop here": the ranks must take the same steps)."""
+        if self.world == 1:
+            return flag
+        value = torch.tensor([int(flag)], device=self.device)
+        torch.distributed.broadcast(value, 0)
+        return bool(value.item())
+
+    def share(self, value: int) -> int:
+        """Rank 0's integer ``value``, on every rank."""
+        if self.world == 1:
+            return value
+        tensor = torch.tensor([value], dtype=torch.int64, device=self.device)
+        torch.distributed.broadcast(tensor, 0)
+        return int(tensor.item())
+
+    def sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` summed over the ranks (in place; returned)."""
+        if self.world > 1:
+            torch.distributed.all_reduce(tensor)
+        return tensor
+
+    @property
+    def device(self) -> torch.device:
+        """Where the group's collectives hold their tensors (NCCL's: this rank's GPU)."""
+        if self.world > 1 and torch.distributed.get_backend() == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+
+def join(device: torch.device) -> tuple[Group, torch.device]:
+    """The group of the processes torchrun started (a one-process group without torchrun) and
+    this process's device: ``device`` itself, or for a CUDA device named without an index under
+    torchrun, ``cuda:LOCAL_RANK``. Forms the process group (NCCL on CUDA, gloo on CPUs) once."""
+    rank, world, local = distributed()
+    if world == 1:
+        return Group(), device
+    if device.type == "cuda" and device.index is not None:
+        raise RelaxspecError(f"--device {device} names one GPU for every process of the run: give --device cuda (or "
+                             "auto), and each process takes cuda:LOCAL_RANK")
+    if device.type == "cuda":
+        if local >= torch.cuda.device_count():
+            raise RelaxspecError(f"LOCAL_RANK {local} but this machine has {torch.cuda.device_count()} CUDA device(s): "
+                                 "start at most one process per GPU (torchrun --nproc_per_node)")
+        device = torch.device("cuda", local)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if not torch.distributed.is_initialized():
+        missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if name not in os.environ]
+        if missing:
+            raise RelaxspecError(f"WORLD_SIZE {world} but {' and '.join(missing)} not set: start the processes with "
+                                 "torchrun (it sets them)")
+        torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world,
+                                             timeout=TIMEOUT)
+        signal.signal(signal.SIGTERM, _stopped_by_launcher)
+    return Group(rank, world, local), device
+
+
+@contextlib.contextmanager
+def alike(rank: int):
+    """Around checks every process makes alike (settings, files all of them read): an error is
+    said once, by rank 0 (the others raise :class:`~relaxspec.errors.SaidByRankZero`)."""
+    try:
+        yield
+    except SaidByRankZero:
+        raise
+    except RelaxspecError as err:
+        if rank != 0:
+            raise SaidByRankZero(str(err)) from None
+        raise
+
+
+def leave() -> None:
+    """End the process group, if one was formed."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+def peer_lost(err: BaseException) -> bool:
+    """Whether ``err`` is a collective failing because another process of the group is gone."""
+    if isinstance(err, getattr(torch.distributed, "DistError", ())):
+        return True
+    text = str(err)
+    return isinstance(err, RuntimeError) and any(
+        sign in text for sign in ("Connection reset by peer", "Connection closed by peer", "gloo/transport", "NCCL"))
+
+
+def _stopped_by_launcher(signum, frame) -> None:
+    rank = os.environ.get("RANK", "?")
+    print(f"relaxspec: error: rank {rank}: stopped by torchrun (another process of this run ended; its output says "
+          "why); the last checkpoint is kept: --resume continues, with any number of processes", file=sys.stderr)
+    sys.stdout.flush()
+    os._exit(2)
+
+
+__all__ = ["Group", "PeerLost", "TIMEOUT", "alike", "join", "leave", "peer_lost"]
