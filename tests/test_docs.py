@@ -211,3 +211,30 @@ def test_the_anole_page_runs_on_a_tiny_replica(tmp_path, monkeypatch, capsys):
     for out in ("anole-sjd", "anole-lantern", "anole-lantern-official"):
         assert (tmp_path / out / "0000.png").is_file(), out
     assert (tmp_path / "bench-anole" / "summary.md").is_file() and (tmp_path / "anole-drafter" / "best").is_dir()
+
+
+def test_the_readme_torchrun_commands_parse():
+    """The README's multi-process commands need GPUs and real models: torchrun's own parser must
+    accept what comes before ``-m relaxspec`` (a module torchrun can start: ``python -m
+    relaxspec``), and relaxspec's what comes after (the written-out ones)."""
+    import shlex
+
+    from torch.distributed.run import get_args_parser
+
+    from relaxspec.cli import build_parser
+
+    lines = [line.split("#")[0].strip() for block in SHELL.findall((ROOT / "README.md").read_text())
+             for line in block.replace("\\\n", " ").splitlines() if line.strip().startswith("torchrun ")]
+    assert len(lines) >= 2, "README.md: the torchrun commands are gone"
+    full = 0
+    for line in lines:
+        words = shlex.split(line)
+        cut = words.index("-m")
+        assert words[cut + 1] == "relaxspec", line
+        launcher = get_args_parser().parse_args([*words[1 : cut + 1], "relaxspec"])
+        assert launcher.module and launcher.training_script == "relaxspec"
+        if "..." not in words:
+            build_parser().parse_args(words[cut + 2 :])
+            full += 1
+    assert full >= 1
+    assert (ROOT / "src" / "relaxspec" / "__main__.py").is_file()

@@ -12,7 +12,7 @@ repeats every class (or caption of ``--caption-features``, or prompt of ``--prom
 ``--prompts-file``, e.g. with ``--model-path`` or ``--t5-path``) ``--images-per-class`` times, in
 order.
 
-Sharding (``torchrun --nproc_per_node G relaxspec eval ...``): rank ``r`` of ``W`` (the ``RANK`` /
+Sharding (``torchrun --nproc_per_node G -m relaxspec eval ...``): rank ``r`` of ``W`` (the ``RANK`` /
 ``WORLD_SIZE`` variables torchrun sets; 0 / 1 without it) takes the contiguous slice
 ``[r * n / W, (r + 1) * n / W)`` of the image list and writes it to ``OUT/shard-RR-of-WW/`` with
 ``relaxspec generate``'s resumable writer (``--device cuda`` becomes ``cuda:LOCAL_RANK``). Rank

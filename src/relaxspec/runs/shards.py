@@ -1,4 +1,4 @@
-"""Sharding a run over processes (``torchrun --nproc_per_node G relaxspec eval / bench ...``):
+"""Sharding a run over processes (``torchrun --nproc_per_node G -m relaxspec eval / bench ...``):
 rank ``r`` of ``W`` (the ``RANK`` / ``WORLD_SIZE`` / ``LOCAL_RANK`` variables torchrun sets; 0 / 1
 / 0 without it) takes a contiguous slice of the work and writes it to ``OUT/shard-RR-of-WW/``
 with the command's own resumable writer. No process group is needed: the process that finishes
