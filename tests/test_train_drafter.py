@@ -528,3 +528,13 @@ def test_a_checkpoint_pair_opens_as_every_command_opens_it(tmp_path, tiny_ckpts,
     assert (out / "model.safetensors").is_file()
     refused(["train-drafter", *pair, "--t5-path", str(tmp_path), "--self-samples", "2", "--out", str(tmp_path / "x")],
             "this is a class-conditional (c2i) model")
+
+
+def test_an_evaluation_under_cfg_measures_every_row_s_law(target: Transformer, dataset: DrafterDataset) -> None:
+    """Decoding guides every row: with null_fraction 0.5 an evaluation batch of one row once had
+    no null row, so no law to measure (NaN chain MAL, and no evaluation could become the best)."""
+    drafter = EagleDrafter.for_target(target).float().attach(target)
+    one = dataset.subset(torch.arange(1))
+    half = evaluate_drafter(drafter, one, DrafterTrainConfig(null_fraction=0.5, cfg_scale=4.0))
+    whole = evaluate_drafter(drafter, one, DrafterTrainConfig(null_fraction=1.0, cfg_scale=4.0))
+    assert np.isfinite(half["chain_mal"]) and half == whole

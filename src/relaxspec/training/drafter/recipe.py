@@ -18,6 +18,7 @@ with ``weights_only=True``) therefore continues bit for bit.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import math
 import re
@@ -51,11 +52,14 @@ from relaxspec.training.drafter.passes import batch_loss
 @torch.no_grad()
 def evaluate_drafter(drafter: EagleDrafter, dataset: DrafterDataset, config: DrafterTrainConfig | None = None,
                      *, max_sequences: int | None = None) -> dict:
-    """Without noise, averaged over the rows of ``dataset`` (both streams per
-    ``config.null_fraction``): the loss and its terms, and per draft depth ``1 ..
-    config.eval_depths`` the mean ``1 - TV(p, q)`` (``accept``, a list) and top-1 agreement
-    (``top1``); ``accuracy`` is depth 1's, ``chain_mal`` the chain's tokens per step."""
+    """Without noise, averaged over the rows of ``dataset``: the loss and its terms, and per draft
+    depth ``1 .. config.eval_depths`` the mean ``1 - TV(p, q)`` (``accept``, a list) and top-1
+    agreement (``top1``); ``accuracy`` is depth 1's, ``chain_mal`` the chain's tokens per step.
+    Under CFG every row runs both streams, as decoding runs them (``null_fraction`` is what
+    training uses; at 0.5 an evaluation batch of one row would have had no law to measure)."""
     config = config or DrafterTrainConfig()
+    if config.sampling.use_cfg and config.null_fraction < 1.0:
+        config = dataclasses.replace(config, null_fraction=1.0)
     count = len(dataset) if max_sequences is None else min(len(dataset), max_sequences)
     totals: dict[str, torch.Tensor] = {}
     was_training = drafter.training
