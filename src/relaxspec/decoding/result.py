@@ -31,6 +31,8 @@ class DecodeResult:
     rank_tests: torch.Tensor | None = None  # [depth, rank] sibling tests, summed over the batch
     rank_accepts: torch.Tensor | None = None  # [depth, rank] of those, accepted
     tv_recorded: bool = True  # False: a relaxed method ran with the record off (step_tv is zero, not measured)
+    rows: int = 1  # image rows painted at once: above 1 the law is not the model's, whatever the rule
+    row_lead: int = 0  # with rows above 1: the tokens a row had before the row below opened
 
     @property
     def overhead_seconds(self) -> float:
@@ -78,7 +80,8 @@ class DecodeResult:
                 "target_forward_seconds": self.target_forward_seconds / rows,
                 "drafter_forward_seconds": self.drafter_forward_seconds / rows,
                 "target_forwards": int(self.target_forwards[row]), "drafter_forwards": int(self.drafter_forwards[row]),
-                "mean_accepted_length": float(self.mean_accepted_length[row]), **self.tv_record(row)}
+                "mean_accepted_length": float(self.mean_accepted_length[row]), **self.tv_record(row),
+                **({"rows": self.rows, "row_lead": self.row_lead} if self.rows > 1 else {})}
 
 
 def certified_tv(tv_sums) -> float:

@@ -116,3 +116,32 @@ class DraftStructure(Protocol):
 
     def draft(self, source: FeatureDrafter, roots: torch.Tensor, root_index: torch.Tensor,
               generator: torch.Generator | None, greedy: bool) -> DraftTree: ...
+
+
+class NoDrafts:
+    """A source that drafts nothing: every tree is its root, so a step commits the bonus token
+    alone (plain decoding in the engine's terms; ZipAR's rows in parallel)."""
+
+    max_nodes, max_depth = 1, 0
+
+    def __init__(self):
+        self.forwards = 0
+
+    def start(self, first_tokens, first_probs, first_hidden, streams, num_tokens, generator, greedy, *,
+              condition_hidden=None, condition_tokens=None) -> None:
+        self.vocab = first_probs.shape[-1]
+
+    def propose(self, roots, root_index, generator, greedy: bool) -> DraftTree:
+        rows, device = roots.shape[0], roots.device
+        zero = torch.zeros(rows, 1, dtype=torch.long, device=device)
+        proposals = torch.zeros(rows, 1, self.vocab, device=device).scatter_(2, roots[:, None, None], 1.0)
+        return DraftTree(roots[:, None], zero - 1, zero, proposals, torch.ones(rows, 1, dtype=torch.bool, device=device),
+                         torch.ones(rows, 1, 1, dtype=torch.bool, device=device),
+                         children=torch.full((1, 1, 1), -1, dtype=torch.long, device=device), level_widths=(),
+                         point_mass=True)
+
+    def update(self, committed, path, count, root_index, target_probs, target_hidden, generator=None) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

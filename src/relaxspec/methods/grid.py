@@ -1,0 +1,48 @@
+"""Rows in parallel, as settings: the plan ``--rows`` and ``--row-lead`` give on a model's token
+grid (:mod:`relaxspec.decoding.rows` decodes with it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from relaxspec.errors import RelaxspecError
+
+
+@dataclass(frozen=True)
+class RowPlan:
+    """``lanes`` rows open at once at most (more than the grid has: all of them); a row opens once
+    the row above has ``lead`` tokens."""
+
+    lanes: int = 2
+    lead: int = 1
+
+    def check(self, grid: int | None) -> None:
+        """One line for a plan the model's grid cannot take (``grid``: its side, ``None`` without one)."""
+        if grid is None:
+            raise RelaxspecError("rows in parallel need a model whose image tokens lie on a square grid")
+        if self.lanes < 1:
+            raise RelaxspecError(f"rows must be at least 1, got {self.lanes}")
+        if not 1 <= self.lead <= grid:
+            raise RelaxspecError(f"row lead must lie in [1, {grid}] (the grid is {grid} tokens wide), got {self.lead}")
+
+
+def row_plan(options, model) -> RowPlan:
+    """The plan ``options`` (``rows``, ``row_lead``) give on ``model``'s grid, checked: the lead
+    defaults to a third of the row (ZipAR's 8 of 24)."""
+    grid = grid_side(model)
+    lead = options.row_lead if options.row_lead is not None else max(1, -(-(grid or 3) // 3))
+    plan = RowPlan(options.rows, lead)
+    plan.check(grid)
+    return plan
+
+
+def grid_side(model) -> int | None:
+    """The side of ``model``'s square token grid, ``None`` when its image is not one."""
+    config = model.config
+    side = getattr(config, "grid_size", None)
+    if not isinstance(side, int) or side * side != config.block_size:
+        return None
+    return side
+
+
+__all__ = ["RowPlan", "grid_side", "row_plan"]
