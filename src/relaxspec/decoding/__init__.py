@@ -25,6 +25,17 @@ def decode(model, cond, sampling, options: MethodOptions | None = None, *, gener
 
         return generate_ar(model, cond, sampling, generator=generator, cond_mask=cond_mask, progress=progress,
                            compile=options.compile, on_step=on_step)
+    if options.rows > 1:
+        from relaxspec.decoding.engine import build_parts
+        from relaxspec.decoding.rows import generate_rows
+        from relaxspec.methods.grid import row_plan
+        from relaxspec.methods import BuildContext
+
+        if source is None or rule is None:
+            built = build_parts(options, BuildContext(target=model, tokenizer=vq, drafter=drafter, sampling=sampling))
+            source, rule = source or built[0], rule or built[1]
+        return generate_rows(model, cond, sampling, source=source, rule=rule, plan=row_plan(options, model),
+                             generator=generator, cond_mask=cond_mask, record_tv=options.record_tv)
     from relaxspec.decoding.engine import generate_speculative
 
     return generate_speculative(model, cond, sampling, options, generator=generator, drafter=drafter, vq=vq,

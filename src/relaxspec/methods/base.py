@@ -83,7 +83,13 @@ COMPILE = Setting("compile", bool, False, "compile the model steps and the tree 
                                           "a GPU): the first batch pays the compilation, later ones run faster")
 RECORD_TV = Setting("record_tv", bool, True, "relaxed methods: skip the per-token TV record (faster; no TV "
                                              "certificate)", flag="--no-tv-record", off_switch=True)
-SHARED_SETTINGS = (DRAFT, DEPTH, TREE, SIBLINGS, DYNAMIC_TOP_K, TOTAL_TOKENS, WINDOW, COMPILE, RECORD_TV)
+ROWS = Setting("rows", int, 1, "image rows painted at once (2-D decoding, as ZipAR and PJD): 1 = raster order; more "
+                               "changes what a token is conditioned on, so no setting above 1 is the model's law",
+               minimum=1)
+ROW_LEAD = Setting("row_lead", int, None, "with --rows above 1: tokens a row has before the row below opens (default "
+                                          "a third of the row, ZipAR's 8 of 24)", minimum=1)
+SHARED_SETTINGS = (DRAFT, DEPTH, TREE, SIBLINGS, DYNAMIC_TOP_K, TOTAL_TOKENS, WINDOW, COMPILE, RECORD_TV, ROWS,
+                   ROW_LEAD)
 
 
 @dataclass(frozen=True)
@@ -138,6 +144,7 @@ class Method:
     relaxed: ClassVar[bool] = False
     exclusive: ClassVar[dict[str, tuple[str, ...]]] = {}
     presets: ClassVar[dict[str, Preset]] = {}
+    rows_only: ClassVar[bool] = False  # drafts nothing, decodes rows in parallel (ZipAR)
 
     # ---------------------------------------------------------------- settings
     def resolve(self, options) -> None:
@@ -171,7 +178,14 @@ class Method:
             used |= set(STRUCTURE_FIELDS.get(options.draft, ("siblings",)))
         if self.relaxed:
             used.add("record_tv")
+        if self.takes_rows and options.rows > 1:  # (rows 1 is raster order: no record says it)
+            used |= {"rows", "row_lead", "record_tv"}
         return frozenset(used)
+
+    @property
+    def takes_rows(self) -> bool:
+        """Whether ``--rows`` means something to this method (every method that drafts, and ZipAR)."""
+        return bool(self.drafts) or self.rows_only
 
     def where(self, options) -> str:
         """How the user named this method and structure, for messages: ``--method sd --draft chain``."""
@@ -185,6 +199,8 @@ class Method:
         method's own bounds, and call this."""
         config = getattr(context.target, "config", None)
         tokens = getattr(config, "block_size", None)
+        if options.rows > 1:
+            self._check_rows(options, context)
         if tokens is None or not self.drafts:
             return
         size = f"{tokens} token" + ("s" if tokens != 1 else "")
@@ -196,6 +212,20 @@ class Method:
                                  f"{tokens}")
         if options.draft != JACOBI:
             draft_structure(options)  # a tree's own bounds (nothing is allocated)
+
+    def _check_rows(self, options, context: BuildContext) -> None:
+        """Rows in parallel: a model with a square grid, a lead within the row, drafts that every
+        row can have (a Jacobi window, or none), and the eager engine."""
+        from relaxspec.methods.grid import row_plan
+
+        if context.target is not None:
+            row_plan(options, context.target)
+        if self.needs_drafter(options):
+            raise RelaxspecError(f"--rows {options.rows} with the EAGLE drafter ({self.where(options)}) is not built yet: "
+                                 "rows in parallel draft with a Jacobi window (--draft jacobi, as --method pjd) or "
+                                 "with none (--method zipar)")
+        if options.compile:
+            raise RelaxspecError(f"--rows {options.rows} runs eagerly for now: drop --compile")
 
     def needs_drafter(self, options) -> bool:
         return options.draft in EAGLE_DRAFTS or str(options.draft).endswith(".json")

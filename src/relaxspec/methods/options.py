@@ -115,7 +115,7 @@ class MethodOptions:
     def check_given(self, given) -> None:
         """Refuse a setting this method would silently ignore: ``given`` names the fields the
         user set (``--tree`` without ``--draft static``, ``--lam`` with ``ar``, ...)."""
-        unused = sorted(set(given) - self.used_fields() - {"method"})
+        unused = sorted(set(given) - self.used_fields() - {"method"} - ({"rows"} if self.family.takes_rows else set()))
         if unused:
             from relaxspec.methods.base import STRUCTURE_FIELDS
 

@@ -10,7 +10,7 @@ from functools import cache
 from relaxspec.errors import RelaxspecError
 from relaxspec.methods.base import SHARED_SETTINGS, Method, Preset, Setting
 
-FAMILIES = ("ar", "exact", "lantern", "cool", "jacobi", "gsd")
+FAMILIES = ("ar", "exact", "lantern", "cool", "jacobi", "gsd", "rows")
 
 
 @cache

@@ -127,6 +127,7 @@ def run_totals(done: list[dict], num_tokens: int, generated: int) -> dict:
     seconds = sum(r["seconds"] for r in done)
     tv_sums = [record_tv_sum(r) for r in done]
     recorded = not any(math.isnan(v) for v in tv_sums)  # --no-tv-record: no certificate
+    rows = max((r.get("rows", 1) for r in done), default=1)
     return {
         "images": num_images, "generated_this_run": generated,
         "seconds": seconds, "seconds_per_image": seconds / num_images,
@@ -138,7 +139,11 @@ def run_totals(done: list[dict], num_tokens: int, generated: int) -> dict:
         "mean_accepted_length": num_images * num_tokens / forwards,
         "tv_sum_mean": sum(tv_sums) / num_images if recorded else None,
         "tv_per_token_mean": sum(tv_sums) / (num_images * num_tokens) if recorded else None,
-        "tv_certified": certified_tv(tv_sums) if recorded else None,
+        # rows in parallel: the image law is not the model's, whatever the rule, so the record
+        # (which covers the acceptance only) certifies nothing about it
+        "tv_certified": certified_tv(tv_sums) if recorded and rows == 1 else None,
+        **({"law": f"up to {rows} rows in parallel: not the model's law (each token sees the rows above only as far as "
+                   "they were when it was decided); the TV record covers the acceptance only"} if rows > 1 else {}),
     }
 
 

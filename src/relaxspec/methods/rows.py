@@ -1,0 +1,50 @@
+"""Rows in parallel at their papers' settings (:mod:`relaxspec.decoding.rows`): ZipAR (arXiv
+2412.04062) opens a row once the row above has a lead of tokens and drafts nothing; PJD (Parallel
+Jacobi Decoding, arXiv 2606.05703) gives every open row its own Jacobi window, verified exactly.
+Any other method drafting with a Jacobi window takes ``--rows`` too. Neither is the model's law:
+a token is conditioned on the row above only as far as it was when the token was decided."""
+
+from __future__ import annotations
+
+from relaxspec.errors import RelaxspecError
+from relaxspec.methods.base import JACOBI, Method, Preset
+
+#: Every row may be open (ZipAR's schedule: as many as the lead allows); the engine takes the grid's.
+ALL_ROWS = 4096
+
+
+class ZipAR(Method):
+    name = "zipar"
+    summary = "rows in parallel, no drafts: a row opens once the row above has a lead of tokens (ZipAR)"
+    drafts = ()
+    rows_only = True
+    presets = {"zipar": Preset({"rows": ALL_ROWS}, "ZipAR: every row opens once the row above has a third of its "
+                                                   "tokens (ZipAR's 8 of 24), no drafts", bench=False)}
+
+    def resolve(self, options) -> None:
+        if options.rows < 2:
+            raise RelaxspecError("--method zipar paints rows in parallel: --rows must be at least 2")
+
+    def source(self, options, context):
+        from relaxspec.drafting.base import NoDrafts
+
+        return NoDrafts()
+
+
+class PJD(Method):
+    name = "pjd"
+    summary = "parallel Jacobi decoding: every open row with its own Jacobi window, exact acceptance (PJD)"
+    drafts = (JACOBI,)
+    presets = {"pjd": Preset({"rows": ALL_ROWS, "window": 4}, "PJD: rows in parallel as ZipAR opens them, each with a "
+                                                              "Jacobi window of 4 verified exactly", bench=False)}
+
+    def resolve(self, options) -> None:
+        super().resolve(options)
+        if options.rows < 2:
+            raise RelaxspecError("--method pjd paints rows in parallel: --rows must be at least 2 (one row is --method "
+                                 "sjd)")
+
+
+METHODS = (ZipAR(), PJD())
+
+__all__ = ["ALL_ROWS", "METHODS", "PJD", "ZipAR"]

@@ -1,0 +1,199 @@
+"""Rows in parallel (issue 31): one open row is plain decoding; several are the slow reference's
+order token for token; the row-causal mask against a per-node reference; bad settings."""
+
+import pytest
+import torch
+from helpers.engine import peaked_target
+from helpers.rows_reference import reference_rows
+
+from relaxspec.acceptance.exact import ExactRule
+from relaxspec.decoding.ar import generate_ar
+from relaxspec.decoding.rows import generate_rows, row_causal_mask
+from relaxspec.drafting.base import NoDrafts
+from relaxspec.drafting.jacobi import JacobiSource
+from relaxspec.errors import RelaxspecError
+from relaxspec.methods.grid import RowPlan
+from relaxspec.models.llamagen.gpt import GPTConfig
+from relaxspec.sampling import SamplingConfig
+
+GRID4 = GPTConfig(dim=64, n_layer=2, n_head=4, vocab_size=64, num_classes=10, block_size=16)
+GRID5 = GPTConfig(dim=64, n_layer=2, n_head=4, vocab_size=64, num_classes=10, block_size=25)
+GREEDY = SamplingConfig(cfg_scale=2.0, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return peaked_target(GRID5, 0)
+
+
+@pytest.mark.parametrize("source", [NoDrafts, lambda: JacobiSource(3)], ids=["no drafts", "jacobi"])
+@pytest.mark.parametrize("lanes, lead", [(1, 1), (1, 5), (2, 5), (3, 5)])
+def test_rows_that_never_overlap_are_plain_decoding(target, source, lanes, lead) -> None:
+    """One open row at a time (one lane, or a lead of the whole row): greedy exact decoding is
+    greedy AR token for token."""
+    cond = torch.tensor([1, 4])
+    result = generate_rows(target, cond, GREEDY, source=source(), rule=ExactRule(), plan=RowPlan(lanes, lead))
+    assert torch.equal(result.tokens, generate_ar(target, cond, GREEDY).tokens)
+
+
+@pytest.mark.parametrize("lanes, lead", [(2, 1), (2, 3), (3, 2), (5, 1)])
+def test_open_rows_decode_the_slow_reference_s_tokens(target, lanes, lead) -> None:
+    """Several open rows without drafts (ZipAR's schedule), greedy: the tokens of a reference that
+    forwards one token at a time, in the same order and with the same visibility; one forward per
+    step decides a token of every open row."""
+    cond = torch.tensor([1, 4])
+    result = generate_rows(target, cond, GREEDY, source=NoDrafts(), rule=ExactRule(), plan=RowPlan(lanes, lead))
+    assert torch.equal(result.tokens, reference_rows(target, cond, GREEDY, lanes, lead))
+    assert (result.target_forwards < 25).all()
+    assert sum(result.accept_lengths[0]) == 25
+
+
+def test_the_row_causal_mask_against_a_per_node_reference() -> None:
+    """Node i of lane l sees the condition, cached image keys earlier in raster order, and its own
+    lane's ancestors; nothing else (another lane's drafts, later rows, uncached keys)."""
+    generator = torch.Generator().manual_seed(0)
+    cls, n_tok, lanes, nodes, batch = 2, 9, 2, 3, 2
+    max_seq = cls + n_tok + lanes * nodes
+    cached = torch.rand(batch, max_seq, generator=generator) < 0.6
+    cached[:, :cls] = True
+    cached[:, cls + n_tok :] = False
+    raster_of_slot = torch.full((max_seq,), -1)
+    raster_of_slot[cls : cls + n_tok] = torch.arange(n_tok)
+    raster = torch.randint(0, n_tok, (batch, lanes, nodes), generator=generator)
+    ancestors = torch.rand(batch, lanes, nodes, nodes, generator=generator) < 0.5
+    scratch = cls + n_tok + torch.arange(lanes)[:, None] * nodes + torch.arange(nodes)[None, :]
+    mask = row_causal_mask(cached, raster_of_slot, raster, ancestors, scratch, cls, n_tok).view(batch, lanes, nodes, -1)
+    for b in range(batch):
+        for lane in range(lanes):
+            for i in range(nodes):
+                for slot in range(max_seq):
+                    if slot < cls:
+                        want = True
+                    elif slot < cls + n_tok:
+                        want = bool(cached[b, slot]) and slot - cls < raster[b, lane, i]
+                    else:
+                        other, j = divmod(slot - cls - n_tok, nodes)
+                        want = other == lane and bool(ancestors[b, lane, i, j])
+                    assert bool(mask[b, lane, i, slot]) == want, (b, lane, i, slot)
+
+
+def test_sampled_rows_commit_every_token_in_fewer_forwards(target) -> None:
+    sampling = SamplingConfig(cfg_scale=2.0, temperature=1.0, top_k=0)
+    result = generate_rows(target, torch.tensor([1, 2, 3]), sampling, source=JacobiSource(3), rule=ExactRule(),
+                           plan=RowPlan(3, 2), generator=torch.Generator().manual_seed(0))
+    assert result.tokens.shape == (3, 25) and (result.tokens >= 0).all() and (result.tokens < 64).all()
+    assert (result.target_forwards < 25).all()
+    assert all(sum(lengths) == 25 for lengths in result.accept_lengths)
+
+
+@pytest.mark.parametrize("plan, message", [
+    (RowPlan(2, 0), "row lead must lie in \\[1, 5\\]"),
+    (RowPlan(2, 6), "row lead must lie in \\[1, 5\\]"),
+    (RowPlan(0, 1), "rows must be at least 1"),
+])
+def test_bad_row_settings_are_one_line(target, plan, message) -> None:
+    with pytest.raises(RelaxspecError, match=message):
+        generate_rows(target, torch.tensor([1]), GREEDY, source=NoDrafts(), rule=ExactRule(), plan=plan)
+
+
+def test_a_model_without_a_grid_is_refused() -> None:
+    """An image that is not a square grid of tokens (here 15 tokens said to be 4 x 4) has no rows."""
+    from types import SimpleNamespace
+
+    from relaxspec.methods.grid import grid_side
+
+    model = SimpleNamespace(config=SimpleNamespace(grid_size=4, block_size=15))
+    assert grid_side(model) is None and grid_side(peaked_target(GRID4, 0)) == 4
+    with pytest.raises(RelaxspecError, match="square grid"):
+        generate_rows(model, torch.tensor([1]), GREEDY, source=NoDrafts(), rule=ExactRule(), plan=RowPlan(2, 1))
+
+
+def _family(name: str, root):
+    """(target, conditions) of a tiny model folder of a transformers family, opened as every command opens it."""
+    from relaxspec.pipelines import open_pipeline
+
+    if name == "janus":
+        from helpers.janus import janus_folder_at
+
+        janus_folder_at(root / "janus")
+        pipeline = open_pipeline(model_path=root / "janus")
+    elif name == "emu3":
+        from helpers.emu3 import emu3_folder_at
+
+        pipeline = open_pipeline(model_path=emu3_folder_at(root / "emu3"), image_size=32)  # a 4 x 4 grid
+    else:
+        from helpers.lumina import IMAGE_SIZE, lumina_folders
+
+        folders = lumina_folders(root)
+        pipeline = open_pipeline(model_path=folders["model_path"], tokenizer_path=folders["tokenizer_path"],
+                                 image_size=IMAGE_SIZE)
+    condition = pipeline.conditions(prompts=["a red fox", "a lighthouse"])
+    return pipeline.target, condition
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["janus", "emu3", "lumina"])
+def test_every_family_paints_rows_in_parallel(tmp_path, family) -> None:
+    """Janus (1-D positions), Emu3 and Lumina-mGPT (a forced row-end token after every row, kept
+    by the target's row-end companions): one open row is greedy AR; several are the slow
+    reference's tokens."""
+    pytest.importorskip("transformers")
+    target, condition = _family(family, tmp_path)
+    cond, mask = condition.cond, condition.mask
+    ar = generate_ar(target, cond, GREEDY, cond_mask=mask).tokens
+    grid = target.config.grid_size
+    one = generate_rows(target, cond, GREEDY, source=JacobiSource(2), rule=ExactRule(), plan=RowPlan(2, grid),
+                        cond_mask=mask)
+    assert torch.equal(one.tokens, ar)
+    several = generate_rows(target, cond, GREEDY, source=NoDrafts(), rule=ExactRule(), plan=RowPlan(3, 1),
+                            cond_mask=mask)
+    assert torch.equal(several.tokens, reference_rows(target, cond, GREEDY, 3, 1, cond_mask=mask))
+    assert (several.target_forwards < grid * grid).all()
+
+
+def test_generate_paints_rows_and_says_its_law_is_not_the_model_s(tmp_path, capsys) -> None:
+    """--method zipar / pjd and --rows on a Jacobi method, on the embedded model: fewer target
+    forwards than AR, a record of the rows and the lead, no TV certificate and a line saying
+    why; settings a method would ignore, and rows it cannot draft for, are one line."""
+    import json
+
+    from relaxspec.cli import main
+
+    def run(*args):
+        return main(["generate", "--classes", "1,2", "--no-progress", "--out", str(tmp_path / "run"), *args])
+
+    for method, extra in (("zipar", ["--row-lead", "2"]), ("pjd", []), ("sjd", ["--rows", "3", "--window", "2"])):
+        assert run("--method", method, *extra, "--out", str(tmp_path / method)) == 0, capsys.readouterr().err
+        stats = json.loads((tmp_path / method / "stats.json").read_text())
+        assert stats["totals"]["target_forwards_per_image"] < 64 and stats["totals"]["tv_certified"] is None
+        assert "not the model's law" in stats["totals"]["law"]
+        assert all(image["rows"] >= 2 and image["row_lead"] >= 1 for image in stats["images"])
+    capsys.readouterr()
+    for args, said in ((["--method", "ar", "--rows", "2"], "--rows is not used by --method ar"),
+                       (["--method", "sjd", "--row-lead", "2"], "--row-lead is not used by --method sjd"),
+                       (["--method", "zipar", "--rows", "1"], "--rows must be at least 2"),
+                       (["--method", "pjd", "--row-lead", "9"], "row lead must lie in [1, 8]"),
+                       (["--method", "sd", "--rows", "2"], "with the EAGLE drafter"),
+                       (["--method", "pjd", "--compile"], "drop --compile")):
+        assert run(*args) == 2
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and said in err, (args, err)
+
+
+@pytest.mark.parametrize("method", ["lantern", "lantern++", "cool", "gsd"])
+def test_every_acceptance_rule_verifies_the_rows(method) -> None:
+    """The engine knows no rule's insides: the relaxed rules (built as their methods build them,
+    LANTERN's neighbours from the embedded model's codebook) verify every open row's Jacobi
+    window, with their TV record, on the embedded model."""
+    from relaxspec.methods import MethodOptions, build_rule
+    from relaxspec.pipelines import open_pipeline
+
+    pipeline = open_pipeline()
+    sampling = SamplingConfig(cfg_scale=4.0, temperature=1.0, top_k=0)
+    rule = build_rule(MethodOptions(method), pipeline.tokenizer, horizon=3, target=pipeline.target)
+    assert not rule.lossless
+    result = generate_rows(pipeline.target, torch.tensor([3, 7]), sampling, source=JacobiSource(3), rule=rule,
+                           plan=RowPlan(4, 2), generator=torch.Generator().manual_seed(0))
+    assert result.tokens.shape == (2, 64) and ((result.tokens >= 0) & (result.tokens < 1024)).all()
+    assert (result.target_forwards < 64).all() and result.tv_recorded and (result.step_tv >= 0).all()
+    assert result.rows == 4 and result.row_lead == 2
