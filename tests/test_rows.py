@@ -197,3 +197,22 @@ def test_every_acceptance_rule_verifies_the_rows(method) -> None:
     assert result.tokens.shape == (2, 64) and ((result.tokens >= 0) & (result.tokens < 1024)).all()
     assert (result.target_forwards < 64).all() and result.tv_recorded and (result.step_tv >= 0).all()
     assert result.rows == 4 and result.row_lead == 2
+
+
+@pytest.mark.slow
+def test_bench_reports_rows_without_a_certificate(tmp_path, capsys) -> None:
+    """bench times rows methods paired with AR like any other, and its report gives them no TV
+    certificate and a note saying why."""
+    import json
+
+    from relaxspec.cli import main
+
+    assert main(["bench", "--classes", "1,2", "--methods", "ar,zipar,pjd", "--no-plots", "--out",
+                 str(tmp_path / "bench")]) == 0, capsys.readouterr().err
+    summary = json.loads((tmp_path / "bench" / "summary.json").read_text())
+    rows = {row["label"]: row for row in summary["methods"]}
+    for label in ("zipar", "pjd"):
+        assert rows[label]["rows"] >= 2 and rows[label]["tv_certified"] is None
+        assert rows[label]["target_forwards_per_image"] < 64
+    assert rows["ar"].get("rows") is None and rows["ar"]["tv_certified"] == 0
+    assert "zipar, pjd paint rows in parallel: not the model's law" in (tmp_path / "bench" / "summary.md").read_text()

@@ -287,6 +287,12 @@ def markdown_report(rows: Sequence[dict], settings: dict, notes: Sequence[str], 
         text += ["Quality relative to AR (method − AR; an interval holding 0: indistinguishable at this sample size):",
                  "", vs_ar]
     text += [verdict(rows, baseline).replace("verdict: ", "**Verdict:** ", 1), ""]
+    parallel = [row["label"] for row in rows if row.get("rows")]
+    if parallel:
+        notes = [*notes, f"{', '.join(parallel)} paint rows in parallel: not the model's law, whatever the rule (a "
+                         "token sees the rows above only as far as they were when it was decided). Their TV record "
+                         "covers the acceptance only, so they have no TV certificate; judge them by the quality "
+                         "columns."]
     if notes:
         text += ["Notes:", ""] + [f"- {n}" for n in notes] + [""]
     return "\n".join(text)

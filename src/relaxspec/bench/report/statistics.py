@@ -149,6 +149,9 @@ def method_summary(records: Sequence[dict], label: str, num_tokens: int, baselin
     else:
         row["tv_sum_mean"], row["tv_sum_lo"], row["tv_sum_hi"] = bootstrap(np.mean, tv, n_boot=n_boot, seed=seed)
         row["tv_certified"] = certified_tv(tv)
+    rows = max(int(r.get("rows", 1)) for r in mine)
+    if rows > 1:  # rows in parallel: not the model's law, so the record certifies nothing about it
+        row["rows"], row["tv_certified"] = rows, None
     return row
 
 
