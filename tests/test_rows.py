@@ -173,8 +173,7 @@ def test_generate_paints_rows_and_says_its_law_is_not_the_model_s(tmp_path, caps
                        (["--method", "sjd", "--row-lead", "2"], "--row-lead is not used by --method sjd"),
                        (["--method", "zipar", "--rows", "1"], "--rows must be at least 2"),
                        (["--method", "pjd", "--row-lead", "9"], "row lead must lie in [1, 8]"),
-                       (["--method", "sd", "--rows", "2"], "with the EAGLE drafter"),
-                       (["--method", "pjd", "--compile"], "drop --compile")):
+                       (["--method", "sd", "--rows", "2"], "with the EAGLE drafter")):
         assert run(*args) == 2
         err = capsys.readouterr().err
         assert len(err.strip().splitlines()) == 1 and said in err, (args, err)
@@ -216,3 +215,32 @@ def test_bench_reports_rows_without_a_certificate(tmp_path, capsys) -> None:
         assert rows[label]["target_forwards_per_image"] < 64
     assert rows["ar"].get("rows") is None and rows["ar"]["tv_certified"] == 0
     assert "zipar, pjd paint rows in parallel: not the model's law" in (tmp_path / "bench" / "summary.md").read_text()
+
+
+@pytest.mark.parametrize("name", ["zipar", "pjd"])
+def test_rows_read_the_device_about_once_per_step(name) -> None:
+    """As the raster engine: one read of the device per step (whether every row is done), the
+    results in one copy at the end, and no host data copied to the device."""
+    from relaxspec.bench.counting import StepCounter
+    from relaxspec.pipelines import open_pipeline
+
+    pipeline = open_pipeline()
+    condition = pipeline.conditions(classes="heart,time")
+    options = pipeline.method(name)
+    pipeline.generate(condition, options, generator=torch.Generator().manual_seed(0))
+    with StepCounter(pipeline.target) as counter:
+        result = pipeline.generate(condition, options, generator=torch.Generator().manual_seed(1))
+    reads = sum(window.syncs for window in counter.windows)
+    steps = int(result.target_forwards.max()) - 1
+    assert reads / steps <= 1.1, [window.sync_sites for window in counter.windows if window.syncs]
+    assert sum(window.host_copies for window in counter.windows) == 0, [w.copy_sites for w in counter.windows]
+
+
+@pytest.mark.slow
+def test_compiled_rows_decode_the_eager_tokens(target) -> None:
+    """--compile runs the rows' target step and tree walk compiled: the same greedy tokens."""
+    cond = torch.tensor([1, 4])
+    for source in (NoDrafts, lambda: JacobiSource(3)):
+        eager = generate_rows(target, cond, GREEDY, source=source(), rule=ExactRule(), plan=RowPlan(3, 2))
+        fast = generate_rows(target, cond, GREEDY, source=source(), rule=ExactRule(), plan=RowPlan(3, 2), compile=True)
+        assert torch.equal(eager.tokens, fast.tokens)

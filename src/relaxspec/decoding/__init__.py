@@ -35,7 +35,8 @@ def decode(model, cond, sampling, options: MethodOptions | None = None, *, gener
             built = build_parts(options, BuildContext(target=model, tokenizer=vq, drafter=drafter, sampling=sampling))
             source, rule = source or built[0], rule or built[1]
         return generate_rows(model, cond, sampling, source=source, rule=rule, plan=row_plan(options, model),
-                             generator=generator, cond_mask=cond_mask, record_tv=options.record_tv)
+                             generator=generator, cond_mask=cond_mask, record_tv=options.record_tv,
+                             compile=options.compile)
     from relaxspec.decoding.engine import generate_speculative
 
     return generate_speculative(model, cond, sampling, options, generator=generator, drafter=drafter, vq=vq,

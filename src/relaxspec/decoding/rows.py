@@ -34,17 +34,20 @@ import torch
 from relaxspec.acceptance import AcceptanceRule
 from relaxspec.decoding.result import DecodeResult, add_counts
 from relaxspec.decoding.target import GuidedTarget
-from relaxspec.decoding.verify import verify_tree
+from relaxspec.compiling import compiled
+from relaxspec.decoding.verify import verify_tree, walk_tree
 from relaxspec.methods.grid import RowPlan, grid_side
 from relaxspec.sampling import SamplingConfig, sample_from
 
 
 @torch.no_grad()
 def generate_rows(model, cond, sampling: SamplingConfig, *, source, rule: AcceptanceRule, plan: RowPlan,
-                  generator: torch.Generator | None = None, cond_mask=None, record_tv: bool = True) -> DecodeResult:
+                  generator: torch.Generator | None = None, cond_mask=None, record_tv: bool = True,
+                  compile: bool = False) -> DecodeResult:
     """Generate ``[B, N]`` tokens with ``plan.lanes`` rows open at once; ``source`` drafts for
     every lane (a source of ``B * lanes`` rows, lane ``l`` of image ``b`` being row ``b * lanes +
-    l``), ``rule`` accepts. Every step is one target forward and one read of the device."""
+    l``), ``rule`` accepts. Every step is one target forward and one read of the device;
+    ``compile`` runs the target's step and the tree walk compiled (their shapes are static)."""
     start = time.perf_counter()
     grid = grid_side(model)
     plan.check(grid)
@@ -52,7 +55,8 @@ def generate_rows(model, cond, sampling: SamplingConfig, *, source, rule: Accept
     # grid / lead rows are ever open: lanes past that would only pad every forward
     lanes, lead, greedy = min(plan.lanes, grid, -(-grid // plan.lead) + 1), plan.lead, sampling.greedy
     nodes = source.max_nodes
-    target = GuidedTarget(model, cond, sampling, cond_mask=cond_mask, scratch=lanes * nodes)
+    target = GuidedTarget(model, cond, sampling, cond_mask=cond_mask, scratch=lanes * nodes, compile=compile)
+    walk = compiled(walk_tree, target.device) if compile else None
     batch, n_tok, cls, device = target.batch, target.num_tokens, target.cls, target.device
     virtual = batch * lanes
     rule.prepare(device)
@@ -109,7 +113,7 @@ def generate_rows(model, cond, sampling: SamplingConfig, *, source, rule: Accept
             result = verify_tree(rule, probs.view(virtual, nodes, -1), tree.tokens, tree.parents, tree.proposals,
                                  tree.depth, valid.view(virtual, nodes), greedy=greedy, generator=generator,
                                  record_tv=record_tv and not rule.lossless, children=tree.children,
-                                 level_widths=tree.level_widths, point_mass=tree.point_mass, check=False)
+                                 level_widths=tree.level_widths, point_mass=tree.point_mass, check=False, walk=walk)
             accepted = result.num_accepted.view(batch, lanes)
             count = torch.where(active, accepted + 1, torch.zeros_like(accepted))
             rank_tests = add_counts(rank_tests, result.rank_tests)
@@ -153,13 +157,19 @@ def generate_rows(model, cond, sampling: SamplingConfig, *, source, rule: Accept
         source.close()
     if rank_tests is None:
         rank_tests = rank_accepts = torch.zeros(max(source.max_depth, 1), 1, dtype=torch.long, device=device)
-    per_step = torch.stack(counts_per_step, 1).cpu() if counts_per_step else torch.zeros(batch, 0, dtype=torch.long)
-    accept_lengths = [[1] + [int(c) for c in image if c > 0] for image in per_step]
-    return DecodeResult(tokens=tokens[:, :n_tok].cpu(), target_forwards=(steps + 1).cpu(),
-                        drafter_forwards=torch.full((batch,), source.forwards, dtype=torch.long), step_tv=step_tv[:, :n_tok].float().cpu(),
-                        accept_lengths=accept_lengths, seconds=time.perf_counter() - start,
-                        drafter_seconds=drafter_seconds, target_forward_seconds=target.watch.seconds,
-                        rank_tests=rank_tests.cpu(), rank_accepts=rank_accepts.cpu(),
+    # read once, in one copy, as the engine does (int64 results and the TV record's float32 bits)
+    per_step = torch.stack(counts_per_step, 1)
+    parts = [tokens[:, :n_tok], steps, per_step, step_tv[:, :n_tok].float().contiguous().view(torch.int32),
+             rank_tests, rank_accepts]
+    host = torch.cat([part.reshape(-1).long() for part in parts]).cpu()
+    tokens_h, steps_h, per_step_h, tv_bits, tests_h, accepts_h = (
+        chunk.view(part.shape) for chunk, part in zip(host.split([part.numel() for part in parts]), parts))
+    accept_lengths = [[1] + [count for count in image if count > 0] for image in per_step_h.tolist()]
+    return DecodeResult(tokens=tokens_h, target_forwards=steps_h + 1,
+                        drafter_forwards=torch.full((batch,), source.forwards, dtype=torch.long),
+                        step_tv=tv_bits.int().view(torch.float32), accept_lengths=accept_lengths,
+                        seconds=time.perf_counter() - start, drafter_seconds=drafter_seconds,
+                        target_forward_seconds=target.watch.seconds, rank_tests=tests_h, rank_accepts=accepts_h,
                         tv_recorded=record_tv or rule.lossless, rows=lanes, row_lead=lead)
 
 

@@ -214,8 +214,8 @@ class Method:
             draft_structure(options)  # a tree's own bounds (nothing is allocated)
 
     def _check_rows(self, options, context: BuildContext) -> None:
-        """Rows in parallel: a model with a square grid, a lead within the row, drafts that every
-        row can have (a Jacobi window, or none), and the eager engine."""
+        """Rows in parallel: a model with a square grid, a lead within the row, and drafts that every
+        row can have (a Jacobi window, or none)."""
         from relaxspec.methods.grid import row_plan
 
         if context.target is not None:
@@ -224,8 +224,6 @@ class Method:
             raise RelaxspecError(f"--rows {options.rows} with the EAGLE drafter ({self.where(options)}) is not built yet: "
                                  "rows in parallel draft with a Jacobi window (--draft jacobi, as --method pjd) or "
                                  "with none (--method zipar)")
-        if options.compile:
-            raise RelaxspecError(f"--rows {options.rows} runs eagerly for now: drop --compile")
 
     def needs_drafter(self, options) -> bool:
         return options.draft in EAGLE_DRAFTS or str(options.draft).endswith(".json")
