@@ -240,3 +240,17 @@ def test_a_family_drafter_trains_on_two_processes_as_on_one(tmp_path) -> None:
 
     losses = [json.loads(line)["loss"] for line in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
     assert len(losses) == 2 and losses[1] < losses[0]  # it trained: the same weights are not the initial ones
+
+
+@pytest.mark.slow
+def test_an_out_folder_in_use_is_refused_by_rank_0_alone(tmp_path, target_path) -> None:
+    """Two processes given an --out another run holds: rank 0 says it in one line, rank 1 stops
+    with it silently, and nothing is written there."""
+    from relaxspec.training.common import out_lock
+
+    with out_lock(tmp_path / "busy", "train-drafter"):
+        run = torchrun("train-drafter", "--gpt-ckpt", target_path, *RECIPE, "--steps", "1", "--out",
+                       str(tmp_path / "busy"))
+    said = [line for line in run.stderr.splitlines() if line.startswith("relaxspec: error:")]
+    assert run.returncode != 0 and len(said) == 1 and "is in use by another train-drafter run" in said[0], run.stderr
+    assert sorted(p.name for p in (tmp_path / "busy").iterdir()) == [".lock"]
