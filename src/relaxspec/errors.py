@@ -19,6 +19,11 @@ class SaidByRankZero(RelaxspecError):
     rank 0 says it; the others exit with it without repeating the line."""
 
 
+class PeerLost(RelaxspecError):
+    """Another process of a multi-process run stopped, so this one stops too. Its process group is
+    broken: the command line says the line and leaves at once (tearing the group down can abort)."""
+
+
 def shown(value, limit: int = SHOWN_CHARS) -> str:
     """``repr(value)``, or its first ``limit`` characters and how long it was."""
     text = repr(value)

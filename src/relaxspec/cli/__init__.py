@@ -16,12 +16,13 @@ the library imports this package (``tests/test_layers.py`` holds that).
 
 from __future__ import annotations
 
+import os
 import sys
 import warnings
 
 from relaxspec import __version__
 from relaxspec.cli.options import Parser, UsageError, require_extras
-from relaxspec.errors import RelaxspecError, SaidByRankZero
+from relaxspec.errors import PeerLost, RelaxspecError, SaidByRankZero
 
 COMMANDS = "generate,info,data,train-vq,train-gpt,train-drafter,train-classifier,build-tree,bench,tune,eval,demo,make-test-checkpoints"
 
@@ -63,6 +64,11 @@ def main(argv: list[str] | None = None) -> int:
         return done.code if isinstance(done.code, int) else 0
     except SaidByRankZero:  # a multi-process run's rank > 0: rank 0 prints the line
         return 2
+    except PeerLost as err:  # the process group is broken: say it and leave before it is torn down
+        _fail(str(err))
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(2)
     except (UsageError, RelaxspecError) as err:
         return _fail(str(err))
     except OSError as err:  # missing, unreadable or unwritable paths

@@ -24,16 +24,12 @@ from dataclasses import dataclass
 
 import torch
 
-from relaxspec.errors import RelaxspecError, SaidByRankZero
+from relaxspec.errors import PeerLost, RelaxspecError, SaidByRankZero
 from relaxspec.runs.shards import distributed
 
 #: How long a collective waits for the slowest rank (rank 0 evaluating a 7B target's drafter
 #: while the others wait is minutes; a dead rank is noticed long before, see the module's doc).
 TIMEOUT = datetime.timedelta(minutes=60)
-
-
-class PeerLost(RelaxspecError):
-    """Another process of the run stopped; this one stops too."""
 
 
 @dataclass(frozen=True)

@@ -223,6 +223,7 @@ def train_drafter(config: DrafterTrainConfig, *, target: TeacherForcedTarget | N
                                  f"{world} processes of this run (WORLD_SIZE {world})")
         device = target.device if target is not None else resolve_device(config.device)
         group, device = distributed.join(device)
+    lost = False
     try:
         with _hold(config.out, group):
             return _train(config, target=target, dataset=dataset, resume=resume, group=group, device=device)
@@ -230,6 +231,7 @@ def train_drafter(config: DrafterTrainConfig, *, target: TeacherForcedTarget | N
         raise
     except Exception as err:
         if group.world > 1 and distributed.peer_lost(err):
+            lost = True
             said = re.sub(r"^\[[^\]]*\]\s*", "", (str(err).strip() or type(err).__name__).splitlines()[0])
             said = said.split(". ")[0][:160]  # gloo's: "Read error [host]:port: Connection reset by peer"
             raise distributed.PeerLost(
@@ -237,7 +239,8 @@ def train_drafter(config: DrafterTrainConfig, *, target: TeacherForcedTarget | N
                 "checkpoint: --resume continues, with any number of processes") from None
         raise
     finally:
-        distributed.leave()
+        if not lost:  # a broken group is not torn down: that can abort or hang
+            distributed.leave()
 
 
 @contextlib.contextmanager
