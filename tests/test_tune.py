@@ -130,6 +130,20 @@ def test_budget_rules_by_hand():
         Budget("tv", -0.1)
 
 
+def test_rows_in_parallel_are_knobs_of_a_quality_budget_only():
+    """ZipAR's lead and PJD's window are tried when quality decides (their law is not the model's
+    and no TV record certifies it), never under a lossless or TV budget."""
+    from relaxspec.tuning.candidates import build_candidates
+
+    quality = build_candidates(Budget("quality"), {}, has_drafter=False)
+    rows = [c for c in quality if c.method in ("zipar", "pjd")]
+    assert sorted(c.label for c in rows) == ["pjd[window=2,row_lead=2]", "pjd[window=4,row_lead=2]",
+                                             "zipar[row_lead=1]", "zipar[row_lead=2]", "zipar[row_lead=3]"]
+    assert all(c.relaxed for c in rows) and not any(c.relaxed for c in quality if c.method in ("sjd", "scd"))
+    for budget in (Budget("lossless"), Budget("tv", 0.5)):
+        assert not [c for c in build_candidates(budget, {}, has_drafter=False) if c.method in ("zipar", "pjd")]
+
+
 # ---------------------------------------------------------------------------- the command
 
 
@@ -765,5 +779,5 @@ def test_quality_budget_with_a_classifier(llamagen, cost_model, tmp_path, capsys
     assert "Quality test (" in (out / "report.md").read_text()
     if state["chosen"]:
         chosen = next(c for c in state["candidates"] if c["label"] == state["chosen"])
-        if chosen["method"] in ("lantern", "cool", "gsd"):
+        if chosen["method"] in ("lantern", "cool", "gsd", "zipar", "pjd"):
             assert judged[state["chosen"]]["ok"] is True

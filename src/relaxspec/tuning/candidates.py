@@ -5,7 +5,8 @@ curve (target and drafter forwards timed here): for each acceptance rule the tre
 most tokens per second, the best chain and its neighbours, and a wider tree in case the cost model
 is off. The knob grids are the ranges the papers and our benchmarks found useful (delta / k / lam
 for LANTERN and LANTERN++, cool_delta for COOL-SD, group_p_gap and window for GSD, windows for the
-Jacobi methods, dynamic-tree sizes for EAGLE-2); ``compile`` is tried on the finalists only,
+Jacobi methods, dynamic-tree sizes for EAGLE-2, and under a quality budget the row lead of ZipAR and
+PJD, whose rows in parallel no TV record certifies); ``compile`` is tried on the finalists only,
 because compiling costs a fixed price per setting.
 """
 
@@ -38,7 +39,9 @@ class Candidate:
 
     @property
     def relaxed(self) -> bool:
-        return bool(self.options().family.relaxed)
+        """Whether its law may differ from the model's: a relaxed rule, or rows in parallel."""
+        options = self.options()
+        return bool(options.family.relaxed) or options.rows > 1
 
     def spec(self) -> MethodSpec:
         return MethodSpec(label=self.label, options={"method": self.method, **self.fields}, family=self.method)
@@ -138,6 +141,11 @@ def build_candidates(budget, trees: dict[str, list[dict]], has_drafter: bool) ->
     for window in (8, 16):
         for gap in (0.15, 0.3):
             add("gsd", {"window": window, "group_p_gap": gap})
+    if budget.kind == "quality":  # rows in parallel have no TV certificate: only quality can admit them
+        for lead in (1, 2, 3):
+            add("zipar", {"row_lead": lead})
+        for window in (2, 4):
+            add("pjd", {"window": window, "row_lead": 2})
     return found
 
 
