@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 
 from relaxspec.acceptance import AcceptanceRule
 from relaxspec.compiling import compiled
-from relaxspec.decoding.result import DecodeResult, add_counts
+from relaxspec.decoding.result import DecodeResult, add_counts, read_once
 from relaxspec.decoding.target import GuidedTarget
 from relaxspec.decoding.verify import verify_tree, walk_tree
 from relaxspec.drafting.tree_tables import tree_attention_mask
@@ -139,17 +139,13 @@ def generate_speculative(model, cond, sampling: SamplingConfig, options: MethodO
         source.close()
     if rank_tests is None:  # a one-token image: no step was taken
         rank_tests = rank_accepts = torch.zeros(max(source.max_depth, 1), 1, dtype=torch.long, device=device)
-    # The results are read once, after the loop, in one copy: every int64 result and the TV
-    # record's float32 bits packed into one buffer (issue 22: a decode's reads are its steps').
-    parts = [tokens[:, :n_tok], steps, lengths, drafter_forwards,
-             step_tv[:, :n_tok].float().contiguous().view(torch.int32), rank_tests, rank_accepts]
-    host = torch.cat([part.reshape(-1).long() for part in parts]).cpu()
-    tokens_h, steps_h, lengths_h, drafter_h, tv_bits, tests_h, accepts_h = (
-        chunk.view(part.shape) for chunk, part in zip(host.split([part.numel() for part in parts]), parts))
+    # The results are read once, after the loop, in one copy.
+    tokens_h, steps_h, lengths_h, drafter_h, tv_h, tests_h, accepts_h = read_once(
+        tokens[:, :n_tok], steps, lengths, drafter_forwards, step_tv[:, :n_tok], rank_tests, rank_accepts)
     step_counts, per_step = steps_h.tolist(), lengths_h.tolist()
     accept_lengths = [[1] + row[1 : count + 1] for row, count in zip(per_step, step_counts)]
     return DecodeResult(tokens=tokens_h, target_forwards=steps_h + 1, drafter_forwards=drafter_h,
-                        step_tv=tv_bits.int().view(torch.float32), accept_lengths=accept_lengths,
+                        step_tv=tv_h, accept_lengths=accept_lengths,
                         seconds=time.perf_counter() - start, drafter_seconds=drafter_seconds,
                         target_forward_seconds=target.watch.seconds, drafter_forward_seconds=_watched(source),
                         rank_tests=tests_h, rank_accepts=accepts_h, tv_recorded=record_tv or rule.lossless)

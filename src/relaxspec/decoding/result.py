@@ -84,6 +84,17 @@ class DecodeResult:
                 **({"rows": self.rows, "row_lead": self.row_lead} if self.rows > 1 else {})}
 
 
+def read_once(*parts: torch.Tensor) -> list[torch.Tensor]:
+    """A decode's results, brought to the host in one copy (issue 22: a decode's reads are its
+    steps'): integer tensors as they are and float32 ones (the TV record) by their bits, each
+    returned in its shape and dtype."""
+    packed = [part.float().contiguous().view(torch.int32) if part.is_floating_point() else part for part in parts]
+    host = torch.cat([part.reshape(-1).long() for part in packed]).cpu()
+    chunks = host.split([part.numel() for part in packed])
+    return [chunk.view(part.shape).int().view(torch.float32) if original.is_floating_point() else chunk.view(part.shape)
+            for chunk, part, original in zip(chunks, packed, parts)]
+
+
 def certified_tv(tv_sums) -> float:
     """The run's certificate from per-image :attr:`DecodeResult.tv_sum` values:
     ``min(1, mean tv_sum)``, a bound on the TV distance between the method's and the model's law

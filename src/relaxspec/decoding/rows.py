@@ -32,7 +32,7 @@ import time
 import torch
 
 from relaxspec.acceptance import AcceptanceRule
-from relaxspec.decoding.result import DecodeResult, add_counts
+from relaxspec.decoding.result import DecodeResult, add_counts, read_once
 from relaxspec.decoding.target import GuidedTarget
 from relaxspec.compiling import compiled
 from relaxspec.decoding.verify import verify_tree, walk_tree
@@ -140,7 +140,7 @@ def generate_rows(model, cond, sampling: SamplingConfig, *, source, rule: Accept
             src = torch.where(moving, source_slot, idle)
             dst = torch.where(moving, grid_slot, idle)
             target.move_cache(src.view(batch, -1), dst.view(batch, -1))
-            cached.scatter_(1, dst.view(batch, -1), moving.view(batch, -1) | cached.gather(1, dst.view(batch, -1)))
+            cached.scatter_(1, dst.view(batch, -1), moving.view(batch, -1))  # idle entries: scratch, never cached
             t0 = time.perf_counter()
             source.update(result.committed, result.path, torch.where(active, count, torch.ones_like(count)).view(-1),
                           root_index, probs.view(virtual, nodes, -1), _lanes_hidden(hidden, lanes, nodes), generator)
@@ -148,8 +148,9 @@ def generate_rows(model, cond, sampling: SamplingConfig, *, source, rule: Accept
             fill.scatter_add_(1, row, count)
             fill[:, grid] = 0
             lane_row = torch.where(active & (fill.gather(1, row) >= grid), lane_row + lanes, lane_row)
-            counts_per_step.append(count.sum(1))
-            steps += (count.sum(1) > 0).long()
+            committed_now = count.sum(1)
+            counts_per_step.append(committed_now)
+            steps += (committed_now > 0).long()
             if int(fill[:, :grid].sum()) >= batch * n_tok:  # the step's one read of the device
                 break
     finally:
@@ -157,17 +158,12 @@ def generate_rows(model, cond, sampling: SamplingConfig, *, source, rule: Accept
         source.close()
     if rank_tests is None:
         rank_tests = rank_accepts = torch.zeros(max(source.max_depth, 1), 1, dtype=torch.long, device=device)
-    # read once, in one copy, as the engine does (int64 results and the TV record's float32 bits)
-    per_step = torch.stack(counts_per_step, 1)
-    parts = [tokens[:, :n_tok], steps, per_step, step_tv[:, :n_tok].float().contiguous().view(torch.int32),
-             rank_tests, rank_accepts]
-    host = torch.cat([part.reshape(-1).long() for part in parts]).cpu()
-    tokens_h, steps_h, per_step_h, tv_bits, tests_h, accepts_h = (
-        chunk.view(part.shape) for chunk, part in zip(host.split([part.numel() for part in parts]), parts))
+    tokens_h, steps_h, per_step_h, tv_h, tests_h, accepts_h = read_once(
+        tokens[:, :n_tok], steps, torch.stack(counts_per_step, 1), step_tv[:, :n_tok], rank_tests, rank_accepts)
     accept_lengths = [[1] + [count for count in image if count > 0] for image in per_step_h.tolist()]
     return DecodeResult(tokens=tokens_h, target_forwards=steps_h + 1,
                         drafter_forwards=torch.full((batch,), source.forwards, dtype=torch.long),
-                        step_tv=tv_bits.int().view(torch.float32), accept_lengths=accept_lengths,
+                        step_tv=tv_h, accept_lengths=accept_lengths,
                         seconds=time.perf_counter() - start, drafter_seconds=drafter_seconds,
                         target_forward_seconds=target.watch.seconds, rank_tests=tests_h, rank_accepts=accepts_h,
                         tv_recorded=record_tv or rule.lossless, rows=lanes, row_lead=lead)
