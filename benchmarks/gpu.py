@@ -28,6 +28,7 @@ import json
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -50,7 +51,11 @@ METHODS = {
     "sjd": dict(method="sjd"),
     "scd": dict(method="scd"),
     "gsd": dict(method="gsd"),  # reads the target's token embeddings: runs on the random XL too
+    "zipar lead 2": dict(method="zipar", row_lead=2),  # rows in parallel (not the model's law)
+    "pjd": dict(method="pjd"),
 }
+#: The order compiled checks and compiled step costs go in when the budget may run out.
+COMPILED_FIRST = ("ar", "lantern (embedded default)", "zipar lead 2", "sd-chain", "eagle2")
 LOSSLESS = ("sd-chain", "eagle2", "sjd", "scd")
 
 
@@ -67,70 +72,110 @@ def timed(fn, device):
     return out, time.perf_counter() - start
 
 
-def checks(device: torch.device, images: int) -> dict:
-    """Greedy tokens: compiled == eager for every method, lossless methods == greedy AR."""
+class Report:
+    """The run's results, written to ``path`` after every item, so a run stopped at a time limit
+    keeps what it measured. ``budget`` seconds in all: an item that would start with less than its
+    ``need`` left is recorded as skipped; an item that raises is recorded with its error and the
+    run goes on (a lease on a GPU has no second try)."""
+
+    def __init__(self, path: Path, budget: float, head: dict):
+        self.path, self.deadline, self.data = path, time.perf_counter() + budget, dict(head)
+        self.save()
+
+    def left(self) -> float:
+        return self.deadline - time.perf_counter()
+
+    def item(self, keys: tuple, fn, need: float = 0.0):
+        where = self.data
+        for key in keys[:-1]:
+            where = where.setdefault(key, {})
+        if self.left() < need:
+            where[keys[-1]] = {"skipped": f"{self.left():.0f} s of the budget left, needs about {need:.0f}"}
+            print(f"skipped {'/'.join(keys)}: {where[keys[-1]]['skipped']}", flush=True)
+            self.save()
+            return None
+        start = time.perf_counter()
+        try:
+            value = fn()
+        except Exception as error:  # noqa: BLE001 - recorded, and the run goes on
+            traceback.print_exc()
+            value = {"error": f"{type(error).__name__}: {error}"}
+        where[keys[-1]] = value
+        print(f"{'/'.join(keys)} ({time.perf_counter() - start:.0f} s): {value}", flush=True)
+        self.save()
+        return value
+
+    def save(self) -> None:
+        self.path.write_text(json.dumps(self.data, indent=1, default=str))
+
+
+def eager_checks(device: torch.device, images: int, methods: dict) -> tuple[dict, dict]:
+    """Greedy tokens of every method, eager: lossless methods == greedy AR."""
     target, vq, drafter = embedded.load(device=device)
     sampling = SamplingConfig(cfg_scale=4.0, temperature=0.0)
     cond = torch.arange(images, device=device)
-    results = {}
-    reference = None
-    for name, options in METHODS.items():
-        eager = decode(target, cond, sampling, MethodOptions(**options), drafter=drafter, vq=vq).tokens
-        fast = decode(target, cond, sampling, MethodOptions(**options, compile=True), drafter=drafter, vq=vq).tokens
-        if name == "ar":
-            reference = eager
-        results[name] = {"compiled_equals_eager": bool(torch.equal(eager, fast)),
-                         "equals_greedy_ar": bool(torch.equal(eager, reference)) if name in LOSSLESS + ("ar",) else None}
-        print(f"check {name}: {results[name]}", flush=True)
-    return results
+    tokens = {name: decode(target, cond, sampling, MethodOptions(**options), drafter=drafter, vq=vq).tokens
+              for name, options in methods.items()}
+    results = {name: {"equals_greedy_ar": bool(torch.equal(t, tokens["ar"])) if name in LOSSLESS + ("ar",) else None}
+               for name, t in tokens.items()}
+    return results, tokens
 
 
-def gpt_xl(device: torch.device, quick: bool) -> dict:
-    """AR ms/token eager and compiled, forward cost over 1..64 tokens, engine overhead per step."""
+def compiled_check(device: torch.device, images: int, options: dict, eager) -> dict:
+    """One method's greedy tokens compiled == its eager tokens, and the compiled run's time."""
+    target, vq, drafter = embedded.load(device=device)
+    sampling = SamplingConfig(cfg_scale=4.0, temperature=0.0)
+    cond = torch.arange(images, device=device)
+    fast, seconds = timed(lambda: decode(target, cond, sampling, MethodOptions(**options, compile=True),
+                                         drafter=drafter, vq=vq).tokens, device)
+    return {"compiled_equals_eager": bool(torch.equal(eager, fast)), "first_call_seconds": seconds}
+
+
+def xl_model(device: torch.device, quick: bool):
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     config = gpt_config("GPT-B" if quick else "GPT-XL", image_size=64 if quick else 256)
     torch.manual_seed(0)
     model = Transformer(config).to(device=device, dtype=dtype).eval()
     drafter = EagleDrafter.for_target(model).to(device=device, dtype=dtype).eval()
+    return model, drafter, {"model": "GPT-B (quick)" if quick else "GPT-XL", "dtype": str(dtype),
+                            "tokens": config.block_size}
+
+
+def xl_ar(model, device: torch.device, compile: bool) -> float:
+    """AR ms/token (the median of three images after a warm-up, which compiles)."""
     sampling = SamplingConfig(cfg_scale=4.0, temperature=1.0, top_k=0)
     cond = torch.zeros(1, dtype=torch.long, device=device)
-    out = {"model": "GPT-B (quick)" if quick else "GPT-XL", "dtype": str(dtype), "tokens": config.block_size}
-    for compile in (False, True):
-        options = MethodOptions(method="ar", compile=compile)
-        decode(model, cond, sampling, options, generator=torch.Generator(device=device).manual_seed(0))  # warm-up / compile
-        times = [timed(lambda: decode(model, cond, sampling, options, generator=torch.Generator(device=device).manual_seed(s)),
-                       device)[1] for s in range(3)]
-        key = "ar_ms_per_token_" + ("compiled" if compile else "eager")
-        out[key] = 1000 * sorted(times)[1] / config.block_size
-        print(f"{out['model']} AR compile={compile}: {out[key]:.2f} ms/token", flush=True)
-    sizes = (1, 2, 4, 8, 16) if quick else (1, 2, 4, 8, 16, 32, 48, 64)
-    costs = measure_forward_costs(model, sampling=sampling, target_sizes=sizes, reps=5 if quick else 21)
-    out["target_forward_ms"] = {int(k): 1000 * v for k, v in costs.target.items()}
-    wanted = {name: options for name, options in METHODS.items()
-              if not name.startswith("lantern")}  # the embedded model's codebook defines neighbours; XL has none here
-    engine = step_costs(model, cond, sampling, wanted, out["model"], device, drafter=drafter)
-    out["engine"] = engine
-    return out
+    options = MethodOptions(method="ar", compile=compile)
+    decode(model, cond, sampling, options, generator=torch.Generator(device=device).manual_seed(0))
+    times = [timed(lambda: decode(model, cond, sampling, options, generator=torch.Generator(device=device).manual_seed(s)),
+                   device)[1] for s in range(3)]
+    return 1000 * sorted(times)[1] / model.config.block_size
+
+
+def step_cost(model, cond, sampling, options: dict, device: torch.device, *, compile: bool, drafter=None,
+              cond_mask=None) -> dict:
+    """One method: ms per token and per step, the engine's share of a step, MAL; one untimed
+    decode first (warm-up, compilation)."""
+    opts = MethodOptions(**options, compile=compile)
+    run = lambda seed: decode(model, cond, sampling, opts, drafter=drafter, cond_mask=cond_mask,  # noqa: E731
+                              generator=torch.Generator(device=device).manual_seed(seed))
+    run(0)
+    result, wall = timed(lambda: run(1), device)
+    steps = int(result.target_forwards[0])
+    tokens = model.config.block_size
+    return {"ms_per_token": 1000 * wall / tokens, "ms_per_step": 1000 * wall / steps,
+            "engine_ms_per_step": 1000 * result.overhead_seconds / steps, "mal": float(result.mean_accepted_length[0])}
 
 
 def step_costs(model, cond, sampling, wanted: dict, label: str, device: torch.device, *, drafter=None,
                cond_mask=None) -> dict:
-    """Each method of ``wanted`` (eager and compiled): ms per token and per step, the engine's
-    share of a step, MAL; one untimed decode first (warm-up, compilation)."""
+    """:func:`step_cost` of each method of ``wanted``, eager and compiled."""
     costs = {}
-    tokens = model.config.block_size
     for name, options in wanted.items():
         for compile in (False, True):
-            opts = MethodOptions(**options, compile=compile)
-            run = lambda seed: decode(model, cond, sampling, opts, drafter=drafter, cond_mask=cond_mask,  # noqa: E731
-                                      generator=torch.Generator(device=device).manual_seed(seed))
-            run(0)
-            result, wall = timed(lambda: run(1), device)
-            steps = int(result.target_forwards[0])
             key = name + (" compiled" if compile else "")
-            costs[key] = {"ms_per_token": 1000 * wall / tokens, "ms_per_step": 1000 * wall / steps,
-                          "engine_ms_per_step": 1000 * result.overhead_seconds / steps,
-                          "mal": float(result.mean_accepted_length[0])}
+            costs[key] = step_cost(model, cond, sampling, options, device, compile=compile, drafter=drafter,
+                                   cond_mask=cond_mask)
             print(f"{label} {key}: {costs[key]}", flush=True)
     return costs
 
@@ -263,19 +308,14 @@ def family_costs(name: str, device: torch.device, quick: bool) -> dict:
     return out
 
 
-def embedded_speedups(device: torch.device, out: Path, quick: bool) -> dict:
-    """``relaxspec bench`` of the embedded model on the device, eager and compiled."""
-    folder = out / "bench-embedded"
+def embedded_bench(device: torch.device, folder: Path, images: int, methods: str, compile: bool,
+                   seconds: float) -> dict:
+    """``relaxspec bench`` of the embedded model on the device (its summary), within ``seconds``."""
     # The names mean the embedded model's tuned presets (defaults.json), as in a plain relaxspec bench.
-    command = [sys.executable, "-m", "relaxspec.cli", "bench", "--device", str(device), "--num-images",
-               "4" if quick else "24", "--methods", "ar,ar-compiled,sd,eagle2,lantern,lantern++,cool,sjd,scd,gsd",
-               "--no-plots", "--warmup", "1", "--out", str(folder), "--overwrite"]
-    subprocess.run(command, check=True)
-    compiled = list(command)
-    compiled[compiled.index(str(folder))] = str(folder) + "-compiled"
-    subprocess.run(compiled + ["--compile"], check=True)
-    return {"eager": json.loads((folder / "summary.json").read_text()),
-            "compiled": json.loads((Path(str(folder) + "-compiled") / "summary.json").read_text())}
+    command = [sys.executable, "-m", "relaxspec.cli", "bench", "--device", str(device), "--num-images", str(images),
+               "--methods", methods, "--no-plots", "--warmup", "1", "--out", str(folder), "--overwrite"]
+    subprocess.run(command + (["--compile"] if compile else []), check=True, timeout=seconds)
+    return json.loads((folder / "summary.json").read_text())
 
 
 def main() -> None:
@@ -286,25 +326,69 @@ def main() -> None:
     parser.add_argument("--parts", default="checks,xl,embedded",
                         help="comma-separated subset of checks, xl, embedded, janus, emu3, lumina (default: the first "
                              "three; run janus, emu3 and lumina as their own calls)")
+    parser.add_argument("--budget", type=float, default=3600.0,
+                        help="seconds for the whole run: items that would start past it are recorded as skipped "
+                             "(eager checks and costs come first, then compilation, then bench)")
     args = parser.parse_args()
     device = torch.device(args.device)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    report = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-              "torch": torch.__version__}
     parts = set(args.parts.split(","))
+    name = "gpu.json" if parts <= {"checks", "xl", "embedded"} else f"gpu-{'-'.join(sorted(parts))}.json"
+    report = Report(out / name, args.budget,
+                    {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                     "torch": torch.__version__, "budget_seconds": args.budget})
+    images = 2 if args.quick else 8
+    tokens: dict = {}
+    compiled_order = [*COMPILED_FIRST, *(n for n in METHODS if n not in COMPILED_FIRST)]
+
+    def eager():
+        results, got = eager_checks(device, images, METHODS)
+        tokens.update(got)
+        return results
+
     if "checks" in parts:
-        report["checks"] = checks(device, 2 if args.quick else 8)
+        report.item(("checks", "eager"), eager)
+    xl = None
     if "xl" in parts:
-        report["xl"] = gpt_xl(device, args.quick)
+        model, drafter, head = xl_model(device, args.quick)
+        report.data["xl"] = head
+        sampling = SamplingConfig(cfg_scale=4.0, temperature=1.0, top_k=0)
+        cond = torch.zeros(1, dtype=torch.long, device=device)
+        xl = (model, drafter, sampling, cond)
+        report.item(("xl", "ar_ms_per_token_eager"), lambda: xl_ar(model, device, False), need=20)
+        sizes = (1, 2, 4, 8, 16) if args.quick else (1, 2, 4, 8, 16, 32, 48, 64)
+        report.item(("xl", "target_forward_ms"), lambda: {
+            int(k): 1000 * v for k, v in measure_forward_costs(model, sampling=sampling, target_sizes=sizes,
+                                                               reps=5 if args.quick else 21).target.items()}, need=20)
+        # the embedded model's codebook defines LANTERN's neighbours; the random XL has none
+        for method, options in METHODS.items():
+            if not method.startswith("lantern"):
+                report.item(("xl", "engine", method), lambda o=options: step_cost(
+                    model, cond, sampling, o, device, compile=False, drafter=drafter), need=20)
+    if "checks" in parts and tokens:
+        for method in compiled_order:
+            report.item(("checks", "compiled", method),
+                        lambda m=method: compiled_check(device, images, METHODS[m], tokens[m]), need=45)
+    if xl is not None:
+        model, drafter, sampling, cond = xl
+        report.item(("xl", "ar_ms_per_token_compiled"), lambda: xl_ar(model, device, True), need=90)
+        for method in compiled_order:
+            if method != "ar" and not method.startswith("lantern"):
+                report.item(("xl", "engine", method + " compiled"), lambda m=method: step_cost(
+                    model, cond, sampling, METHODS[m], device, compile=True, drafter=drafter), need=60)
     if "embedded" in parts:
-        report["embedded"] = embedded_speedups(device, out, args.quick)
+        count = 4 if args.quick else 12
+        methods = "ar,sd,eagle2,lantern,lantern++,cool,sjd,gsd,zipar"
+        report.item(("embedded", "eager"), lambda: embedded_bench(
+            device, out / "bench-embedded", count, methods, False, max(report.left(), 1)), need=60)
+        report.item(("embedded", "compiled"), lambda: embedded_bench(
+            device, out / "bench-embedded-compiled", count, "ar,lantern,zipar,eagle2", True,
+            max(report.left(), 1)), need=120)
     for family in ("janus", "emu3", "lumina"):
         if family in parts:
-            report[family] = family_costs(family, device, args.quick)
-    name = "gpu.json" if parts <= {"checks", "xl", "embedded"} else f"gpu-{'-'.join(sorted(parts))}.json"
-    (out / name).write_text(json.dumps(report, indent=1))
-    print(f"wrote {out / name}")
+            report.item((family,), lambda f=family: family_costs(f, device, args.quick))
+    print(f"wrote {report.path}")
 
 
 if __name__ == "__main__":
