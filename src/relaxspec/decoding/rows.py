@@ -46,7 +46,8 @@ def generate_rows(model, cond, sampling: SamplingConfig, *, source, rule: Accept
                   compile: bool = False) -> DecodeResult:
     """Generate ``[B, N]`` tokens with ``plan.lanes`` rows open at once; ``source`` drafts for
     every lane (a source of ``B * lanes`` rows, lane ``l`` of image ``b`` being row ``b * lanes +
-    l``), ``rule`` accepts. Every step is one target forward and one read of the device;
+    l``; a source whose state is one per image, as a drafter's cache, gives its own view of the
+    lanes by ``source.for_lanes(lanes, grid)``), ``rule`` accepts. Every step is one target forward and one read of the device;
     ``compile`` runs the target's step and the tree walk compiled (their shapes are static)."""
     start = time.perf_counter()
     grid = grid_side(model)
@@ -54,6 +55,8 @@ def generate_rows(model, cond, sampling: SamplingConfig, *, source, rule: Accept
     # a row stays ``lead`` tokens behind the row above (ZipAR's window), so at most about
     # grid / lead rows are ever open: lanes past that would only pad every forward
     lanes, lead, greedy = min(plan.lanes, grid, -(-grid // plan.lead) + 1), plan.lead, sampling.greedy
+    if hasattr(source, "for_lanes"):  # a source with one state per image (a drafter's cache) keeps its lanes apart
+        source = source.for_lanes(lanes, grid)
     nodes = source.max_nodes
     target = GuidedTarget(model, cond, sampling, cond_mask=cond_mask, scratch=lanes * nodes, compile=compile)
     walk = compiled(walk_tree, target.device) if compile else None
@@ -81,7 +84,8 @@ def generate_rows(model, cond, sampling: SamplingConfig, *, source, rule: Accept
     tokens[:, 0] = sample_from(probs0, generator, greedy)
     fill[:, 0] = 1
     source.start(tokens[:, 0].repeat_interleave(lanes), probs0.repeat_interleave(lanes, 0),
-                 _lanes(hidden0[:, -1:], lanes), target.streams, n_tok, generator, greedy)
+                 _lanes(hidden0[:, -1:], lanes), target.streams, n_tok, generator, greedy,
+                 condition_hidden=hidden0, condition_tokens=target.condition_tokens)
     drafter_seconds = 0.0
     try:
         while True:
@@ -142,8 +146,7 @@ def generate_rows(model, cond, sampling: SamplingConfig, *, source, rule: Accept
             target.move_cache(src.view(batch, -1), dst.view(batch, -1))
             cached.scatter_(1, dst.view(batch, -1), moving.view(batch, -1))  # idle entries: scratch, never cached
             t0 = time.perf_counter()
-            source.update(result.committed, result.path, torch.where(active, count, torch.ones_like(count)).view(-1),
-                          root_index, probs.view(virtual, nodes, -1), _lanes_hidden(hidden, lanes, nodes), generator)
+            source.update(result.committed, result.path, count.view(-1), root_index, probs.view(virtual, nodes, -1), _lanes_hidden(hidden, lanes, nodes), generator)
             drafter_seconds += time.perf_counter() - t0
             fill.scatter_add_(1, row, count)
             fill[:, grid] = 0

@@ -93,13 +93,20 @@ class FeatureDrafter(Protocol):
     draft law ``root_q [B, V]`` and predicted feature ``root_feature [S*B, d]``, the drafter
     cache's length, the per-stream row expansion ``rows(x [B, ...]) -> [S*B, ...]`` and one
     forward ``expand(features [S*B, M, d], tokens [B, M], positions [B, M], slots [B, M],
-    mask [B, M, cache_length] or None) -> (features [S*B, M, d], q [B, M, V])``."""
+    mask [B, M, cache_length] or None) -> (features [S*B, M, d], q [B, M, V])``; ``node_inputs``
+    says where a tree's nodes sit in the drafter cache and what each may attend."""
 
     root_q: torch.Tensor
     root_feature: torch.Tensor
     cache_length: int
 
     def rows(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def node_inputs(self, root_index: torch.Tensor, ancestors: torch.Tensor,
+                    nodes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where tree nodes ``nodes [Q]`` of the trees rooted at ``root_index [B]`` (``ancestors
+        [B, T, T]``) go in the drafter cache and what they see: ``slots [B, Q]`` and ``mask [B, Q,
+        cache_length]``."""
 
     def expand(self, features: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]: ...

@@ -1,5 +1,25 @@
 """The EAGLE draft source (arXiv 2401.15077): an :class:`~relaxspec.drafting.eagle.EagleDrafter` on
-both CFG streams, its guesses laid out by a :class:`~relaxspec.drafting.base.DraftStructure`."""
+both CFG streams, its guesses laid out by a :class:`~relaxspec.drafting.base.DraftStructure`; and
+:class:`LaneEagleSource`, the same drafter for rows in parallel (issue 31).
+
+Rows in parallel: a chain, or a fixed tree, for every open row of an image, over one drafter
+cache per image.
+
+:func:`relaxspec.decoding.rows.generate_rows` gives each open row a lane (``lanes`` of them per
+image, lane ``l`` of image ``b`` being row ``b * lanes + l`` of every ``[B * lanes, ...]``
+tensor). Each lane keeps its own root law and feature, but the lanes of an image draft from one
+cache, laid out as the target's:
+
+* pair ``j`` (the feature that predicted image token ``j``, token ``j``) sits in slot ``j``, its
+  raster index, whichever lane committed it; a lane's draft nodes sit in the lane's own scratch
+  slots past the image, so no lane overwrites another's pairs;
+* a node sees the committed pairs earlier in raster order than its root and its own ancestors
+  (the row-causal mask of the target, :func:`relaxspec.decoding.rows.row_causal_mask`); a
+  committed pair sees the committed pairs before it;
+* a row's first step drafts nothing: its root is a stand-in (the row above's latest token) and
+  the lane's root law is still its previous row's, so that step decides the bonus token alone
+  and the pair it commits gives the lane the law of the row's next token.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +28,9 @@ import torch
 from relaxspec.compiling import compiled
 from relaxspec.drafting.base import DraftStructure, DraftTree
 from relaxspec.drafting.eagle import EagleDrafter
+from relaxspec.drafting.static_tree import StaticTree
+from relaxspec.drafting.tree_tables import tree_attention_mask
+from relaxspec.errors import RelaxspecError
 from relaxspec.sampling import SamplingConfig, process_logits, stream_rows
 from relaxspec.timing import Stopwatch
 
@@ -84,6 +107,20 @@ class EagleSource:
         self.forwards += 1
         return feats, q
 
+    def node_inputs(self, root_index: torch.Tensor, ancestors: torch.Tensor,
+                    nodes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Node ``i`` of the tree rooted at ``root_index`` sits in slot ``root_index + i`` and sees
+        every committed slot before the root and its own ancestors."""
+        queries = nodes.expand(root_index.shape[0], -1)
+        return root_index[:, None] + nodes, tree_attention_mask(root_index, ancestors, self.cache_length, queries)
+
+    def for_lanes(self, lanes: int, grid: int) -> "EagleSource":
+        """This source for rows in parallel (:func:`relaxspec.decoding.rows.generate_rows`): ``lanes``
+        rows of each image drafting at once over one drafter cache
+        (:class:`LaneEagleSource`)."""
+        return LaneEagleSource(self.drafter, self.structure, self.sampling, compile=self.compile, lanes=lanes,
+                               grid=grid)
+
     def catch_up(self, features: torch.Tensor, tokens: torch.Tensor, first: torch.Tensor, count: torch.Tensor) -> None:
         """Feed the newly committed pairs: ``features [S*B, M, d]`` (target states that predicted
         ``tokens [B, M]``), pair ``m`` of row b at slot ``first[b] + m``, ``count [B]`` real pairs.
@@ -105,3 +142,92 @@ class EagleSource:
         nodes = path.clamp(min=0)[:, : committed.shape[1]]
         feats = target_hidden.gather(1, self.rows(nodes)[:, :, None].expand(-1, -1, target_hidden.shape[-1]))
         self.catch_up(feats, committed.clamp(min=0), root_index + 1, count)
+
+
+class LaneEagleSource(EagleSource):
+    """An :class:`EagleSource` whose rows are the open rows (lanes) of images painted in parallel
+    (made by :meth:`EagleSource.for_lanes`); ``grid`` tokens a row."""
+
+    def __init__(self, drafter, structure, sampling, *, compile: bool = False, lanes: int, grid: int):
+        if not isinstance(structure, StaticTree):
+            raise RelaxspecError("rows in parallel draft with a chain or a fixed tree (--draft chain or --tree), "
+                                 "not EAGLE-2's dynamic tree")
+        super().__init__(drafter, structure, sampling, compile=compile)
+        self.lanes, self.grid = lanes, grid
+
+    def start(self, first_tokens, first_probs, first_hidden, streams: int, num_tokens: int, generator,
+              greedy: bool, *, condition_hidden=None, condition_tokens=None) -> None:
+        """``first_tokens [B * lanes]`` and ``first_hidden [S * B * lanes, 1, d]`` per lane; the
+        condition's states ``condition_hidden [S * B, C, d]`` per image."""
+        device = first_tokens.device
+        self.batch, self.streams, self.num_tokens = first_tokens.shape[0], streams, num_tokens
+        images, nodes = self.batch // self.lanes, self.structure.drafter_slots
+        self._image_rows = torch.arange(self.batch, device=device)
+        self._stream_rows = torch.arange(self.batch * streams, device=device)
+        length = num_tokens + self.lanes * nodes + 1
+        self.drafter.setup_caches(images * streams, length, condition=condition_hidden,
+                                  condition_tokens=condition_tokens)
+        self.cache_length = self.drafter.cache_length
+        self.spill = length - 1  # where the padding of a catch-up writes; never seen
+        # a slot's raster index (scratch and spill slots: past every pair, so never "earlier")
+        self._raster_of_slot = torch.full((self.cache_length,), num_tokens + 1, dtype=torch.long, device=device)
+        self._raster_of_slot[:num_tokens] = torch.arange(num_tokens, device=device)
+        lane = torch.arange(self.batch, device=device) % self.lanes
+        self._scratch = num_tokens + lane[:, None] * nodes + torch.arange(nodes, device=device)  # [B*L, T]
+        self._not_root = torch.arange(nodes, device=device) > 0
+        self.cached = torch.zeros(images, self.cache_length, dtype=torch.bool, device=device)  # pairs committed
+        self._step = compiled(drafter_step, device) if self.compile else drafter_step
+        self.forwards = 0
+        self.watch = Stopwatch(device)
+        zero = torch.zeros_like(first_tokens)
+        self.catch_up(first_hidden, first_tokens[:, None], zero, torch.ones_like(zero))
+
+    # -- lanes <-> images: [R * L, M, ...] <-> [R, L * M, ...] (stream-major rows stay so)
+    def _images(self, x: torch.Tensor) -> torch.Tensor:
+        return x.reshape(x.shape[0] // self.lanes, self.lanes * x.shape[1], *x.shape[2:])
+
+    def _lanes(self, x: torch.Tensor) -> torch.Tensor:
+        return x.reshape(x.shape[0] * self.lanes, x.shape[1] // self.lanes, *x.shape[2:])
+
+    def expand(self, features, tokens, positions, slots, mask):
+        """One drafter forward over every lane of every image at once (``mask`` is required)."""
+        with self.watch:
+            feats, q = self._step(self.drafter, self._images(features), self._images(tokens),
+                                  self._images(positions), self._images(slots), self._images(mask), self.sampling,
+                                  self.streams)
+        self.forwards += 1
+        return self._lanes(feats), self._lanes(q)
+
+    def node_inputs(self, root_index, ancestors, nodes):
+        """Node ``i`` sits in its lane's scratch slot ``i`` and sees the committed pairs up to its
+        root's and its ancestors' scratch slots."""
+        queries = nodes.shape[0]
+        slots = self._scratch[:, nodes]
+        own = ancestors[:, nodes, :] & self._not_root  # the root is a committed pair, seen below
+        mask = torch.zeros(self.batch, queries, self.cache_length, dtype=torch.bool, device=slots.device)
+        mask.scatter_(2, self._scratch[:, None, :].expand(-1, queries, -1), own)
+        seen = self.cached.repeat_interleave(self.lanes, 0)[:, None, :] & (self._raster_of_slot <= root_index[:, None, None])
+        return slots, mask | seen
+
+    def propose(self, roots, root_index, generator, greedy: bool) -> DraftTree:
+        tree = super().propose(roots, root_index, generator, greedy)
+        first = (root_index + 1) % self.grid == 0  # a row's first step: its bonus token alone
+        tree.valid = tree.valid & ~(first[:, None] & (tree.depth > 0))
+        return tree
+
+    def catch_up(self, features, tokens, first, count) -> None:
+        """Pairs ``first .. first + count - 1`` of each lane go to their raster slots (the rest of
+        the width to the spill slot); each sees the committed pairs before it."""
+        width = tokens.shape[1]
+        offsets = torch.arange(width, device=tokens.device)
+        real = offsets < count[:, None]
+        raster = torch.where(real, first[:, None] + offsets, -1)
+        slots = torch.where(real, raster, self.spill)
+        self.cached.scatter_(1, self._images(slots), self._images(real))  # the spill slot: only ever False
+        mask = self.cached[:, None, :] & (self._raster_of_slot <= self._images(raster)[:, :, None])
+        mask.scatter_(2, self._images(slots)[:, :, None], True)  # each pair sees itself
+        feats, q = self.expand(features, tokens, raster.clamp(min=0, max=self.num_tokens - 1), slots,
+                               self._lanes(mask))
+        last = (count - 1).clamp(min=0)
+        self.root_q = q[self._image_rows, last]
+        self.root_feature = feats[self._stream_rows, self.rows(last)]

@@ -8,7 +8,7 @@ import torch
 from relaxspec.caching import ByContent
 from relaxspec.drafting.base import DraftTree, FeatureDrafter
 from relaxspec.drafting.siblings import sample_siblings, topk_siblings
-from relaxspec.drafting.tree_tables import ancestor_matrix, static_children, tree_attention_mask
+from relaxspec.drafting.tree_tables import ancestor_matrix, static_children
 from relaxspec.drafting.trees import TreeSpec
 
 
@@ -77,7 +77,6 @@ class StaticTree:
         feats[:, 0] = source.root_feature
         ancestors = tab["ancestors"].expand(batch, nodes_n, nodes_n)
         depths = tab["depths"][0]
-        base = root_index  # drafter slot of node i is root_index + i
         point_mass = greedy or self.siblings == "topk"
         for level in tab["levels"]:
             nodes, width, expand = level["nodes"], level["width"], level["expand"]
@@ -92,10 +91,9 @@ class StaticTree:
             proposals[:, nodes] = sib_prop.view(batch, P, width, vocab)[:, pick[0], pick[1]]
             valid[:, nodes] = sib_valid.view(batch, P, width)[:, pick[0], pick[1]] & valid[:, level["node_parents"]]
             if expand.shape[0]:
-                queries = expand.expand(batch, -1)
-                mask = tree_attention_mask(base, ancestors, source.cache_length, queries)
+                slots, mask = source.node_inputs(root_index, ancestors, expand)
                 out, q = source.expand(feats[:, level["expand_parents"]], tokens[:, expand],
-                                       root_index[:, None] + depths[expand], base[:, None] + expand, mask)
+                                       root_index[:, None] + depths[expand], slots, mask)
                 feats[:, expand] = out
                 q_at[:, expand] = q
         return DraftTree(tokens, tab["parents"].expand(batch, -1), tab["depths"].expand(batch, -1), proposals,
