@@ -66,6 +66,11 @@ def test_partial_images_grey_out_pending_tokens(model):
     assert (half[row * cell * 2, col * cell * 2] == PENDING).all()
     full = partial_image(model, tokens, tokens.shape[0])
     assert not (full == PENDING).all(axis=-1).all()
+    second_row = torch.zeros(tokens.shape[0], dtype=torch.bool)
+    second_row[grid : 2 * grid] = True  # rows in parallel: a mask of the committed tokens
+    shown = partial_image(model, tokens, second_row)
+    assert (shown[:cell] == PENDING).all() and (shown[2 * cell :] == PENDING).all()
+    assert not (shown[cell : 2 * cell] == PENDING).all(axis=-1).all()
 
 
 def test_heat_map_colours_each_token_by_its_step():
@@ -74,6 +79,38 @@ def test_heat_map_colours_each_token_by_its_step():
     cells = image[::2, ::2].reshape(9, 3)
     assert (cells[1] == cells[2]).all() and (cells[1] == cells[3]).all()  # the three tokens of one step
     assert (cells[0] == cells[6]).all() and not (cells[0] == cells[1]).all()
+
+
+def test_rows_in_parallel_show_their_commits_out_of_raster_order(model, monkeypatch):
+    """ZipAR paints several rows at once: a frame shows the committed tokens wherever they are
+    (a later row's tokens before an earlier row is complete), the lane ends with generate's
+    tokens, and the heat map colours each token by its own step's commits."""
+    from relaxspec.demo import race
+
+    monkeypatch.setattr(race, "FRAME_SECONDS", 0.0)  # every step a frame
+    condition, options, sampling = resolve_request(model, RaceRequest("heart", "zipar", seed=5))
+    grid, cell = model.grid, model.vq.config.downsample_factor
+    out_of_order = False
+    final = None
+    for lane in run_lane(model, condition, options, sampling, 5, 1, "ZipAR"):
+        pending = (lane.image[::cell, ::cell] == PENDING).all(axis=-1).reshape(-1)  # per token, raster order
+        assert int((~pending).sum()) == lane.done
+        first_pending = int(pending.nonzero()[0][0]) if pending.any() else grid * grid
+        out_of_order |= bool((~pending[first_pending:]).any())
+        final = lane
+    assert out_of_order and final.done == grid * grid
+    assert torch.equal(final.result.tokens, relaxspec.generate("heart", "zipar", seed=5).result.tokens)
+    sizes = final.result.token_step_sizes[0]
+    assert sizes.shape == (grid * grid,) and sizes[0] == 1 and sizes.max() > 1
+    lengths = final.result.accept_lengths[0]
+    for k in set(lengths):  # a step that commits k tokens gives k tokens the count k
+        assert int((sizes == k).sum()) == k * lengths.count(k), k
+    heat = heat_map(final.result.accept_lengths[0], grid, cell=1, per_token=sizes.numpy())
+    colours = heat.reshape(-1, 3)
+    for a in range(grid * grid):
+        for b in range(grid * grid):
+            if sizes[a] == sizes[b]:
+                assert (colours[a] == colours[b]).all()
 
 
 @pytest.mark.slow

@@ -15,8 +15,9 @@ def decode(model, cond, sampling, options: MethodOptions | None = None, *, gener
     drafter (methods sd / lantern / cool); ``vq``: the tokenizer whose codebook defines LANTERN's
     latent neighbours. ``options.compile`` runs the steps compiled, ``options.record_tv=False``
     skips the TV record of relaxed rules. ``on_step(tokens, done)`` is called as tokens are
-    committed (:func:`relaxspec.decoding.engine.generate_speculative`). ``source`` / ``rule``: a
-    draft source and acceptance rule built once for many decodes (``relaxspec bench``), in place of
+    committed (:func:`relaxspec.decoding.engine.generate_speculative`; with rows in parallel
+    ``done`` is a ``[B, N]`` mask of the committed tokens, as
+    :func:`relaxspec.decoding.rows.generate_rows` says). ``source`` / ``rule``: a draft source and acceptance rule built once for many decodes (``relaxspec bench``), in place of
     what ``options`` would build.
     """
     options = options or MethodOptions()
@@ -36,7 +37,7 @@ def decode(model, cond, sampling, options: MethodOptions | None = None, *, gener
             source, rule = source or built[0], rule or built[1]
         return generate_rows(model, cond, sampling, source=source, rule=rule, plan=row_plan(options, model),
                              generator=generator, cond_mask=cond_mask, record_tv=options.record_tv,
-                             compile=options.compile)
+                             compile=options.compile, on_step=on_step)
     from relaxspec.decoding.engine import generate_speculative
 
     return generate_speculative(model, cond, sampling, options, generator=generator, drafter=drafter, vq=vq,

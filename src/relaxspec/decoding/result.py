@@ -33,6 +33,9 @@ class DecodeResult:
     tv_recorded: bool = True  # False: a relaxed method ran with the record off (step_tv is zero, not measured)
     rows: int = 1  # image rows painted at once: above 1 the law is not the model's, whatever the rule
     row_lead: int = 0  # with rows above 1: the tokens a row had before the row below opened
+    #: with rows above 1, ``[B, N]``: how many tokens the step that committed each token committed
+    #: (``accept_lengths`` are in step order, which is not raster order there)
+    token_step_sizes: torch.Tensor | None = None
 
     @property
     def overhead_seconds(self) -> float:

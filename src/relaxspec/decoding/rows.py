@@ -43,12 +43,14 @@ from relaxspec.sampling import SamplingConfig, sample_from
 @torch.no_grad()
 def generate_rows(model, cond, sampling: SamplingConfig, *, source, rule: AcceptanceRule, plan: RowPlan,
                   generator: torch.Generator | None = None, cond_mask=None, record_tv: bool = True,
-                  compile: bool = False) -> DecodeResult:
+                  compile: bool = False, on_step=None) -> DecodeResult:
     """Generate ``[B, N]`` tokens with ``plan.lanes`` rows open at once; ``source`` drafts for
     every lane (a source of ``B * lanes`` rows, lane ``l`` of image ``b`` being row ``b * lanes +
     l``; a source whose state is one per image, as a drafter's cache, gives its own view of the
     lanes by ``source.for_lanes(lanes, grid)``), ``rule`` accepts. Every step is one target forward and one read of the device;
-    ``compile`` runs the target's step and the tree walk compiled (their shapes are static)."""
+    ``compile`` runs the target's step and the tree walk compiled (their shapes are static).
+    ``on_step(tokens, committed)``: called after every step with the buffer ``[B, N]`` and which
+    of its tokens are committed ``[B, N]`` (bool: commits land out of raster order here)."""
     start = time.perf_counter()
     grid = grid_side(model)
     plan.check(grid)
@@ -66,6 +68,8 @@ def generate_rows(model, cond, sampling: SamplingConfig, *, source, rule: Accept
 
     tokens = torch.zeros(batch, n_tok + 1, dtype=torch.long, device=device)  # column n_tok: a spill
     step_tv = torch.zeros(batch, n_tok + 1, device=device)
+    step_sizes = torch.ones(batch, n_tok + 1, dtype=torch.long, device=device)  # per token: its step's commits
+    committed_mask = torch.zeros(batch, n_tok + 1, dtype=torch.bool, device=device) if on_step is not None else None
     fill = torch.zeros(batch, grid + 1, dtype=torch.long, device=device)  # tokens committed per row (+ a spill row)
     cached = torch.zeros(batch, target.max_seq, dtype=torch.bool, device=device)  # keys in the cache
     cached[:, :cls] = True
@@ -83,6 +87,9 @@ def generate_rows(model, cond, sampling: SamplingConfig, *, source, rule: Accept
     probs0, hidden0 = target.prefill()
     tokens[:, 0] = sample_from(probs0, generator, greedy)
     fill[:, 0] = 1
+    if on_step is not None:
+        committed_mask[:, 0] = True
+        on_step(tokens[:, :n_tok], committed_mask[:, :n_tok])
     source.start(tokens[:, 0].repeat_interleave(lanes), probs0.repeat_interleave(lanes, 0),
                  _lanes(hidden0[:, -1:], lanes), target.streams, n_tok, generator, greedy,
                  condition_hidden=hidden0, condition_tokens=target.condition_tokens)
@@ -153,6 +160,11 @@ def generate_rows(model, cond, sampling: SamplingConfig, *, source, rule: Accept
             lane_row = torch.where(active & (fill.gather(1, row) >= grid), lane_row + lanes, lane_row)
             committed_now = count.sum(1)
             counts_per_step.append(committed_now)
+            step_sizes.scatter_(1, write_at.view(batch, -1), committed_now[:, None].expand(-1, lanes * span))
+            if on_step is not None:
+                committed_mask.scatter_(1, write_at.view(batch, -1), True)
+                committed_mask[:, n_tok] = False
+                on_step(tokens[:, :n_tok], committed_mask[:, :n_tok])
             steps += (committed_now > 0).long()
             if int(fill[:, :grid].sum()) >= batch * n_tok:  # the step's one read of the device
                 break
@@ -161,15 +173,16 @@ def generate_rows(model, cond, sampling: SamplingConfig, *, source, rule: Accept
         source.close()
     if rank_tests is None:
         rank_tests = rank_accepts = torch.zeros(max(source.max_depth, 1), 1, dtype=torch.long, device=device)
-    tokens_h, steps_h, per_step_h, tv_h, tests_h, accepts_h = read_once(
-        tokens[:, :n_tok], steps, torch.stack(counts_per_step, 1), step_tv[:, :n_tok], rank_tests, rank_accepts)
+    tokens_h, steps_h, per_step_h, tv_h, tests_h, accepts_h, sizes_h = read_once(
+        tokens[:, :n_tok], steps, torch.stack(counts_per_step, 1), step_tv[:, :n_tok], rank_tests, rank_accepts,
+        step_sizes[:, :n_tok])
     accept_lengths = [[1] + [count for count in image if count > 0] for image in per_step_h.tolist()]
     return DecodeResult(tokens=tokens_h, target_forwards=steps_h + 1,
                         drafter_forwards=torch.full((batch,), source.forwards, dtype=torch.long),
                         step_tv=tv_h, accept_lengths=accept_lengths,
                         seconds=time.perf_counter() - start, drafter_seconds=drafter_seconds,
                         target_forward_seconds=target.watch.seconds, rank_tests=tests_h, rank_accepts=accepts_h,
-                        tv_recorded=record_tv or rule.lossless, rows=lanes, row_lead=lead)
+                        tv_recorded=record_tv or rule.lossless, rows=lanes, row_lead=lead, token_step_sizes=sizes_h)
 
 
 def row_causal_mask(cached: torch.Tensor, raster_of_slot: torch.Tensor, raster: torch.Tensor, ancestors: torch.Tensor,

@@ -117,7 +117,9 @@ def race_handler(model: DemoModel, out: Path, history: list, lock: threading.Loc
             yield ar_frame, describe_lane(ar), None, "", None, blank, status
         for mine in run_lane(model, resolved, options, sampling, seed, request.upscale, request.method):
             yield ar_frame, describe_lane(ar), frame(mine.image), describe_lane(mine, ar), None, blank, status
-        heat = heat_map(mine.result.accept_lengths[0], model.grid, cell=max(1, ar.image.shape[0] // model.grid))
+        sizes = mine.result.token_step_sizes
+        heat = heat_map(mine.result.accept_lengths[0], model.grid, cell=max(1, ar.image.shape[0] // model.grid),
+                        per_token=None if sizes is None else sizes[0].numpy())
         with lock:
             path = save_run(out, ar, mine)
             caption = f"{condition} · {request.method} · seed {seed}: {ar.seconds / mine.seconds:.2f}x"

@@ -153,16 +153,18 @@ def resolve_request(model: DemoModel, request: RaceRequest,
     return condition, options, SamplingConfig(**sampling)
 
 
-def partial_image(model: DemoModel, tokens: torch.Tensor, done: int, upscale: int = 1) -> np.ndarray:
-    """The image of ``tokens [N]`` with only the first ``done`` committed: the VQ decode of the
+def partial_image(model: DemoModel, tokens: torch.Tensor, done, upscale: int = 1) -> np.ndarray:
+    """The image of ``tokens [N]`` with only some committed: the first ``done`` (an int), or those
+    a mask ``done [N]`` marks (rows in parallel commit out of raster order). The VQ decode of the
     committed tokens (pending ones read as token 0) with every pending token's cell painted
     grey, enlarged ``upscale`` times (nearest neighbour). uint8 ``[H, W, 3]``."""
     n = tokens.shape[0]
-    filled = torch.where(torch.arange(n) < done, tokens.cpu(), torch.zeros_like(tokens.cpu()))
+    committed = done.cpu().bool() if isinstance(done, torch.Tensor) else torch.arange(n) < done
+    filled = torch.where(committed, tokens.cpu(), torch.zeros_like(tokens.cpu()))
     pixels = model.pipeline.pixels(filled[None]).copy()[0]
     grid = model.grid
     cell = pixels.shape[0] // grid
-    pending = np.repeat(np.repeat((np.arange(n) >= done).reshape(grid, grid), cell, 0), cell, 1)
+    pending = np.repeat(np.repeat((~committed).numpy().reshape(grid, grid), cell, 0), cell, 1)
     pixels[pending] = PENDING
     return enlarge(pixels, upscale)
 
@@ -171,10 +173,15 @@ def enlarge(image: np.ndarray, factor: int) -> np.ndarray:
     return np.repeat(np.repeat(image, factor, 0), factor, 1) if factor > 1 else image
 
 
-def heat_map(accept_lengths: list[int], grid: int, cell: int = 8) -> np.ndarray:
+def heat_map(accept_lengths: list[int], grid: int, cell: int = 8, per_token=None) -> np.ndarray:
     """Each token's cell coloured by how many tokens the step that committed it committed
-    (1: dark blue ... longest: yellow): where the method ran fast. uint8 ``[grid*cell, grid*cell, 3]``."""
-    per_token = np.concatenate([np.full(k, k) for k in accept_lengths])[: grid * grid]
+    (1: dark blue ... longest: yellow): where the method ran fast. ``per_token [N]``: those counts
+    given per token (rows in parallel, whose steps do not commit in raster order); else they
+    follow from ``accept_lengths``. uint8 ``[grid*cell, grid*cell, 3]``."""
+    if per_token is not None:
+        per_token = np.asarray(per_token)[: grid * grid]
+    else:
+        per_token = np.concatenate([np.full(k, k) for k in accept_lengths])[: grid * grid]
     top = max(int(per_token.max()), 2)
     t = (per_token - 1) / (top - 1)
     stops = np.array([[38, 30, 120], [33, 145, 140], [253, 231, 37]], dtype=np.float64)  # viridis-like
@@ -213,7 +220,8 @@ def run_lane(model: DemoModel, condition: Condition, options, sampling: Sampling
         now = time.perf_counter()
         if now - last[0] >= FRAME_SECONDS:
             last[0] = now
-            frames.put(("frame", tokens[0].cpu().clone(), int(done[0])))
+            mask = done[0].cpu().clone() if done.dim() == 2 else None  # rows in parallel: which are committed
+            frames.put(("frame", tokens[0].cpu().clone(), mask if mask is not None else int(done[0])))
 
     def work():
         try:
@@ -243,7 +251,8 @@ def run_lane(model: DemoModel, condition: Condition, options, sampling: Sampling
                 lane.image = partial_image(model, payload.tokens[0], n_tok, upscale)
                 yield lane
                 return
-            lane.done, lane.image = done, partial_image(model, payload, done, upscale)
+            lane.done = int(done.sum()) if isinstance(done, torch.Tensor) else done
+            lane.image = partial_image(model, payload, done, upscale)
             yield lane
     finally:
         stop.set()
