@@ -238,16 +238,21 @@ def lumina_shaped(device: torch.device, dtype: torch.dtype, quick: bool):
     """A random Lumina-mGPT-7B-shaped target (Chameleon 7B: 32 layers, 4096 wide, 65536-token
     vocabulary, 8192 image codes at ids 4..8195; tiny with ``quick``) painting a 512-px image
     (32x32 codes, each row ending with a forced new line), and its conditions ``[1, 2, S]``."""
+    if quick:
+        return lumina_target(device, dtype, width=64, layers=2, heads=4, inner=128, vocab=12000, grid=8)
+    return lumina_target(device, dtype, width=4096, layers=32, heads=32, inner=11008, vocab=65536, grid=32)
+
+
+def lumina_target(device: torch.device, dtype: torch.dtype, *, width: int, layers: int, heads: int, inner: int,
+                  vocab: int, grid: int, codes: int = 8192):
+    """A random Chameleon language model in Lumina-mGPT's layout (``grid`` x ``grid`` codes, a
+    forced new line after every row) and its conditions ``[1, 2, S]`` (prompt, unconditional)."""
     from types import SimpleNamespace
 
     from transformers import ChameleonConfig, ChameleonForConditionalGeneration
 
     from relaxspec.models.lumina import LuminaTarget
 
-    if quick:
-        width, layers, heads, inner, vocab, codes, grid = 64, 2, 4, 128, 12000, 8192, 8
-    else:
-        width, layers, heads, inner, vocab, codes, grid = 4096, 32, 32, 11008, 65536, 8192, 32
     names = {"<image>": 8711, **{f"IMGIMG{i}Z": 4 + i for i in range(codes)}}  # transformers reads the map
     config = ChameleonConfig(vocabulary_map=names, vocab_size=vocab, hidden_size=width, intermediate_size=inner, num_hidden_layers=layers,
                              num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=4096,
