@@ -12,7 +12,7 @@
 # GPU_BUDGET=SECONDS bounds step 2 (items past it are recorded as skipped, eager checks and costs first) and
 # GPU_TESTS=0 leaves out step 1 (no test touches CUDA; CI runs them): what a 15-minute lease affords.
 set -euo pipefail
-python() { "${PYTHON:-$(command -v python3 || command -v python)}" "$@"; }  # the GPU image has python3 alone
+python() { "${PYTHON:-$(type -P python3 || type -P python)}" "$@"; }  # the GPU image has python3 alone
 cd "$(dirname "$0")/.."
 OUT="${1:-gpu-results}"
 PARTS="${2:-}"

@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 
 from relaxspec.acceptance import AcceptanceRule
 from relaxspec.compiling import compiled
-from relaxspec.decoding.result import DecodeResult, add_counts, read_once
+from relaxspec.decoding.result import DecodeResult, add_counts, read_once, watched_seconds
 from relaxspec.decoding.target import GuidedTarget
 from relaxspec.decoding.verify import verify_tree, walk_tree
 from relaxspec.drafting.tree_tables import tree_attention_mask
@@ -147,11 +147,6 @@ def generate_speculative(model, cond, sampling: SamplingConfig, options: MethodO
     return DecodeResult(tokens=tokens_h, target_forwards=steps_h + 1, drafter_forwards=drafter_h,
                         step_tv=tv_h, accept_lengths=accept_lengths,
                         seconds=time.perf_counter() - start, drafter_seconds=drafter_seconds,
-                        target_forward_seconds=target.watch.seconds, drafter_forward_seconds=_watched(source),
+                        target_forward_seconds=target.watch.seconds, drafter_forward_seconds=watched_seconds(source),
                         rank_tests=tests_h, rank_accepts=accepts_h, tv_recorded=record_tv or rule.lossless)
 
-
-def _watched(source) -> float:
-    """Seconds a draft source spent in model forwards (a user-written source may not time them)."""
-    watch = getattr(source, "watch", None)
-    return float(watch.seconds) if watch is not None else 0.0

@@ -87,6 +87,12 @@ class DecodeResult:
                 **({"rows": self.rows, "row_lead": self.row_lead} if self.rows > 1 else {})}
 
 
+def watched_seconds(source) -> float:
+    """Seconds a draft source spent in model forwards (a user-written source may not time them)."""
+    watch = getattr(source, "watch", None)
+    return float(watch.seconds) if watch is not None else 0.0
+
+
 def read_once(*parts: torch.Tensor) -> list[torch.Tensor]:
     """A decode's results, brought to the host in one copy (issue 22: a decode's reads are its
     steps'): integer tensors as they are and float32 ones (the TV record) by their bits, each

@@ -32,7 +32,7 @@ import time
 import torch
 
 from relaxspec.acceptance import AcceptanceRule
-from relaxspec.decoding.result import DecodeResult, add_counts, read_once
+from relaxspec.decoding.result import DecodeResult, add_counts, read_once, watched_seconds
 from relaxspec.decoding.target import GuidedTarget
 from relaxspec.compiling import compiled
 from relaxspec.decoding.verify import verify_tree, walk_tree
@@ -181,7 +181,7 @@ def generate_rows(model, cond, sampling: SamplingConfig, *, source, rule: Accept
                         drafter_forwards=torch.full((batch,), source.forwards, dtype=torch.long),
                         step_tv=tv_h, accept_lengths=accept_lengths,
                         seconds=time.perf_counter() - start, drafter_seconds=drafter_seconds,
-                        target_forward_seconds=target.watch.seconds, rank_tests=tests_h, rank_accepts=accepts_h,
+                        target_forward_seconds=target.watch.seconds, drafter_forward_seconds=watched_seconds(source), rank_tests=tests_h, rank_accepts=accepts_h,
                         tv_recorded=record_tv or rule.lossless, rows=lanes, row_lead=lead, token_step_sizes=sizes_h)
 
 

@@ -13,12 +13,13 @@ cache, laid out as the target's:
 * pair ``j`` (the feature that predicted image token ``j``, token ``j``) sits in slot ``j``, its
   raster index, whichever lane committed it; a lane's draft nodes sit in the lane's own scratch
   slots past the image, so no lane overwrites another's pairs;
-* a node sees the committed pairs earlier in raster order than its root and its own ancestors
-  (the row-causal mask of the target, :func:`relaxspec.decoding.rows.row_causal_mask`); a
-  committed pair sees the committed pairs before it;
+* a node sees the committed pairs up to its root's in raster order and its own ancestors (the
+  row-causal mask of the target, :func:`relaxspec.decoding.rows.row_causal_mask`); a committed
+  pair sees the committed pairs before it;
 * a row's first step drafts nothing: its root is a stand-in (the row above's latest token) and
-  the lane's root law is still its previous row's, so that step decides the bonus token alone
-  and the pair it commits gives the lane the law of the row's next token.
+  the lane's root law is stale (its previous row's, or a waiting lane's padding), so that step
+  decides the bonus token alone and the pair it commits gives the lane the law of the row's next
+  token.
 """
 
 from __future__ import annotations
@@ -179,8 +180,8 @@ class LaneEagleSource(EagleSource):
         self._step = compiled(drafter_step, device) if self.compile else drafter_step
         self.forwards = 0
         self.watch = Stopwatch(device)
-        zero = torch.zeros_like(first_tokens)
-        self.catch_up(first_hidden, first_tokens[:, None], zero, torch.ones_like(zero))
+        # pair 0 is lane 0's (row 0's): the other lanes start on a row's first step, which drafts nothing
+        self.catch_up(first_hidden, first_tokens[:, None], torch.zeros_like(first_tokens), (lane == 0).long())
 
     # -- lanes <-> images: [R * L, M, ...] <-> [R, L * M, ...] (stream-major rows stay so)
     def _images(self, x: torch.Tensor) -> torch.Tensor:

@@ -64,8 +64,9 @@ class JacobiSource:
 
     def update(self, committed, path, count, root_index, target_probs, target_hidden, generator=None) -> None:
         """New window after committing ``count = a + 1`` tokens: position ``j`` of the new window
-        was predicted by chain node ``a + j`` (conditioned on the old, possibly rejected
-        drafts); positions past the old window start uniform."""
+        (0-based) was predicted by chain node ``a + 1 + j`` (conditioned on the old, possibly
+        rejected drafts); positions past the old window start uniform. ``count`` 0 (a row in
+        parallel that is not open yet) keeps the positions and refreshes their laws."""
         batch, L = self.drafts.shape
         device = self.drafts.device
         a = count - 1
