@@ -95,10 +95,12 @@ def _round_robin_medians(calls: dict, reps: int, warmup: int, device: torch.devi
 def measure_forward_costs(target_model, drafter=None, *, sampling: SamplingConfig | None = None,
                           target_sizes=(1, 2, 4, 8, 12, 16, 24, 32, 48, 64), drafter_sizes=(1, 2, 4, 8, 16),
                           reps: int = 21, warmup: int = 2, cond: torch.Tensor | None = None,
-                          cond_mask: torch.Tensor | None = None) -> ForwardCosts:
+                          cond_mask: torch.Tensor | None = None, compile: bool = False) -> ForwardCosts:
     """Time the target (and drafter) forwards of one image (both CFG streams unless ``sampling``
     turns CFG off) for the given token counts. ``cond [1, ...]`` (and ``cond_mask``): the image's
-    condition, needed for a text-to-image target (default: class 0)."""
+    condition, needed for a text-to-image target (default: class 0). ``compile``: the target's
+    step compiled, as ``--compile`` runs it (CUDA graphs on a GPU; each size is its own graph,
+    compiled in the warm-up)."""
     if reps < 1 or warmup < 0:
         raise RelaxspecError(f"reps must be >= 1 and warmup >= 0, got {reps}, {warmup}")
     sampling = sampling or SamplingConfig(cfg_scale=4.0)
@@ -110,7 +112,7 @@ def measure_forward_costs(target_model, drafter=None, *, sampling: SamplingConfi
         cond = torch.zeros(1, dtype=torch.long, device=device)
     context = config.block_size // 2  # a KV cache half full: the average step of an image
     largest = max(target_sizes)
-    target = GuidedTarget(target_model, cond, sampling, scratch=largest, cond_mask=cond_mask)
+    target = GuidedTarget(target_model, cond, sampling, scratch=largest, cond_mask=cond_mask, compile=compile)
     def target_call(size: int):
         first = target.cls + context
         slots = torch.arange(first, first + size, device=device)[None]
