@@ -120,6 +120,10 @@ def _family(name: str, root):
 
         janus_folder_at(root / "janus")
         pipeline = open_pipeline(model_path=root / "janus")
+    elif name == "anole":
+        from helpers.anole import anole_folder
+
+        pipeline = open_pipeline(model_path=anole_folder(root)["model_path"])
     elif name == "emu3":
         from helpers.emu3 import emu3_folder_at
 
@@ -135,11 +139,11 @@ def _family(name: str, root):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["janus", "emu3", "lumina"])
+@pytest.mark.parametrize("family", ["janus", "emu3", "lumina", "anole"])
 def test_every_family_paints_rows_in_parallel(tmp_path, family) -> None:
-    """Janus (1-D positions), Emu3 and Lumina-mGPT (a forced row-end token after every row, kept
-    by the target's row-end companions): one open row is greedy AR; several are the slow
-    reference's tokens."""
+    """Janus and Anole (1-D positions), Emu3 and Lumina-mGPT (a forced row-end token after every
+    row, kept by the target's row-end companions): one open row is greedy AR; several are the
+    slow reference's tokens."""
     pytest.importorskip("transformers")
     target, condition = _family(family, tmp_path)
     cond, mask = condition.cond, condition.mask
