@@ -142,6 +142,13 @@ def test_rows_in_parallel_are_knobs_of_a_quality_budget_only():
     assert all(c.relaxed for c in rows) and not any(c.relaxed for c in quality if c.method in ("sjd", "scd"))
     for budget in (Budget("lossless"), Budget("tv", 0.5)):
         assert not [c for c in build_candidates(budget, {}, has_drafter=False) if c.method in ("zipar", "pjd")]
+    # with a drafter, LANTERN's best tree drafts for every open row too, under a quality budget alone
+    trees = {"relaxed": [{"name": "chain3", "path": "chain"}], "exact": []}
+    drafted = [c for c in build_candidates(Budget("quality"), trees, has_drafter=True) if c.fields.get("rows", 1) > 1
+               and c.method == "lantern"]
+    assert sorted(c.fields["row_lead"] for c in drafted) == [2, 3] and all(c.relaxed for c in drafted)
+    for budget in (Budget("lossless"), Budget("tv", 0.5)):
+        assert not [c for c in build_candidates(budget, trees, has_drafter=True) if c.fields.get("rows", 1) > 1]
 
 
 # ---------------------------------------------------------------------------- the command

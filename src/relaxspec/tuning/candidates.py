@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from relaxspec import methods
 from relaxspec.bench.config import MethodSpec, format_value
 from relaxspec.drafting.trees import TreeSpec, best_tree_for_cost, expected_accept_length
+from relaxspec.methods.rows import ALL_ROWS
 
 #: The acceptance rules the probe measures: exact, and LANTERN at a middle relaxation (its trees
 #: serve every relaxed method: relaxed rules accept deeper, so they want deeper trees).
@@ -146,6 +147,11 @@ def build_candidates(budget, trees: dict[str, list[dict]], has_drafter: bool) ->
             add("zipar", {"row_lead": lead})
         for window in (2, 4):
             add("pjd", {"window": window, "row_lead": 2})
+        if has_drafter:  # LANTERN's best tree for every open row (every row the lead lets open)
+            for tree in relaxed[:1]:
+                for lead in (2, 3):
+                    add("lantern", {"draft": tree["path"], "k": 64, "delta": 0.3, "rows": ALL_ROWS, "row_lead": lead},
+                        tree["name"])
     return found
 
 
