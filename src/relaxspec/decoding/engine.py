@@ -120,8 +120,8 @@ def generate_speculative(model, cond, sampling: SamplingConfig, options: MethodO
             dst = base[:, None] + 1 + offsets[None, : path.shape[1]]
             target.move_cache(torch.where(moving, base[:, None] + path.clamp(min=0), dst), dst)
             t0 = time.perf_counter()
-            source.update(result.committed, result.path, torch.where(active, count, torch.ones_like(count)), root_index,
-                          probs, hidden, generator)
+            # count is 0 for a finished image: it committed nothing
+            source.update(result.committed, result.path, count, root_index, probs, hidden, generator)
             drafter_seconds += time.perf_counter() - t0
             drafter_forwards += active.long() * (source.forwards - before)
             before = source.forwards

@@ -83,6 +83,7 @@ def generate_rows(model, cond, sampling: SamplingConfig, *, source, rule: Accept
     node_ids = torch.arange(nodes, device=device)
     lane_ids = torch.arange(lanes, device=device)
     scratch = cls + n_tok + lane_ids[:, None] * nodes + node_ids[None, :]  # [L, T] each lane's slots
+    offsets = torch.arange(nodes + 1, device=device)  # a step commits at most a path and its bonus
 
     probs0, hidden0 = target.prefill()
     tokens[:, 0] = sample_from(probs0, generator, greedy)
@@ -131,9 +132,8 @@ def generate_rows(model, cond, sampling: SamplingConfig, *, source, rule: Accept
             rank_accepts = add_counts(rank_accepts, result.rank_accepts)
             # commit: raster k .. k + count - 1 of each lane (the rest to the spill column)
             span = result.committed.shape[1]
-            offsets = torch.arange(span, device=device)
-            keep = offsets[None, None, :] < count[:, :, None]
-            write_at = torch.where(keep, k[:, :, None] + offsets, torch.full_like(keep, n_tok, dtype=torch.long))
+            keep = offsets[None, None, :span] < count[:, :, None]
+            write_at = torch.where(keep, k[:, :, None] + offsets[:span], n_tok)
             tokens.scatter_(1, write_at.view(batch, -1), result.committed.clamp(min=0).view(batch, -1))
             step_tv.scatter_(1, write_at.view(batch, -1), result.step_tv.to(step_tv.dtype).view(batch, -1))
             # keys: the root (its own token, not a stand-in) and the accepted nodes move to their grid slots
@@ -141,11 +141,11 @@ def generate_rows(model, cond, sampling: SamplingConfig, *, source, rule: Accept
             # token already cached keeps the keys it has); other entries copy a lane's own scratch
             # slot onto itself, so no two entries write one slot
             path = result.path.view(batch, lanes, span)
-            moving = (path >= 0) & (offsets < (accepted + 1)[:, :, None]) & active[:, :, None]
+            moving = (path >= 0) & (offsets[:span] < (accepted + 1)[:, :, None]) & active[:, :, None]
             root_slot = cls + (k - 1).clamp(min=0)
             moving[:, :, 0] &= (~stand_in | (above == grid)) & ~cached.gather(1, root_slot)
             source_slot = scratch.expand(batch, -1, -1).gather(2, path.clamp(min=0))
-            grid_slot = cls + (k - 1)[:, :, None] + offsets
+            grid_slot = cls + (k - 1)[:, :, None] + offsets[:span]
             idle = scratch[None, :, :span].expand(batch, -1, -1) if span <= nodes else \
                 scratch[None, :, -1:].expand(batch, lanes, span)
             src = torch.where(moving, source_slot, idle)

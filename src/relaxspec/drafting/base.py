@@ -51,6 +51,10 @@ class DraftSource(Protocol):
     """A source of draft trees. Shapes: ``B`` images, ``S`` CFG streams (rows ``[S*B, ...]``),
     ``V`` the vocabulary, ``d`` the target's width, ``T`` nodes of a tree.
 
+    A source whose state is one per image rather than one per row (a drafter's cache) may also
+    have ``for_lanes(lanes, grid)``: the view of it that rows in parallel draft with
+    (:func:`relaxspec.decoding.rows.generate_rows`).
+
     ``max_nodes`` (the most nodes a tree has, root included) and ``max_depth`` size the engine's
     buffers; ``forwards`` counts the source's own model calls in the current decode. A source may
     keep a :class:`relaxspec.timing.Stopwatch` as ``watch`` around its model calls; the engine
@@ -79,9 +83,9 @@ class DraftSource(Protocol):
 
     def update(self, committed: torch.Tensor, path: torch.Tensor, count: torch.Tensor, root_index: torch.Tensor,
                target_probs: torch.Tensor, target_hidden: torch.Tensor, generator: torch.Generator | None = None) -> None:
-        """After verification: ``committed [B, W]`` tokens (``count [B]`` of them real) along tree
-        nodes ``path [B, W]``; the target's laws ``target_probs [B, T, V]`` and hidden states
-        ``target_hidden [S*B, T, d]`` at every node."""
+        """After verification: ``committed [B, W]`` tokens (``count [B]`` of them real, 0 for a row
+        that committed nothing this step) along tree nodes ``path [B, W]``; the target's laws
+        ``target_probs [B, T, V]`` and hidden states ``target_hidden [S*B, T, d]`` at every node."""
 
     def close(self) -> None:
         """The decode is over (caches may be kept for the next one of the same shape)."""

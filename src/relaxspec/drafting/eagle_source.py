@@ -77,19 +77,29 @@ class EagleSource:
         target conditioned on tokens, those tokens ``condition_tokens [S*B, C]`` (what a drafter
         that reads the condition caches first). Feeds pair 0 so the first proposal has its root
         law."""
-        self.batch, self.streams = first_tokens.shape[0], streams
-        # Row indices made once on the device: an index made on the host is a copy and a sync per step.
-        self._image_rows = torch.arange(self.batch, device=first_tokens.device)
-        self._stream_rows = torch.arange(self.batch * streams, device=first_tokens.device)
-        self.drafter.setup_caches(self.batch * streams, num_tokens + self.structure.drafter_slots + 1,
-                                  condition=condition_hidden, condition_tokens=condition_tokens)
-        self.cache_length = self.drafter.cache_length
         device = first_tokens.device
+        self.batch, self.streams, self.num_tokens = first_tokens.shape[0], streams, num_tokens
+        # Row indices made once on the device: an index made on the host is a copy and a sync per step.
+        self._image_rows = torch.arange(self.batch, device=device)
+        self._stream_rows = torch.arange(self.batch * streams, device=device)
+        cache_rows, length = self._cache_shape(num_tokens)
+        self.drafter.setup_caches(cache_rows, length, condition=condition_hidden, condition_tokens=condition_tokens)
+        self.cache_length = self.drafter.cache_length
         self._step = compiled(drafter_step, device) if self.compile else drafter_step
         self.forwards = 0
-        self.watch = Stopwatch(first_tokens.device)  # time inside the drafter's forward calls
-        zero = torch.zeros_like(first_tokens)
-        self.catch_up(first_hidden, first_tokens[:, None], zero, torch.ones_like(zero))
+        self.watch = Stopwatch(device)  # time inside the drafter's forward calls
+        self.catch_up(first_hidden, first_tokens[:, None], torch.zeros_like(first_tokens),
+                      self._lay_out(length, device))
+
+    def _cache_shape(self, num_tokens: int) -> tuple[int, int]:
+        """The drafter cache's rows and slots: one row per row and stream, pair ``j`` in slot
+        ``j`` and a step's drafts after it."""
+        return self.batch * self.streams, num_tokens + self.structure.drafter_slots + 1
+
+    def _lay_out(self, length: int, device: torch.device) -> torch.Tensor:
+        """Whatever the cache's layout needs once the cache is set up (``length`` slots asked for),
+        and how many of pair 0 each row then feeds, ``[B]``: here every row its own."""
+        return torch.ones(self.batch, dtype=torch.long, device=device)
 
     def close(self) -> None:
         """The drafter's cache stays allocated for the next decode of the same shape, as the
@@ -147,7 +157,9 @@ class EagleSource:
 
 class LaneEagleSource(EagleSource):
     """An :class:`EagleSource` whose rows are the open rows (lanes) of images painted in parallel
-    (made by :meth:`EagleSource.for_lanes`); ``grid`` tokens a row."""
+    (made by :meth:`EagleSource.for_lanes`); ``grid`` tokens a row. :meth:`start` takes
+    ``first_tokens [B * lanes]`` and ``first_hidden [S * B * lanes, 1, d]`` per lane and the
+    condition's states ``condition_hidden [S * B, C, d]`` per image."""
 
     def __init__(self, drafter, structure, sampling, *, compile: bool = False, lanes: int, grid: int):
         if not isinstance(structure, StaticTree):
@@ -156,32 +168,24 @@ class LaneEagleSource(EagleSource):
         super().__init__(drafter, structure, sampling, compile=compile)
         self.lanes, self.grid = lanes, grid
 
-    def start(self, first_tokens, first_probs, first_hidden, streams: int, num_tokens: int, generator,
-              greedy: bool, *, condition_hidden=None, condition_tokens=None) -> None:
-        """``first_tokens [B * lanes]`` and ``first_hidden [S * B * lanes, 1, d]`` per lane; the
-        condition's states ``condition_hidden [S * B, C, d]`` per image."""
-        device = first_tokens.device
-        self.batch, self.streams, self.num_tokens = first_tokens.shape[0], streams, num_tokens
-        images, nodes = self.batch // self.lanes, self.structure.drafter_slots
-        self._image_rows = torch.arange(self.batch, device=device)
-        self._stream_rows = torch.arange(self.batch * streams, device=device)
-        length = num_tokens + self.lanes * nodes + 1
-        self.drafter.setup_caches(images * streams, length, condition=condition_hidden,
-                                  condition_tokens=condition_tokens)
-        self.cache_length = self.drafter.cache_length
+    def _cache_shape(self, num_tokens: int) -> tuple[int, int]:
+        """One cache row per image and stream: the image's pairs, each lane's scratch slots, a
+        spill slot."""
+        return self.batch // self.lanes * self.streams, num_tokens + self.lanes * self.structure.drafter_slots + 1
+
+    def _lay_out(self, length: int, device: torch.device) -> torch.Tensor:
+        """The lanes' slots and the committed-pair bitmap; pair 0 is lane 0's (row 0's): the other
+        lanes start on a row's first step, which drafts nothing."""
+        nodes = self.structure.drafter_slots
         self.spill = length - 1  # where the padding of a catch-up writes; never seen
         # a slot's raster index (scratch and spill slots: past every pair, so never "earlier")
-        self._raster_of_slot = torch.full((self.cache_length,), num_tokens + 1, dtype=torch.long, device=device)
-        self._raster_of_slot[:num_tokens] = torch.arange(num_tokens, device=device)
+        self._raster_of_slot = torch.full((self.cache_length,), self.num_tokens + 1, dtype=torch.long, device=device)
+        self._raster_of_slot[: self.num_tokens] = torch.arange(self.num_tokens, device=device)
         lane = torch.arange(self.batch, device=device) % self.lanes
-        self._scratch = num_tokens + lane[:, None] * nodes + torch.arange(nodes, device=device)  # [B*L, T]
+        self._scratch = self.num_tokens + lane[:, None] * nodes + torch.arange(nodes, device=device)  # [B*L, T]
         self._not_root = torch.arange(nodes, device=device) > 0
-        self.cached = torch.zeros(images, self.cache_length, dtype=torch.bool, device=device)  # pairs committed
-        self._step = compiled(drafter_step, device) if self.compile else drafter_step
-        self.forwards = 0
-        self.watch = Stopwatch(device)
-        # pair 0 is lane 0's (row 0's): the other lanes start on a row's first step, which drafts nothing
-        self.catch_up(first_hidden, first_tokens[:, None], torch.zeros_like(first_tokens), (lane == 0).long())
+        self.cached = torch.zeros(self.batch // self.lanes, self.cache_length, dtype=torch.bool, device=device)
+        return (lane == 0).long()
 
     # -- lanes <-> images: [R * L, M, ...] <-> [R, L * M, ...] (stream-major rows stay so)
     def _images(self, x: torch.Tensor) -> torch.Tensor:
