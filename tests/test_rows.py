@@ -10,6 +10,7 @@ from relaxspec.acceptance.exact import ExactRule
 from relaxspec.decoding.ar import generate_ar
 from relaxspec.decoding.rows import generate_rows, row_causal_mask
 from relaxspec.drafting.base import NoDrafts
+from relaxspec.drafting.dynamic_tree import DynamicTree
 from relaxspec.drafting.eagle_source import EagleSource
 from relaxspec.drafting.jacobi import JacobiSource
 from relaxspec.drafting.static_tree import StaticTree
@@ -180,8 +181,7 @@ def test_generate_paints_rows_and_says_its_law_is_not_the_model_s(tmp_path, caps
     for args, said in ((["--method", "ar", "--rows", "2"], "--rows is not used by --method ar"),
                        (["--method", "sjd", "--row-lead", "2"], "--row-lead is not used by --method sjd"),
                        (["--method", "zipar", "--rows", "1"], "--rows must be at least 2"),
-                       (["--method", "pjd", "--row-lead", "9"], "row lead must lie in [1, 8]"),
-                       (["--method", "eagle2", "--rows", "2"], "with EAGLE-2's dynamic tree")):
+                       (["--method", "pjd", "--row-lead", "9"], "row lead must lie in [1, 8]")):
         assert run(*args) == 2
         err = capsys.readouterr().err
         assert len(err.strip().splitlines()) == 1 and said in err, (args, err)
@@ -249,7 +249,7 @@ def test_rows_read_the_device_about_once_per_step(name, fields) -> None:
 def test_compiled_rows_decode_the_eager_tokens(target) -> None:
     """--compile runs the rows' target step and tree walk compiled: the same greedy tokens."""
     cond = torch.tensor([1, 4])
-    for source in (NoDrafts, lambda: JacobiSource(3), lambda: eagle_chain(target, 3)):
+    for source in (NoDrafts, lambda: JacobiSource(3), lambda: eagle_chain(target, 3), lambda: eagle2_tree(target)):
         eager = generate_rows(target, cond, GREEDY, source=source(), rule=ExactRule(), plan=RowPlan(3, 2))
         fast = generate_rows(target, cond, GREEDY, source=source(), rule=ExactRule(), plan=RowPlan(3, 2), compile=True)
         assert torch.equal(eager.tokens, fast.tokens)
@@ -259,24 +259,33 @@ def eagle_chain(target, depth: int, seed: int = 1) -> EagleSource:
     return EagleSource(tiny_drafter(target, seed), StaticTree(TreeSpec.chain(depth), "topk"), GREEDY)
 
 
+def eagle2_tree(target, seed: int = 1) -> EagleSource:
+    """EAGLE-2's dynamic tree, small: 3 children per beam, 3 levels, 8 nodes."""
+    return EagleSource(tiny_drafter(target, seed), DynamicTree(top_k=3, depth=3, total_tokens=8), GREEDY)
+
+
+@pytest.mark.parametrize("tree", [lambda t: eagle_chain(t, 3), eagle2_tree], ids=["chain", "eagle2"])
 @pytest.mark.parametrize("lanes, lead", [(1, 1), (2, 5), (3, 2)])
-def test_every_row_drafts_with_the_eagle_drafter_and_exact_greedy_stays_the_rows_decode(target, lanes, lead) -> None:
-    """Each open row drafts a chain with the EAGLE drafter (over one drafter cache per image):
-    rows that never overlap are greedy AR token for token, the drafter's cache and the target's
-    keys kept apart per lane; overlapping rows commit every token once."""
+def test_every_row_drafts_with_the_eagle_drafter_and_exact_greedy_stays_the_rows_decode(target, tree, lanes,
+                                                                                        lead) -> None:
+    """Each open row drafts a chain, or grows EAGLE-2's dynamic tree, with the EAGLE drafter (over
+    one drafter cache per image): rows that never overlap are greedy AR token for token, the
+    drafter's cache and the target's keys kept apart per lane; overlapping rows commit every token
+    once."""
     cond = torch.tensor([1, 4])
-    drafted = generate_rows(target, cond, GREEDY, source=eagle_chain(target, 3), rule=ExactRule(),
-                            plan=RowPlan(lanes, lead))
+    drafted = generate_rows(target, cond, GREEDY, source=tree(target), rule=ExactRule(), plan=RowPlan(lanes, lead))
     if lanes == 1 or lead == 5:
         assert torch.equal(drafted.tokens, generate_ar(target, cond, GREEDY).tokens)
     assert drafted.tokens.shape == (2, 25) and all(sum(lengths) == 25 for lengths in drafted.accept_lengths)
     assert drafted.drafter_forwards.min() > 0
 
 
-def test_the_lane_drafter_s_mask_against_a_per_node_reference(target) -> None:
+@pytest.mark.parametrize("grown", [4, 3], ids=["whole tree", "a growing tree"])
+def test_the_lane_drafter_s_mask_against_a_per_node_reference(target, grown) -> None:
     """Node i of a lane's tree sits in the lane's scratch slot i and sees the committed pairs up to
     its root (in raster order) and its ancestors' scratch slots; never another lane's drafts,
-    an uncommitted slot, or a pair after its root."""
+    an uncommitted slot, or a pair after its root. ``grown``: the nodes the ancestor matrix covers
+    (all of a fixed tree's; the first levels of an EAGLE-2 tree still growing)."""
     lanes, grid, depth, batch = 2, 5, 3, 2
     source = EagleSource(tiny_drafter(target), StaticTree(TreeSpec.chain(depth), "topk"), GREEDY).for_lanes(lanes, grid)
     virtual, n_tok, nodes = batch * lanes, grid * grid, depth + 1
@@ -286,8 +295,8 @@ def test_the_lane_drafter_s_mask_against_a_per_node_reference(target) -> None:
     source.cached = torch.rand(batch, source.cache_length, generator=generator) < 0.6
     source.cached[:, n_tok:] = False
     root_index = torch.randint(0, n_tok, (virtual,), generator=generator)
-    ancestors = torch.rand(virtual, nodes, nodes, generator=generator) < 0.5
-    asked = torch.tensor([1, 3])
+    ancestors = torch.rand(virtual, grown, grown, generator=generator) < 0.5
+    asked = torch.tensor([1, grown - 1])
     slots, mask = source.node_inputs(root_index, ancestors, asked)
     for v in range(virtual):
         image, lane = divmod(v, lanes)
@@ -298,7 +307,7 @@ def test_the_lane_drafter_s_mask_against_a_per_node_reference(target) -> None:
                     want = bool(source.cached[image, slot]) and slot <= root_index[v]
                 else:
                     other, j = divmod(slot - n_tok, nodes)
-                    want = other == lane and j > 0 and bool(ancestors[v, node, j])
+                    want = other == lane and 0 < j < grown and bool(ancestors[v, node, j])
                 assert bool(mask[v, q, slot]) == want, (v, node, slot)
 
 

@@ -6,7 +6,7 @@ import torch
 
 from relaxspec.acceptance.base import one_hot
 from relaxspec.drafting.base import DraftTree, FeatureDrafter
-from relaxspec.drafting.tree_tables import ancestor_matrix, children_table, tree_attention_mask
+from relaxspec.drafting.tree_tables import ancestor_matrix, children_table
 from relaxspec.drafting.trees import check_tree_size
 from relaxspec.errors import RelaxspecError
 
@@ -50,7 +50,6 @@ class DynamicTree:
         feats_root = source.root_feature
         beam_feats = feats_root.new_zeros(feats_root.shape[0], 0, feats_root.shape[-1])
         level_start, level_size = 0, kk
-        kv_len = source.cache_length
         for d in range(2, self.depth + 1):
             scores = torch.cat(cand_score, dim=1)
             level_scores = scores[:, level_start : level_start + level_size]
@@ -81,14 +80,14 @@ class DynamicTree:
                 pf = torch.where(source.rows(parent_beam >= 0)[:, :, None], pf, feats_root[:, None, :])
             else:
                 pf = feats_root[:, None, :].expand(-1, nb, -1)
-            # Tree nodes here are: 0 = root (slot root_index), beams at slots root_index + 1 + j.
+            # Tree nodes here are: 0 = the root, beam j = node 1 + j; the source says where each
+            # node's pair goes in the drafter cache and what it sees (its ancestors, the pairs before).
             full_anc = torch.zeros(batch, 1 + new_total, 1 + new_total, dtype=torch.bool, device=device)
             full_anc[:, :, 0] = True
             full_anc[:, 1:, 1:] = anc
-            queries = (torch.arange(nb, device=device) + 1 + n_beams).expand(batch, -1)
-            mask = tree_attention_mask(root_index, full_anc, kv_len, queries)
+            slots, mask = source.node_inputs(root_index, full_anc, torch.arange(nb, device=device) + 1 + n_beams)
             depth_now = torch.cat(cand_depth, dim=1).gather(1, chosen)
-            out, q = source.expand(pf, toks, root_index[:, None] + depth_now, root_index[:, None] + queries, mask)
+            out, q = source.expand(pf, toks, root_index[:, None] + depth_now, slots, mask)
             beam_feats = torch.cat([beam_feats, out], dim=1)
             beam_cand.extend(chosen.unbind(1))
             top = q.topk(kk, dim=-1)  # [B, nb, kk]

@@ -2,8 +2,8 @@
 both CFG streams, its guesses laid out by a :class:`~relaxspec.drafting.base.DraftStructure`; and
 :class:`LaneEagleSource`, the same drafter for rows in parallel (issue 31).
 
-Rows in parallel: a chain, or a fixed tree, for every open row of an image, over one drafter
-cache per image.
+Rows in parallel: a chain, a fixed tree or EAGLE-2's dynamic tree for every open row of an image,
+over one drafter cache per image.
 
 :func:`relaxspec.decoding.rows.generate_rows` gives each open row a lane (``lanes`` of them per
 image, lane ``l`` of image ``b`` being row ``b * lanes + l`` of every ``[B * lanes, ...]``
@@ -29,9 +29,7 @@ import torch
 from relaxspec.compiling import compiled
 from relaxspec.drafting.base import DraftStructure, DraftTree
 from relaxspec.drafting.eagle import EagleDrafter
-from relaxspec.drafting.static_tree import StaticTree
 from relaxspec.drafting.tree_tables import tree_attention_mask
-from relaxspec.errors import RelaxspecError
 from relaxspec.sampling import SamplingConfig, process_logits, stream_rows
 from relaxspec.timing import Stopwatch
 
@@ -162,9 +160,6 @@ class LaneEagleSource(EagleSource):
     condition's states ``condition_hidden [S * B, C, d]`` per image."""
 
     def __init__(self, drafter, structure, sampling, *, compile: bool = False, lanes: int, grid: int):
-        if not isinstance(structure, StaticTree):
-            raise RelaxspecError("rows in parallel draft with a chain or a fixed tree (--draft chain or --tree), "
-                                 "not EAGLE-2's dynamic tree")
         super().__init__(drafter, structure, sampling, compile=compile)
         self.lanes, self.grid = lanes, grid
 
@@ -205,12 +200,13 @@ class LaneEagleSource(EagleSource):
 
     def node_inputs(self, root_index, ancestors, nodes):
         """Node ``i`` sits in its lane's scratch slot ``i`` and sees the committed pairs up to its
-        root's and its ancestors' scratch slots."""
-        queries = nodes.shape[0]
+        root's and its ancestors' scratch slots (``ancestors [B * lanes, T, T]``: a fixed tree's
+        every node, or the ``T`` nodes an EAGLE-2 tree has grown so far)."""
+        queries, width = nodes.shape[0], ancestors.shape[-1]
         slots = self._scratch[:, nodes]
-        own = ancestors[:, nodes, :] & self._not_root  # the root is a committed pair, seen below
+        own = ancestors[:, nodes, :] & self._not_root[:width]  # the root is a committed pair, seen below
         mask = torch.zeros(self.batch, queries, self.cache_length, dtype=torch.bool, device=slots.device)
-        mask.scatter_(2, self._scratch[:, None, :].expand(-1, queries, -1), own)
+        mask.scatter_(2, self._scratch[:, None, :width].expand(-1, queries, -1), own)
         seen = self.cached.repeat_interleave(self.lanes, 0)[:, None, :] & (self._raster_of_slot <= root_index[:, None, None])
         return slots, mask | seen
 

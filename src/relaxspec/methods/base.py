@@ -215,14 +215,11 @@ class Method:
 
     def _check_rows(self, options, context: BuildContext) -> None:
         """Rows in parallel: a model with a square grid, a lead within the row, and drafts that every
-        row can have (a Jacobi window, the EAGLE drafter's chain or fixed tree, or none)."""
+        row can have (a Jacobi window, any tree of the EAGLE drafter, or none)."""
         from relaxspec.methods.grid import row_plan
 
         if context.target is not None:
             row_plan(options, context.target)
-        if self.needs_drafter(options) and options.draft == "dynamic":
-            raise RelaxspecError(f"--rows {options.rows} with EAGLE-2's dynamic tree ({self.where(options)}) is not "
-                                 "built: each row drafts a chain (--draft chain) or a fixed tree (--tree)")
 
     def needs_drafter(self, options) -> bool:
         return options.draft in EAGLE_DRAFTS or str(options.draft).endswith(".json")
