@@ -151,6 +151,41 @@ def test_rows_in_parallel_are_knobs_of_a_quality_budget_only():
         assert not [c for c in build_candidates(budget, trees, has_drafter=True) if c.fields.get("rows", 1) > 1]
 
 
+def test_a_strong_relaxation_drafts_on_the_trees_of_its_own_probe():
+    """LANTERN's ``delta`` 0.5 and 0.7 race on the trees built from the strong probe's rates, the
+    milder deltas on the mild probe's; a run without a strong probe gives every delta the mild trees."""
+    from relaxspec.tuning.candidates import PROBE_RULES, build_candidates
+
+    assert PROBE_RULES["strong"]["delta"] > PROBE_RULES["relaxed"]["delta"]
+    trees = {"exact": [], "relaxed": [{"name": "relaxed-chain6", "path": "chain6.json"}],
+             "strong": [{"name": "strong-chain9", "path": "chain9.json"}]}
+    lantern = [c for c in build_candidates(Budget("tv", 0.5), trees, has_drafter=True)
+               if c.method == "lantern" and "delta" in c.fields]
+    deltas = {tree: sorted(c.fields["delta"] for c in lantern if c.tree == tree)
+              for tree in ("relaxed-chain6", "strong-chain9")}
+    assert deltas == {"relaxed-chain6": [0.1, 0.2, 0.3, 0.3, 0.3], "strong-chain9": [0.5, 0.7]}
+    del trees["strong"]
+    mild = [c for c in build_candidates(Budget("tv", 0.5), trees, has_drafter=True)
+            if c.method == "lantern" and "delta" in c.fields]
+    assert sorted({c.fields["delta"] for c in mild}) == [0.1, 0.2, 0.3, 0.5, 0.7]
+    assert {c.tree for c in mild} == {"relaxed-chain6"}
+
+
+def test_trees_go_as_deep_as_the_probe_measured():
+    """Rates measured ten levels deep, nearly all accepted (a strong relaxation on a cheap drafter),
+    give chains deeper than eight, the old cap; a six-level probe still bounds its chains at six."""
+    from relaxspec.bench.cost import ForwardCosts
+    from relaxspec.tuning.candidates import candidate_trees
+
+    costs = ForwardCosts({1: 0.010, 16: 0.012, 64: 0.050}, {1: 0.0001, 16: 0.0002})  # a GPU-like, flat curve
+    deep = torch.full((10, 4), 0.02)
+    deep[:, 0] = 0.97
+    depths = [spec.depth for _, spec, _ in candidate_trees(deep, costs.step_seconds, costs.target_seconds(1))]
+    assert max(depths) == 10
+    shallow = [spec.depth for _, spec, _ in candidate_trees(deep[:6], costs.step_seconds, costs.target_seconds(1))]
+    assert max(shallow) == 6
+
+
 # ---------------------------------------------------------------------------- the command
 
 

@@ -19,10 +19,17 @@ from relaxspec.bench.config import MethodSpec, format_value
 from relaxspec.drafting.trees import TreeSpec, best_tree_for_cost, expected_accept_length
 from relaxspec.methods.rows import ALL_ROWS
 
-#: The acceptance rules the probe measures: exact, and LANTERN at a middle relaxation (its trees
-#: serve every relaxed method: relaxed rules accept deeper, so they want deeper trees).
-PROBE_RULES = {"exact": {"method": "sd"}, "relaxed": {"method": "lantern", "delta": 0.2, "k": 64}}
-PROBE_TREE = "probe6x6"
+#: The acceptance rules the probe measures: exact; LANTERN at a middle relaxation, whose trees serve
+#: the milder relaxed settings (``delta`` up to 0.3, LANTERN++, COOL-SD); and LANTERN at the grid's
+#: strongest, whose trees serve ``delta`` 0.5 and 0.7. A tree is only as deep as the rates measured
+#: for it, and a strong relaxation accepts nearly every level (LANTERN at ``delta`` 0.5 on the
+#: embedded model: MAL 6.8 on a chain of ten), so trees built from a mild probe would stop it short.
+PROBE_RULES = {"exact": {"method": "sd"}, "relaxed": {"method": "lantern", "delta": 0.2, "k": 64},
+               "strong": {"method": "lantern", "delta": 0.5, "k": 64}}
+#: The tree each rule is measured with: exact acceptance decays within a few levels, so its probe
+#: is wide; relaxed acceptance goes deep, so theirs are deep (every level up to 10 tested whenever
+#: the rank-0 spine reaches it).
+PROBE_TREES = {"exact": "probe6x6", "relaxed": "probe10x4", "strong": "probe10x4"}
 
 
 @dataclass
@@ -81,7 +88,7 @@ def candidate_trees(rates, step_seconds, ar_seconds: float, max_nodes: int = 48)
         spec = TreeSpec.chain(depth)
         return (1.0 + expected_accept_length(spec, rates)) / step_seconds(spec)
 
-    depth_cap = max(1, min(int(rates.shape[0]), 8))
+    depth_cap = max(1, int(rates.shape[0]))  # as deep as the probe measured
     top = max(range(1, depth_cap + 1), key=chain_rate)
     for depth in (top, top - 1, top + 1):
         if 1 <= depth <= depth_cap:
@@ -127,9 +134,13 @@ def build_candidates(budget, trees: dict[str, list[dict]], has_drafter: bool) ->
     if not budget.relaxed_allowed:
         return found
     relaxed = trees.get("relaxed", [])
+    strong = trees.get("strong") or relaxed
     if has_drafter:
         for tree in relaxed:
-            for delta in (0.1, 0.2, 0.3, 0.5):
+            for delta in (0.1, 0.2, 0.3):
+                add("lantern", {"draft": tree["path"], "k": 64, "delta": delta}, tree["name"])
+        for tree in strong:
+            for delta in (0.5, 0.7):
                 add("lantern", {"draft": tree["path"], "k": 64, "delta": delta}, tree["name"])
         for tree in relaxed[:1]:
             for k in (16, 256):
@@ -155,4 +166,4 @@ def build_candidates(budget, trees: dict[str, list[dict]], has_drafter: bool) ->
     return found
 
 
-__all__ = ["Candidate", "PROBE_RULES", "PROBE_TREE", "build_candidates", "candidate_trees", "label_of"]
+__all__ = ["Candidate", "PROBE_RULES", "PROBE_TREES", "build_candidates", "candidate_trees", "label_of"]

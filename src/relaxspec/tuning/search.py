@@ -6,7 +6,8 @@ The phases, each kept in the output folder so that running the same command agai
 1. **cost curve** (``costs.json``): target forwards over 1..64 tokens and drafter forwards, timed
    here (:func:`relaxspec.bench.cost.measure_forward_costs`);
 2. **probe** (``probe.json``): per-(depth, rank) acceptance counts from decoding the tune images
-   with a wide tree, once with the exact rule and (relaxed budgets) once with LANTERN;
+   with a wide tree under the exact rule and (relaxed budgets) with deep trees under LANTERN at a
+   mild and at a strong relaxation (:data:`relaxspec.tuning.candidates.PROBE_RULES`);
 3. **trees** (``trees/``): per rule, the trees that commit the most tokens per second
    (:func:`relaxspec.tuning.candidates.candidate_trees`);
 4. **successive halving** (``rounds/rN``): every candidate setting decodes the same new tune
@@ -58,7 +59,7 @@ from relaxspec.errors import RelaxspecError
 from relaxspec.files import write_json
 from relaxspec.runs.folder import settings_hash
 from relaxspec.tuning.budget import choose, pareto, survivors, within
-from relaxspec.tuning.candidates import PROBE_RULES, PROBE_TREE, Candidate, build_candidates, candidate_trees
+from relaxspec.tuning.candidates import PROBE_RULES, PROBE_TREES, Candidate, build_candidates, candidate_trees
 from relaxspec.tuning.config import (MAX_MINUTES, MAX_PLAN_IMAGES, MIN_QUALITY_IMAGES, TuneConfig, check_minutes,
                                      round_up)
 from relaxspec.tuning.state import STATE_FILE, costs_problem, open_state, probes_problem, read_owned
@@ -179,7 +180,7 @@ class Tuner:
         finalist against AR and its reference. A floor: a decode is taken as one AR image."""
         image = float(costs["ar_image_seconds_estimate"])
         has_drafter = self.pipeline.drafter is not None
-        rules = 1 + int(self.config.budget.relaxed_allowed)
+        rules = len(self.probe_rules())
         probes = 2 * rules if has_drafter and not (self.out / "probe.json").exists() else 0
         settings = len(build_candidates(self.config.budget, {}, has_drafter))
         decodes = probes + settings + 1 + 2 * MIN_INTERVAL_PAIRS
@@ -206,19 +207,27 @@ class Tuner:
             f"needs about {least:.3g} s; nothing was decided and no tune.json written: give --minutes >= {minutes:g} "
             "(the same command goes on from the timed forwards)")
 
+    def probe_rules(self) -> list[str]:
+        """The acceptance rules whose rates the probe measures (:data:`PROBE_RULES`): the relaxed
+        ones only when the budget allows relaxed settings."""
+        return [rule for rule in PROBE_RULES if rule == "exact" or self.config.budget.relaxed_allowed]
+
     def trees(self, costs: dict) -> dict:
         from relaxspec.bench.cost import ForwardCosts
 
         path = self.out / "probe.json"
         probes = read_owned(self.out, "probe.json", probes_problem) if path.exists() else {}
-        rules = ["exact"] + (["relaxed"] if self.config.budget.relaxed_allowed else [])
+        rules = self.probe_rules()
         count = max(2, min(12, int(self.budget_s / 150)))
         for rule in rules:
             if rule in probes:
                 continue
-            self.say(f"probing acceptance per (depth, rank) with the {PROBE_TREE} tree, {rule} rule, {count} images")
             fields = dict(PROBE_RULES[rule])
-            options = self.pipeline.method(fields.pop("method"), {"draft": "static", "tree": PROBE_TREE, **fields})
+            method = fields.pop("method")
+            shown = ", ".join(f"{k} {v}" for k, v in fields.items())
+            self.say(f"probing acceptance per (depth, rank) with the {PROBE_TREES[rule]} tree, {rule} rule "
+                     f"({method}{', ' + shown if shown else ''}), {count} images")
+            options = self.pipeline.method(method, {"draft": "static", "tree": PROBE_TREES[rule], **fields})
             tests = accepts = None
             with pinned_threads(self.config.threads):
                 for start in range(0, count, max(1, self.config.batch_size)):
