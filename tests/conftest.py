@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,13 @@ import torch
 
 from relaxspec.models.llamagen.gpt import GPTConfig, Transformer
 from relaxspec.models.llamagen.vq import VQConfig, VQModel
+
+
+#: pytest-xdist's workers (pyproject's addopts) share the machine's cores: each worker's torch gets
+#: its share, so two workers on two cores do not run four threads.
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if WORKERS > 1:
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // WORKERS))
 
 
 #: 64-d, 2 layers, 4 heads (head dim 16), 64 codes, 10 classes, 4x4 token grid.
