@@ -55,6 +55,8 @@ METHODS = {
     "pjd": dict(method="pjd"),
     # every open row drafts an EAGLE chain over one drafter cache per image
     "sd-chain rows lead 2": dict(method="sd", draft="chain", depth=3, rows=4096, row_lead=2),
+    # every open row grows EAGLE-2's dynamic tree (a wide forward: where a GPU should pay)
+    "eagle2 rows lead 2": dict(method="eagle2", rows=4096, row_lead=2),
 }
 #: The order compiled checks and compiled step costs go in when the budget may run out.
 COMPILED_FIRST = ("ar", "lantern (embedded default)", "zipar lead 2", "sd-chain", "sd-chain rows lead 2", "eagle2")

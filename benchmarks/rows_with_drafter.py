@@ -1,5 +1,6 @@
 """Rows in parallel with the EAGLE drafter on the embedded model (issue 31): the shipped LANTERN
-(raster order) and ZipAR against LANTERN drafting a chain for every open row.
+(raster order) and ZipAR against LANTERN drafting a chain for every open row, and exact EAGLE-2
+growing its dynamic tree in raster order against one tree for every open row.
 
     python benchmarks/rows_with_drafter.py [--classes 1,5,9,13,17,21] [--json out.json]
 
@@ -37,7 +38,10 @@ def main() -> None:
                "zipar, lead 2": dict(method="zipar", row_lead=2),
                "lantern (shipped tree) per row, lead 3": dict(method="lantern", **shipped, rows=8),
                "lantern (shipped tree) per row, lead 2": dict(method="lantern", **shipped, rows=8, row_lead=2),
-               "lantern chain of 3 per row, lead 2": dict(chain, rows=8, row_lead=2)}
+               "lantern chain of 3 per row, lead 2": dict(chain, rows=8, row_lead=2),
+               "eagle2 (exact, raster)": dict(method="eagle2"),
+               "eagle2 per row, lead 2": dict(method="eagle2", rows=8, row_lead=2),
+               "eagle2 per row, lead 3": dict(method="eagle2", rows=8, row_lead=3)}
     seconds = {name: [] for name in methods}
     forwards = {name: [] for name in methods}
     for label in [0] + [int(c) for c in args.classes.split(",")]:  # class 0 warms every method up, untimed
