@@ -259,12 +259,16 @@ def eagle_chain(target, depth: int, seed: int = 1) -> EagleSource:
     return EagleSource(tiny_drafter(target, seed), StaticTree(TreeSpec.chain(depth), "topk"), GREEDY)
 
 
-def eagle2_tree(target, seed: int = 1) -> EagleSource:
-    """EAGLE-2's dynamic tree, small: 3 children per beam, 3 levels, 8 nodes."""
-    return EagleSource(tiny_drafter(target, seed), DynamicTree(top_k=3, depth=3, total_tokens=8), GREEDY)
+def eagle2_tree(target, seed: int = 1, top_k: int = 3, depth: int = 3, total: int = 8) -> EagleSource:
+    """EAGLE-2's dynamic tree, small by default: 3 children per beam, 3 levels, 8 nodes."""
+    return EagleSource(tiny_drafter(target, seed), DynamicTree(top_k=top_k, depth=depth, total_tokens=total), GREEDY)
 
 
-@pytest.mark.parametrize("tree", [lambda t: eagle_chain(t, 3), eagle2_tree], ids=["chain", "eagle2"])
+@pytest.mark.parametrize("tree", [lambda t: eagle_chain(t, 3), eagle2_tree,
+                                  lambda t: eagle2_tree(t, top_k=2, total=59),
+                                  lambda t: eagle2_tree(t, top_k=70, depth=1, total=80)],
+                         ids=["chain", "eagle2", "eagle2 with fewer candidates than nodes",
+                              "eagle2 with top-k above the vocabulary"])
 @pytest.mark.parametrize("lanes, lead", [(1, 1), (2, 5), (3, 2)])
 def test_every_row_drafts_with_the_eagle_drafter_and_exact_greedy_stays_the_rows_decode(target, tree, lanes,
                                                                                         lead) -> None:

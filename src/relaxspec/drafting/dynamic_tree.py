@@ -28,7 +28,10 @@ class DynamicTree:
                                  f"{total_tokens}): at most {total_tokens}")
         check_tree_size((depth - 1) * top_k + 1, f"EAGLE-2's expansion (--depth {depth} x --dynamic-top-k {top_k})")
         self.top_k, self.depth, self.total = top_k, depth, total_tokens
-        self.max_nodes = total_tokens
+        # Every tree has this many nodes (static shapes: rows in parallel lay their trees side by
+        # side): the root and the best total - 1 candidates, or every candidate when the expansion
+        # yields fewer (top_k at depth 1, top_k^2 under each later level's top_k beams).
+        self.max_nodes = min(total_tokens, 1 + top_k + (depth - 1) * top_k * top_k)
         # The drafter writes every expanded beam (top_k per level below the root) to its own slot.
         self.drafter_slots = max(total_tokens, (depth - 1) * top_k + 1)
 
@@ -122,6 +125,12 @@ class DynamicTree:
         tokens = torch.cat([roots[:, None], tokens_all.gather(1, keep)], 1)
         depth = torch.cat([torch.zeros(batch, 1, dtype=torch.long, device=device), depth_all.gather(1, keep)], 1)
         valid = torch.cat([torch.ones(batch, 1, dtype=torch.bool, device=device), ok], 1)
+        missing = self.max_nodes - tokens.shape[1]
+        if missing > 0:  # a vocabulary smaller than top_k: fewer candidates; invalid nodes keep the size
+            pad = torch.zeros(batch, missing, dtype=torch.long, device=device)
+            tokens, parents = torch.cat([tokens, pad], 1), torch.cat([parents, pad], 1)
+            depth = torch.cat([depth, pad + 1], 1)
+            valid = torch.cat([valid, pad.bool()], 1)
         proposals = one_hot(tokens.reshape(-1), vocab, source.root_q.dtype).view(batch, -1, vocab)
         # A node has at most kk children (one expansion's top-kk), the root its kk candidates.
         return DraftTree(tokens, parents, depth, proposals, valid, ancestor_matrix(parents, self.depth),
