@@ -171,6 +171,26 @@ def test_a_strong_relaxation_drafts_on_the_trees_of_its_own_probe():
     assert {c.tree for c in mild} == {"relaxed-chain6"}
 
 
+def test_a_resumed_run_probes_only_what_its_probe_file_lacks():
+    """A probe.json written before the trees were per rule (no tree recorded: ``probe6x6``) keeps
+    its exact probe and measures the relaxed rules again with their deep trees; once the
+    candidates are decided nothing more is probed (their trees are chosen)."""
+    from types import SimpleNamespace
+
+    from relaxspec.tuning.candidates import PROBE_RULES
+    from relaxspec.tuning.search import Tuner
+
+    old = {"exact": {"tests": [[1]], "accepts": [[1]], "images": 2},
+           "relaxed": {"tests": [[1]], "accepts": [[1]], "images": 2}}
+    tuner = SimpleNamespace(state={}, probe_rules=lambda: list(PROBE_RULES))
+    assert Tuner.rules_to_probe(tuner, old) == ["relaxed", "strong"]
+    fresh = {rule: {**old["exact"], "tree": tree} for rule, tree in
+             (("exact", "probe6x6"), ("relaxed", "probe10x4"), ("strong", "probe10x4"))}
+    assert Tuner.rules_to_probe(tuner, fresh) == []
+    tuner.state["candidates"] = []
+    assert Tuner.rules_to_probe(tuner, old) == []
+
+
 def test_trees_go_as_deep_as_the_probe_measured():
     """Rates measured ten levels deep, nearly all accepted (a strong relaxation on a cheap drafter),
     give chains deeper than eight, the old cap; a six-level probe still bounds its chains at six."""

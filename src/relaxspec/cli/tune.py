@@ -28,7 +28,7 @@ def add_tune_parser(subparsers) -> argparse.ArgumentParser:
     tune = subparsers.add_parser("tune", help="find the fastest setting for this model and machine within a quality "
                                               "budget (writes a preset file)", description=(
         "Search decoding methods and their settings for the fastest one on this machine within a budget: "
-        "time the forwards, probe acceptance with a wide tree, build trees for this machine's costs, then race every "
+        "time the forwards, probe acceptance per acceptance rule, build trees for this machine's costs, then race every "
         "setting against eager AR on the same images with successive halving (the slower half dropped each round), "
         "test the finalists' quality if asked, and measure the winner on held-out classes or prompts. Writes "
         "tune.json (use it with generate / bench / demo --preset), frontier.png, settings.csv and report.md into "

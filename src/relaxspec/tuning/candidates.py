@@ -1,7 +1,7 @@
 """The settings a tuning run tries: each method's knobs over the trees built for this machine.
 
-Trees come from the probe (per-(depth, rank) acceptance measured with a wide tree) and the cost
-curve (target and drafter forwards timed here): for each acceptance rule the tree that commits the
+Trees come from the probe (per-(depth, rank) acceptance, measured per rule with a wide or a deep
+tree) and the cost curve (target and drafter forwards timed here): for each acceptance rule the tree that commits the
 most tokens per second, the best chain and its neighbours, and a wider tree in case the cost model
 is off. The knob grids are the ranges the papers and our benchmarks found useful (delta / k / lam
 for LANTERN and LANTERN++, cool_delta for COOL-SD, group_p_gap and window for GSD, windows for the
@@ -30,6 +30,8 @@ PROBE_RULES = {"exact": {"method": "sd"}, "relaxed": {"method": "lantern", "delt
 #: is wide; relaxed acceptance goes deep, so theirs are deep (every level up to 10 tested whenever
 #: the rank-0 spine reaches it).
 PROBE_TREES = {"exact": "probe6x6", "relaxed": "probe10x4", "strong": "probe10x4"}
+#: The tree of a ``probe.json`` entry that names none: every rule's before the trees were per rule.
+LEGACY_PROBE_TREE = "probe6x6"
 
 
 @dataclass
@@ -166,4 +168,4 @@ def build_candidates(budget, trees: dict[str, list[dict]], has_drafter: bool) ->
     return found
 
 
-__all__ = ["Candidate", "PROBE_RULES", "PROBE_TREES", "build_candidates", "candidate_trees", "label_of"]
+__all__ = ["Candidate", "LEGACY_PROBE_TREE", "PROBE_RULES", "PROBE_TREES", "build_candidates", "candidate_trees", "label_of"]

@@ -59,7 +59,7 @@ from relaxspec.errors import RelaxspecError
 from relaxspec.files import write_json
 from relaxspec.runs.folder import settings_hash
 from relaxspec.tuning.budget import choose, pareto, survivors, within
-from relaxspec.tuning.candidates import PROBE_RULES, PROBE_TREES, Candidate, build_candidates, candidate_trees
+from relaxspec.tuning.candidates import LEGACY_PROBE_TREE, PROBE_RULES, PROBE_TREES, Candidate, build_candidates, candidate_trees
 from relaxspec.tuning.config import (MAX_MINUTES, MAX_PLAN_IMAGES, MIN_QUALITY_IMAGES, TuneConfig, check_minutes,
                                      round_up)
 from relaxspec.tuning.state import STATE_FILE, costs_problem, open_state, probes_problem, read_owned
@@ -180,8 +180,9 @@ class Tuner:
         finalist against AR and its reference. A floor: a decode is taken as one AR image."""
         image = float(costs["ar_image_seconds_estimate"])
         has_drafter = self.pipeline.drafter is not None
-        rules = len(self.probe_rules())
-        probes = 2 * rules if has_drafter and not (self.out / "probe.json").exists() else 0
+        path = self.out / "probe.json"
+        done = read_owned(self.out, "probe.json", probes_problem) if path.exists() else {}
+        probes = 2 * len(self.rules_to_probe(done)) if has_drafter else 0
         settings = len(build_candidates(self.config.budget, {}, has_drafter))
         decodes = probes + settings + 1 + 2 * MIN_INTERVAL_PAIRS
         if self.config.budget.kind == "quality":
@@ -212,6 +213,16 @@ class Tuner:
         ones only when the budget allows relaxed settings."""
         return [rule for rule in PROBE_RULES if rule == "exact" or self.config.budget.relaxed_allowed]
 
+    def rules_to_probe(self, probes: dict) -> list[str]:
+        """The rules still to probe: none once the candidates are decided (their trees are chosen;
+        a rule probed later would change nothing), else those without a probe with today's tree
+        (:data:`PROBE_TREES`; a probe that recorded none was made with ``probe6x6``, every
+        probe's tree before the trees were per rule)."""
+        if "candidates" in self.state:
+            return []
+        return [rule for rule in self.probe_rules()
+                if rule not in probes or probes[rule].get("tree", LEGACY_PROBE_TREE) != PROBE_TREES[rule]]
+
     def trees(self, costs: dict) -> dict:
         from relaxspec.bench.cost import ForwardCosts
 
@@ -219,9 +230,10 @@ class Tuner:
         probes = read_owned(self.out, "probe.json", probes_problem) if path.exists() else {}
         rules = self.probe_rules()
         count = max(2, min(12, int(self.budget_s / 150)))
-        for rule in rules:
-            if rule in probes:
-                continue
+        folder = self.out / "trees"
+        for rule in self.rules_to_probe(probes):
+            for stale in folder.glob(f"{rule}-*.json"):  # trees of an earlier probe of this rule
+                stale.unlink()
             fields = dict(PROBE_RULES[rule])
             method = fields.pop("method")
             shown = ", ".join(f"{k} {v}" for k, v in fields.items())
@@ -237,15 +249,15 @@ class Tuner:
                     result = self.pipeline.generate(condition, options, self.sampling, generator=generator)
                     tests, accepts = add_counts(tests, result.rank_tests.double().cpu()), \
                         add_counts(accepts, result.rank_accepts.double().cpu())
-            probes[rule] = {"tests": tests.tolist(), "accepts": accepts.tolist(), "images": count}
+            probes[rule] = {"tests": tests.tolist(), "accepts": accepts.tolist(), "images": count,
+                            "tree": PROBE_TREES[rule]}
             write_json(path, probes)
             self.save()
         table = ForwardCosts({int(k): v for k, v in costs["target_seconds"].items()},
                              {int(k): v for k, v in costs["drafter_seconds"].items()})
-        folder = self.out / "trees"
         folder.mkdir(exist_ok=True)
         found = {}
-        for rule in rules:
+        for rule in (rule for rule in rules if rule in probes):  # a run decided before a rule was probed has none
             tests = torch.tensor(probes[rule]["tests"], dtype=torch.float64)
             accepts = torch.tensor(probes[rule]["accepts"], dtype=torch.float64)
             rates = torch.where(tests >= MIN_PROBE_TESTS, accepts / tests.clamp(min=1), torch.zeros_like(tests))

@@ -123,6 +123,8 @@ def probes_problem(probes) -> str | None:
                 return f"{rule}.{key} is not a table of counts"
         if len(probe["tests"]) != len(probe["accepts"]) or len(probe["tests"][0]) != len(probe["accepts"][0]):
             return f"{rule}: tests and accepts differ in shape"
+        if not isinstance(probe.get("tree", ""), str):
+            return f"{rule}.tree is not a tree name"
     return None
 
 
