@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -15,11 +14,14 @@ from relaxspec.models.llamagen.gpt import GPTConfig, Transformer
 from relaxspec.models.llamagen.vq import VQConfig, VQModel
 
 
-#: pytest-xdist's workers (pyproject's addopts) share the machine's cores: each worker's torch gets
-#: its share, so two workers on two cores do not run four threads.
-WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-if WORKERS > 1:
-    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // WORKERS))
+try:  # transformers' progress bars are process-wide state that relaxspec turns off when it first loads
+    # a folder; off from the start, no test's captured output depends on which tests ran before it on
+    # its worker (a test that writes a folder with save_pretrained would otherwise print a bar or not)
+    from transformers.utils import logging as _hf_logging
+
+    _hf_logging.disable_progress_bar()
+except ImportError:
+    pass
 
 
 #: 64-d, 2 layers, 4 heads (head dim 16), 64 codes, 10 classes, 4x4 token grid.
