@@ -17,8 +17,9 @@ def decode(model, cond, sampling, options: MethodOptions | None = None, *, gener
     skips the TV record of relaxed rules. ``on_step(tokens, done)`` is called as tokens are
     committed (:func:`relaxspec.decoding.engine.generate_speculative`; with rows in parallel
     ``done`` is a ``[B, N]`` mask of the committed tokens, as
-    :func:`relaxspec.decoding.rows.generate_rows` says). ``source`` / ``rule``: a draft source and acceptance rule built once for many decodes (``relaxspec bench``), in place of
-    what ``options`` would build.
+    :func:`relaxspec.decoding.rows.generate_rows` says). ``source`` / ``rule``: a draft source
+    and acceptance rule built once for many decodes (``relaxspec bench``), in place of what
+    ``options`` would build.
     """
     options = options or MethodOptions()
     if options.method == "ar":

@@ -47,8 +47,9 @@ def generate_rows(model, cond, sampling: SamplingConfig, *, source, rule: Accept
     """Generate ``[B, N]`` tokens with ``plan.lanes`` rows open at once; ``source`` drafts for
     every lane (a source of ``B * lanes`` rows, lane ``l`` of image ``b`` being row ``b * lanes +
     l``; a source whose state is one per image, as a drafter's cache, gives its own view of the
-    lanes by ``source.for_lanes(lanes, grid)``), ``rule`` accepts. Every step is one target forward and one read of the device;
-    ``compile`` runs the target's step and the tree walk compiled (their shapes are static).
+    lanes by ``source.for_lanes(lanes, grid)``), ``rule`` accepts. Every step is one target
+    forward and one read of the device; ``compile`` runs the target's step and the tree walk
+    compiled (their shapes are static).
     ``on_step(tokens, committed)``: called after every step with the buffer ``[B, N]`` and which
     of its tokens are committed ``[B, N]`` (bool: commits land out of raster order here)."""
     start = time.perf_counter()
@@ -153,7 +154,8 @@ def generate_rows(model, cond, sampling: SamplingConfig, *, source, rule: Accept
             target.move_cache(src.view(batch, -1), dst.view(batch, -1))
             cached.scatter_(1, dst.view(batch, -1), moving.view(batch, -1))  # idle entries: scratch, never cached
             t0 = time.perf_counter()
-            source.update(result.committed, result.path, count.view(-1), root_index, probs.view(virtual, nodes, -1), _lanes_hidden(hidden, lanes, nodes), generator)
+            source.update(result.committed, result.path, count.view(-1), root_index, probs.view(virtual, nodes, -1),
+                          _lanes_hidden(hidden, lanes, nodes), generator)
             drafter_seconds += time.perf_counter() - t0
             fill.scatter_add_(1, row, count)
             fill[:, grid] = 0
@@ -181,7 +183,8 @@ def generate_rows(model, cond, sampling: SamplingConfig, *, source, rule: Accept
                         drafter_forwards=torch.full((batch,), source.forwards, dtype=torch.long),
                         step_tv=tv_h, accept_lengths=accept_lengths,
                         seconds=time.perf_counter() - start, drafter_seconds=drafter_seconds,
-                        target_forward_seconds=target.watch.seconds, drafter_forward_seconds=watched_seconds(source), rank_tests=tests_h, rank_accepts=accepts_h,
+                        target_forward_seconds=target.watch.seconds, drafter_forward_seconds=watched_seconds(source),
+                        rank_tests=tests_h, rank_accepts=accepts_h,
                         tv_recorded=record_tv or rule.lossless, rows=lanes, row_lead=lead, token_step_sizes=sizes_h)
 
 

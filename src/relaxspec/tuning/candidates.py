@@ -1,9 +1,9 @@
 """The settings a tuning run tries: each method's knobs over the trees built for this machine.
 
 Trees come from the probe (per-(depth, rank) acceptance, measured per rule with a wide or a deep
-tree) and the cost curve (target and drafter forwards timed here): for each acceptance rule the tree that commits the
-most tokens per second, the best chain and its neighbours, and a wider tree in case the cost model
-is off. The knob grids are the ranges the papers and our benchmarks found useful (delta / k / lam
+tree) and the cost curve (target and drafter forwards timed here): for each acceptance rule the
+tree that commits the most tokens per second, the best chain and its neighbours, and a wider tree
+in case the cost model is off. The knob grids are the ranges the papers and our benchmarks found useful (delta / k / lam
 for LANTERN and LANTERN++, cool_delta for COOL-SD, group_p_gap and window for GSD, windows for the
 Jacobi methods, dynamic-tree sizes for EAGLE-2, and under a quality budget the row lead of ZipAR and
 PJD, whose rows in parallel no TV record certifies); ``compile`` is tried on the finalists only,
@@ -168,4 +168,5 @@ def build_candidates(budget, trees: dict[str, list[dict]], has_drafter: bool) ->
     return found
 
 
-__all__ = ["Candidate", "LEGACY_PROBE_TREE", "PROBE_RULES", "PROBE_TREES", "build_candidates", "candidate_trees", "label_of"]
+__all__ = ["Candidate", "LEGACY_PROBE_TREE", "PROBE_RULES", "PROBE_TREES", "build_candidates", "candidate_trees",
+           "label_of"]

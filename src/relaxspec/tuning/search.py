@@ -59,7 +59,8 @@ from relaxspec.errors import RelaxspecError
 from relaxspec.files import write_json
 from relaxspec.runs.folder import settings_hash
 from relaxspec.tuning.budget import choose, pareto, survivors, within
-from relaxspec.tuning.candidates import LEGACY_PROBE_TREE, PROBE_RULES, PROBE_TREES, Candidate, build_candidates, candidate_trees
+from relaxspec.tuning.candidates import (LEGACY_PROBE_TREE, PROBE_RULES, PROBE_TREES, Candidate, build_candidates,
+                                         candidate_trees)
 from relaxspec.tuning.config import (MAX_MINUTES, MAX_PLAN_IMAGES, MIN_QUALITY_IMAGES, TuneConfig, check_minutes,
                                      round_up)
 from relaxspec.tuning.state import STATE_FILE, costs_problem, open_state, probes_problem, read_owned
