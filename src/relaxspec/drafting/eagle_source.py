@@ -180,6 +180,7 @@ class LaneEagleSource(EagleSource):
         self._scratch = self.num_tokens + lane[:, None] * nodes + torch.arange(nodes, device=device)  # [B*L, T]
         self._not_root = torch.arange(nodes, device=device) > 0
         self.cached = torch.zeros(self.batch // self.lanes, self.cache_length, dtype=torch.bool, device=device)
+        self._seen_root = self._seen = None  # _committed_before's tree
         return (lane == 0).long()
 
     # -- lanes <-> images: [R * L, M, ...] <-> [R, L * M, ...] (stream-major rows stay so)
@@ -207,8 +208,17 @@ class LaneEagleSource(EagleSource):
         own = ancestors[:, nodes, :] & self._not_root[:width]  # the root is a committed pair, seen below
         mask = torch.zeros(self.batch, queries, self.cache_length, dtype=torch.bool, device=slots.device)
         mask.scatter_(2, self._scratch[:, None, :width].expand(-1, queries, -1), own)
-        seen = self.cached.repeat_interleave(self.lanes, 0)[:, None, :] & (self._raster_of_slot <= root_index[:, None, None])
-        return slots, mask | seen
+        return slots, mask | self._committed_before(root_index)
+
+    def _committed_before(self, root_index: torch.Tensor) -> torch.Tensor:
+        """``[B * lanes, 1, cache_length]``: the committed pairs up to each lane's root in raster
+        order. The same for every level of one tree (a tree's levels pass the same ``root_index``),
+        so it is made once per tree, not once per level."""
+        if self._seen_root is not root_index:
+            lanes_cached = self.cached.repeat_interleave(self.lanes, 0)
+            self._seen = lanes_cached[:, None, :] & (self._raster_of_slot <= root_index[:, None, None])
+            self._seen_root = root_index
+        return self._seen
 
     def propose(self, roots, root_index, generator, greedy: bool) -> DraftTree:
         tree = super().propose(roots, root_index, generator, greedy)
@@ -225,6 +235,7 @@ class LaneEagleSource(EagleSource):
         raster = torch.where(real, first[:, None] + offsets, -1)
         slots = torch.where(real, raster, self.spill)
         self.cached.scatter_(1, self._images(slots), self._images(real))  # the spill slot: only ever False
+        self._seen_root = None  # new pairs: the next tree's view is made afresh
         mask = self.cached[:, None, :] & (self._raster_of_slot <= self._images(raster)[:, :, None])
         mask.scatter_(2, self._images(slots)[:, :, None], True)  # each pair sees itself
         feats, q = self.expand(features, tokens, raster.clamp(min=0, max=self.num_tokens - 1), slots,
