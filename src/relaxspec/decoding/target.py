@@ -88,7 +88,7 @@ class GuidedTarget:
             self.key_valid = key_valid.repeat(self.streams, 1)
         self.forwards = 0
         self.watch = Stopwatch(self.device)  # time inside the model's forward calls
-        self._step = compiled(guided_step, self.device) if compile else guided_step
+        self._step = compiled(guided_step, self.device, model) if compile else guided_step
 
     def prefill(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Encode the condition. Returns probabilities for image token 0 ``[B, V]`` and the

@@ -83,7 +83,7 @@ class EagleSource:
         cache_rows, length = self._cache_shape(num_tokens)
         self.drafter.setup_caches(cache_rows, length, condition=condition_hidden, condition_tokens=condition_tokens)
         self.cache_length = self.drafter.cache_length
-        self._step = compiled(drafter_step, device) if self.compile else drafter_step
+        self._step = compiled(drafter_step, device, self.drafter) if self.compile else drafter_step
         self.forwards = 0
         self.watch = Stopwatch(device)  # time inside the drafter's forward calls
         self.catch_up(first_hidden, first_tokens[:, None], torch.zeros_like(first_tokens),

@@ -1,0 +1,103 @@
+"""The compiled steps' CPU linear layers (relaxspec.compiling.pack_linears): a graph of
+``compiled`` multiplies by oneDNN-packed weights, everything else keeps ``nn.Linear``."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+
+import pytest
+import torch
+from torch import nn
+
+from relaxspec.compiling import PackedLinear, compiled, pack_linears
+
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="oneDNN is part of torch's CPU build")
+
+
+class Net(nn.Module):
+    """Two linear layers (one with a bias) around a GELU, and one of each kind that stays as it is."""
+
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(16, 48, bias=False)
+        self.down = nn.Linear(48, 16)
+        self.low = nn.Linear(16, 16).to(torch.bfloat16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(nn.functional.gelu(self.up(x)))
+
+
+def net_step(net: Net, x: torch.Tensor) -> torch.Tensor:
+    return net(x)
+
+
+def packed_calls(fn, *args) -> int:
+    """How many ``relaxspec::packed_linear`` calls one run of ``fn(*args)`` makes."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn(*args)
+    return sum(event.count for event in prof.key_averages() if event.key == "relaxspec::packed_linear")
+
+
+def reference(net: Net, x: torch.Tensor) -> torch.Tensor:
+    hidden = nn.functional.gelu(x @ net.up.weight.T)
+    return hidden @ net.down.weight.T + net.down.bias
+
+
+@torch.no_grad()
+def test_a_compiled_cpu_step_multiplies_by_packed_weights():
+    torch.manual_seed(0)
+    net, x = Net(), torch.randn(2, 7, 16)
+    step = compiled(net_step, torch.device("cpu"), net)
+    assert type(net.up) is PackedLinear and type(net.down) is PackedLinear
+    assert type(net.low) is nn.Linear  # bf16: aten's own kernels
+    assert net.up.packed_weight.layout == torch._mkldnn
+    torch.testing.assert_close(step(net, x), reference(net, x), rtol=1e-5, atol=1e-5)
+    assert packed_calls(step, net, x) == 2
+
+
+@torch.no_grad()
+def test_eager_calls_and_a_users_own_compile_keep_nn_linear():
+    torch.manual_seed(0)
+    net, x = Net(), torch.randn(3, 16)
+    plain = net(x)
+    pack_linears(net)
+    assert torch.equal(net(x), plain)  # eager: F.linear, to the bit
+    assert packed_calls(net, x) == 0
+    theirs = torch.compile(net_step, fullgraph=True, dynamic=False)
+    torch.testing.assert_close(theirs(net, x), plain)
+    assert packed_calls(theirs, net, x) == 0
+
+
+def test_a_changed_weight_is_packed_again():
+    """An optimiser step (an in-place change) or a loaded state (new tensors) between two compiled
+    decodes: the next ``compiled`` call packs the new weights, so the graph never multiplies by
+    stale ones."""
+    torch.manual_seed(0)
+    net, x = Net(), torch.randn(2, 16)
+    with torch.no_grad():
+        compiled(net_step, torch.device("cpu"), net)(net, x)
+        net.up.weight.mul_(-2.0)
+        torch.testing.assert_close(compiled(net_step, torch.device("cpu"), net)(net, x), reference(net, x))
+    net.load_state_dict(Net().state_dict())
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(net_step, torch.device("cpu"), net)(net, x), reference(net, x))
+
+
+def test_training_through_a_compiled_step_uses_the_parameters():
+    """With gradients on, the packed copy (which autograd cannot see) is never used."""
+    torch.manual_seed(0)
+    net, x = Net(), torch.randn(2, 16)
+    compiled(net_step, torch.device("cpu"), net)(net, x).sum().backward()
+    assert net.up.weight.grad is not None and net.up.weight.grad.abs().sum() > 0
+
+
+def test_a_packed_model_copies_and_pickles_without_its_packed_weights():
+    net = Net()
+    pack_linears(net)
+    for twin in (copy.deepcopy(net), pickle.loads(pickle.dumps(net))):
+        assert type(twin.up) is PackedLinear and twin.up.packed_weight is None
+        x = torch.randn(2, 16)
+        torch.testing.assert_close(twin(x), net(x))
+        pack_linears(twin)
+        assert twin.up.packed_weight is not None
