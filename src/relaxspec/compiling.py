@@ -12,7 +12,7 @@ tree's few nodes), bound by reading the weights, and aten's ``linear`` reads the
 the memory's speed there (MKL's small-row sgemm). A compiled step on the CPU therefore multiplies by
 a copy of each float32 ``nn.Linear`` weight that oneDNN has laid out in its blocked order once
 (:func:`pack_linears`, what inductor's ``freezing`` does for weights it may treat as constants;
-ours are a step's inputs): 1.5-1.7x faster products at 2 to 28 rows on this project's CPU. Eager
+ours are a step's inputs): 1.3-1.6x faster products at 2 to 28 rows on this project's CPU. Eager
 calls keep ``F.linear`` and its exact numbers.
 """
 
