@@ -41,7 +41,8 @@ def compiled(fn: Callable, device: torch.device, *modules: nn.Module) -> Callabl
     static memory, so an output stays valid after the next replay."""
     if torch.device(device).type == "cpu":
         for module in modules:
-            pack_linears(module)
+            if isinstance(module, nn.Module):  # a family's target need only follow TargetModel
+                pack_linears(module)
     key = (fn, torch.device(device).type)
     if key not in _compiled:
         config = torch._dynamo.config
