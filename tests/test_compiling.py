@@ -16,13 +16,15 @@ pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason
 
 
 class Net(nn.Module):
-    """Two linear layers (one with a bias) around a GELU, and one of each kind that stays as it is."""
+    """Two linear layers (one with a bias) around a GELU, and two the step does not run: one in
+    bfloat16 (packed where the CPU multiplies bf16) and one in float16 (never packed)."""
 
     def __init__(self):
         super().__init__()
         self.up = nn.Linear(16, 48, bias=False)
         self.down = nn.Linear(48, 16)
-        self.low = nn.Linear(16, 16).to(torch.bfloat16)
+        self.bf16 = nn.Linear(16, 16).to(torch.bfloat16)
+        self.fp16 = nn.Linear(16, 16).to(torch.float16)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down(nn.functional.gelu(self.up(x)))
@@ -50,7 +52,8 @@ def test_a_compiled_cpu_step_multiplies_by_packed_weights():
     net, x = Net(), torch.randn(2, 7, 16)
     step = compiled(net_step, torch.device("cpu"), net)
     assert type(net.up) is PackedLinear and type(net.down) is PackedLinear
-    assert type(net.low) is nn.Linear  # bf16: aten's own kernels
+    assert type(net.fp16) is nn.Linear  # aten's own kernels
+    assert (type(net.bf16) is PackedLinear) == torch.ops.mkldnn._is_mkldnn_bf16_supported()
     assert net.up.packed_weight.layout == torch._mkldnn
     torch.testing.assert_close(step(net, x), reference(net, x), rtol=1e-5, atol=1e-5)
     assert packed_calls(step, net, x) == 2
@@ -101,3 +104,14 @@ def test_a_packed_model_copies_and_pickles_without_its_packed_weights():
         torch.testing.assert_close(twin(x), net(x))
         pack_linears(twin)
         assert twin.up.packed_weight is not None
+
+
+@pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="this CPU does not multiply bf16")
+@torch.no_grad()
+def test_a_bf16_step_multiplies_by_packed_bf16_weights():
+    torch.manual_seed(0)
+    net, x = Net().to(torch.bfloat16), torch.randn(2, 5, 16, dtype=torch.bfloat16)
+    step = compiled(net_step, torch.device("cpu"), net)
+    assert net.up.packed_weight.dtype == torch.bfloat16
+    torch.testing.assert_close(step(net, x).float(), net(x).float(), rtol=2e-2, atol=2e-2)
+    assert packed_calls(step, net, x) == 2
