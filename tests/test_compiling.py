@@ -115,3 +115,16 @@ def test_a_bf16_step_multiplies_by_packed_bf16_weights():
     assert net.up.packed_weight.dtype == torch.bfloat16
     torch.testing.assert_close(step(net, x).float(), net(x).float(), rtol=2e-2, atol=2e-2)
     assert packed_calls(step, net, x) == 2
+
+
+def test_graphs_running_in_two_threads_keep_packing_on_until_both_end():
+    """A graph that ends must not switch packing off under another thread's graph (which would
+    then fail its guard and compile again, unpacked)."""
+    import relaxspec.compiling as compiling
+    first, second = compiling._packed_graphs(), compiling._packed_graphs()
+    first.__enter__()
+    second.__enter__()
+    first.__exit__(None, None, None)
+    assert compiling._packing
+    second.__exit__(None, None, None)
+    assert not compiling._packing

@@ -19,6 +19,8 @@ exact numbers.
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from typing import Callable
 
 import torch
@@ -30,7 +32,25 @@ from torch import nn
 RECOMPILE_LIMIT = 64
 
 _compiled: dict[tuple[Callable, str], Callable] = {}
-_packing = False  # True while a graph of `compiled` runs on the CPU: its linear layers use packed weights
+# True while a graph of `compiled` runs on the CPU (in any thread): its linear layers use packed
+# weights. A guard of those graphs, so a user's own torch.compile of the same model keeps F.linear.
+_packing = False
+_running = 0
+_running_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def _packed_graphs():
+    global _packing, _running
+    with _running_lock:
+        _running += 1
+        _packing = True
+    try:
+        yield
+    finally:
+        with _running_lock:
+            _running -= 1
+            _packing = _running > 0  # another thread's graph may still be starting
 
 
 def compiled(fn: Callable, device: torch.device, *modules: nn.Module) -> Callable:
@@ -62,12 +82,8 @@ def compiled(fn: Callable, device: torch.device, *modules: nn.Module) -> Callabl
             graph = torch.compile(fn, fullgraph=True, dynamic=False)
 
             def run(*args, **kwargs):
-                global _packing
-                _packing = True  # a guard of the graph: a user's own torch.compile keeps F.linear
-                try:
+                with _packed_graphs():
                     return graph(*args, **kwargs)
-                finally:
-                    _packing = False
 
             _compiled[key] = run
     return _compiled[key]
