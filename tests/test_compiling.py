@@ -10,9 +10,9 @@ import pytest
 import torch
 from torch import nn
 
-from relaxspec.compiling import PackedLinear, compiled, pack_linears
+from relaxspec.compiling import PACKING_VARIABLE, PackedLinear, compiled, pack_linears, packing_enabled, unpack_linears
 
-pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="oneDNN is part of torch's CPU build")
+pytestmark = pytest.mark.skipif(not packing_enabled(), reason="packing needs oneDNN on an x86-64 CPU")
 
 
 class Net(nn.Module):
@@ -128,3 +128,67 @@ def test_graphs_running_in_two_threads_keep_packing_on_until_both_end():
     assert compiling._packing
     second.__exit__(None, None, None)
     assert not compiling._packing
+
+
+@torch.no_grad()
+def test_a_weight_that_can_no_longer_be_packed_goes_back_to_f_linear():
+    """A dtype or device the packing does not cover (here float64) after a packed decode: the
+    stale packed copy is dropped, not multiplied by."""
+    torch.manual_seed(0)
+    net = Net()
+    compiled(net_step, torch.device("cpu"), net)(net, torch.randn(2, 16))
+    net.to(torch.float64)
+    x = torch.randn(2, 16, dtype=torch.float64)
+    step = compiled(net_step, torch.device("cpu"), net)
+    assert type(net.up) is nn.Linear and "packed_weight" not in net.up.__dict__
+    torch.testing.assert_close(step(net, x), reference(net, x))
+
+
+def test_a_model_made_under_inference_mode_is_packed():
+    """Inference tensors keep no version count; their packing is keyed without one."""
+    with torch.inference_mode():
+        torch.manual_seed(0)
+        net, x = Net(), torch.randn(2, 16)
+        step = compiled(net_step, torch.device("cpu"), net)
+        assert type(net.up) is PackedLinear
+        torch.testing.assert_close(step(net, x), reference(net, x))
+        assert packed_calls(step, net, x) == 2
+
+
+def test_packing_can_be_turned_off(monkeypatch):
+    net = Net()
+    pack_linears(net)
+    monkeypatch.setenv(PACKING_VARIABLE, "0")
+    pack_linears(net)  # what the next compiled decode does
+    assert type(net.up) is nn.Linear and "packed_weight" not in net.up.__dict__
+    monkeypatch.delenv(PACKING_VARIABLE)
+    pack_linears(net)
+    unpack_linears(net)
+    assert type(net.down) is nn.Linear
+
+
+@pytest.mark.slow  # compiles a target and a drafter step
+@torch.no_grad()
+def test_a_compiled_decode_packs_the_target_and_the_drafter():
+    """The two callers of ``compiled`` that run models (the target's step, the drafter's) hand
+    them over: after a compiled decode both multiply by packed weights, and the tokens are eager's."""
+    from relaxspec.decoding import MethodOptions, decode
+    from relaxspec.sampling import SamplingConfig
+    from helpers.engine import markov_pair
+
+    model, drafter = markov_pair()
+    cond, sampling = torch.arange(2), SamplingConfig(cfg_scale=4.0, temperature=0.0)
+
+    def run(compile):
+        return decode(model, cond, sampling, MethodOptions(method="sd", draft="chain", depth=2, compile=compile),
+                      drafter=drafter, generator=torch.Generator().manual_seed(0))
+
+    eager = run(False)
+    run(True)
+    assert type(model.layers[0].feed_forward.w1) is PackedLinear and type(model.output) is PackedLinear
+    assert type(drafter.fc) is PackedLinear
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        again = run(True)
+    calls = sum(event.count for event in prof.key_averages() if event.key == "relaxspec::packed_linear")
+    assert calls > 0
+    assert torch.equal(again.tokens, eager.tokens)

@@ -14,13 +14,16 @@ a copy of each float32 ``nn.Linear`` weight (bfloat16 too, where the CPU multipl
 has laid out in its blocked order once (:func:`pack_linears`, what inductor's ``freezing`` does
 for weights it may treat as constants; ours are a step's inputs): 1.3-1.6x faster products at 2
 to 28 rows on this project's CPU, in float32 and in bfloat16. Eager calls keep ``F.linear`` and its
-exact numbers.
+exact numbers; ``RELAXSPEC_PACK_WEIGHTS=0`` keeps it in compiled steps too (:func:`packing_enabled`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
+import platform
 import threading
+import weakref
 from typing import Callable
 
 import torch
@@ -120,7 +123,7 @@ class PackedLinear(nn.Linear):
     _packed_from: tuple | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        packed = _packing and self.packed_weight is not None
+        packed = _packing and self.packed_weight is not None and self.packed_weight.dtype == x.dtype
         if packed and torch.compiler.is_compiling() and not torch.is_grad_enabled():
             return torch.ops.relaxspec.packed_linear(x, self.packed_weight, self.bias, self.out_features)
         return F.linear(x, self.weight, self.bias)
@@ -132,13 +135,29 @@ class PackedLinear(nn.Linear):
         return state
 
 
+#: Set to 0 to keep aten's ``linear`` in compiled CPU steps (no packed copies).
+PACKING_VARIABLE = "RELAXSPEC_PACK_WEIGHTS"
+
+
+def packing_enabled() -> bool:
+    """Whether compiled CPU steps pack their weights: oneDNN present and on
+    (``torch.backends.mkldnn``), an x86-64 CPU (where it was measured) and
+    ``RELAXSPEC_PACK_WEIGHTS`` not 0."""
+    return (torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled
+            and platform.machine().lower() in ("x86_64", "amd64")
+            and os.environ.get(PACKING_VARIABLE, "1").strip() != "0")
+
+
 def pack_linears(module: nn.Module) -> None:
     """Give every float32 CPU ``nn.Linear`` of ``module`` (bfloat16 too, where the CPU multiplies
     it) a oneDNN-packed copy of its weight for compiled graphs (the class becomes
     :class:`PackedLinear`; nothing else changes). A weight changed since its packing (an optimiser
-    step, a loaded state) is packed again. Costs a second copy of those weights in memory; does
-    nothing where oneDNN is missing."""
-    if not torch.backends.mkldnn.is_available():
+    step, a loaded state, another tensor, dtype or device) is packed again or, when it can no
+    longer be packed, left to ``F.linear``. A change made through ``.data``, which torch does not
+    count, is not seen: call :func:`unpack_linears` after one. Costs a second copy of those
+    weights in memory; :func:`packing_enabled` says where it is done."""
+    if not packing_enabled():
+        unpack_linears(module)
         return
     packable = {torch.float32}
     if torch.ops.mkldnn._is_mkldnn_bf16_supported():  # bf16 products in hardware (AVX512-BF16, AMX)
@@ -148,10 +167,27 @@ def pack_linears(module: nn.Module) -> None:
             continue  # a subclass (quantised, LoRA, ...) keeps its own forward
         weight = layer.weight
         if weight.device.type != "cpu" or weight.dtype not in packable:
+            _unpack(layer)
             continue
-        key = (weight.data_ptr(), weight._version)
-        if getattr(layer, "_packed_from", None) != key:
+        # an inference tensor (made under torch.inference_mode) keeps no version count
+        version = None if weight.is_inference() else weight._version
+        source = layer.__dict__.get("_packed_from")
+        if source is None or source[0]() is not weight or source[1:] != (weight.data_ptr(), version):
             with torch.no_grad():
                 layer.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
-            layer._packed_from = key
+            layer._packed_from = (weakref.ref(weight), weight.data_ptr(), version)
         layer.__class__ = PackedLinear
+
+
+def unpack_linears(module: nn.Module) -> None:
+    """Undo :func:`pack_linears`: every :class:`PackedLinear` of ``module`` is an ``nn.Linear``
+    again, its packed copy freed (the next compiled CPU decode packs afresh)."""
+    for layer in module.modules():
+        _unpack(layer)
+
+
+def _unpack(layer: nn.Module) -> None:
+    if type(layer) is PackedLinear:
+        layer.__dict__.pop("packed_weight", None)
+        layer.__dict__.pop("_packed_from", None)
+        layer.__class__ = nn.Linear
