@@ -3,7 +3,7 @@ the way an eager step does (``F.linear``) and the way a compiled CPU step does (
 layout, :func:`relaxspec.compiling.pack_linears`), at the row counts a decode uses (2 = one token
 on both CFG streams; 14 = the shipped chain's seven tokens; 28 = fourteen tokens).
 
-    python benchmarks/cpu_linear.py [--rounds 40] [--threads 1]
+    python benchmarks/cpu_linear.py [--rounds 40] [--threads 1] [--dtype bf16]
 
 Alternates the two on every round and prints the medians with the pairwise ratio; the memory
 line reads the same bytes with a plain ``sum``, what a product bound by reading its weights could
@@ -28,17 +28,19 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=40)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--rows", default="2,14,28", help="comma-separated row counts")
+    parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="the weights' and inputs' dtype")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    model = load_gpt(embedded.path("gpt"))
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+    model = load_gpt(embedded.path("gpt")).to(dtype)
     pack_linears(model)
     layers = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m.packed_weight is not None]
-    megabytes = sum(layer.weight.numel() * 4 for layer in layers) / 1e6
-    print(f"{len(layers)} linear layers, {megabytes:.1f} MB of float32 weights, {args.threads} thread(s)")
+    megabytes = sum(layer.weight.numel() * layer.weight.element_size() for layer in layers) / 1e6
+    print(f"{len(layers)} linear layers, {megabytes:.1f} MB of {args.dtype} weights, {args.threads} thread(s)")
     flat = torch.cat([layer.weight.detach().flatten() for layer in layers])
     with torch.no_grad():
         for rows in (int(r) for r in args.rows.split(",")):
-            inputs = {layer.in_features: torch.randn(rows, layer.in_features) for layer in layers}
+            inputs = {layer.in_features: torch.randn(rows, layer.in_features, dtype=dtype) for layer in layers}
 
             def plain():
                 for layer in layers:
