@@ -146,6 +146,11 @@ class Method:
     presets: ClassVar[dict[str, Preset]] = {}
     rows_only: ClassVar[bool] = False  # drafts nothing, decodes rows in parallel (ZipAR)
 
+    def default_row_lead(self, grid: int) -> int:
+        """Tokens a row has before the row below opens, on a grid ``grid`` tokens wide, when
+        ``row_lead`` is not given: a third of the row (ZipAR's 8 of 24)."""
+        return max(1, -(-grid // 3))
+
     # ---------------------------------------------------------------- settings
     def resolve(self, options) -> None:
         """Fill the settings left to the method (``None``) and validate; ``options`` is the

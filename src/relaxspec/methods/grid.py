@@ -28,9 +28,9 @@ class RowPlan:
 
 def row_plan(options, model) -> RowPlan:
     """The plan ``options`` (``rows``, ``row_lead``) give on ``model``'s grid, checked: the lead
-    defaults to a third of the row (ZipAR's 8 of 24)."""
+    defaults to the method's (:meth:`Method.default_row_lead`: a third of the row, PJD's a fifth)."""
     grid = grid_side(model)
-    lead = options.row_lead if options.row_lead is not None else max(1, -(-(grid or 3) // 3))
+    lead = options.row_lead if options.row_lead is not None else options.family.default_row_lead(grid or 3)
     plan = RowPlan(options.rows, lead)
     plan.check(grid)
     return plan
