@@ -87,7 +87,8 @@ ROWS = Setting("rows", int, 1, "image rows painted at once (2-D decoding, as Zip
                                "changes what a token is conditioned on, so no setting above 1 is the model's law",
                minimum=1)
 ROW_LEAD = Setting("row_lead", int, None, "with --rows above 1: tokens a row has before the row below opens (default "
-                                          "a third of the row, ZipAR's 8 of 24)", minimum=1)
+                                          "a third of the row, ZipAR's 8 of 24; pjd: a fifth, PJD's 6 of 32)",
+                   minimum=1)
 SHARED_SETTINGS = (DRAFT, DEPTH, TREE, SIBLINGS, DYNAMIC_TOP_K, TOTAL_TOKENS, WINDOW, COMPILE, RECORD_TV, ROWS,
                    ROW_LEAD)
 
