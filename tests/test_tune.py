@@ -25,7 +25,7 @@ import torch
 
 from relaxspec.cli import main
 from relaxspec.errors import RelaxspecError
-from relaxspec.tuning.budget import Budget, choose, survivors, within
+from relaxspec.tuning.budget import Budget, choose, pareto, survivors, within
 
 
 @pytest.fixture(autouse=True)
@@ -128,6 +128,22 @@ def test_budget_rules_by_hand():
     assert choose([slow], Budget("lossless")) == (None, slow)
     with pytest.raises(RelaxspecError, match="max-tv-per-token must be a number in"):
         Budget("tv", -0.1)
+
+
+def test_rows_in_parallel_never_crowd_certified_settings_off_the_front():
+    """A rows setting's TV is unknown (its record covers the acceptance only), not zero: the
+    fastest ZipAR must not dominate every LANTERN setting, or only it reaches the quality test
+    (and, failing it, tune falls back to compiled AR, as a run with the packed weights did)."""
+    zipar = {"label": "zipar[row_lead=1]", "relaxed": True, "speedup": 4.3, "tv_per_token": None}
+    strong = {"label": "lantern-0.7", "relaxed": True, "speedup": 3.6, "tv_per_token": 0.40}
+    mild = {"label": "lantern-0.5", "relaxed": True, "speedup": 2.2, "tv_per_token": 0.38}
+    slow = {"label": "lantern-0.7-slow", "relaxed": True, "speedup": 2.0, "tv_per_token": 0.41}
+    assert [r["label"] for r in pareto([zipar, strong, mild, slow])] == ["zipar[row_lead=1]", "lantern-0.7",
+                                                                        "lantern-0.5"]
+    assert survivors([zipar, strong, mild, slow], Budget("quality"), keep=1) == ["zipar[row_lead=1]", "lantern-0.7",
+                                                                                "lantern-0.5"]
+    # an unknown TV dominates nothing, and is dominated by anything at least as fast
+    assert pareto([dict(zipar, speedup=2.0), strong]) == [strong]
 
 
 def test_rows_in_parallel_are_knobs_of_a_quality_budget_only():

@@ -73,13 +73,21 @@ def _speed(row: dict) -> float:
     return row["speedup"] if row.get("speedup") is not None else -math.inf
 
 
+def _tv(row: dict) -> float:
+    """A row's TV per token; unknown (``None``: rows in parallel, whose record covers the
+    acceptance only, or a relaxed setting without its record) counts as the worst, so it never
+    crowds a certified setting off the front."""
+    tv = row.get("tv_per_token")
+    return math.inf if tv is None or (isinstance(tv, float) and math.isnan(tv)) else tv
+
+
 def pareto(rows: list[dict]) -> list[dict]:
     """The rows no other row beats on both speed-up (higher) and TV per token (lower)."""
     front = []
     for row in rows:
-        tv = row.get("tv_per_token") or 0.0
-        if not any(_speed(o) >= _speed(row) and (o.get("tv_per_token") or 0.0) <= tv
-                   and (_speed(o) > _speed(row) or (o.get("tv_per_token") or 0.0) < tv) for o in rows):
+        tv = _tv(row)
+        if not any(_speed(o) >= _speed(row) and _tv(o) <= tv and (_speed(o) > _speed(row) or _tv(o) < tv)
+                   for o in rows):
             front.append(row)
     return front
 
@@ -111,7 +119,7 @@ def choose(rows: list[dict], budget: Budget) -> tuple[dict | None, dict | None]:
     if budget.kind == "tv":  # the smallest measured TV over the budget (an unmeasured one says nothing)
         outside = [r for r in outside if within(r, budget) is False]
         if outside:
-            return None, min(outside, key=lambda r: (r["tv_per_token"], -_speed(r)))
+            return None, min(outside, key=lambda r: (_tv(r), -_speed(r)))
     elif outside:
         return None, max(outside, key=_speed)
     return None, best or max(timed, key=_speed, default=None)

@@ -409,6 +409,7 @@ class Tuner:
         for label, mine in decoded.items():
             cand = candidates.get(label)
             relaxed = cand.relaxed if cand is not None else False
+            certified = cand is None or cand.options().rows <= 1
             r = np.asarray(ratios.get(label, []), dtype=np.float64)
             speed = speedup_interval(r)
             tv = [x["tv_per_token"] for x in mine if x.get("tv_per_token") is not None]
@@ -418,7 +419,8 @@ class Tuner:
                    "speedup_hi": speed[2], "pairs": int(len(r)),
                    "seconds": float(np.mean([x["seconds"] for x in mine])),
                    "mal": tokens_per_forward(mine, self.pipeline.image_tokens),
-                   "tv_per_token": (float(np.mean(tv)) if tv else None) if relaxed else 0.0,
+                   # rows in parallel: their record covers the acceptance only, so their TV is unknown
+                   "tv_per_token": ((float(np.mean(tv)) if tv and certified else None) if relaxed else 0.0),
                    "compile": bool(cand.fields.get("compile")) if cand else False}
             if label in quality and not rounds_only:
                 row["quality_ok"] = quality[label]["ok"]
@@ -534,7 +536,9 @@ class Tuner:
                   "seconds": float(np.mean([r["seconds"] for r in mine])),
                   "ar_seconds": float(np.mean([r["seconds"] for r in records if r["method"] == BASELINE])),
                   "mal": tokens_per_forward(mine, self.pipeline.image_tokens),
-                  "tv_per_token": float(np.mean(tv)) if tv and chosen["relaxed"] else (0.0 if not chosen["relaxed"] else None)}
+                  # None: unknown (rows in parallel: the tuning rows say so), as for the search's rows
+                  "tv_per_token": (0.0 if not chosen["relaxed"] else
+                                   float(np.mean(tv)) if tv and chosen.get("tv_per_token") is not None else None)}
         if self.config.budget.kind == "quality" and chosen["relaxed"]:
             if "heldout_quality" not in self.state:
                 self.state["heldout_quality"] = self.judge(records, [chosen["label"]], images, "heldout-reference",
