@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from relaxspec import embedded
-from relaxspec.compiling import pack_linears
+from relaxspec.compiling import PackedLinear, pack_linears
 from relaxspec.models.llamagen.checkpoints import load_gpt
 
 
@@ -34,7 +34,9 @@ def main() -> None:
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     model = load_gpt(embedded.path("gpt")).to(dtype)
     pack_linears(model)
-    layers = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m.packed_weight is not None]
+    layers = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    if not layers:
+        raise SystemExit("packing is off here (RELAXSPEC_PACK_WEIGHTS=0, no oneDNN or not x86-64): nothing to compare")
     megabytes = sum(layer.weight.numel() * layer.weight.element_size() for layer in layers) / 1e6
     print(f"{len(layers)} linear layers, {megabytes:.1f} MB of {args.dtype} weights, {args.threads} thread(s)")
     flat = torch.cat([layer.weight.detach().flatten() for layer in layers])

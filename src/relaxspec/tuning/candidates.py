@@ -53,6 +53,12 @@ class Candidate:
         options = self.options()
         return bool(options.family.relaxed) or options.rows > 1
 
+    @property
+    def certified(self) -> bool:
+        """Whether its TV record bounds its law's deviation: not for rows in parallel, whose record
+        covers the acceptance only."""
+        return self.options().rows <= 1
+
     def spec(self) -> MethodSpec:
         return MethodSpec(label=self.label, options={"method": self.method, **self.fields}, family=self.method)
 

@@ -409,7 +409,7 @@ class Tuner:
         for label, mine in decoded.items():
             cand = candidates.get(label)
             relaxed = cand.relaxed if cand is not None else False
-            certified = cand is None or cand.options().rows <= 1
+            certified = cand is None or cand.certified
             r = np.asarray(ratios.get(label, []), dtype=np.float64)
             speed = speedup_interval(r)
             tv = [x["tv_per_token"] for x in mine if x.get("tv_per_token") is not None]
@@ -419,7 +419,7 @@ class Tuner:
                    "speedup_hi": speed[2], "pairs": int(len(r)),
                    "seconds": float(np.mean([x["seconds"] for x in mine])),
                    "mal": tokens_per_forward(mine, self.pipeline.image_tokens),
-                   # rows in parallel: their record covers the acceptance only, so their TV is unknown
+                   # an uncertified record (rows in parallel) leaves the TV unknown
                    "tv_per_token": ((float(np.mean(tv)) if tv and certified else None) if relaxed else 0.0),
                    "compile": bool(cand.fields.get("compile")) if cand else False}
             if label in quality and not rounds_only:
