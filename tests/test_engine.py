@@ -454,7 +454,8 @@ GREEDY_CASES = {
 def test_greedy_matches_ar(markov, greedy_ar, name, cfg, monkeypatch, tmp_path):
     model, drafter = markov
     monkeypatch.setenv("RELAXSPEC_CACHE", str(tmp_path))
-    options = MethodOptions(**GREEDY_CASES[name])
+    # profile mode (the forwards timed apart: the time split below) decodes the same tokens
+    options = MethodOptions(**GREEDY_CASES[name], profile=True)
     result = decode(model, torch.arange(5), SamplingConfig(cfg_scale=cfg, temperature=0.0), options,
                     drafter=drafter, vq=fake_vq(model.config.vocab_size))
     expected = greedy_ar[cfg]
@@ -553,17 +554,18 @@ class OracleTreeSource:
     def __init__(self, spec: TreeSpec, truth: torch.Tensor, rank_paths, model: Transformer, reference, streams: int):
         self.spec, self.truth, self.model, self.reference, self.streams = spec, truth, model, reference, streams
         self.max_nodes, self.max_depth, self.forwards = spec.num_nodes, spec.depth, 0
+        # no fixed tree shape declared (its trees carry no children table): the engine runs it eagerly
+        self.level_widths, self.forwards_per_step, self.models, self.watch = None, 0, (), None
         index = {p: i + 1 for i, p in enumerate(spec.paths)}
         self.node_paths = [[index[tuple(rp[:d])] for d in range(1, len(rp) + 1)] for rp in rank_paths]
         self.children = {i: [j for j in range(spec.num_nodes) if int(spec.parents[j]) == i] for i in range(spec.num_nodes)}
         self.steps, self.log, self.kv_checks = 0, [], 0
 
-    def start(self, first_tokens, first_probs, first_hidden, streams, num_tokens, generator, greedy, *,
-              condition_hidden=None, condition_tokens=None) -> None:
+    def start(self, first_tokens, first_probs, first_hidden, streams, num_tokens, generator, greedy, **context) -> None:
         assert greedy
         self.vocab, self.gen = first_probs.shape[-1], torch.Generator().manual_seed(7)
 
-    def propose(self, roots, root_index, generator, greedy) -> DraftTree:
+    def propose(self, roots, root_index, greedy) -> DraftTree:
         batch, nodes, n_tok = roots.shape[0], self.spec.num_nodes, self.truth.shape[1]
         rows = torch.arange(batch)
         tokens = torch.randint(0, self.vocab, (batch, nodes), generator=self.gen)
@@ -584,7 +586,7 @@ class OracleTreeSource:
         return DraftTree(tokens, parents, self.spec.depths.expand(batch, -1), proposals,
                          torch.ones(batch, nodes, dtype=torch.bool), ancestors)
 
-    def update(self, committed, path, count, root_index, target_probs, target_hidden, generator=None) -> None:
+    def update(self, committed, path, count, root_index, target_probs, target_hidden) -> None:
         batch, cls = self.truth.shape[0], self.model.config.cls_token_num
         self.log.append((path.clone(), count.clone(), root_index.clone(), list(self.path)))
         committed_now = root_index + 1 + count  # tokens committed after this step
@@ -706,19 +708,18 @@ class CheckedEagleSource(EagleSource):
         super().__init__(drafter, structure, sampling)
         self.model, self.cond, self.checked = model, cond, 0
 
-    def start(self, first_tokens, first_probs, first_hidden, streams, num_tokens, generator, greedy, *,
-              condition_hidden=None, condition_tokens=None) -> None:
+    def start(self, first_tokens, first_probs, first_hidden, streams, num_tokens, generator, greedy, **context) -> None:
         # The record must exist before the base class feeds pair 0 through catch_up.
         self.seq = torch.zeros(first_tokens.shape[0], num_tokens + self.max_nodes + 1, dtype=torch.long)
-        super().start(first_tokens, first_probs, first_hidden, streams, num_tokens, generator, greedy)
+        super().start(first_tokens, first_probs, first_hidden, streams, num_tokens, generator, greedy, **context)
 
-    def catch_up(self, features, tokens, first, count) -> None:
+    def catch_up(self, features, tokens, first, count, keep=True):
         for b in range(tokens.shape[0]):
             c = int(count[b])
             self.seq[b, int(first[b]) : int(first[b]) + c] = tokens[b, :c]
-        super().catch_up(features, tokens, first, count)
+        return super().catch_up(features, tokens, first, count, keep)
 
-    def propose(self, roots, root_index, generator, greedy):
+    def propose(self, roots, root_index, greedy):
         n_tok = self.model.config.block_size
         seq = self.seq[:, :n_tok]
         with torch.no_grad():
@@ -736,7 +737,7 @@ class CheckedEagleSource(EagleSource):
                 assert int(seq[b, r]) == int(roots[b])
                 assert torch.allclose(self.root_q[b], fresh[b, r], atol=1e-5), f"row {b}: cached drafter q at root {r} is stale"
                 self.checked += 1
-        return super().propose(roots, root_index, generator, greedy)
+        return super().propose(roots, root_index, greedy)
 
 
 @pytest.mark.parametrize("structure, cfg, temperature", [

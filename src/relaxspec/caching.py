@@ -12,7 +12,10 @@ a lookup checks that the object found is the very one asked about.
 from __future__ import annotations
 
 import weakref
+from collections import OrderedDict
 from typing import Any, Callable, Hashable
+
+import torch
 
 
 class PerObject:
@@ -79,3 +82,26 @@ class ByContent:
                 self._values.pop(next(iter(self._values)))
             self._values[key] = build()
         return self._values[key]
+
+
+_BUFFERS = PerObject(kept=8)
+#: Buffers kept per owner (the most recently asked first to stay).
+KEPT_PER_OWNER = 64
+
+
+def kept_buffer(owner: object, name: str, shape, dtype: torch.dtype, device) -> "torch.Tensor":
+    """A buffer ``shape`` of ``dtype`` on ``device`` named ``name``, the same tensor for every call
+    with the same ``owner`` (a model) and the same name, shape, dtype and device: a decode's state
+    kept across decodes as the KV caches are, so a compiled step reads and updates it at the same
+    address every time (:func:`relaxspec.compiling.fixed_addresses`). Its contents are whatever the
+    last user left: the caller sets them. An owner keeps its :data:`KEPT_PER_OWNER` most recently
+    asked buffers."""
+    key = (name, tuple(int(s) for s in shape), dtype, str(device))
+    kept = _BUFFERS.get(owner, "buffers", OrderedDict)
+    if key in kept:
+        kept.move_to_end(key)
+        return kept[key]
+    while len(kept) >= KEPT_PER_OWNER:
+        kept.popitem(last=False)
+    kept[key] = torch.zeros(key[1], dtype=dtype, device=device)
+    return kept[key]

@@ -30,11 +30,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-#: Distinct shapes one decode may compile (prefill, AR step, tree forward, a drafter graph per
-#: tree level, for each batch size in use); dynamo's default of 8 would fall back to eager.
-RECOMPILE_LIMIT = 64
+#: Graphs one process may compile of one function (a decoding step: one per method, draft shape,
+#: rule and batch size in use); dynamo's default of 8 would fall back to eager.
+RECOMPILE_LIMIT = 256
 
-_compiled: dict[tuple[Callable, str], Callable] = {}
+#: The compiler backend: inductor (kernels generated for the device; CUDA graphs on a GPU). A test
+#: that checks what dynamo traces -- whole steps, no graph breaks, no recompiles, the same tokens --
+#: and not what inductor generates may set ``"aot_eager"`` (the traced graphs run by aten), which
+#: compiles in a fraction of the time.
+BACKEND = "inductor"
+
+_compiled: dict[tuple[Callable, str, str], Callable] = {}
 # True while a graph of `compiled` runs on the CPU (in any thread): its linear layers use packed
 # weights. A guard of those graphs, so a user's own torch.compile of the same model keeps F.linear.
 _packing = False
@@ -62,22 +68,35 @@ def compiled(fn: Callable, device: torch.device, *modules: nn.Module) -> Callabl
     (:func:`pack_linears`).
 
     On CUDA each call marks a new CUDA-graph step and returns tensors cloned out of the graph's
-    static memory, so an output stays valid after the next replay."""
+    static memory, so an output stays valid after the next replay. A function that returns
+    nothing (a decoding step that updates its state in place, :mod:`relaxspec.decoding.loop`)
+    costs one graph replay and no copy; the tensors it updates should keep their addresses
+    (:func:`fixed_addresses`)."""
     if torch.device(device).type == "cpu":
         for module in modules:
             if isinstance(module, nn.Module):  # a family's target need only follow TargetModel
                 pack_linears(module)
-    key = (fn, torch.device(device).type)
+    key = (fn, torch.device(device).type, BACKEND)
     if key not in _compiled:
         config = torch._dynamo.config
         name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"  # older torch
         setattr(config, name, max(getattr(config, name), RECOMPILE_LIMIT))
-        if key[1] == "cuda":
+        if BACKEND != "inductor":
+            graph = torch.compile(fn, fullgraph=True, dynamic=False, backend=BACKEND)
+
+            def run(*args, **kwargs):
+                with _packed_graphs():
+                    return graph(*args, **kwargs)
+
+            _compiled[key] = run
+        elif key[1] == "cuda":
             graph = torch.compile(fn, fullgraph=True, dynamic=False, mode="reduce-overhead")
 
             def run(*args, **kwargs):
                 torch.compiler.cudagraph_mark_step_begin()
                 out = graph(*args, **kwargs)
+                if out is None:
+                    return None
                 return tuple(t.clone() for t in out) if isinstance(out, tuple) else out.clone()
 
             _compiled[key] = run
@@ -90,6 +109,52 @@ def compiled(fn: Callable, device: torch.device, *modules: nn.Module) -> Callabl
 
             _compiled[key] = run
     return _compiled[key]
+
+
+def fixed_addresses(tensors) -> None:
+    """Tell the compiler that ``tensors`` (a decode's state, its random-number buffers, the KV
+    caches, a rule's tables) keep their storage from one call of a compiled step to the next: a
+    CUDA graph then reads and updates them where they are instead of copying each one into its own
+    memory before every replay (and skipping the graph where a step updates one in place). A
+    tensor whose storage does change anyway costs a re-recording, never a wrong result. Nothing
+    to do off CUDA."""
+    for tensor in tensors:
+        if isinstance(tensor, torch.Tensor) and tensor.device.type == "cuda":
+            torch._dynamo.mark_static_address(tensor, guard=False)
+
+
+def tensors_of(*objects, depth: int = 3) -> list[torch.Tensor]:
+    """The tensors held by ``objects``' attributes (and their dicts, lists, tuples and attributes'
+    attributes, ``depth`` levels down; modules' parameters are the compiler's already): what
+    :func:`fixed_addresses` is given for the parts of a step (a rule's neighbour table, a draft
+    source's buffers)."""
+    found: dict[int, torch.Tensor] = {}
+    seen: set[int] = set()
+
+    def visit(value, level: int) -> None:
+        if isinstance(value, torch.Tensor):
+            found.setdefault(id(value), value)
+            return
+        if level > depth or id(value) in seen or isinstance(value, (str, bytes, int, float, bool, type(None))):
+            return
+        seen.add(id(value))
+        if isinstance(value, dict):
+            items = list(value.values())
+        elif isinstance(value, (list, tuple)):
+            items = list(value)
+        elif isinstance(value, nn.Module):
+            items = list(value.buffers()) + [v for k, v in vars(value).items() if not k.startswith("_modules")
+                                             and not k.startswith("_parameters") and not k.startswith("_buffers")]
+        elif hasattr(value, "__dict__"):
+            items = list(vars(value).values())
+        else:
+            return
+        for item in items:
+            visit(item, level + 1)
+
+    for obj in objects:
+        visit(obj, 0)
+    return list(found.values())
 
 
 # ``F.linear`` with a weight oneDNN has packed (``torch.ops.mkldnn._reorder_linear_weight``), an

@@ -170,3 +170,4 @@ def batch_seed(seed: int, batch: int) -> int:
     """The seed of batch ``batch`` of a run seeded ``seed`` (``relaxspec generate`` and ``bench``):
     every batch has its own stream, so a resumed run reproduces an uninterrupted one."""
     return seed * 1_000_003 + batch
+

@@ -1,17 +1,29 @@
-"""A stopwatch for the parts of a decode (target forwards, drafter forwards).
+"""A stopwatch for the parts of a decode (target forwards, drafter forwards), in profile mode.
 
-Decoding results report where the time went — target forwards, drafter forwards and the rest
-(the engine: sampling, tree walk, cache moves, Python) — so a missed speed goal can be traced.
-On CUDA the watch records a pair of CUDA events around each timed region and reads them only
-when :attr:`Stopwatch.seconds` is asked for (after the decode): timing never synchronises the
-device inside the loop, so plain AR, which has no host sync of its own, keeps its queue full.
+A decode run with ``profile=True`` (``--profile``) reports where the time goes -- target forwards,
+drafter forwards and the rest (the engine: sampling, tree walk, cache moves, Python) -- so a
+missed speed goal can be traced. Timing the parts apart needs them apart: in profile mode each
+model call runs as its own compiled graph (:class:`Profiling`), so a profiled step is slower than
+the default one, which runs as one graph and carries no timing (issue 41). On CUDA the watch
+records a pair of CUDA events around each timed region and reads them only when
+:attr:`Stopwatch.seconds` is asked for (after the decode): timing never synchronises the device
+inside the loop.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
+
+
+@dataclass(frozen=True)
+class Profiling:
+    """Profile mode, as a decode hands it to its parts (the target, a draft source): time every
+    model call with a :class:`Stopwatch`, each compiled as its own graph when ``compile``."""
+
+    compile: bool = False
 
 
 class Stopwatch:

@@ -12,7 +12,10 @@ that would make the host wait for the device counts as a **sync** wherever it ru
   ``masked_select``, boolean-mask indexing, ``repeat_interleave`` without ``output_size``;
 * ``torch.multinomial`` (it reads its input's validity back on CUDA).
 
-A read of tensors made on the host (below) is host work, not a sync.
+A read of tensors made on the host (below) is host work, not a sync. A copy of a device tensor
+into a host tensor (``host.copy_(device_tensor)``) is a read: a **lagged read** with
+``non_blocking=True`` (the host does not wait; the decoding loops read their count so, one step
+late on a GPU: :mod:`relaxspec.decoding.loop`), a sync without.
 
 A tensor made without ``device=`` -- by a factory (``torch.arange(n)``, ``torch.zeros(...)``)
 or from host data (``torch.tensor``, ``as_tensor``, ``from_numpy``) -- lives on the host on an
@@ -106,6 +109,7 @@ class Window:
     """One target forward and everything up to the next: counts and where the syncs came from."""
 
     syncs: int = 0
+    lagged_reads: int = 0
     host_copies: int = 0
     target_ops: int = 0
     drafter_ops: int = 0
@@ -158,6 +162,15 @@ class StepCounter(TorchFunctionMode):
         kwargs = kwargs or {}
         name = _name(func)
         window = self.windows[-1]
+        if name == "copy_" and len(args) > 1 and self._is_host_tensor(args[0]) and not self._is_host_tensor(args[1]):
+            # device -> host: a read, which blocks unless asked not to
+            if kwargs.get("non_blocking", False) or (len(args) > 2 and args[2]):
+                window.lagged_reads += 1
+            else:
+                window.syncs += 1
+                if self.sites:
+                    window.sync_sites.append(_site(name))
+            return func(*args, **kwargs)
         if is_sync(name, args, kwargs) and not self._on_host(args):
             window.syncs += 1
             if self.sites:
@@ -186,6 +199,9 @@ class StepCounter(TorchFunctionMode):
         """A read of host tensors alone (set-up work on the host) makes nothing wait for the device."""
         tensors = _tensors(args)
         return bool(tensors) and all(self._is_host(t) for t in tensors)
+
+    def _is_host_tensor(self, value) -> bool:
+        return isinstance(value, torch.Tensor) and self._is_host(value)
 
     def _is_host(self, tensor: torch.Tensor) -> bool:
         ref = self._host.get(id(tensor))
@@ -239,5 +255,5 @@ class StepCounter(TorchFunctionMode):
         n = len(steps)
         mean = lambda attr: sum(getattr(w, attr) for w in steps) / n  # noqa: E731
         return {"steps": n, "syncs": mean("syncs"), "max_syncs": max(w.syncs for w in steps),
-                "host_copies": mean("host_copies"), "engine_ops": mean("engine_ops"),
+                "lagged_reads": mean("lagged_reads"), "host_copies": mean("host_copies"), "engine_ops": mean("engine_ops"),
                 "drafter_ops": mean("drafter_ops"), "target_ops": mean("target_ops")}

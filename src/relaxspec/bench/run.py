@@ -68,7 +68,7 @@ class PreparedMethod:
         if options.needs_drafter and drafter is None:
             raise RelaxspecError(f"{spec.label} needs a trained drafter (--drafter-ckpt)")
         source, rule = build_parts(options, BuildContext(target=target, tokenizer=vq, drafter=drafter,
-                                                         sampling=sampling, compile=options.compile))
+                                                         sampling=sampling))
         return cls(spec, sampling, options, source, rule)
 
 

@@ -89,6 +89,10 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                         help="every method but the eager baseline ar compiled (unless a --sweep sets its compile "
                              "field; add ar-compiled to --methods for the compiled AR baseline); keep --warmup >= 1 "
                              "so compilation stays out of the timings")
+    timing.add_argument("--profile", action="store_true",
+                        help="time every method's target and drafter forwards apart from the engine (the target / "
+                             "drafter / engine shares of the report): each forward then runs as its own graph, so "
+                             "compiled steps are slower than without it; for finding where the time goes")
     timing.add_argument("--batch-size", type=int, default=1,
                         help="images per decode (default 1: latency; 8: throughput mode)")
 
@@ -235,6 +239,9 @@ def run_bench_cli(args: argparse.Namespace) -> int:
         for spec in specs:
             if spec.label != BASELINE:
                 spec.options.setdefault("compile", True)
+    if args.profile:
+        for spec in specs:
+            spec.options.setdefault("profile", True)
     drafting = [s.label for s in specs if s.needs_drafter]
     embedded = args.gpt_ckpt is None and args.model_path is None
     if drafting and args.drafter_ckpt is None and not embedded:

@@ -13,7 +13,8 @@ def decode(model, cond, sampling, options: MethodOptions | None = None, *, gener
     ``model``: the target, any :class:`~relaxspec.models.base.TargetModel` (LlamaGen's
     :class:`~relaxspec.models.llamagen.gpt.Transformer`); ``drafter``: an EAGLE
     drafter (methods sd / lantern / cool); ``vq``: the tokenizer whose codebook defines LANTERN's
-    latent neighbours. ``options.compile`` runs the steps compiled, ``options.record_tv=False``
+    latent neighbours. ``options.compile`` runs every step as one compiled graph,
+    ``options.profile`` times the forwards apart from the engine, ``options.record_tv=False``
     skips the TV record of relaxed rules. ``on_step(tokens, done)`` is called as tokens are
     committed (:func:`relaxspec.decoding.engine.generate_speculative`; with rows in parallel
     ``done`` is a ``[B, N]`` mask of the committed tokens, as
@@ -26,7 +27,7 @@ def decode(model, cond, sampling, options: MethodOptions | None = None, *, gener
         from relaxspec.decoding.ar import generate_ar
 
         return generate_ar(model, cond, sampling, generator=generator, cond_mask=cond_mask, progress=progress,
-                           compile=options.compile, on_step=on_step)
+                           compile=options.compile, profile=options.profile, on_step=on_step)
     if options.rows > 1:
         from relaxspec.decoding.engine import build_parts
         from relaxspec.decoding.rows import generate_rows
@@ -38,7 +39,7 @@ def decode(model, cond, sampling, options: MethodOptions | None = None, *, gener
             source, rule = source or built[0], rule or built[1]
         return generate_rows(model, cond, sampling, source=source, rule=rule, plan=row_plan(options, model),
                              generator=generator, cond_mask=cond_mask, record_tv=options.record_tv,
-                             compile=options.compile, on_step=on_step)
+                             compile=options.compile, profile=options.profile, progress=progress, on_step=on_step)
     from relaxspec.decoding.engine import generate_speculative
 
     return generate_speculative(model, cond, sampling, options, generator=generator, drafter=drafter, vq=vq,

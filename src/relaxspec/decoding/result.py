@@ -15,8 +15,10 @@ class DecodeResult:
     condition prefill included, so plain AR gives ``N``); ``drafter_forwards [B]``;
     ``step_tv [B, N]`` the certified one-step TV distance recorded for each committed token
     (0 for lossless steps); ``accept_lengths`` per image, tokens committed by each target forward.
-    ``seconds`` minus the two ``*_forward_seconds`` is the engine's own time (sampling, tree walk,
-    cache moves, masks, Python): :attr:`overhead_seconds`.
+    ``seconds`` is the decode's wall time. In profile mode (``profile=True``) the parts are timed
+    apart: ``seconds`` minus the two ``*_forward_seconds`` is the engine's own time (sampling,
+    tree walk, cache moves, masks, Python), :attr:`overhead_seconds`; otherwise those times are
+    ``None`` (a step compiled as one graph has no parts to time, issue 41).
     """
 
     tokens: torch.Tensor
@@ -25,9 +27,10 @@ class DecodeResult:
     step_tv: torch.Tensor
     accept_lengths: list[list[int]] = field(default_factory=list)
     seconds: float = 0.0
-    drafter_seconds: float = 0.0  # in the draft source: drafter forwards + drafting bookkeeping
-    target_forward_seconds: float = 0.0  # inside the target model's forward calls
-    drafter_forward_seconds: float = 0.0  # inside the drafter model's forward calls
+    # profile mode only (None otherwise):
+    drafter_seconds: float | None = None  # in the draft source: drafter forwards + drafting bookkeeping
+    target_forward_seconds: float | None = None  # inside the target model's forward calls
+    drafter_forward_seconds: float | None = None  # inside the drafter model's forward calls
     rank_tests: torch.Tensor | None = None  # [depth, rank] sibling tests, summed over the batch
     rank_accepts: torch.Tensor | None = None  # [depth, rank] of those, accepted
     tv_recorded: bool = True  # False: a relaxed method ran with the record off (step_tv is zero, not measured)
@@ -38,8 +41,16 @@ class DecodeResult:
     token_step_sizes: torch.Tensor | None = None
 
     @property
-    def overhead_seconds(self) -> float:
-        return max(self.seconds - self.target_forward_seconds - self.drafter_forward_seconds, 0.0)
+    def profiled(self) -> bool:
+        """Whether the parts were timed apart (profile mode)."""
+        return self.target_forward_seconds is not None
+
+    @property
+    def overhead_seconds(self) -> float | None:
+        """The engine's own time (profile mode; ``None`` otherwise)."""
+        if not self.profiled:
+            return None
+        return max(self.seconds - self.target_forward_seconds - (self.drafter_forward_seconds or 0.0), 0.0)
 
     def acceptance_rates(self) -> torch.Tensor | None:
         """Measured P(accept | depth, rank, elder siblings rejected) ``[depth, rank]`` (0 where
@@ -79,18 +90,19 @@ class DecodeResult:
         ``records.jsonl``): its share of the batch's times, its target and drafter forwards, its
         accepted length per target forward and its TV record."""
         rows = self.tokens.shape[0]
-        return {"seconds": self.seconds / rows, "drafter_seconds": self.drafter_seconds / rows,
-                "target_forward_seconds": self.target_forward_seconds / rows,
-                "drafter_forward_seconds": self.drafter_forward_seconds / rows,
+        share = lambda seconds: None if seconds is None else seconds / rows  # noqa: E731 (profile mode only)
+        return {"seconds": self.seconds / rows, "drafter_seconds": share(self.drafter_seconds),
+                "target_forward_seconds": share(self.target_forward_seconds),
+                "drafter_forward_seconds": share(self.drafter_forward_seconds),
                 "target_forwards": int(self.target_forwards[row]), "drafter_forwards": int(self.drafter_forwards[row]),
                 "mean_accepted_length": float(self.mean_accepted_length[row]), **self.tv_record(row),
                 **({"rows": self.rows, "row_lead": self.row_lead} if self.rows > 1 else {})}
 
 
 def watched_seconds(source) -> float:
-    """Seconds a draft source spent in model forwards (a user-written source may not time them)."""
-    watch = getattr(source, "watch", None)
-    return float(watch.seconds) if watch is not None else 0.0
+    """Seconds a draft source spent in model forwards, in profile mode (0 for a source with no
+    model calls to time)."""
+    return float(source.watch.seconds) if source.watch is not None else 0.0
 
 
 def read_once(*parts: torch.Tensor) -> list[torch.Tensor]:

@@ -29,29 +29,175 @@ the acceptance only.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
+from typing import Callable
+
 import torch
+from tqdm.auto import tqdm
 
 from relaxspec.acceptance import AcceptanceRule
-from relaxspec.decoding.result import DecodeResult, add_counts, read_once, watched_seconds
-from relaxspec.decoding.target import GuidedTarget
+from relaxspec.caching import kept_buffer
 from relaxspec.compiling import compiled
+from relaxspec.decoding.engine import add_rank_counts, check_compilable, rank_count_shape, walk_noise
+from relaxspec.decoding.loop import run_steps, step_runner
+from relaxspec.decoding.result import DecodeResult, read_once, watched_seconds
+from relaxspec.decoding.target import GuidedTarget
 from relaxspec.decoding.verify import verify_tree, walk_tree
 from relaxspec.methods.grid import RowPlan, grid_side
+from relaxspec.noise import NoiseSlot, StepNoise
 from relaxspec.sampling import SamplingConfig, sample_from
+from relaxspec.timing import Profiling
+
+
+@dataclass(eq=False)
+class RowsLoop:
+    """What one step of rows in parallel reads and updates (:func:`rows_step`).
+
+    The parts as :class:`relaxspec.decoding.engine.RasterLoop`'s; ``grid`` tokens a row, ``lanes``
+    rows open at most, a row opening once the row above has ``lead``. The state, updated in place:
+    ``tokens``, ``step_tv``, ``step_sizes`` and ``committed`` ``[B, N + 1]`` (the token, its record,
+    how many tokens its step committed, whether it is committed; column ``N`` a spill),
+    ``fill [B, grid + 1]`` (tokens committed per row, and a spill row), ``cached [B, max_seq]``
+    (slots holding keys), ``lane_row [B, lanes]`` (the row each lane paints next), ``steps [B]``,
+    ``per_step [B, N + 2]`` (tokens each step committed), ``iteration [1]``, the sibling counts
+    and ``done`` (tokens committed in all)."""
+
+    target: GuidedTarget
+    source: object
+    rule: AcceptanceRule
+    noise: StepNoise
+    walk: Callable
+    greedy: bool
+    record_tv: bool
+    grid: int
+    lanes: int
+    lead: int
+    tokens: torch.Tensor
+    step_tv: torch.Tensor
+    step_sizes: torch.Tensor
+    committed: torch.Tensor
+    fill: torch.Tensor
+    cached: torch.Tensor
+    lane_row: torch.Tensor
+    steps: torch.Tensor
+    per_step: torch.Tensor
+    iteration: torch.Tensor
+    rank_tests: torch.Tensor | None
+    rank_accepts: torch.Tensor | None
+    done: torch.Tensor
+    raster_of_slot: torch.Tensor
+    scratch: torch.Tensor
+    offsets: torch.Tensor
+    uniform_slot: NoiseSlot | None = None
+    clock_slot: NoiseSlot | None = None
+    generator: torch.Generator | None = None
+    profiling: bool = False
+    drafter_seconds: float = 0.0
+
+
+def rows_step(loop: RowsLoop) -> None:
+    """One step of every open row of every image: each lane's tree, one target forward over all of
+    them, the walk, the commits out of raster order, the keys moved to their grid slots, the
+    source's catch-up. A fixed sequence of ops that reads nothing back: what ``compile`` compiles
+    as one graph."""
+    target, source, grid, lanes, lead = loop.target, loop.source, loop.grid, loop.lanes, loop.lead
+    tokens, fill, cached = loop.tokens, loop.fill, loop.cached
+    batch, n_tok, cls = tokens.shape[0], grid * grid, target.cls
+    nodes, virtual = source.max_nodes, tokens.shape[0] * lanes
+    row = loop.lane_row.clamp(max=grid)  # [B, L]; grid = finished
+    f = fill.gather(1, row)
+    above = torch.where(row == 0, grid, fill.gather(1, (row - 1).clamp(min=0)))  # the row above's tokens
+    opened = (above >= lead) | (above == grid)
+    active = (row < grid) & opened & (f < grid)
+    k = row.clamp(max=grid - 1) * grid + f.clamp(max=grid - 1)  # raster index of the lane's next token
+    # the root: the lane's last token, or (a row's first step) the row above's latest
+    stand_in = f == 0
+    root_at = torch.where(stand_in, (row - 1).clamp(min=0) * grid + (above - 1).clamp(min=0), k - 1)
+    roots = tokens.gather(1, root_at.clamp(min=0)).reshape(virtual)
+    root_index = (k - 1).reshape(virtual)
+    if loop.profiling:
+        started = time.perf_counter()
+    tree = source.propose(roots, root_index, loop.greedy)
+    if loop.profiling:
+        loop.drafter_seconds += time.perf_counter() - started
+    depth = tree.depth.view(batch, lanes, nodes)
+    # drafts a step may commit: within the row, and ``lead`` behind the row above until it is complete
+    room = torch.where(above >= grid, grid - 1 - f, torch.minimum(grid - 1 - f, above - lead - f))[:, :, None]
+    valid = tree.valid.view(batch, lanes, nodes) & (depth <= room) & active[:, :, None]
+    raster = (k - 1)[:, :, None] + depth  # each node's token's raster index
+    positions = cls + raster.clamp(max=n_tok - 1)
+    slots = loop.scratch.expand(batch, lanes, nodes)
+    mask = row_causal_mask(cached, loop.raster_of_slot, raster, tree.ancestors.view(batch, lanes, nodes, nodes),
+                           loop.scratch, cls, n_tok)
+    probs, hidden = target.forward(tree.tokens.view(batch, lanes * nodes), positions.reshape(batch, -1),
+                                   slots.reshape(batch, -1), mask)
+    noise = loop.noise
+    result = verify_tree(loop.rule, probs.view(virtual, nodes, -1), tree.tokens, tree.parents, tree.proposals,
+                         tree.depth, valid.view(virtual, nodes), greedy=loop.greedy, generator=loop.generator,
+                         record_tv=loop.record_tv, children=tree.children, level_widths=tree.level_widths,
+                         point_mass=tree.point_mass, check=False, walk=loop.walk,
+                         uniforms=noise.read(loop.uniform_slot) if loop.uniform_slot is not None else None,
+                         clocks=noise.read(loop.clock_slot) if loop.clock_slot is not None else None)
+    accepted = result.num_accepted.view(batch, lanes)
+    count = torch.where(active, accepted + 1, torch.zeros_like(accepted))
+    add_rank_counts(loop, result)
+    # commit: raster k .. k + count - 1 of each lane (the rest to the spill column)
+    span = result.committed.shape[1]
+    offsets = loop.offsets[:span]
+    keep = offsets[None, None, :] < count[:, :, None]
+    write_at = torch.where(keep, k[:, :, None] + offsets, n_tok).view(batch, -1)
+    tokens.scatter_(1, write_at, result.committed.clamp(min=0).view(batch, -1))
+    loop.step_tv.scatter_(1, write_at, result.step_tv.to(loop.step_tv.dtype).view(batch, -1))
+    # keys: the root (its own token, not a stand-in) and the accepted nodes move to their grid slots
+    # (a stand-in root is the token before the row only once the row above is complete, and a
+    # token already cached keeps the keys it has); other entries copy a lane's own scratch
+    # slot onto itself, so no two entries write one slot
+    path = result.path.view(batch, lanes, span)
+    moving = (path >= 0) & (offsets < (accepted + 1)[:, :, None]) & active[:, :, None]
+    root_slot = cls + (k - 1).clamp(min=0)
+    moving[:, :, 0] &= (~stand_in | (above == grid)) & ~cached.gather(1, root_slot)
+    source_slot = loop.scratch.expand(batch, -1, -1).gather(2, path.clamp(min=0))
+    grid_slot = cls + (k - 1)[:, :, None] + offsets
+    idle = loop.scratch[None, :, :span].expand(batch, -1, -1) if span <= nodes else \
+        loop.scratch[None, :, -1:].expand(batch, lanes, span)
+    src = torch.where(moving, source_slot, idle)
+    dst = torch.where(moving, grid_slot, idle)
+    target.move_cache(src.view(batch, -1), dst.view(batch, -1))
+    cached.scatter_(1, dst.view(batch, -1), moving.view(batch, -1))  # idle entries: scratch, never cached
+    if loop.profiling:
+        started = time.perf_counter()
+    source.update(result.committed, result.path, count.view(-1), root_index, probs.view(virtual, nodes, -1),
+                  _lanes_hidden(hidden, lanes, nodes))
+    if loop.profiling:
+        loop.drafter_seconds += time.perf_counter() - started
+    fill.scatter_add_(1, row, count)
+    fill[:, grid] = 0
+    loop.lane_row.copy_(torch.where(active & (fill.gather(1, row) >= grid), loop.lane_row + lanes, loop.lane_row))
+    committed_now = count.sum(1)
+    width = loop.per_step.shape[1]
+    loop.per_step.scatter_(1, loop.iteration.clamp(max=width - 1).expand(batch)[:, None], committed_now[:, None])
+    loop.iteration.add_(1)
+    loop.step_sizes.scatter_(1, write_at, committed_now[:, None].expand(-1, lanes * span))
+    loop.committed.scatter_(1, write_at, True)
+    loop.committed[:, n_tok] = False
+    loop.steps.add_((committed_now > 0).long())
+    loop.done.copy_(fill[:, :grid].sum())
 
 
 @torch.no_grad()
 def generate_rows(model, cond, sampling: SamplingConfig, *, source, rule: AcceptanceRule, plan: RowPlan,
                   generator: torch.Generator | None = None, cond_mask=None, record_tv: bool = True,
-                  compile: bool = False, on_step=None) -> DecodeResult:
+                  compile: bool = False, profile: bool = False, progress: bool = False, on_step=None) -> DecodeResult:
     """Generate ``[B, N]`` tokens with ``plan.lanes`` rows open at once; ``source`` drafts for
     every lane (a source of ``B * lanes`` rows, lane ``l`` of image ``b`` being row ``b * lanes +
     l``; a source whose state is one per image, as a drafter's cache, gives its own view of the
     lanes by ``source.for_lanes(lanes, grid)``), ``rule`` accepts. Every step is one target
-    forward and one read of the device; ``compile`` runs the target's step and the tree walk
-    compiled (their shapes are static).
+    forward and one lagged read of how many tokens are done (:mod:`relaxspec.decoding.loop`);
+    ``compile`` runs every step as one compiled graph (their shapes are static), ``profile``
+    times the forwards apart.
     ``on_step(tokens, committed)``: called after every step with the buffer ``[B, N]`` and which
-    of its tokens are committed ``[B, N]`` (bool: commits land out of raster order here)."""
+    of its tokens are committed ``[B, N]`` (bool: commits land out of raster order here): views
+    of the decode's own buffers, valid during the call."""
     start = time.perf_counter()
     grid = grid_side(model)
     plan.check(grid)
@@ -61,131 +207,89 @@ def generate_rows(model, cond, sampling: SamplingConfig, *, source, rule: Accept
     if hasattr(source, "for_lanes"):  # a source with one state per image (a drafter's cache) keeps its lanes apart
         source = source.for_lanes(lanes, grid)
     nodes = source.max_nodes
-    target = GuidedTarget(model, cond, sampling, cond_mask=cond_mask, scratch=lanes * nodes, compile=compile)
-    walk = compiled(walk_tree, target.device) if compile else None
-    batch, n_tok, cls, device = target.batch, target.num_tokens, target.cls, target.device
+    target = GuidedTarget(model, cond, sampling, cond_mask=cond_mask, scratch=lanes * nodes,
+                          compile=compile and profile, timed=profile)
+    batch, n_tok, device = target.batch, target.num_tokens, target.device
     virtual = batch * lanes
     rule.prepare(device)
-
-    tokens = torch.zeros(batch, n_tok + 1, dtype=torch.long, device=device)  # column n_tok: a spill
-    step_tv = torch.zeros(batch, n_tok + 1, device=device)
-    step_sizes = torch.ones(batch, n_tok + 1, dtype=torch.long, device=device)  # per token: its step's commits
-    committed_mask = torch.zeros(batch, n_tok + 1, dtype=torch.bool, device=device) if on_step is not None else None
-    fill = torch.zeros(batch, grid + 1, dtype=torch.long, device=device)  # tokens committed per row (+ a spill row)
-    cached = torch.zeros(batch, target.max_seq, dtype=torch.bool, device=device)  # keys in the cache
-    cached[:, :cls] = True
-    lane_row = torch.arange(lanes, device=device).expand(batch, lanes).clone()  # the row each lane paints next
-    steps = torch.zeros(batch, dtype=torch.long, device=device)
-    counts_per_step: list[torch.Tensor] = []
-    rank_tests = rank_accepts = None
-
-    raster_of_slot = torch.full((target.max_seq,), -1, dtype=torch.long, device=device)
-    raster_of_slot[cls : cls + n_tok] = torch.arange(n_tok, device=device)
-    node_ids = torch.arange(nodes, device=device)
-    lane_ids = torch.arange(lanes, device=device)
-    scratch = cls + n_tok + lane_ids[:, None] * nodes + node_ids[None, :]  # [L, T] each lane's slots
-    offsets = torch.arange(nodes + 1, device=device)  # a step commits at most a path and its bonus
-
-    probs0, hidden0 = target.prefill()
-    tokens[:, 0] = sample_from(probs0, generator, greedy)
-    fill[:, 0] = 1
-    if on_step is not None:
-        committed_mask[:, 0] = True
-        on_step(tokens[:, :n_tok], committed_mask[:, :n_tok])
-    source.start(tokens[:, 0].repeat_interleave(lanes), probs0.repeat_interleave(lanes, 0),
-                 _lanes(hidden0[:, -1:], lanes), target.streams, n_tok, generator, greedy,
-                 condition_hidden=hidden0, condition_tokens=target.condition_tokens)
-    drafter_seconds = 0.0
+    bar = tqdm(total=batch * n_tok, desc="rows", disable=not progress, leave=False)
     try:
-        while True:
-            row = lane_row.clamp(max=grid)  # [B, L]; grid = finished
-            f = fill.gather(1, row)
-            above = torch.where(row == 0, grid, fill.gather(1, (row - 1).clamp(min=0)))  # the row above's tokens
-            opened = (above >= lead) | (above == grid)
-            active = (row < grid) & opened & (f < grid)
-            k = row.clamp(max=grid - 1) * grid + f.clamp(max=grid - 1)  # raster index of the lane's next token
-            # the root: the lane's last token, or (a row's first step) the row above's latest
-            stand_in = f == 0
-            root_at = torch.where(stand_in, (row - 1).clamp(min=0) * grid + (above - 1).clamp(min=0), k - 1)
-            roots = tokens.gather(1, root_at.clamp(min=0)).reshape(virtual)
-            root_index = (k - 1).reshape(virtual)
-            t0 = time.perf_counter()
-            tree = source.propose(roots, root_index, generator, greedy)
-            drafter_seconds += time.perf_counter() - t0
-            depth = tree.depth.view(batch, lanes, nodes)
-            # drafts a step may commit: within the row, and ``lead`` behind the row above until it is complete
-            room = torch.where(above >= grid, grid - 1 - f, torch.minimum(grid - 1 - f, above - lead - f))[:, :, None]
-            valid = tree.valid.view(batch, lanes, nodes) & (depth <= room) & active[:, :, None]
-            raster = (k - 1)[:, :, None] + depth  # each node's token's raster index
-            positions = cls + raster.clamp(max=n_tok - 1)
-            slots = scratch.expand(batch, lanes, nodes)
-            mask = row_causal_mask(cached, raster_of_slot, raster, tree.ancestors.view(batch, lanes, nodes, nodes),
-                               scratch, cls, n_tok)
-            probs, hidden = target.forward(tree.tokens.view(batch, lanes * nodes), positions.reshape(batch, -1),
-                                           slots.reshape(batch, -1), mask)
-            result = verify_tree(rule, probs.view(virtual, nodes, -1), tree.tokens, tree.parents, tree.proposals,
-                                 tree.depth, valid.view(virtual, nodes), greedy=greedy, generator=generator,
-                                 record_tv=record_tv and not rule.lossless, children=tree.children,
-                                 level_widths=tree.level_widths, point_mass=tree.point_mass, check=False, walk=walk)
-            accepted = result.num_accepted.view(batch, lanes)
-            count = torch.where(active, accepted + 1, torch.zeros_like(accepted))
-            rank_tests = add_counts(rank_tests, result.rank_tests)
-            rank_accepts = add_counts(rank_accepts, result.rank_accepts)
-            # commit: raster k .. k + count - 1 of each lane (the rest to the spill column)
-            span = result.committed.shape[1]
-            keep = offsets[None, None, :span] < count[:, :, None]
-            write_at = torch.where(keep, k[:, :, None] + offsets[:span], n_tok)
-            tokens.scatter_(1, write_at.view(batch, -1), result.committed.clamp(min=0).view(batch, -1))
-            step_tv.scatter_(1, write_at.view(batch, -1), result.step_tv.to(step_tv.dtype).view(batch, -1))
-            # keys: the root (its own token, not a stand-in) and the accepted nodes move to their grid slots
-            # (a stand-in root is the token before the row only once the row above is complete, and a
-            # token already cached keeps the keys it has); other entries copy a lane's own scratch
-            # slot onto itself, so no two entries write one slot
-            path = result.path.view(batch, lanes, span)
-            moving = (path >= 0) & (offsets[:span] < (accepted + 1)[:, :, None]) & active[:, :, None]
-            root_slot = cls + (k - 1).clamp(min=0)
-            moving[:, :, 0] &= (~stand_in | (above == grid)) & ~cached.gather(1, root_slot)
-            source_slot = scratch.expand(batch, -1, -1).gather(2, path.clamp(min=0))
-            grid_slot = cls + (k - 1)[:, :, None] + offsets[:span]
-            idle = scratch[None, :, :span].expand(batch, -1, -1) if span <= nodes else \
-                scratch[None, :, -1:].expand(batch, lanes, span)
-            src = torch.where(moving, source_slot, idle)
-            dst = torch.where(moving, grid_slot, idle)
-            target.move_cache(src.view(batch, -1), dst.view(batch, -1))
-            cached.scatter_(1, dst.view(batch, -1), moving.view(batch, -1))  # idle entries: scratch, never cached
-            t0 = time.perf_counter()
-            source.update(result.committed, result.path, count.view(-1), root_index, probs.view(virtual, nodes, -1),
-                          _lanes_hidden(hidden, lanes, nodes), generator)
-            drafter_seconds += time.perf_counter() - t0
-            fill.scatter_add_(1, row, count)
-            fill[:, grid] = 0
-            lane_row = torch.where(active & (fill.gather(1, row) >= grid), lane_row + lanes, lane_row)
-            committed_now = count.sum(1)
-            counts_per_step.append(committed_now)
-            step_sizes.scatter_(1, write_at.view(batch, -1), committed_now[:, None].expand(-1, lanes * span))
-            if on_step is not None:
-                committed_mask.scatter_(1, write_at.view(batch, -1), True)
-                committed_mask[:, n_tok] = False
-                on_step(tokens[:, :n_tok], committed_mask[:, :n_tok])
-            steps += (committed_now > 0).long()
-            if int(fill[:, :grid].sum()) >= batch * n_tok:  # the step's one read of the device
-                break
+        probs0, hidden0 = target.prefill()
+        first = sample_from(probs0, generator, greedy)
+        noise = StepNoise(device, owner=model)
+        source.start(first.repeat_interleave(lanes), probs0.repeat_interleave(lanes, 0),
+                     _lanes(hidden0[:, -1:], lanes), target.streams, n_tok, generator, greedy,
+                     condition_hidden=hidden0, condition_tokens=target.condition_tokens, noise=noise,
+                     profiling=Profiling(compile) if profile else None)
+        check_compilable(source, compile)
+        uniform_slot, clock_slot = walk_noise(noise, source, virtual, probs0.shape[-1], greedy)
+        noise.allocate()
+        loop = _rows_loop(model, target, source, rule, noise, first, grid, lanes, lead, greedy,
+                          record_tv and not rule.lossless, uniform_slot, clock_slot, generator, compile, profile)
+        bar.update(batch)
+        tokens_view, committed_view = loop.tokens[:, :n_tok], loop.committed[:, :n_tok]
+        if on_step is not None:
+            on_step(tokens_view, committed_view)
+        step = step_runner(rows_step, loop, device, (model, *source.models), compile=compile, profile=profile)
+        run_steps(step, noise, generator, loop.done, batch * n_tok, start=batch, bar=bar,
+                  on_step=None if on_step is None else (lambda: on_step(tokens_view, committed_view)))
     finally:
+        bar.close()
         target.close()
         source.close()
-    if rank_tests is None:
-        rank_tests = rank_accepts = torch.zeros(max(source.max_depth, 1), 1, dtype=torch.long, device=device)
+    if loop.rank_tests is None:
+        loop.rank_tests = loop.rank_accepts = torch.zeros(max(source.max_depth, 1), 1, dtype=torch.long, device=device)
     tokens_h, steps_h, per_step_h, tv_h, tests_h, accepts_h, sizes_h = read_once(
-        tokens[:, :n_tok], steps, torch.stack(counts_per_step, 1), step_tv[:, :n_tok], rank_tests, rank_accepts,
-        step_sizes[:, :n_tok])
+        tokens_view, loop.steps, loop.per_step, loop.step_tv[:, :n_tok], loop.rank_tests, loop.rank_accepts,
+        loop.step_sizes[:, :n_tok])
     accept_lengths = [[1] + [count for count in image if count > 0] for image in per_step_h.tolist()]
     return DecodeResult(tokens=tokens_h, target_forwards=steps_h + 1,
-                        drafter_forwards=torch.full((batch,), source.forwards, dtype=torch.long),
-                        step_tv=tv_h, accept_lengths=accept_lengths,
-                        seconds=time.perf_counter() - start, drafter_seconds=drafter_seconds,
-                        target_forward_seconds=target.watch.seconds, drafter_forward_seconds=watched_seconds(source),
+                        drafter_forwards=steps_h * source.forwards_per_step, step_tv=tv_h, accept_lengths=accept_lengths,
+                        seconds=time.perf_counter() - start,
+                        drafter_seconds=loop.drafter_seconds if profile else None,
+                        target_forward_seconds=target.watch.seconds if profile else None,
+                        drafter_forward_seconds=watched_seconds(source) if profile else None,
                         rank_tests=tests_h, rank_accepts=accepts_h,
                         tv_recorded=record_tv or rule.lossless, rows=lanes, row_lead=lead, token_step_sizes=sizes_h)
+
+
+def _rows_loop(model, target, source, rule, noise, first, grid, lanes, lead, greedy, record_tv, uniform_slot,
+               clock_slot, generator, compile, profile) -> RowsLoop:
+    """The loop's tensors, kept with the model across decodes of one shape, set to a decode's
+    start: token 0 committed in every image, every lane on its first row."""
+    batch, device, cls, n_tok = first.shape[0], first.device, target.cls, grid * grid
+    nodes = source.max_nodes
+
+    def kept(name, shape, dtype=torch.long):
+        return kept_buffer(model, f"rows.{name}", shape, dtype, device).zero_()
+
+    tokens = kept("tokens", (batch, n_tok + 1))  # column n_tok: a spill
+    tokens[:, 0] = first
+    committed = kept("committed", (batch, n_tok + 1), torch.bool)
+    committed[:, 0] = True
+    fill = kept("fill", (batch, grid + 1))  # tokens committed per row (+ a spill row)
+    fill[:, 0] = 1
+    cached = kept("cached", (batch, target.max_seq), torch.bool)  # keys in the cache
+    cached[:, :cls] = True
+    lane_row = kept("lane_row", (batch, lanes))
+    lane_row.copy_(torch.arange(lanes, device=device).expand(batch, lanes))  # the row each lane paints next
+    raster_of_slot = torch.full((target.max_seq,), -1, dtype=torch.long, device=device)
+    raster_of_slot[cls : cls + n_tok] = torch.arange(n_tok, device=device)
+    lane_ids, node_ids = torch.arange(lanes, device=device), torch.arange(nodes, device=device)
+    counts = rank_count_shape(source.level_widths)
+    return RowsLoop(
+        target=target, source=source, rule=rule, noise=noise,
+        walk=compiled(walk_tree, device) if compile and profile else walk_tree, greedy=greedy, record_tv=record_tv,
+        grid=grid, lanes=lanes, lead=lead, tokens=tokens, step_tv=kept("step_tv", (batch, n_tok + 1), torch.float32),
+        step_sizes=kept("step_sizes", (batch, n_tok + 1)).fill_(1), committed=committed, fill=fill, cached=cached,
+        lane_row=lane_row, steps=kept("steps", (batch,)), per_step=kept("per_step", (batch, n_tok + 2)),
+        iteration=kept("iteration", (1,)),
+        rank_tests=None if counts is None else kept("rank_tests", counts),
+        rank_accepts=None if counts is None else kept("rank_accepts", counts),
+        done=kept("done", ()).fill_(batch), raster_of_slot=raster_of_slot,
+        scratch=cls + n_tok + lane_ids[:, None] * nodes + node_ids[None, :],  # [L, T] each lane's slots
+        offsets=torch.arange(nodes + 1, device=device),  # a step commits at most a path and its bonus
+        uniform_slot=uniform_slot, clock_slot=clock_slot, generator=generator, profiling=profile)
 
 
 def row_causal_mask(cached: torch.Tensor, raster_of_slot: torch.Tensor, raster: torch.Tensor, ancestors: torch.Tensor,

@@ -55,14 +55,18 @@ class GuidedTarget:
     ``cond``: class ids ``[B]`` or caption features ``[B, C, caption_dim]``; ``cond_mask [B, C]``
     (t2i only) marks real caption tokens — padded ones are hidden from every query, as upstream.
     ``scratch`` extra cache slots are reserved past the image for speculative drafts.
-    ``compile``: run :func:`guided_step` compiled (:mod:`relaxspec.compiling`).
+    ``compile``: run :func:`guided_step` compiled as its own graph (:mod:`relaxspec.compiling`; a
+    decoding loop that compiles its whole step leaves this off and traces the forward into the
+    step's graph). ``timed``: time the forwards (and the prefill) in :attr:`watch` (profile mode;
+    otherwise ``watch`` is ``None`` and nothing is timed).
 
     Shapes are static: the cache is allocated once per (model, rows, length) and kept between
     decodes, and every forward attends over the whole cache through a mask built from slots.
     """
 
     def __init__(self, model: TargetModel, cond: torch.Tensor, sampling: SamplingConfig, *,
-                 cond_mask: torch.Tensor | None = None, scratch: int = 0, compile: bool = False):
+                 cond_mask: torch.Tensor | None = None, scratch: int = 0, compile: bool = False,
+                 timed: bool = False):
         self.model, self.sampling = model, sampling
         config = model.config
         self.batch = cond.shape[0]
@@ -86,8 +90,7 @@ class GuidedTarget:
             key_valid[:, : self.cls] = cond_mask.to(self.device).bool()
             # Upstream masks the padded caption positions in both CFG streams.
             self.key_valid = key_valid.repeat(self.streams, 1)
-        self.forwards = 0
-        self.watch = Stopwatch(self.device)  # time inside the model's forward calls
+        self.watch = Stopwatch(self.device) if timed else None  # time inside the model's forward calls
         self._step = compiled(guided_step, self.device, model) if compile else guided_step
 
     def prefill(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -95,10 +98,12 @@ class GuidedTarget:
         hidden states at every condition position ``[S*B, C, dim]`` (all streams; the last one
         predicted image token 0)."""
         slots = torch.arange(self.cls, device=self.device).expand(self.batch * self.streams, -1)
-        with self.watch:
-            logits, hidden = self.model.prefill(self.cond, slots, slots,
-                                                attention_mask(slots, None, self.key_valid, self.max_seq))
-        self.forwards += 1
+        mask = attention_mask(slots, None, self.key_valid, self.max_seq)
+        if self.watch is None:
+            logits, hidden = self.model.prefill(self.cond, slots, slots, mask)
+        else:
+            with self.watch:
+                logits, hidden = self.model.prefill(self.cond, slots, slots, mask)
         return process_logits(logits[:, -1], self.sampling), hidden
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
@@ -107,11 +112,10 @@ class GuidedTarget:
         ``slots [B, T]``; ``mask [B, T, max_seq]`` (True = may attend), default causal by slot.
         Returns probabilities ``[B, T, V]`` (what each input predicts next) and hidden states
         ``[S*B, T, dim]``."""
+        if self.watch is None:
+            return self._step(self.model, tokens, positions, slots, mask, self.key_valid, self.sampling, self.streams)
         with self.watch:
-            probs, hidden = self._step(self.model, tokens, positions, slots, mask, self.key_valid, self.sampling,
-                                       self.streams)
-        self.forwards += 1
-        return probs, hidden
+            return self._step(self.model, tokens, positions, slots, mask, self.key_valid, self.sampling, self.streams)
 
     def move_cache(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Compact accepted tree nodes: copy slots ``src [B, n]`` onto ``dst [B, n]``."""

@@ -31,7 +31,7 @@ from relaxspec.acceptance.base import AcceptanceRule
 from relaxspec.drafting.tree_tables import children_table
 from relaxspec.sampling import exponential_clocks, sample_from
 
-__all__ = ["VerifyResult", "children_table", "verify_tree", "walk_tree"]
+__all__ = ["VerifyResult", "children_table", "verify_tree", "walk_tests", "walk_tree"]
 
 
 @dataclass
@@ -104,6 +104,8 @@ def verify_tree(
     point_mass: bool | None = None,
     check: bool = True,
     walk=None,
+    uniforms: Tensor | None = None,
+    clocks: Tensor | None = None,
 ) -> VerifyResult:
     """Walk a batch of draft trees and pick the accepted path and the next token.
 
@@ -131,7 +133,11 @@ def verify_tree(
             never reads the device; without, they are read from the tensors.
         check: validate the shapes and parent indices (host syncs; the engine builds its trees
             valid and skips it).
-        walk: the function that walks (default :func:`walk_tree`; the engine passes it compiled).
+        walk: the function that walks (default :func:`walk_tree`; profile mode passes it compiled).
+        uniforms, clocks: the step's random numbers, drawn ahead (a decoding step's
+            :class:`relaxspec.noise.StepNoise`): ``uniforms [sum(level_widths), B]`` float64, one per
+            sibling test in walk order, and exponential ``clocks [B, V]`` for the bonus draw; when not
+            given (and not greedy) they are drawn here from ``generator``, in that order.
 
     Greedy mode ignores ``proposals`` and ``generator``: it is deterministic.
     """
@@ -144,14 +150,21 @@ def verify_tree(
         children = children_table(parents, valid)
     if level_widths is None:
         level_widths = (children.shape[2],) * _tree_levels(parents, valid)
-    uniforms = clocks = None
-    if not greedy:  # all of the step's randomness in two draws, ahead of the walk
-        uniforms = torch.rand(max(sum(level_widths), 1), batch, generator=generator, device=target_probs.device,
+    if greedy:
+        uniforms = clocks = None
+    elif uniforms is None:  # all of the step's randomness in two draws, ahead of the walk
+        uniforms = torch.rand(walk_tests(level_widths), batch, generator=generator, device=target_probs.device,
                               dtype=torch.float64)
         clocks = exponential_clocks((batch, vocab), generator, target_probs.device)
     return VerifyResult(*(walk or walk_tree)(rule, target_probs, tokens, proposals, depth, valid, children, uniforms,
                                              clocks, level_widths=level_widths, greedy=greedy, record_tv=record_tv,
                                              point_mass=point_mass))
+
+
+def walk_tests(level_widths: tuple[int, ...]) -> int:
+    """The uniforms one walk of a tree with ``level_widths`` reads per row: one per sibling test
+    (at least one, so the buffer is never empty)."""
+    return max(sum(level_widths), 1)
 
 
 def _greedy_reach(rule: AcceptanceRule, target_probs: Tensor, tokens: Tensor, depth: Tensor, valid: Tensor,

@@ -17,6 +17,10 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from relaxspec.acceptance.base import one_hot
+from relaxspec.noise import NoiseSlot, StepNoise
+from relaxspec.timing import Profiling
+
 
 @dataclass
 class DraftTree:
@@ -56,33 +60,48 @@ class DraftSource(Protocol):
     (:func:`relaxspec.decoding.rows.generate_rows`).
 
     ``max_nodes`` (the most nodes a tree has, root included) and ``max_depth`` size the engine's
-    buffers; ``forwards`` counts the source's own model calls in the current decode. A source may
-    keep a :class:`relaxspec.timing.Stopwatch` as ``watch`` around its model calls; the engine
-    then reports that time as ``drafter_forward_seconds``.
+    buffers. Set by :meth:`start`: ``level_widths`` -- the most children of a node at each draft
+    depth, the same for every tree this decode (what the verification walk's tests and random
+    numbers are sized by; ``None`` for a source whose trees have no fixed shape, which then runs
+    eagerly only) -- and ``forwards_per_step``, the source's model calls in one :meth:`propose`
+    and :meth:`update` (what ``drafter_forwards`` counts). ``models``: the modules its steps run (a
+    drafter; what a compiled step packs and keeps at fixed addresses). In profile mode a source
+    times its model calls in a :class:`relaxspec.timing.Stopwatch` kept as ``watch`` (``None``
+    otherwise).
+
+    The decoding loop runs :meth:`propose` and :meth:`update` inside one step that it may compile
+    as one graph (issue 41), so they must make the same ops on the same shapes every step, keep
+    their state in tensors they update in place, read nothing back from the device and draw no
+    random numbers themselves: what they draw is reserved in :meth:`start` on the step's
+    :class:`~relaxspec.sampling.StepNoise` and read from it (drawn outside the step, before it).
     """
 
     max_nodes: int
     max_depth: int
-    forwards: int
+    level_widths: tuple[int, ...] | None
+    forwards_per_step: int
+    models: tuple
 
     def start(self, first_tokens: torch.Tensor, first_probs: torch.Tensor, first_hidden: torch.Tensor,
               streams: int, num_tokens: int, generator: torch.Generator | None, greedy: bool, *,
-              condition_hidden: torch.Tensor | None = None, condition_tokens: torch.Tensor | None = None) -> None:
+              condition_hidden: torch.Tensor | None = None, condition_tokens: torch.Tensor | None = None,
+              noise: StepNoise | None = None, profiling: Profiling | None = None) -> None:
         """Once, after the target's prefill: image token 0 ``first_tokens [B]``, the law it was
         drawn from ``first_probs [B, V]``, the hidden state that predicted it ``first_hidden
         [S*B, 1, d]``, the hidden states at every condition position ``condition_hidden
         [S*B, C, d]`` and, for a target conditioned on tokens, the condition's tokens
         ``condition_tokens [S*B, C]`` (-1 where padded; else ``None``) -- what a drafter that reads
         the condition takes, as official LANTERN's do; ``num_tokens`` image tokens will be
-        decoded."""
+        decoded. ``generator`` is for what ``start`` itself draws; every step's random numbers are
+        reserved on ``noise`` (a sampled source given none cannot propose). ``profiling``: profile
+        mode (time the source's model calls)."""
 
-    def propose(self, roots: torch.Tensor, root_index: torch.Tensor, generator: torch.Generator | None,
-                greedy: bool) -> DraftTree:
+    def propose(self, roots: torch.Tensor, root_index: torch.Tensor, greedy: bool) -> DraftTree:
         """The drafts after the last committed tokens ``roots [B]`` (image index ``root_index
         [B]``)."""
 
     def update(self, committed: torch.Tensor, path: torch.Tensor, count: torch.Tensor, root_index: torch.Tensor,
-               target_probs: torch.Tensor, target_hidden: torch.Tensor, generator: torch.Generator | None = None) -> None:
+               target_probs: torch.Tensor, target_hidden: torch.Tensor) -> None:
         """After verification: ``committed [B, W]`` tokens (``count [B]`` of them real, 0 for a row
         that committed nothing this step) along tree nodes ``path [B, W]``; the target's laws
         ``target_probs [B, T, V]`` and hidden states ``target_hidden [S*B, T, d]`` at every node."""
@@ -119,14 +138,27 @@ class FeatureDrafter(Protocol):
 @runtime_checkable
 class DraftStructure(Protocol):
     """How a feature drafter's guesses are laid out as a tree: at most ``max_nodes`` nodes,
-    ``depth`` levels, ``drafter_slots`` drafter-cache slots per step."""
+    ``depth`` levels, ``drafter_slots`` drafter-cache slots per step, ``expansions`` drafter
+    forwards per tree."""
 
     max_nodes: int
     depth: int
     drafter_slots: int
+    expansions: int
 
-    def draft(self, source: FeatureDrafter, roots: torch.Tensor, root_index: torch.Tensor,
-              generator: torch.Generator | None, greedy: bool) -> DraftTree: ...
+    def level_widths(self, vocab: int) -> tuple[int, ...]:
+        """The most children of a node at each draft depth (every tree of this structure)."""
+
+    def prepare(self, device: torch.device) -> None:
+        """Build what every tree on ``device`` reads (index tables), before the first step."""
+
+    def reserve(self, noise: StepNoise, rows: int, vocab: int, greedy: bool) -> list[NoiseSlot]:
+        """Reserve on ``noise`` the random numbers one draft of ``rows`` trees takes (sampled
+        siblings' clocks, level by level); the slots :meth:`draft` reads, in order."""
+
+    def draft(self, source: FeatureDrafter, roots: torch.Tensor, root_index: torch.Tensor, greedy: bool,
+              clocks: list[torch.Tensor]) -> DraftTree:
+        """One tree per row; ``clocks``: this step's numbers of the slots :meth:`reserve` gave."""
 
 
 class NoDrafts:
@@ -134,24 +166,28 @@ class NoDrafts:
     alone (plain decoding in the engine's terms; ZipAR's rows in parallel)."""
 
     max_nodes, max_depth = 1, 0
-
-    def __init__(self):
-        self.forwards = 0
+    level_widths: tuple[int, ...] = ()
+    forwards_per_step = 0
+    models = ()
+    watch = None
 
     def start(self, first_tokens, first_probs, first_hidden, streams, num_tokens, generator, greedy, *,
-              condition_hidden=None, condition_tokens=None) -> None:
+              condition_hidden=None, condition_tokens=None, noise=None, profiling=None) -> None:
+        rows, device = first_tokens.shape[0], first_tokens.device
         self.vocab = first_probs.shape[-1]
+        # every tree's fixed parts, made once a decode
+        self._parents = torch.full((rows, 1), -1, dtype=torch.long, device=device)
+        self._depth = torch.zeros(rows, 1, dtype=torch.long, device=device)
+        self._valid = torch.ones(rows, 1, dtype=torch.bool, device=device)
+        self._ancestors = torch.ones(rows, 1, 1, dtype=torch.bool, device=device)
+        self._children = torch.full((1, 1, 1), -1, dtype=torch.long, device=device)
 
-    def propose(self, roots, root_index, generator, greedy: bool) -> DraftTree:
-        rows, device = roots.shape[0], roots.device
-        zero = torch.zeros(rows, 1, dtype=torch.long, device=device)
-        proposals = torch.zeros(rows, 1, self.vocab, device=device).scatter_(2, roots[:, None, None], 1.0)
-        return DraftTree(roots[:, None], zero - 1, zero, proposals, torch.ones(rows, 1, dtype=torch.bool, device=device),
-                         torch.ones(rows, 1, 1, dtype=torch.bool, device=device),
-                         children=torch.full((1, 1, 1), -1, dtype=torch.long, device=device), level_widths=(),
-                         point_mass=True)
+    def propose(self, roots, root_index, greedy: bool) -> DraftTree:
+        proposals = one_hot(roots, self.vocab, torch.float32)[:, None]
+        return DraftTree(roots[:, None], self._parents, self._depth, proposals, self._valid, self._ancestors,
+                         children=self._children, level_widths=(), point_mass=True)
 
-    def update(self, committed, path, count, root_index, target_probs, target_hidden, generator=None) -> None:
+    def update(self, committed, path, count, root_index, target_probs, target_hidden) -> None:
         pass
 
     def close(self) -> None:

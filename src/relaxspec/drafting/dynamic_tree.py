@@ -34,8 +34,19 @@ class DynamicTree:
         self.max_nodes = min(total_tokens, 1 + top_k + (depth - 1) * top_k * top_k)
         # The drafter writes every expanded beam (top_k per level below the root) to its own slot.
         self.drafter_slots = max(total_tokens, (depth - 1) * top_k + 1)
+        self.expansions = depth - 1  # one drafter forward per level below the root's
 
-    def draft(self, source: FeatureDrafter, roots, root_index, generator, greedy: bool) -> DraftTree:
+    def level_widths(self, vocab: int) -> tuple[int, ...]:
+        return (min(self.top_k, vocab),) * self.depth
+
+    def prepare(self, device: torch.device) -> None:
+        """Nothing to build ahead: every table is made by the draft itself."""
+
+    def reserve(self, noise, rows: int, vocab: int, greedy: bool) -> list:
+        """The tree is deterministic (top-k beams): nothing to draw."""
+        return []
+
+    def draft(self, source: FeatureDrafter, roots, root_index, greedy: bool, clocks: list) -> DraftTree:
         batch, device = roots.shape[0], roots.device
         k = self.top_k
         vocab = source.root_q.shape[-1]

@@ -26,12 +26,14 @@ from __future__ import annotations
 
 import torch
 
+from relaxspec.caching import kept_buffer
 from relaxspec.compiling import compiled
 from relaxspec.drafting.base import DraftStructure, DraftTree
 from relaxspec.drafting.eagle import EagleDrafter
 from relaxspec.drafting.tree_tables import tree_attention_mask
+from relaxspec.noise import StepNoise
 from relaxspec.sampling import SamplingConfig, process_logits, stream_rows
-from relaxspec.timing import Stopwatch
+from relaxspec.timing import Profiling, Stopwatch
 
 
 def drafter_step(drafter: EagleDrafter, features: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
@@ -56,38 +58,63 @@ class EagleSource:
     Drafter cache: pair ``j`` (feature that predicted token ``j``, token ``j``) lives in slot
     ``j``; a step's tree node ``i`` uses slot ``root_index + i`` (the root's own pair is slot
     ``root_index``, already committed), so draft slots are overwritten by the next catch-up.
+
+    The state between steps -- the root's draft law ``root_q [B, V]`` and predicted feature
+    ``root_feature [S*B, d]``, and the drafter's KV cache -- is kept in tensors allocated once per
+    shape and updated in place, so a step compiled as one graph reads and writes them where they
+    are (issue 41).
     """
 
-    def __init__(self, drafter: EagleDrafter, structure: DraftStructure, sampling: SamplingConfig,
-                 compile: bool = False):
+    watch = None
+    level_widths: tuple[int, ...] | None = None
+    forwards_per_step = 0
+
+    def __init__(self, drafter: EagleDrafter, structure: DraftStructure, sampling: SamplingConfig):
         self.drafter, self.structure, self.sampling = drafter, structure, sampling
+        self.models = (drafter,)
         self.max_nodes = structure.max_nodes
         self.max_depth = structure.depth
         self.forwards = 0
-        self.compile = compile
 
     # -- plumbing shared by the structures ----------------------------------------------
     def start(self, first_tokens, first_probs, first_hidden, streams: int, num_tokens: int, generator,
-              greedy: bool, *, condition_hidden=None, condition_tokens=None) -> None:
+              greedy: bool, *, condition_hidden=None, condition_tokens=None, noise: StepNoise | None = None,
+              profiling: Profiling | None = None) -> None:
         """Called once after the target's prefill: ``first_tokens [B]`` (image token 0), the law it
         was drawn from ``first_probs [B, V]``, the hidden state that predicted it ``first_hidden
         [S*B, 1, d]``, those of the whole condition ``condition_hidden [S*B, C, d]`` and, for a
         target conditioned on tokens, those tokens ``condition_tokens [S*B, C]`` (what a drafter
         that reads the condition caches first). Feeds pair 0 so the first proposal has its root
-        law."""
+        law; reserves the structure's random numbers on ``noise``."""
         device = first_tokens.device
         self.batch, self.streams, self.num_tokens = first_tokens.shape[0], streams, num_tokens
+        vocab = first_probs.shape[-1]
         # Row indices made once on the device: an index made on the host is a copy and a sync per step.
         self._image_rows = torch.arange(self.batch, device=device)
         self._stream_rows = torch.arange(self.batch * streams, device=device)
         cache_rows, length = self._cache_shape(num_tokens)
         self.drafter.setup_caches(cache_rows, length, condition=condition_hidden, condition_tokens=condition_tokens)
         self.cache_length = self.drafter.cache_length
-        self._step = compiled(drafter_step, device, self.drafter) if self.compile else drafter_step
-        self.forwards = 0
-        self.watch = Stopwatch(device)  # time inside the drafter's forward calls
-        self.catch_up(first_hidden, first_tokens[:, None], torch.zeros_like(first_tokens),
-                      self._lay_out(length, device))
+        self.level_widths = self.structure.level_widths(vocab)
+        self.structure.prepare(device)
+        self.forwards_per_step = self.structure.expansions + 1  # the tree's levels and the catch-up
+        self._noise = noise
+        self._clock_slots = self.structure.reserve(noise, self.batch, vocab, greedy) if noise is not None else None
+        self.watch = Stopwatch(device) if profiling is not None else None
+        self._step = compiled(drafter_step, device, self.drafter) if profiling is not None and profiling.compile \
+            else drafter_step
+        counts = self._lay_out(length, device)
+        q, feats = self.catch_up(first_hidden, first_tokens[:, None], torch.zeros_like(first_tokens), counts,
+                                 keep=False)
+        self.root_q = self._kept("root_q", q)
+        self.root_feature = self._kept("root_feature", feats)
+        self.forwards = 1
+
+    def _kept(self, name: str, value: torch.Tensor) -> torch.Tensor:
+        """``value`` copied into this source's buffer ``name`` (one per drafter and shape, reused by
+        every decode: a compiled step updates it in place)."""
+        buffer = kept_buffer(self.drafter, f"{type(self).__name__}.{name}", value.shape, value.dtype, value.device)
+        return buffer.copy_(value)
 
     def _cache_shape(self, num_tokens: int) -> tuple[int, int]:
         """The drafter cache's rows and slots: one row per row and stream, pair ``j`` in slot
@@ -111,10 +138,10 @@ class EagleSource:
         """One drafter forward: ``features [S*B, M, d]`` (of the inputs' parents), ``tokens
         [B, M]`` ... -> predicted features ``[S*B, M, d]`` and processed draft laws ``q [B, M, V]``.
         ``mask [B, M, cache_length]`` (default: causal by slot over the whole cache)."""
+        if self.watch is None:
+            return self._step(self.drafter, features, tokens, positions, slots, mask, self.sampling, self.streams)
         with self.watch:
-            feats, q = self._step(self.drafter, features, tokens, positions, slots, mask, self.sampling, self.streams)
-        self.forwards += 1
-        return feats, q
+            return self._step(self.drafter, features, tokens, positions, slots, mask, self.sampling, self.streams)
 
     def node_inputs(self, root_index: torch.Tensor, ancestors: torch.Tensor,
                     nodes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -127,25 +154,37 @@ class EagleSource:
         """This source for rows in parallel (:func:`relaxspec.decoding.rows.generate_rows`): ``lanes``
         rows of each image drafting at once over one drafter cache
         (:class:`LaneEagleSource`)."""
-        return LaneEagleSource(self.drafter, self.structure, self.sampling, compile=self.compile, lanes=lanes,
-                               grid=grid)
+        return LaneEagleSource(self.drafter, self.structure, self.sampling, lanes=lanes, grid=grid)
 
-    def catch_up(self, features: torch.Tensor, tokens: torch.Tensor, first: torch.Tensor, count: torch.Tensor) -> None:
+    def catch_up(self, features: torch.Tensor, tokens: torch.Tensor, first: torch.Tensor, count: torch.Tensor,
+                 keep: bool = True):
         """Feed the newly committed pairs: ``features [S*B, M, d]`` (target states that predicted
         ``tokens [B, M]``), pair ``m`` of row b at slot ``first[b] + m``, ``count [B]`` real pairs.
-        Leaves the root's predicted feature and draft law for the next :meth:`propose`."""
+        The root's draft law and predicted feature for the next :meth:`propose` go to
+        ``root_q`` / ``root_feature`` (``keep``), or are returned."""
         width = tokens.shape[1]
         slots = first[:, None] + torch.arange(width, device=first.device)
         feats, q = self.expand(features, tokens, slots, slots, None)
-        last = (count - 1).clamp(min=0)
-        self.root_q = q[self._image_rows, last]
-        self.root_feature = feats[self._stream_rows, self.rows(last)]
+        return self._root(feats, q, count, keep)
 
-    def propose(self, roots: torch.Tensor, root_index: torch.Tensor, generator, greedy: bool) -> DraftTree:
-        return self.structure.draft(self, roots, root_index, generator, greedy)
+    def _root(self, feats: torch.Tensor, q: torch.Tensor, count: torch.Tensor, keep: bool):
+        """The law and feature each row's last real pair predicts: into the buffers, or returned."""
+        last = (count - 1).clamp(min=0)
+        q, feats = q[self._image_rows, last], feats[self._stream_rows, self.rows(last)]
+        if not keep:
+            return q, feats
+        self.root_q.copy_(q)
+        self.root_feature.copy_(feats)
+        return None
+
+    def propose(self, roots: torch.Tensor, root_index: torch.Tensor, greedy: bool) -> DraftTree:
+        if self._clock_slots is None:
+            raise RuntimeError("this source was started without a StepNoise: it cannot draw its siblings")
+        clocks = [self._noise.read(slot) for slot in self._clock_slots]
+        return self.structure.draft(self, roots, root_index, greedy, clocks)
 
     def update(self, committed: torch.Tensor, path: torch.Tensor, count: torch.Tensor, root_index: torch.Tensor,
-               target_probs: torch.Tensor, target_hidden: torch.Tensor, generator=None) -> None:
+               target_probs: torch.Tensor, target_hidden: torch.Tensor) -> None:
         """After verification: pairs for tokens ``root_index + 1 ..`` are (target state at the
         path node before, committed token)."""
         nodes = path.clamp(min=0)[:, : committed.shape[1]]
@@ -159,8 +198,8 @@ class LaneEagleSource(EagleSource):
     ``first_tokens [B * lanes]`` and ``first_hidden [S * B * lanes, 1, d]`` per lane and the
     condition's states ``condition_hidden [S * B, C, d]`` per image."""
 
-    def __init__(self, drafter, structure, sampling, *, compile: bool = False, lanes: int, grid: int):
-        super().__init__(drafter, structure, sampling, compile=compile)
+    def __init__(self, drafter, structure, sampling, *, lanes: int, grid: int):
+        super().__init__(drafter, structure, sampling)
         self.lanes, self.grid = lanes, grid
 
     def _cache_shape(self, num_tokens: int) -> tuple[int, int]:
@@ -179,8 +218,8 @@ class LaneEagleSource(EagleSource):
         lane = torch.arange(self.batch, device=device) % self.lanes
         self._scratch = self.num_tokens + lane[:, None] * nodes + torch.arange(nodes, device=device)  # [B*L, T]
         self._not_root = torch.arange(nodes, device=device) > 0
-        self.cached = torch.zeros(self.batch // self.lanes, self.cache_length, dtype=torch.bool, device=device)
-        self._seen_root = self._seen = None  # _committed_before's tree
+        self.cached = kept_buffer(self.drafter, "LaneEagleSource.cached", (self.batch // self.lanes, self.cache_length),
+                                  torch.bool, device).zero_()
         return (lane == 0).long()
 
     # -- lanes <-> images: [R * L, M, ...] <-> [R, L * M, ...] (stream-major rows stay so)
@@ -192,11 +231,8 @@ class LaneEagleSource(EagleSource):
 
     def expand(self, features, tokens, positions, slots, mask):
         """One drafter forward over every lane of every image at once (``mask`` is required)."""
-        with self.watch:
-            feats, q = self._step(self.drafter, self._images(features), self._images(tokens),
-                                  self._images(positions), self._images(slots), self._images(mask), self.sampling,
-                                  self.streams)
-        self.forwards += 1
+        feats, q = super().expand(self._images(features), self._images(tokens), self._images(positions),
+                                  self._images(slots), self._images(mask))
         return self._lanes(feats), self._lanes(q)
 
     def node_inputs(self, root_index, ancestors, nodes):
@@ -212,21 +248,19 @@ class LaneEagleSource(EagleSource):
 
     def _committed_before(self, root_index: torch.Tensor) -> torch.Tensor:
         """``[B * lanes, 1, cache_length]``: the committed pairs up to each lane's root in raster
-        order. The same for every level of one tree (a tree's levels pass the same ``root_index``),
-        so it is made once per tree, not once per level."""
-        if self._seen_root is not root_index:
-            lanes_cached = self.cached.repeat_interleave(self.lanes, 0)
-            self._seen = lanes_cached[:, None, :] & (self._raster_of_slot <= root_index[:, None, None])
-            self._seen_root = root_index
-        return self._seen
+        order. The same for every level of one tree; a compiled step computes it once (the
+        compiler merges the levels' identical ops), an eager one once per level (a few small ops,
+        against keeping a tensor between calls, which a step compiled as one graph cannot)."""
+        lanes_cached = self.cached.repeat_interleave(self.lanes, 0, output_size=self.batch)
+        return lanes_cached[:, None, :] & (self._raster_of_slot <= root_index[:, None, None])
 
-    def propose(self, roots, root_index, generator, greedy: bool) -> DraftTree:
-        tree = super().propose(roots, root_index, generator, greedy)
+    def propose(self, roots, root_index, greedy: bool) -> DraftTree:
+        tree = super().propose(roots, root_index, greedy)
         first = (root_index + 1) % self.grid == 0  # a row's first step: its bonus token alone
         tree.valid = tree.valid & ~(first[:, None] & (tree.depth > 0))
         return tree
 
-    def catch_up(self, features, tokens, first, count) -> None:
+    def catch_up(self, features, tokens, first, count, keep: bool = True):
         """Pairs ``first .. first + count - 1`` of each lane go to their raster slots (the rest of
         the width to the spill slot); each sees the committed pairs before it."""
         width = tokens.shape[1]
@@ -235,11 +269,8 @@ class LaneEagleSource(EagleSource):
         raster = torch.where(real, first[:, None] + offsets, -1)
         slots = torch.where(real, raster, self.spill)
         self.cached.scatter_(1, self._images(slots), self._images(real))  # the spill slot: only ever False
-        self._seen_root = None  # new pairs: the next tree's view is made afresh
         mask = self.cached[:, None, :] & (self._raster_of_slot <= self._images(raster)[:, :, None])
         mask.scatter_(2, self._images(slots)[:, :, None], True)  # each pair sees itself
         feats, q = self.expand(features, tokens, raster.clamp(min=0, max=self.num_tokens - 1), slots,
                                self._lanes(mask))
-        last = (count - 1).clamp(min=0)
-        self.root_q = q[self._image_rows, last]
-        self.root_feature = feats[self._stream_rows, self.rows(last)]
+        return self._root(feats, q, count, keep)

@@ -9,6 +9,7 @@ from relaxspec.acceptance.base import one_hot
 from relaxspec.drafting.base import DraftTree
 from relaxspec.drafting.static_tree import StaticTree
 from relaxspec.drafting.trees import TreeSpec
+from relaxspec.noise import UNIFORMS32, UPDATE, StepNoise
 from relaxspec.sampling import sample_from
 
 
@@ -21,26 +22,53 @@ class JacobiSource:
     position with probability ``min(1, p_new/p_old)`` and otherwise samples
     ``norm(max(p_new - p_old, 0))`` — a maximal coupling, so the redraw still has law ``p_new``
     (exactness is untouched) while unchanged drafts survive.
+
+    The window (``drafts [B, L]`` and the laws they were drawn from ``laws [B, L, V]``) is kept in
+    tensors updated in place; a step's redraws read numbers reserved on the step's
+    :class:`~relaxspec.sampling.StepNoise` (the fresh draws' clocks, then, coupled, the keep
+    uniforms and the residual draws' clocks).
     """
+
+    watch = None
+    forwards_per_step = 0
+    models = ()
 
     def __init__(self, window: int = 16, coupled: bool = False):
         self.window, self.coupled = window, coupled
         self.max_nodes, self.max_depth = window + 1, window
         self.depth = window
+        self.level_widths = (1,) * window
         self.forwards = 0
         self._chain = StaticTree(TreeSpec.chain(window), "topk")
 
     def start(self, first_tokens, first_probs, first_hidden, streams: int, num_tokens: int, generator,
-              greedy: bool, *, condition_hidden=None, condition_tokens=None) -> None:
-        """Called once after the target's prefill; the first window is uniform random."""
+              greedy: bool, *, condition_hidden=None, condition_tokens=None, noise: StepNoise | None = None,
+              profiling=None) -> None:
+        """Called once after the target's prefill; the first window is uniform random (drawn from
+        ``generator`` here); the later windows' numbers are reserved on ``noise``."""
         self.greedy = greedy
         batch, self.vocab = first_tokens.shape[0], first_probs.shape[-1]
-        uniform = torch.full((batch, self.window, self.vocab), 1.0 / self.vocab, device=first_tokens.device)
-        self.drafts = self._draw(uniform, generator)
-        self.laws = self._as_proposal(uniform, self.drafts)
-
-    def _draw(self, laws: torch.Tensor, generator) -> torch.Tensor:
-        return sample_from(laws, generator, greedy=self.greedy)
+        device = first_tokens.device
+        uniform = torch.full((batch, self.window, self.vocab), 1.0 / self.vocab, device=device)
+        drafts = sample_from(uniform, generator, greedy)
+        laws = self._as_proposal(uniform, drafts)
+        if noise is not None:  # kept with the step's numbers, so a compiled step finds them where they were
+            self.drafts = noise.kept("jacobi.drafts", drafts.shape, drafts.dtype).copy_(drafts)
+            self.laws = noise.kept("jacobi.laws", laws.shape, laws.dtype).copy_(laws)
+        else:
+            self.drafts, self.laws = drafts, laws
+        self._noise, self._slots = noise, None
+        if noise is not None and not greedy:
+            shape = (batch, self.window, self.vocab)
+            self._slots = [noise.reserve(shape, phase=UPDATE)]
+            if self.coupled:
+                self._slots += [noise.reserve(shape[:2], UNIFORMS32, UPDATE), noise.reserve(shape, phase=UPDATE)]
+        tab = self._chain.tables(device)
+        n = self.window + 1
+        self._tree = (tab["parents"].expand(batch, n), tab["depths"].expand(batch, n),
+                      torch.ones(batch, n, dtype=torch.bool, device=device), tab["ancestors"].expand(batch, n, n),
+                      tab["children"], tab["level_widths"])
+        self._offsets = torch.arange(self.window, device=device)
 
     def _as_proposal(self, laws: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
         # Greedy drafts are point masses: the proposal is the one-hot of the draft.
@@ -51,31 +79,30 @@ class JacobiSource:
     def close(self) -> None:
         pass
 
-    def propose(self, roots, root_index, generator, greedy: bool) -> DraftTree:
-        batch, device = roots.shape[0], roots.device
+    def propose(self, roots, root_index, greedy: bool) -> DraftTree:
         tokens = torch.cat([roots[:, None], self.drafts], dim=1)
         # The root is never tested; a one-hot row keeps it a distribution.
         proposals = torch.cat([one_hot(roots, self.vocab, self.laws.dtype)[:, None], self.laws], dim=1)
-        n = self.window + 1
-        tab = self._chain.tables(device)
-        return DraftTree(tokens, tab["parents"].expand(batch, n), tab["depths"].expand(batch, n), proposals,
-                         torch.ones(batch, n, dtype=torch.bool, device=device), tab["ancestors"].expand(batch, n, n),
-                         children=tab["children"], level_widths=tab["level_widths"], point_mass=self.greedy)
+        parents, depths, valid, ancestors, children, widths = self._tree
+        return DraftTree(tokens, parents, depths, proposals, valid, ancestors, children=children, level_widths=widths,
+                         point_mass=self.greedy)
 
-    def update(self, committed, path, count, root_index, target_probs, target_hidden, generator=None) -> None:
+    def update(self, committed, path, count, root_index, target_probs, target_hidden) -> None:
         """New window after committing ``count = a + 1`` tokens: position ``j`` of the new window
         (0-based) was predicted by chain node ``a + 1 + j`` (conditioned on the old, possibly
         rejected drafts); positions past the old window start uniform. ``count`` 0 (a row in
         parallel that is not open yet) keeps the positions and refreshes their laws."""
-        batch, L = self.drafts.shape
-        device = self.drafts.device
+        L = self.window
         a = count - 1
-        src = a[:, None] + 1 + torch.arange(L, device=device)  # chain node whose output predicts it
+        src = a[:, None] + 1 + self._offsets  # chain node whose output predicts it
         have = src <= L
         new_laws = target_probs.gather(1, src.clamp(max=L)[:, :, None].expand(-1, -1, target_probs.shape[-1]))
         uniform = torch.full_like(new_laws, 1.0 / self.vocab)
         new_laws = torch.where(have[:, :, None], new_laws, uniform)
-        fresh = self._draw(new_laws, generator)
+        if self.greedy:
+            fresh = new_laws.argmax(dim=-1)
+        else:
+            fresh = sample_from(new_laws, clocks=self._noise.read(self._slots[0]))
         if self.coupled and not self.greedy:
             # The old draft at the same image position sits at window index a + 1 + j.
             old_idx = src + 1  # window index (1-based chain node) of the old draft at that position
@@ -84,12 +111,12 @@ class JacobiSource:
             old_law = self.laws.gather(1, (old_idx - 1).clamp(max=L - 1)[:, :, None].expand(-1, -1, self.vocab))
             p_new = new_laws.gather(2, old_tok[:, :, None]).squeeze(2)
             p_old = old_law.gather(2, old_tok[:, :, None]).squeeze(2).clamp(min=1e-30)
-            keep = torch.rand(p_new.shape, generator=generator, device=device) < (p_new / p_old).clamp(max=1.0)
+            keep = self._noise.read(self._slots[1]) < (p_new / p_old).clamp(max=1.0)
             residual = (new_laws - old_law).clamp(min=0)
             mass = residual.sum(-1, keepdim=True)
             residual = torch.where(mass > 0, residual / mass.clamp(min=1e-30), new_laws)
-            redraw = sample_from(residual, generator)
+            redraw = sample_from(residual, clocks=self._noise.read(self._slots[2]))
             coupled = torch.where(keep, old_tok, redraw)
             fresh = torch.where(old_have & have, coupled, fresh)
-        self.drafts = fresh
-        self.laws = self._as_proposal(new_laws, fresh)
+        self.drafts.copy_(fresh)
+        self.laws.copy_(self._as_proposal(new_laws, fresh))

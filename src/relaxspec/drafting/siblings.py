@@ -25,9 +25,11 @@ def _check(q: Tensor, n: int) -> None:
 
 
 def sample_siblings(
-    q: Tensor, n: int, generator: torch.Generator | None = None
+    q: Tensor, n: int, generator: torch.Generator | None = None, clocks: Tensor | None = None
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Draw ``n`` distinct siblings from ``q [B, V]`` without replacement, in one top-k.
+    """Draw ``n`` distinct siblings from ``q [B, V]`` without replacement, in one top-k, with the
+    exponential ``clocks [B, V]`` drawn ahead (a decoding step's, :class:`relaxspec.sampling.StepNoise`)
+    or drawn here from ``generator``.
 
     Returns ``tokens [B, n]`` int64, ``proposals [B, n, V]`` (``proposals[:, j]`` = ``q`` with
     siblings ``0..j-1`` removed, renormalised: the law sibling ``j`` was drawn from) and
@@ -40,7 +42,7 @@ def sample_siblings(
     _check(q, n)
     batch, vocab = q.shape
     top = min(n, vocab)
-    keys, tokens = race_keys(q, generator).topk(top, dim=1)
+    keys, tokens = race_keys(q, generator, clocks).topk(top, dim=1)
     valid = keys > 0
     if top < n:  # more siblings asked for than the vocabulary has: pad with invalid ones
         tokens = torch.cat([tokens, tokens.new_zeros(batch, n - top)], dim=1)

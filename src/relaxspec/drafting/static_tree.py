@@ -27,7 +27,31 @@ class StaticTree:
         self.spec, self.siblings = spec, siblings
         self.max_nodes, self.depth = spec.num_nodes, spec.depth
         self.drafter_slots = spec.num_nodes
+        # Per level (the paths' own numbers, no tensor): the parents its nodes hang from, and the
+        # most children one of them has there.
+        self._parents_at = [sorted({path[:-1] for path in spec.paths if len(path) == d}) for d in range(1, spec.depth + 1)]
+        children: dict[tuple, int] = {}
+        for path in spec.paths:
+            children[path[:-1]] = children.get(path[:-1], 0) + 1
+        self._widths = tuple(max(children[parent] for parent in parents) for parents in self._parents_at)
+        # the drafter runs once per level whose nodes have children (the last level's never do)
+        self.expansions = len(self._parents_at) - 1
         self._tables: dict[torch.device, dict] = {}
+
+    def level_widths(self, vocab: int) -> tuple[int, ...]:
+        return self._widths
+
+    def prepare(self, device: torch.device) -> None:
+        """The shape's tables on ``device``, built before the first step (a step compiled as one
+        graph only reads them)."""
+        self.tables(device)
+
+    def reserve(self, noise, rows: int, vocab: int, greedy: bool) -> list:
+        """Sampled siblings draw one clock per parent and token at every level (Gumbel-top-k):
+        ``[rows * parents, V]`` a level; top-k and greedy siblings draw nothing."""
+        if greedy or self.siblings == "topk":
+            return []
+        return [noise.reserve((rows * len(parents), vocab)) for parents in self._parents_at]
 
     def tables(self, device: torch.device) -> dict:
         """The shape's index tables on ``device``, made once per shape and device for every tree
@@ -61,7 +85,7 @@ class StaticTree:
         moved["level_widths"] = widths
         return moved
 
-    def draft(self, source: FeatureDrafter, roots, root_index, generator, greedy: bool) -> DraftTree:
+    def draft(self, source: FeatureDrafter, roots, root_index, greedy: bool, clocks: list) -> DraftTree:
         spec, batch = self.spec, roots.shape[0]
         device = roots.device
         tab = self.tables(device)
@@ -78,13 +102,13 @@ class StaticTree:
         ancestors = tab["ancestors"].expand(batch, nodes_n, nodes_n)
         depths = tab["depths"][0]
         point_mass = greedy or self.siblings == "topk"
-        for level in tab["levels"]:
+        for index, level in enumerate(tab["levels"]):
             nodes, width, expand = level["nodes"], level["width"], level["expand"]
             q_parents = q_at[:, level["parent_list"]].reshape(-1, vocab)  # [B*P, V]
             if point_mass:
                 sib_tok, sib_prop, sib_valid = topk_siblings(q_parents, width)
             else:
-                sib_tok, sib_prop, sib_valid = sample_siblings(q_parents, width, generator)
+                sib_tok, sib_prop, sib_valid = sample_siblings(q_parents, width, clocks=clocks[index])
             P = level["parent_list"].shape[0]
             pick = (level["slot"], level["ranks"])
             tokens[:, nodes] = sib_tok.view(batch, P, width)[:, pick[0], pick[1]]

@@ -79,8 +79,10 @@ SIBLINGS = Setting("siblings", str, "sampled", "static trees: sibling drafts sam
 DYNAMIC_TOP_K = Setting("dynamic_top_k", int, 10, "EAGLE-2 dynamic tree: children per beam (default 10)", minimum=1)
 TOTAL_TOKENS = Setting("total_tokens", int, 59, "EAGLE-2 dynamic tree: nodes per step (default 59)", minimum=1)
 WINDOW = Setting("window", int, 16, "Jacobi window: future tokens drafted per step (default 16)", minimum=1)
-COMPILE = Setting("compile", bool, False, "compile the model steps and the tree walk (torch.compile; CUDA graphs on "
-                                          "a GPU): the first batch pays the compilation, later ones run faster")
+COMPILE = Setting("compile", bool, False, "compile every decoding step as one graph (torch.compile; CUDA graphs on a "
+                                          "GPU): the first batch pays the compilation, later ones run faster")
+PROFILE = Setting("profile", bool, False, "time the target's and the drafter's forwards apart from the engine (each "
+                                          "forward its own graph: slower steps; for finding where the time goes)")
 RECORD_TV = Setting("record_tv", bool, True, "relaxed methods: skip the per-token TV record (faster; no TV "
                                              "certificate)", flag="--no-tv-record", off_switch=True)
 ROWS = Setting("rows", int, 1, "image rows painted at once (2-D decoding, as ZipAR and PJD): 1 = raster order; more "
@@ -89,7 +91,7 @@ ROWS = Setting("rows", int, 1, "image rows painted at once (2-D decoding, as Zip
 ROW_LEAD = Setting("row_lead", int, None, "with --rows above 1: tokens a row has before the row below opens (default "
                                           "a third of the row, ZipAR's 8 of 24; pjd: a fifth, PJD's 6 of 32)",
                    minimum=1)
-SHARED_SETTINGS = (DRAFT, DEPTH, TREE, SIBLINGS, DYNAMIC_TOP_K, TOTAL_TOKENS, WINDOW, COMPILE, RECORD_TV, ROWS,
+SHARED_SETTINGS = (DRAFT, DEPTH, TREE, SIBLINGS, DYNAMIC_TOP_K, TOTAL_TOKENS, WINDOW, COMPILE, PROFILE, RECORD_TV, ROWS,
                    ROW_LEAD)
 
 
@@ -119,13 +121,12 @@ class BuildContext:
     ``target``: the :class:`~relaxspec.models.base.TargetModel` (GSD reads its token embeddings);
     ``tokenizer``: its image tokenizer (LANTERN's codebook neighbours); ``drafter``: the EAGLE
     drafter or ``None``; ``sampling``: the :class:`~relaxspec.sampling.SamplingConfig` drafts are
-    drawn under; ``compile``: compile the drafter's step."""
+    drawn under."""
 
     target: object = None
     tokenizer: object = None
     drafter: object = None
     sampling: object = None
-    compile: bool = False
 
 
 class Method:
@@ -178,6 +179,8 @@ class Method:
 
     def used_fields(self, options) -> frozenset[str]:
         used = {"method", "compile"} | self.used(options)
+        if options.profile:  # (off is the default every record has always meant: no record says it)
+            used.add("profile")
         if self.drafts:
             if len(self.drafts) > 1:
                 used.add("draft")
@@ -239,7 +242,7 @@ class Method:
 
     def source(self, options, context: BuildContext):
         """The draft source (:class:`relaxspec.drafting.base.DraftSource`) ``options`` describe."""
-        return draft_source(self, options, context.drafter, context.sampling, compile=context.compile)
+        return draft_source(self, options, context.drafter, context.sampling)
 
     def rule(self, options, context: BuildContext, horizon: int = 5):
         """The acceptance rule (:class:`relaxspec.acceptance.AcceptanceRule`); ``horizon``: the
@@ -249,7 +252,7 @@ class Method:
         return ExactRule()
 
 
-def draft_source(method: Method, options, drafter, sampling, compile: bool = False, coupled: bool = False):
+def draft_source(method: Method, options, drafter, sampling, coupled: bool = False):
     """The shared draft structures: an EAGLE source over a chain / static / dynamic tree, or the
     Jacobi window (``coupled``: SCD's maximally coupled redraws)."""
     from relaxspec.drafting.eagle_source import EagleSource
@@ -259,7 +262,7 @@ def draft_source(method: Method, options, drafter, sampling, compile: bool = Fal
         return JacobiSource(options.window, coupled=coupled)
     if drafter is None:
         raise RelaxspecError(f"method {method.name!r} needs a trained drafter (--drafter-ckpt)")
-    return EagleSource(drafter, draft_structure(options), sampling, compile=compile)
+    return EagleSource(drafter, draft_structure(options), sampling)
 
 
 def draft_structure(options):

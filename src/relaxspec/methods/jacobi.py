@@ -20,7 +20,7 @@ class SCD(Method):
     presets = {"scd": Preset({"window": 16}, "SJD with maximally coupled redraws (SCD-style), window 16, no drafter")}
 
     def source(self, options, context):
-        return draft_source(self, options, context.drafter, context.sampling, compile=context.compile, coupled=True)
+        return draft_source(self, options, context.drafter, context.sampling, coupled=True)
 
 
 METHODS = (SJD(), SCD())

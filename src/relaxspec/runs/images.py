@@ -132,8 +132,10 @@ def run_totals(done: list[dict], num_tokens: int, generated: int) -> dict:
         "images": num_images, "generated_this_run": generated,
         "seconds": seconds, "seconds_per_image": seconds / num_images,
         "vq_seconds_per_image": sum(r["vq_seconds"] for r in done) / num_images,
-        # where the decoding time went (records of runs before forwards were timed count as 0)
-        **{f"{part}_share": sum(r.get(f"{part}_seconds", 0.0) for r in done) / max(seconds, 1e-12)
+        # where the decoding time went: profile mode only (None otherwise; records of runs before
+        # forwards were timed count as 0)
+        **{f"{part}_share": None if any(f"{part}_seconds" in r and r[f"{part}_seconds"] is None for r in done)
+           else sum(r.get(f"{part}_seconds", 0.0) for r in done) / max(seconds, 1e-12)
            for part in ("target_forward", "drafter_forward")},
         "target_forwards_per_image": forwards / num_images,
         "mean_accepted_length": num_images * num_tokens / forwards,

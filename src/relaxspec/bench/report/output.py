@@ -46,6 +46,8 @@ def _ms(seconds: float) -> str:
 
 
 def _split(row: dict) -> str:
+    if row.get("drafter_share") is None:  # not profiled (--profile): one graph a step, no parts timed
+        return "– / – / –"
     if row.get("overhead_share") is None:
         return f"– / {100 * row['drafter_share']:.0f}% / –"
     return " / ".join(f"{100 * row[k]:.0f}%" for k in ("target_share", "drafter_forward_share", "overhead_share"))
@@ -253,7 +255,8 @@ def write_report(out_dir: str | Path, *, vq=None, classifier=None, real_data: st
                    "mal_image_mean": "the mean over images of each image's tokens / target forwards",
                    "target_forwards_per_image": "target forwards per image, the condition prefill included",
                    "drafter_share": "draft-source seconds (EAGLE drafter, or the Jacobi window's bookkeeping) / "
-                                    "decode seconds",
+                                    "decode seconds (this and the three shares below: bench --profile only, "
+                                    "else null)",
                    "target_share": "seconds inside the target model's forward calls / decode seconds",
                    "drafter_forward_share": "seconds inside the drafter model's forward calls / decode seconds",
                    "overhead_share": "the rest / decode seconds: the engine (logit processing, sampling, drafting "
@@ -280,7 +283,7 @@ def markdown_report(rows: Sequence[dict], settings: dict, notes: Sequence[str], 
     legend = ("Latency: decoding time per image (condition prefill to last token, before VQ decoding). Speed-up: "
               f"median over images of {baseline} latency / method latency on the same image, 95% bootstrap interval. MAL: "
               "tokens per target forward (bonus included). Drafter share: time in the draft source (EAGLE drafter, "
-              "or the Jacobi window's bookkeeping). TV bound: mean certified per-image TV sum (0 = exact).")
+              "or the Jacobi window's bookkeeping), measured with --profile only. TV bound: mean certified per-image TV sum (0 = exact).")
     text = ["# relaxspec bench", "", setup, "", legend, "", markdown_table(rows, baseline)]
     vs_ar = markdown_vs_ar(rows)
     if vs_ar:

@@ -135,7 +135,8 @@ def method_summary(records: Sequence[dict], label: str, num_tokens: int, baselin
         "mal_image_mean": float(np.mean([r["mal"] for r in mine])),
         "target_forwards_per_image": float(forwards.mean()),
         "drafter_forwards_per_image": float(np.mean([r["drafter_forwards"] for r in mine])),
-        "drafter_share": float(sum(r["drafter_seconds"] for r in mine) / max(seconds.sum(), 1e-12)),
+        "drafter_share": None if any(r["drafter_seconds"] is None for r in mine)  # profile mode only
+        else float(sum(r["drafter_seconds"] for r in mine) / max(seconds.sum(), 1e-12)),
         **time_split(mine),
         "latency_median_s": float(median), "latency_q25_s": float(q25), "latency_q75_s": float(q75),
         "latency_iqr_s": float(q75 - q25), "latency_mean_s": float(seconds.mean()),
@@ -157,13 +158,14 @@ def method_summary(records: Sequence[dict], label: str, num_tokens: int, baselin
 
 def time_split(records: Sequence[dict]) -> dict:
     """Where the decode time went: shares of target forwards, drafter forwards and the rest (the
-    engine: sampling, tree walk, masks, cache moves, Python). ``None`` for records made before
+    engine: sampling, tree walk, masks, cache moves, Python). ``None`` for records not made in
+    profile mode (``--profile``: a step compiled as one graph has no parts to time), or made before
     forwards were timed."""
-    if not records or any("target_forward_seconds" not in r for r in records):
+    if not records or any(r.get("target_forward_seconds") is None for r in records):
         return {"target_share": None, "drafter_forward_share": None, "overhead_share": None}
     total = max(sum(r["seconds"] for r in records), 1e-12)
     target = sum(r["target_forward_seconds"] for r in records) / total
-    drafter = sum(r["drafter_forward_seconds"] for r in records) / total
+    drafter = sum(r["drafter_forward_seconds"] or 0.0 for r in records) / total
     return {"target_share": target, "drafter_forward_share": drafter, "overhead_share": max(1.0 - target - drafter, 0.0)}
 
 
