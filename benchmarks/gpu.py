@@ -6,7 +6,10 @@
    compiled give the same tokens, and every lossless method gives greedy AR's tokens.
 2. **LlamaGen GPT-XL** (random weights, the official shape: 36 layers, 1280 wide, 16x16 tokens)
    in bf16 at batch 1 with CFG: AR ms/token eager and compiled; the target forward's cost over
-   1..64 tokens; per-step engine overhead (a step's time minus its forwards) of every method.
+   1..64 tokens; every method's step, eager and compiled: ms per step, what the host does per
+   step (calls into compiled regions, eager ops, reads), the engine's own time in profile mode,
+   and (issue 41) each compiled step in compiled AR steps; inductor's counters (CUDA graphs
+   skipped, and why).
 3. **The embedded model's speed-ups** on the device (``relaxspec bench``, eager and compiled).
 4. **The transformers families at their real shapes** (random weights; parts ``janus``, ``emu3``
    and ``lumina``, each under ten minutes on an H100, so run them as their own calls): a
@@ -35,6 +38,7 @@ import torch
 
 from relaxspec import embedded
 from relaxspec.bench.cost import measure_forward_costs
+from relaxspec.bench.counting import host_calls
 from relaxspec.decoding import MethodOptions, decode
 from relaxspec.drafting.eagle import EagleDrafter
 from relaxspec.models.llamagen.gpt import Transformer, gpt_config
@@ -158,17 +162,45 @@ def xl_ar(model, device: torch.device, compile: bool) -> float:
 
 def step_cost(model, cond, sampling, options: dict, device: torch.device, *, compile: bool, drafter=None,
               cond_mask=None) -> dict:
-    """One method: ms per token and per step, the engine's share of a step, MAL; one untimed
-    decode first (warm-up, compilation)."""
+    """One method: ms per token and per step, MAL, and what the host did per steady step (calls
+    into compiled regions, eager aten ops, value reads: :func:`relaxspec.bench.counting.host_calls`);
+    one untimed decode first (warm-up, compilation). The engine's own time per step comes from a
+    profile-mode decode (``profile=True``: the forwards timed apart, each its own graph when
+    compiled, so that decode is slower than the timed one)."""
     opts = MethodOptions(**options, compile=compile)
-    run = lambda seed: decode(model, cond, sampling, opts, drafter=drafter, cond_mask=cond_mask,  # noqa: E731
-                              generator=torch.Generator(device=device).manual_seed(seed))
+    run = lambda seed, o=opts: decode(model, cond, sampling, o, drafter=drafter, cond_mask=cond_mask,  # noqa: E731
+                                      generator=torch.Generator(device=device).manual_seed(seed))
     run(0)
     result, wall = timed(lambda: run(1), device)
     steps = int(result.target_forwards[0])
     tokens = model.config.block_size
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        run(2)
+    host = host_calls(prof.events())
+    per_step = max(host["steps"] or 0, 1)
+    profiled = run(3, MethodOptions(**options, compile=compile, profile=True))
     return {"ms_per_token": 1000 * wall / tokens, "ms_per_step": 1000 * wall / steps,
-            "engine_ms_per_step": 1000 * result.overhead_seconds / steps, "mal": float(result.mean_accepted_length[0])}
+            "mal": float(result.mean_accepted_length[0]),
+            "host_per_step": {key: host[key] / per_step for key in ("calls", "ops", "reads")},
+            "profiled_engine_ms_per_step": 1000 * profiled.overhead_seconds / int(profiled.target_forwards[0])}
+
+
+def in_ar_steps(xl: dict) -> dict:
+    """Each compiled method's step in compiled AR steps (its ms per step / compiled AR's ms per
+    token): what issue 41 holds ``sd-chain`` to (at most 1.3)."""
+    ar = xl.get("ar_ms_per_token_compiled")
+    if not isinstance(ar, float):
+        return {"skipped": "no compiled AR time"}
+    return {name.removesuffix(" compiled"): cost["ms_per_step"] / ar for name, cost in xl.get("engine", {}).items()
+            if name.endswith(" compiled") and isinstance(cost, dict) and "ms_per_step" in cost}
+
+
+def cudagraph_skips() -> dict:
+    """Why inductor ran graphs without CUDA graphs, if it did (a graph that updates a tensor not
+    marked as kept in place, ...): its counters."""
+    from torch._dynamo.utils import counters
+
+    return dict(counters["inductor"]) if "inductor" in counters else {}
 
 
 def step_costs(model, cond, sampling, wanted: dict, label: str, device: torch.device, *, drafter=None,
@@ -394,6 +426,8 @@ def main() -> None:
             if method != "ar" and not method.startswith("lantern"):
                 report.item(("xl", "engine", method + " compiled"), lambda m=method: step_cost(
                     model, cond, sampling, METHODS[m], device, compile=True, drafter=drafter), need=60)
+        report.item(("xl", "step_in_ar_steps"), lambda: in_ar_steps(report.data.get("xl", {})))
+        report.item(("xl", "inductor_counters"), cudagraph_skips)
     if "embedded" in parts:
         count = 4 if args.quick else 12
         methods = "ar,sd,eagle2,lantern,lantern++,cool,sjd,gsd,zipar"

@@ -6,7 +6,11 @@ record) and the KV moves, per step, for one method.
 
 One thread, CFG 4, temperature 1, the model's own preset for the method; one untimed decode first
 (the warm-up, which compiles). Each method is run with its TV record on, then off, so the
-record's own cost is the difference of the two verification times.
+record's own cost is the difference of the two verification times. The decodes run in profile
+mode (``profile=True``): the parts are timed apart, so with ``--compile`` each forward and the walk
+are their own graphs and the engine between them runs eagerly -- the split of such a step, not
+the time of the one-graph step a plain ``--compile`` decode runs (``benchmarks/step_profile.py``
+and ``relaxspec bench --compile`` measure that).
 """
 
 from __future__ import annotations
@@ -59,7 +63,7 @@ def main() -> None:
     spent: collections.Counter = collections.Counter()
     timed_sections(spent)
     for record in (True, False):
-        options = MethodOptions(args.method, **preset, compile=args.compile, record_tv=record)
+        options = MethodOptions(args.method, **preset, compile=args.compile, record_tv=record, profile=True)
         decode(target, torch.tensor([0]), sampling, options, drafter=drafter, vq=vq,
                generator=torch.Generator().manual_seed(0))
         spent.clear()

@@ -36,6 +36,10 @@ from relaxspec import embedded
 from relaxspec.decoding import MethodOptions, decode
 from relaxspec.sampling import SamplingConfig
 
+from checkout import counting_attr
+
+host_calls = counting_attr("host_calls")
+
 METHODS = {
     "ar": dict(method="ar"),
     "sd-chain": dict(method="sd", draft="chain", depth=4),
@@ -51,33 +55,6 @@ METHODS = {
     "pjd": dict(method="pjd"),
     "sd-chain rows lead 2": dict(method="sd", draft="chain", depth=3, rows=4096, row_lead=2),
 }
-
-COMPILED_REGION = "Torch-Compiled Region"
-READS = ("aten::item", "aten::_local_scalar_dense")
-
-
-def top_level(events):
-    """The events with no parent: what the host itself called."""
-    return [event for event in events if event.cpu_parent is None]
-
-
-def count(events) -> dict[str, int]:
-    top = top_level(events)
-    return {"compiled_calls": sum(e.name.startswith(COMPILED_REGION) for e in top),
-            "eager_ops": sum(e.name.startswith("aten::") for e in top),
-            "reads": sum(e.name in READS for e in top)}
-
-
-def steady(events) -> dict[str, int]:
-    """:func:`count` of the host's calls from the first compiled region's start to the last one's."""
-    top = sorted(top_level(events), key=lambda e: e.time_range.start)
-    regions = [i for i, e in enumerate(top) if e.name.startswith(COMPILED_REGION)]
-    if len(regions) < 2:
-        return {"compiled_calls": 0, "eager_ops": 0, "reads": 0}
-    window = top[regions[0] : regions[-1]]
-    return {"compiled_calls": sum(e.name.startswith(COMPILED_REGION) for e in window),
-            "eager_ops": sum(e.name.startswith("aten::") for e in window),
-            "reads": sum(e.name in READS for e in window)}
 
 
 def main() -> None:
@@ -101,27 +78,27 @@ def main() -> None:
                           generator=torch.Generator().manual_seed(image))
 
         one(0)  # warm-up: compiles
-        totals = {"compiled_calls": 0, "eager_ops": 0, "reads": 0}
+        totals = {"calls": 0, "ops": 0, "reads": 0}
         inner = dict(totals)
         steps = inner_steps = 0
         for image in range(1, args.images + 1):
             with profile(activities=[ProfilerActivity.CPU]) as prof:
                 result = one(image)
             events = prof.events()
-            for key, value in count(events).items():
-                totals[key] += value
-            for key, value in steady(events).items():
-                inner[key] += value
-            taken = int(result.target_forwards.max()) - 1
-            steps += taken
-            inner_steps += taken - 1  # the steps between the first compiled call and the last
+            whole, steady = host_calls(events, steady=False), host_calls(events)
+            for key in totals:
+                totals[key] += whole[key]
+                inner[key] += steady[key]
+            steps += int(result.target_forwards.max()) - 1
+            # the steps between the decode's first compiled call and its last (exactly so where a step is one
+            # call; about so for an older checkout, whose steps made several)
+            inner_steps += int(result.target_forwards.max()) - 2
         row = {key: value / max(inner_steps, 1) for key, value in inner.items()}
         row.update({f"decode_{key}": value / steps for key, value in totals.items()})
         row["steps"] = steps
         rows[name] = row
-        print(f"| {name} | {row['compiled_calls']:.2f} | {row['eager_ops']:.1f} | {row['reads']:.2f} | "
-              f"{row['decode_compiled_calls']:.2f} / {row['decode_eager_ops']:.1f} / {row['decode_reads']:.2f} | "
-              f"{steps} |", flush=True)
+        print(f"| {name} | {row['calls']:.2f} | {row['ops']:.1f} | {row['reads']:.2f} | "
+              f"{row['decode_calls']:.2f} / {row['decode_ops']:.1f} / {row['decode_reads']:.2f} | {steps} |", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
 

@@ -122,6 +122,31 @@ def test_compiled_steps_have_no_graph_breaks(families, family):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("family", ["janus", "lumina"])
+def test_a_family_s_whole_step_is_one_graph(families, family, tmp_path, monkeypatch):
+    """Issue 41 on the other families' adapters (Emu3's with inductor below): a sampled SJD step --
+    the family's forward, its KV compaction, the walk -- traced as one graph (aot_eager: dynamo's
+    graph run by aten, seconds to compile) commits the eager tokens, and a second decode compiles
+    nothing."""
+    import relaxspec.compiling
+
+    monkeypatch.setattr(relaxspec.compiling, "BACKEND", "aot_eager")
+    target, cond, mask, _, scale, _ = families[family]
+    sampling = SamplingConfig(cfg_scale=scale, temperature=1.0, top_k=0)
+
+    def run(compile: bool, seed: int = 0):
+        return decode(target, cond, sampling, methods.resolve("sjd", {"window": 4, "compile": compile}),
+                      cond_mask=mask, generator=torch.Generator().manual_seed(seed))
+
+    counters = torch._dynamo.utils.counters
+    eager, first = run(False), run(True)
+    assert torch.equal(first.tokens, eager.tokens) and first.accept_lengths == eager.accept_lengths
+    graphs = counters["stats"]["unique_graphs"]
+    run(True, seed=1)
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["emu3"])
 def test_compiled_equals_eager(families, family):
     """Compiling costs ~10 s per graph on this CPU: one family, AR and Jacobi (a T > 1 step)."""

@@ -105,3 +105,10 @@ def kept_buffer(owner: object, name: str, shape, dtype: torch.dtype, device) -> 
         kept.popitem(last=False)
     kept[key] = torch.zeros(key[1], dtype=dtype, device=device)
     return kept[key]
+
+
+def kept_copy(owner: object, name: str, value: "torch.Tensor") -> "torch.Tensor":
+    """``value`` copied into the :func:`kept_buffer` of its shape named ``name``: a decode's
+    constant (row indices, a condition's key mask) at the address every earlier decode of that
+    shape used, so a captured CUDA graph that reads it need not be recorded again."""
+    return kept_buffer(owner, name, value.shape, value.dtype, value.device).copy_(value)

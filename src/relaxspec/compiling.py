@@ -123,7 +123,7 @@ def fixed_addresses(tensors) -> None:
             torch._dynamo.mark_static_address(tensor, guard=False)
 
 
-def tensors_of(*objects, depth: int = 3) -> list[torch.Tensor]:
+def tensors_of(*objects, depth: int = 6) -> list[torch.Tensor]:
     """The tensors held by ``objects``' attributes (and their dicts, lists, tuples and attributes'
     attributes, ``depth`` levels down; modules' parameters are the compiler's already): what
     :func:`fixed_addresses` is given for the parts of a step (a rule's neighbour table, a draft

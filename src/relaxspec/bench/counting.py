@@ -257,3 +257,29 @@ class StepCounter(TorchFunctionMode):
         return {"steps": n, "syncs": mean("syncs"), "max_syncs": max(w.syncs for w in steps),
                 "lagged_reads": mean("lagged_reads"), "host_copies": mean("host_copies"), "engine_ops": mean("engine_ops"),
                 "drafter_ops": mean("drafter_ops"), "target_ops": mean("target_ops")}
+
+
+#: What ``torch.profiler`` names a call into a graph compiled by ``torch.compile``.
+COMPILED_REGION = "Torch-Compiled Region"
+#: Profiler events that read a value back (on a GPU: wait for the device).
+VALUE_READS = ("aten::item", "aten::_local_scalar_dense")
+
+
+def host_calls(events, steady: bool = True) -> dict:
+    """What the host did in a decode profiled by ``torch.profiler`` (its ``events()``), per step
+    of a compiled decode: ``calls`` into compiled regions, ``ops`` (aten ops run outside them:
+    eager dispatches, on a GPU kernel launches between the graphs) and ``reads`` of a value,
+    counted over the top-level events. ``steady``: from the decode's first compiled call to its
+    last, over the ``steps`` between (the eager prologue -- prefill, first token, a drafter's first
+    catch-up -- and the read-out left out); else every event, and ``steps`` is left to the caller
+    (``None``). ``names``: the aten ops counted."""
+    top = sorted((e for e in events if e.cpu_parent is None), key=lambda e: e.time_range.start)
+    steps = None
+    if steady:
+        calls = [i for i, e in enumerate(top) if e.name.startswith(COMPILED_REGION)]
+        top = top[calls[0] : calls[-1]] if len(calls) > 1 else []
+        steps = max(len(calls) - 1, 0)
+    counted = {"calls": sum(e.name.startswith(COMPILED_REGION) for e in top),
+               "ops": sum(e.name.startswith("aten::") for e in top),
+               "reads": sum(e.name in VALUE_READS for e in top)}
+    return {**counted, "steps": steps, "names": sorted({e.name for e in top if e.name.startswith("aten::")})}

@@ -213,14 +213,17 @@ def generate_speculative(model, cond, sampling: SamplingConfig, options: MethodO
         probs0, hidden0 = target.prefill()
         first = sample_from(probs0, generator, greedy)
         noise = StepNoise(device, owner=model)
+        started = time.perf_counter()
         source.start(first, probs0, hidden0[:, -1:], target.streams, n_tok, generator, greedy,
                      condition_hidden=hidden0, condition_tokens=target.condition_tokens, noise=noise,
                      profiling=Profiling(compile) if profile else None)
+        start_seconds = time.perf_counter() - started  # the draft source's time before the first step
         check_compilable(source, compile)
         uniform_slot, clock_slot = walk_noise(noise, source, batch, probs0.shape[-1], greedy)
         noise.allocate()
         loop = _raster_loop(model, target, source, rule, noise, first, n_tok, width, greedy,
                             record_tv and not rule.lossless, uniform_slot, clock_slot, generator, compile, profile)
+        loop.drafter_seconds = start_seconds
         bar.update(batch)
         tokens_view = loop.tokens[:, :n_tok]
         if on_step is not None:
@@ -268,6 +271,6 @@ def _raster_loop(model, target, source, rule, noise, first, n_tok, width, greedy
         rank_tests=None if counts is None else kept("rank_tests", counts),
         rank_accepts=None if counts is None else kept("rank_accepts", counts),
         done=kept("done", ()).fill_(batch),
-        offsets=torch.arange(width, device=device),
-        spill=torch.full((batch, width), n_tok + width - 1, dtype=torch.long, device=device),  # a scratch column
+        offsets=kept("offsets", (width,)).copy_(torch.arange(width, device=device)),
+        spill=kept("spill", (batch, width)).fill_(n_tok + width - 1),  # a scratch column
         uniform_slot=uniform_slot, clock_slot=clock_slot, generator=generator, profiling=profile)

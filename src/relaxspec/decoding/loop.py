@@ -71,7 +71,8 @@ def step_runner(step: Callable, loop: object, device: torch.device, modules, *, 
     if not compile or profile:
         return lambda: step(loop)
     graph = compiled(step, device, *modules)
-    fixed_addresses(tensors_of(loop, *modules))
+    if torch.device(device).type == "cuda":  # (what a CUDA graph records; nothing to do elsewhere)
+        fixed_addresses(tensors_of(loop, *modules))
     return lambda: graph(loop)
 
 

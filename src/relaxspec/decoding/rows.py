@@ -36,7 +36,7 @@ import torch
 from tqdm.auto import tqdm
 
 from relaxspec.acceptance import AcceptanceRule
-from relaxspec.caching import kept_buffer
+from relaxspec.caching import kept_buffer, kept_copy
 from relaxspec.compiling import compiled
 from relaxspec.decoding.engine import add_rank_counts, check_compilable, rank_count_shape, walk_noise
 from relaxspec.decoding.loop import run_steps, step_runner
@@ -217,15 +217,18 @@ def generate_rows(model, cond, sampling: SamplingConfig, *, source, rule: Accept
         probs0, hidden0 = target.prefill()
         first = sample_from(probs0, generator, greedy)
         noise = StepNoise(device, owner=model)
+        started = time.perf_counter()
         source.start(first.repeat_interleave(lanes), probs0.repeat_interleave(lanes, 0),
                      _lanes(hidden0[:, -1:], lanes), target.streams, n_tok, generator, greedy,
                      condition_hidden=hidden0, condition_tokens=target.condition_tokens, noise=noise,
                      profiling=Profiling(compile) if profile else None)
+        start_seconds = time.perf_counter() - started  # the draft source's time before the first step
         check_compilable(source, compile)
         uniform_slot, clock_slot = walk_noise(noise, source, virtual, probs0.shape[-1], greedy)
         noise.allocate()
         loop = _rows_loop(model, target, source, rule, noise, first, grid, lanes, lead, greedy,
                           record_tv and not rule.lossless, uniform_slot, clock_slot, generator, compile, profile)
+        loop.drafter_seconds = start_seconds
         bar.update(batch)
         tokens_view, committed_view = loop.tokens[:, :n_tok], loop.committed[:, :n_tok]
         if on_step is not None:
@@ -273,7 +276,7 @@ def _rows_loop(model, target, source, rule, noise, first, grid, lanes, lead, gre
     cached[:, :cls] = True
     lane_row = kept("lane_row", (batch, lanes))
     lane_row.copy_(torch.arange(lanes, device=device).expand(batch, lanes))  # the row each lane paints next
-    raster_of_slot = torch.full((target.max_seq,), -1, dtype=torch.long, device=device)
+    raster_of_slot = kept("raster_of_slot", (target.max_seq,)).fill_(-1)
     raster_of_slot[cls : cls + n_tok] = torch.arange(n_tok, device=device)
     lane_ids, node_ids = torch.arange(lanes, device=device), torch.arange(nodes, device=device)
     counts = rank_count_shape(source.level_widths)
@@ -287,8 +290,8 @@ def _rows_loop(model, target, source, rule, noise, first, grid, lanes, lead, gre
         rank_tests=None if counts is None else kept("rank_tests", counts),
         rank_accepts=None if counts is None else kept("rank_accepts", counts),
         done=kept("done", ()).fill_(batch), raster_of_slot=raster_of_slot,
-        scratch=cls + n_tok + lane_ids[:, None] * nodes + node_ids[None, :],  # [L, T] each lane's slots
-        offsets=torch.arange(nodes + 1, device=device),  # a step commits at most a path and its bonus
+        scratch=kept_copy(model, "rows.scratch", cls + n_tok + lane_ids[:, None] * nodes + node_ids[None, :]),  # [L, T]
+        offsets=kept_copy(model, "rows.offsets", torch.arange(nodes + 1, device=device)),  # a path and its bonus
         uniform_slot=uniform_slot, clock_slot=clock_slot, generator=generator, profiling=profile)
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from relaxspec.caching import kept_copy
 from relaxspec.compiling import compiled
 from relaxspec.errors import RelaxspecError
 from relaxspec.timing import Stopwatch
@@ -88,8 +89,9 @@ class GuidedTarget:
                                      f"{self.cls} condition tokens per image ({self.batch} images)")
             key_valid = torch.ones(self.batch, self.max_seq, dtype=torch.bool, device=self.device)
             key_valid[:, : self.cls] = cond_mask.to(self.device).bool()
-            # Upstream masks the padded caption positions in both CFG streams.
-            self.key_valid = key_valid.repeat(self.streams, 1)
+            # Upstream masks the padded caption positions in both CFG streams. (Kept at one address
+            # across decodes of a shape: a compiled step reads it.)
+            self.key_valid = kept_copy(model, "key_valid", key_valid.repeat(self.streams, 1))
         self.watch = Stopwatch(self.device) if timed else None  # time inside the model's forward calls
         self._step = compiled(guided_step, self.device, model) if compile else guided_step
 

@@ -175,12 +175,16 @@ class NoDrafts:
               condition_hidden=None, condition_tokens=None, noise=None, profiling=None) -> None:
         rows, device = first_tokens.shape[0], first_tokens.device
         self.vocab = first_probs.shape[-1]
+
+        def kept(name, value):  # one address across decodes of a shape, where the step has an owner
+            return value if noise is None else noise.kept(f"nodrafts.{name}", value.shape, value.dtype).copy_(value)
+
         # every tree's fixed parts, made once a decode
-        self._parents = torch.full((rows, 1), -1, dtype=torch.long, device=device)
-        self._depth = torch.zeros(rows, 1, dtype=torch.long, device=device)
-        self._valid = torch.ones(rows, 1, dtype=torch.bool, device=device)
-        self._ancestors = torch.ones(rows, 1, 1, dtype=torch.bool, device=device)
-        self._children = torch.full((1, 1, 1), -1, dtype=torch.long, device=device)
+        self._parents = kept("parents", torch.full((rows, 1), -1, dtype=torch.long, device=device))
+        self._depth = kept("depth", torch.zeros(rows, 1, dtype=torch.long, device=device))
+        self._valid = kept("valid", torch.ones(rows, 1, dtype=torch.bool, device=device))
+        self._ancestors = kept("ancestors", torch.ones(rows, 1, 1, dtype=torch.bool, device=device))
+        self._children = kept("children", torch.full((1, 1, 1), -1, dtype=torch.long, device=device))
 
     def propose(self, roots, root_index, greedy: bool) -> DraftTree:
         proposals = one_hot(roots, self.vocab, torch.float32)[:, None]

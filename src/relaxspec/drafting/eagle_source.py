@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from relaxspec.caching import kept_buffer
+from relaxspec.caching import kept_buffer, kept_copy
 from relaxspec.compiling import compiled
 from relaxspec.drafting.base import DraftStructure, DraftTree
 from relaxspec.drafting.eagle import EagleDrafter
@@ -74,7 +74,6 @@ class EagleSource:
         self.models = (drafter,)
         self.max_nodes = structure.max_nodes
         self.max_depth = structure.depth
-        self.forwards = 0
 
     # -- plumbing shared by the structures ----------------------------------------------
     def start(self, first_tokens, first_probs, first_hidden, streams: int, num_tokens: int, generator,
@@ -90,8 +89,9 @@ class EagleSource:
         self.batch, self.streams, self.num_tokens = first_tokens.shape[0], streams, num_tokens
         vocab = first_probs.shape[-1]
         # Row indices made once on the device: an index made on the host is a copy and a sync per step.
-        self._image_rows = torch.arange(self.batch, device=device)
-        self._stream_rows = torch.arange(self.batch * streams, device=device)
+        # (kept at one address across decodes of a shape: a compiled step reads them)
+        self._image_rows = self._keep("image_rows", torch.arange(self.batch, device=device))
+        self._stream_rows = self._keep("stream_rows", torch.arange(self.batch * streams, device=device))
         cache_rows, length = self._cache_shape(num_tokens)
         self.drafter.setup_caches(cache_rows, length, condition=condition_hidden, condition_tokens=condition_tokens)
         self.cache_length = self.drafter.cache_length
@@ -106,15 +106,13 @@ class EagleSource:
         counts = self._lay_out(length, device)
         q, feats = self.catch_up(first_hidden, first_tokens[:, None], torch.zeros_like(first_tokens), counts,
                                  keep=False)
-        self.root_q = self._kept("root_q", q)
-        self.root_feature = self._kept("root_feature", feats)
-        self.forwards = 1
+        self.root_q = self._keep("root_q", q)
+        self.root_feature = self._keep("root_feature", feats)
 
-    def _kept(self, name: str, value: torch.Tensor) -> torch.Tensor:
+    def _keep(self, name: str, value: torch.Tensor) -> torch.Tensor:
         """``value`` copied into this source's buffer ``name`` (one per drafter and shape, reused by
-        every decode: a compiled step updates it in place)."""
-        buffer = kept_buffer(self.drafter, f"{type(self).__name__}.{name}", value.shape, value.dtype, value.device)
-        return buffer.copy_(value)
+        every decode: a compiled step reads it, and updates it in place, at one address)."""
+        return kept_copy(self.drafter, f"{type(self).__name__}.{name}", value)
 
     def _cache_shape(self, num_tokens: int) -> tuple[int, int]:
         """The drafter cache's rows and slots: one row per row and stream, pair ``j`` in slot
@@ -213,11 +211,12 @@ class LaneEagleSource(EagleSource):
         nodes = self.structure.drafter_slots
         self.spill = length - 1  # where the padding of a catch-up writes; never seen
         # a slot's raster index (scratch and spill slots: past every pair, so never "earlier")
-        self._raster_of_slot = torch.full((self.cache_length,), self.num_tokens + 1, dtype=torch.long, device=device)
-        self._raster_of_slot[: self.num_tokens] = torch.arange(self.num_tokens, device=device)
+        raster_of_slot = torch.full((self.cache_length,), self.num_tokens + 1, dtype=torch.long, device=device)
+        raster_of_slot[: self.num_tokens] = torch.arange(self.num_tokens, device=device)
+        self._raster_of_slot = self._keep("raster_of_slot", raster_of_slot)
         lane = torch.arange(self.batch, device=device) % self.lanes
-        self._scratch = self.num_tokens + lane[:, None] * nodes + torch.arange(nodes, device=device)  # [B*L, T]
-        self._not_root = torch.arange(nodes, device=device) > 0
+        self._scratch = self._keep("scratch", self.num_tokens + lane[:, None] * nodes + torch.arange(nodes, device=device))
+        self._not_root = self._keep("not_root", torch.arange(nodes, device=device) > 0)
         self.cached = kept_buffer(self.drafter, "LaneEagleSource.cached", (self.batch // self.lanes, self.cache_length),
                                   torch.bool, device).zero_()
         return (lane == 0).long()

@@ -38,7 +38,6 @@ class JacobiSource:
         self.max_nodes, self.max_depth = window + 1, window
         self.depth = window
         self.level_widths = (1,) * window
-        self.forwards = 0
         self._chain = StaticTree(TreeSpec.chain(window), "topk")
 
     def start(self, first_tokens, first_probs, first_hidden, streams: int, num_tokens: int, generator,
@@ -65,10 +64,14 @@ class JacobiSource:
                 self._slots += [noise.reserve(shape[:2], UNIFORMS32, UPDATE), noise.reserve(shape, phase=UPDATE)]
         tab = self._chain.tables(device)
         n = self.window + 1
-        self._tree = (tab["parents"].expand(batch, n), tab["depths"].expand(batch, n),
-                      torch.ones(batch, n, dtype=torch.bool, device=device), tab["ancestors"].expand(batch, n, n),
-                      tab["children"], tab["level_widths"])
-        self._offsets = torch.arange(self.window, device=device)
+        valid = torch.ones(batch, n, dtype=torch.bool, device=device)
+        offsets = torch.arange(self.window, device=device)
+        if noise is not None:  # one address across decodes of a shape: a compiled step reads them
+            valid, offsets = noise.kept("jacobi.valid", valid.shape, valid.dtype).copy_(valid), \
+                noise.kept("jacobi.offsets", offsets.shape, offsets.dtype).copy_(offsets)
+        self._tree = (tab["parents"].expand(batch, n), tab["depths"].expand(batch, n), valid,
+                      tab["ancestors"].expand(batch, n, n), tab["children"], tab["level_widths"])
+        self._offsets = offsets
 
     def _as_proposal(self, laws: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
         # Greedy drafts are point masses: the proposal is the one-hot of the draft.

@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from relaxspec.caching import kept_copy
 from relaxspec.errors import RelaxspecError
 from relaxspec.models import hf, lumina
 from relaxspec.models.chameleon_vqgan import ChameleonVQGAN, VQGANConfig, vqgan_from_state
@@ -154,9 +155,11 @@ class AnoleTarget(hf.RowEndTarget):
         self.check_conditions(cond)  # once per decode: the host reads it here only
         ids = cond[:, 0]
         valid = ids >= 0
-        self._pad = (~valid).sum(-1)
-        self._key_valid = torch.ones(ids.shape[0], self.max_seq, dtype=torch.bool, device=self.device)
-        self._key_valid[:, : ids.shape[1]] = valid
+        # kept at fixed addresses across decodes of one shape: a compiled step reads them
+        self._pad = kept_copy(self, "pad", (~valid).sum(-1))
+        key_valid = torch.ones(ids.shape[0], self.max_seq, dtype=torch.bool, device=self.device)
+        key_valid[:, : ids.shape[1]] = valid
+        self._key_valid = kept_copy(self, "key_valid", key_valid)
         own = self._keys[None, None, :] == cache_slots[:, :, None]
         mask = (attn_mask & self._key_valid[:, None, :]) | own  # a padded position still sees itself
         hidden = self._kv.run(self.text_model, self.hf.get_input_embeddings()(ids.clamp(min=0)),

@@ -25,6 +25,7 @@ from types import SimpleNamespace
 import torch
 from torch import Tensor
 
+from relaxspec.caching import kept_copy
 from relaxspec.errors import RelaxspecError
 
 #: The oldest transformers whose decoder layers take the cache the way the adapters pass it.
@@ -429,9 +430,11 @@ class RowEndTarget(torch.nn.Module):
         ids = cond[:, 0]
         valid = ids >= 0
         rows = ids.shape[0]
-        self._pad = (~valid).sum(-1)
-        self._key_valid = torch.ones(rows, self.max_seq, dtype=torch.bool, device=self.device)
-        self._key_valid[:, : ids.shape[1]] = valid
+        # kept at fixed addresses across decodes of one shape: a compiled step reads them
+        self._pad = kept_copy(self, "pad", (~valid).sum(-1))
+        key_valid = torch.ones(rows, self.max_seq, dtype=torch.bool, device=self.device)
+        key_valid[:, : ids.shape[1]] = valid
+        self._key_valid = kept_copy(self, "key_valid", key_valid)
         self._slot_pos.fill_(-1)
         self._slot_pos.scatter_(1, cache_slots, positions)
         own = self._keys[None, None, :] == cache_slots[:, :, None]

@@ -24,6 +24,7 @@ from types import SimpleNamespace
 import torch
 from torch import Tensor, nn
 
+from relaxspec.caching import kept_copy
 from relaxspec.errors import RelaxspecError
 from relaxspec.models import hf
 
@@ -105,7 +106,7 @@ class JanusTarget(nn.Module):
             raise RelaxspecError("Janus prompts must end with the begin-of-image token and be left-padded: "
                                  "format them with relaxspec.models.janus.format_prompts")
         # A row's left padding: the condition keys its last query may not see.
-        self._pad = (~attn_mask[:, -1, : cond.shape[1]]).sum(-1)
+        self._pad = kept_copy(self, "pad", (~attn_mask[:, -1, : cond.shape[1]]).sum(-1))  # a step reads it
         embeds = self.hf.get_input_embeddings()(cond)
         return self._run(embeds, positions, cache_slots, attn_mask)
 
