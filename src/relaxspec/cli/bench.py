@@ -39,7 +39,7 @@ def embedded_bench_defaults(args: argparse.Namespace) -> tuple[dict, dict]:
 def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     bench = subparsers.add_parser("bench", help="benchmark decoding methods (speed, certificate, quality)", description=(
         "Run the chosen decoding methods on the same classes and seeds in one process, alternating methods image by "
-        "image, and report per method MAL, target forwards, time split (target / drafter / engine), latency (median, IQR), pairwise speed-up "
+        "image, and report per method MAL, target forwards, time split (target / drafter / engine, with --profile), latency (median, IQR), pairwise speed-up "
         "vs AR, the certified TV bound and, with --classifier and --real-data, class accuracy, the FID-like "
         "distance and precision/recall with bootstrap intervals. Writes records.jsonl (resumable: run the same "
         "command again to continue), summary.json/.csv/.md, plot_data.json and, with matplotlib, pareto.png, "
