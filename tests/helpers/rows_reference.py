@@ -1,54 +1,124 @@
-"""A slow reference of rows in parallel without drafts (ZipAR's schedule), greedy: one image at a
-time, each open row's next token decided by its own target forward of one token, in the order
-the engine decides them, with the visibility the engine promises (the condition, the keys cached
-before the step that come earlier in raster order, and the forwarded token itself)."""
+"""A slow reference of rows in parallel without drafts, written from the official LlamaGen-ZipAR
+code's rules (github.com/ThisisBillhe/ZipAR at 2a5695c,
+``LlamaGen-ZipAR/autoregressive/models/generate_zipar.py``), not from relaxspec's engine:
+
+* row 0 is decoded alone; row 1 opens once row 0 is complete, row ``r + 1`` (``r >= 1``) once
+  row ``r`` has ``lead`` tokens (its ``zipar_window_size``);
+* every forward feeds, each at its own cache slot and position, first the last token of a row
+  that finished in the forward before (its output unused), then the latest token of every open
+  row in row order; a newly opened row's first input is the latest token of the row two above it,
+  at the slot before the row (the row above's last slot, which it holds until that row's last
+  token is forwarded there), or the row above's real last token when that row is complete;
+* attention is causal by cache slot, over the slots written so far, this forward's included.
+
+Two departures, both relaxspec's: the official mask also lets a query attend never-written slots
+of the rows above (zero keys and values; ``tests/data/zipar/make_golden.py`` names it), which
+this reference does only as ``variant="zero-keys"`` (a LlamaGen model: its cache is zeroed
+first); and ``lanes`` caps the rows open at once (the official code opens every row it may): a
+row waits for a free lane, and opens then as above.
+
+``variant="before"`` is relaxspec's rows engine until 2026-11-27, for measurements only: row 1
+opens at the lead as every row does, a finished row's last token is never forwarded, a query sees
+only the keys cached before its forward (never another row's input of the same forward), and a
+new row's first input is the row above's latest token, whose keys are never kept.
+
+With a ``generator`` the tokens are sampled from the guided law (else its argmax);
+``reference_rows_laws`` also returns each token's law ``[B, N, V]`` (what decided it).
+"""
 
 import torch
 
 from relaxspec.decoding.target import GuidedTarget
 
+VARIANTS = ("official", "zero-keys", "before")
 
-def reference_rows(model, cond, sampling, lanes: int, lead: int, cond_mask=None) -> torch.Tensor:
+
+def reference_rows(model, cond, sampling, lanes: int, lead: int, cond_mask=None, variant: str = "official",
+                   generator: torch.Generator | None = None) -> torch.Tensor:
+    return reference_rows_laws(model, cond, sampling, lanes, lead, cond_mask, variant, generator)[0]
+
+
+def reference_rows_laws(model, cond, sampling, lanes: int, lead: int, cond_mask=None, variant: str = "official",
+                        generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    assert variant in VARIANTS, variant
     grid = model.config.grid_size
     total = grid * grid
-    images = []
+    images, laws = [], []
+
+    def draw(probs):
+        if generator is None:
+            return int(probs.argmax())
+        return int(torch.multinomial(probs.double(), 1, generator=generator))
+
     for b in range(cond.shape[0]):
-        target = GuidedTarget(model, cond[b : b + 1], sampling, scratch=1,
+        target = GuidedTarget(model, cond[b : b + 1], sampling, scratch=grid + 1,
                               cond_mask=None if cond_mask is None else cond_mask[b : b + 1])
         cls, spare = target.cls, target.cls + total
+        if variant == "zero-keys":
+            model._kv_store.zero_()
         probs0, _ = target.prefill()
-        token = {0: int(probs0[0].argmax())}
-        fill = [1] + [0] * (grid - 1)
-        cached: set[int] = set()
-        lane_row = list(range(lanes))
-        while sum(fill) < total:
-            seen = set(cached)
-            decided = []
-            for lane in range(lanes):
-                row = lane_row[lane]
-                if row >= grid or fill[row] >= grid or (row > 0 and fill[row - 1] < min(lead, grid)):
-                    continue
-                k = row * grid + fill[row]
-                if fill[row] == 0:  # the row above's latest token, at the position before the row
-                    root, real = (row - 1) * grid + fill[row - 1] - 1, fill[row - 1] == grid
+        token = {0: draw(probs0[0])}
+        law = {0: probs0[0]}
+        count = [1] + [0] * (grid - 1)
+        written = set(range(cls))  # slots whose keys a later query may see
+        ongoing, opened = [0], 0
+        first_input: dict[int, tuple[int, int]] = {}  # a new row's first input: (token, slot)
+        tail = None  # raster index of the last token of a row finished in the forward before
+        while sum(count) < total:
+            new = opened + 1
+            above_done = new < grid and count[new - 1] == grid
+            may_open = above_done or ((new >= 2 or variant == "before") and new < grid and count[new - 1] >= lead)
+            if new < grid and len(ongoing) < lanes and may_open:
+                before = new * grid - 1  # the raster index before the row
+                if above_done:
+                    first_input[new] = (token[before], cls + before)
+                    if tail == before:  # forwarded once, as the new row's input
+                        tail = None
+                elif variant == "before":
+                    first_input[new] = (token[(new - 1) * grid + count[new - 1] - 1], cls + before)
                 else:
-                    root, real = k - 1, True
-                slot = cls + k - 1 if real and (k - 1) not in cached else spare
-                mask = torch.zeros(1, 1, target.max_seq, dtype=torch.bool)
-                mask[..., :cls] = True
-                for j in seen:
-                    if j < k - 1:
-                        mask[..., cls + j] = True
-                mask[..., slot] = True
-                probs, _ = target.forward(torch.tensor([[token[root]]]), torch.tensor([[cls + k - 1]]),
-                                          torch.tensor([[slot]]), mask)
-                decided.append((lane, row, k, int(probs[0, 0].argmax()), slot != spare))
-            for lane, row, k, value, keep in decided:
-                token[k] = value
-                fill[row] += 1
-                if keep:
-                    cached.add(k - 1)
-                if fill[row] == grid:
-                    lane_row[lane] += lanes
+                    first_input[new] = (token[(new - 2) * grid + count[new - 2] - 1], cls + before)
+                ongoing.append(new)
+                opened = new
+            feed = [] if tail is None else [(token[tail], cls + tail, None)]
+            for row in ongoing:
+                if row in first_input:
+                    value, slot = first_input.pop(row)
+                else:
+                    last = row * grid + count[row] - 1
+                    value, slot = token[last], cls + last
+                feed.append((value, slot, row))
+            positions = [slot for _, slot, _ in feed]
+            if variant == "before":  # the keys of an input already cached, and of a stand-in, are not kept
+                slots = [spare + i if slot in written or (row is not None and count[row] == 0 and count[row - 1] < grid)
+                         else slot for i, (_, slot, row) in enumerate(feed)]
+                seen_before = set(written)
+            else:
+                slots = positions
+                written |= set(slots)
+            mask = torch.zeros(1, len(feed), target.max_seq, dtype=torch.bool)
+            for i, (position, slot) in enumerate(zip(positions, slots)):
+                if variant == "before":
+                    for seen in seen_before:
+                        mask[0, i, seen] = seen < cls or seen < position
+                    mask[0, i, slot] = True
+                else:
+                    for seen in range(position + 1) if variant == "zero-keys" else written:
+                        mask[0, i, seen] = seen <= position
+            probs, _ = target.forward(torch.tensor([[value for value, _, _ in feed]]), torch.tensor([positions]),
+                                      torch.tensor([slots]), mask)
+            if variant == "before":
+                written |= {slot for slot in slots if slot < spare}
+            tail = None
+            for i, (_, _, row) in enumerate(feed):
+                if row is None:
+                    continue
+                k = row * grid + count[row]
+                token[k], law[k] = draw(probs[0, i]), probs[0, i]
+                count[row] += 1
+                if count[row] == grid and variant != "before":
+                    tail = k
+            ongoing = [row for row in ongoing if count[row] < grid]
         images.append(torch.tensor([token[i] for i in range(total)]))
-    return torch.stack(images)
+        laws.append(torch.stack([law[i] for i in range(total)]))
+    return torch.stack(images), torch.stack(laws)

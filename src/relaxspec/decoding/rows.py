@@ -6,24 +6,32 @@ advances in the same target forward. Here every open row is a **lane**: a row of
 usual machinery (a draft source's tree, verification by any acceptance rule, a bonus token), and
 the lanes of one image share its KV cache.
 
-* ``lanes`` rows are open at most; lane ``l`` paints rows ``l, l + lanes, l + 2 lanes, ...``,
-  row ``r`` opening once row ``r - 1`` has ``lead`` tokens (and its lane is free). A row stays
-  ``lead`` tokens behind the row above until that one is complete (ZipAR's window: drafts may not
-  overtake it), so every open row commits at least one token a step.
-* Each step, lane ``l``'s tree (node 0 = the root, the token before the lane's next one; nodes in
-  the lane's scratch slots past the image) goes through one target forward with every other
-  lane's. A node sees the condition, every token whose keys are in the cache and that comes before
-  it in raster order, and its own ancestors in its lane's tree: never another lane's drafts
-  (the row-causal mask). Positions are grid positions, so LlamaGen's 2-D RoPE is the grid's.
-* A newly opened row's first token is predicted as ZipAR predicts it: from the row above's
-  latest token placed at the position before the row's first (the raster predecessor, the row
-  above's last token, does not exist yet); that stand-in's keys are never cached.
+* ``lanes`` rows are open at most; lane ``l`` paints rows ``l, l + lanes, l + 2 lanes, ...``.
+  As official LlamaGen-ZipAR schedules them, row 1 opens once row 0 is complete and row ``r + 1``
+  once row ``r`` has ``lead`` tokens (and its lane is free). A row stays ``lead`` tokens behind
+  the row above until that one is complete (ZipAR's window: drafts may not overtake it), so every
+  open row commits at least one token a step.
+* Each step, lane ``l``'s tree (node 0 = the root, the lane's latest token; nodes in the lane's
+  scratch slots past the image) goes through one target forward with every other lane's and with
+  the *tail*: the last token of a row finished the step before, forwarded at its grid slot so
+  that its keys are kept, as the official code forwards it again. Positions are grid positions,
+  so LlamaGen's 2-D RoPE is the grid's.
+* What a node sees (the row-causal mask), as in the official code, causal by grid position over
+  the keys written: the condition, every kept key earlier in raster order, this forward's tail
+  and other lanes' roots earlier in raster order (the row above's current input), and its own
+  ancestors in its lane's tree; never another lane's drafts.
+* A newly opened row's first token, while the row above is open, is predicted as LlamaGen-ZipAR
+  predicts it: from an auxiliary token, the latest token of the row two above, at the slot before
+  the row (the row above's last). Its keys stay there, seen by the rows below, until the row
+  above's last token replaces them. Once the row above is complete its real last token is the root.
 * Accepted nodes' keys and values move from the scratch slots to their grid slots, which is where
   commits out of raster order land.
 
-No parallel-row setting is the model's law, whatever the rule: a token of row ``r + 1`` is
-conditioned on row ``r`` only up to where row ``r`` was when it was decided. The TV record covers
-the acceptance only.
+Without drafts, greedy, this is official LlamaGen-ZipAR token for token (``tests/test_rows.py``,
+golden tokens of its code on the embedded model) but for one thing the official code does and this
+does not: its mask, causal by cache slot, also lets a lower row attend the never-written slots of
+the rows above as zero keys. No parallel-row setting is the model's law, whatever the rule
+(:data:`relaxspec.methods.grid.ROWS_SEEN`); the TV record covers the acceptance only.
 """
 
 from __future__ import annotations
@@ -88,6 +96,10 @@ class RowsLoop:
     raster_of_slot: torch.Tensor
     scratch: torch.Tensor
     offsets: torch.Tensor
+    real: torch.Tensor
+    row_ends: torch.Tensor
+    slot_ids: torch.Tensor
+    spare: int
     uniform_slot: NoiseSlot | None = None
     clock_slot: NoiseSlot | None = None
     generator: torch.Generator | None = None
@@ -97,24 +109,35 @@ class RowsLoop:
 
 def rows_step(loop: RowsLoop) -> None:
     """One step of every open row of every image: each lane's tree, one target forward over all of
-    them, the walk, the commits out of raster order, the keys moved to their grid slots, the
-    source's catch-up. A fixed sequence of ops that reads nothing back: what ``compile`` compiles
-    as one graph."""
+    them and the last token of a row finished the step before, the walk, the commits out of raster
+    order, the keys moved to their grid slots, the source's catch-up. A fixed sequence of ops that
+    reads nothing back: what ``compile`` compiles as one graph."""
     target, source, grid, lanes, lead = loop.target, loop.source, loop.grid, loop.lanes, loop.lead
-    tokens, fill, cached = loop.tokens, loop.fill, loop.cached
+    tokens, fill, cached, real = loop.tokens, loop.fill, loop.cached, loop.real
     batch, n_tok, cls = tokens.shape[0], grid * grid, target.cls
     nodes, virtual = source.max_nodes, tokens.shape[0] * lanes
     row = loop.lane_row.clamp(max=grid)  # [B, L]; grid = finished
     f = fill.gather(1, row)
     above = torch.where(row == 0, grid, fill.gather(1, (row - 1).clamp(min=0)))  # the row above's tokens
-    opened = (above >= lead) | (above == grid)
+    # row 1 opens once row 0 is complete, row r + 1 once row r has ``lead`` (LlamaGen-ZipAR's schedule)
+    opened = (above == grid) | ((above >= lead) & (row >= 2))
     active = (row < grid) & opened & (f < grid)
     k = row.clamp(max=grid - 1) * grid + f.clamp(max=grid - 1)  # raster index of the lane's next token
-    # the root: the lane's last token, or (a row's first step) the row above's latest
-    stand_in = f == 0
-    root_at = torch.where(stand_in, (row - 1).clamp(min=0) * grid + (above - 1).clamp(min=0), k - 1)
+    # the root: the lane's last token; a row's first step while the row above is open: the latest
+    # token of the row two above, at the slot before the row (LlamaGen-ZipAR's auxiliary token)
+    stand_in = (f == 0) & (above < grid)
+    two_above = (row - 2).clamp(min=0)
+    root_at = torch.where(stand_in, two_above * grid + (fill.gather(1, two_above) - 1).clamp(min=0), k - 1)
     roots = tokens.gather(1, root_at.clamp(min=0)).reshape(virtual)
     root_index = (k - 1).reshape(virtual)
+    # the tail: the last token of a row finished the step before, forwarded at its grid slot (its
+    # keys are real from now on), unless a lane's root is that token this step
+    ends = loop.row_ends  # [grid] grid slots of the rows' last tokens
+    pending = (fill[:, :grid] == grid) & ~real[:, ends]
+    tail_row = pending.to(torch.uint8).argmax(1)
+    tail_at = tail_row * grid + grid - 1
+    tail_on = pending.any(1) & ~(active & ~stand_in & (f == 0) & (k - 1 == tail_at[:, None])).any(1)
+    tail_slot = torch.where(tail_on, cls + tail_at, loop.spare)
     if loop.profiling:
         started = time.perf_counter()
     tree = source.propose(roots, root_index, loop.greedy)
@@ -125,14 +148,29 @@ def rows_step(loop: RowsLoop) -> None:
     room = torch.where(above >= grid, grid - 1 - f, torch.minimum(grid - 1 - f, above - lead - f))[:, :, None]
     valid = tree.valid.view(batch, lanes, nodes) & (depth <= room) & active[:, :, None]
     raster = (k - 1)[:, :, None] + depth  # each node's token's raster index
-    positions = cls + raster.clamp(max=n_tok - 1)
-    slots = loop.scratch.expand(batch, lanes, nodes)
+    positions = torch.cat([cls + raster.clamp(max=n_tok - 1).reshape(batch, -1), (cls + tail_at)[:, None]], 1)
+    slots = torch.cat([loop.scratch.expand(batch, lanes, nodes).reshape(batch, -1), tail_slot[:, None]], 1)
     mask = row_causal_mask(cached, loop.raster_of_slot, raster, tree.ancestors.view(batch, lanes, nodes, nodes),
-                           loop.scratch, cls, n_tok)
-    probs, hidden = target.forward(tree.tokens.view(batch, lanes * nodes), positions.reshape(batch, -1),
-                                   slots.reshape(batch, -1), mask)
+                           loop.scratch, cls, n_tok).view(batch, lanes, nodes, -1)
+    # every forwarded token the official code writes before attending: the tail at its grid slot and
+    # the other lanes' roots; a node sees those earlier in raster order (other lanes' drafts: never)
+    root_seen = active[:, None, None, :] & ((k - 1)[:, None, None, :] < raster[..., None])  # [B, L, T, L]
+    mask[..., loop.scratch[:, 0]] |= root_seen
+    tail_hot = loop.slot_ids[None, :] == tail_slot[:, None]  # [B, S]
+    mask |= (tail_on[:, None, None] & (tail_at[:, None, None] < raster))[..., None] & tail_hot[:, None, None, :]
+    tail_mask = cached & ((loop.raster_of_slot < tail_at[:, None]) | (loop.raster_of_slot < 0))
+    tail_mask[:, cls + n_tok :] = False
+    tail_mask |= tail_hot
+    mask = torch.cat([mask.view(batch, lanes * nodes, -1), tail_mask[:, None, :]], 1)
+    tree_tokens = tree.tokens.view(batch, lanes * nodes)
+    probs, hidden = target.forward(torch.cat([tree_tokens, tokens.gather(1, tail_at[:, None])], 1), positions, slots,
+                                   mask)
+    probs, hidden = probs[:, : lanes * nodes], hidden[:, : lanes * nodes]
+    written = tail_hot & tail_on[:, None]
+    real |= written
+    cached |= written
     noise = loop.noise
-    result = verify_tree(loop.rule, probs.view(virtual, nodes, -1), tree.tokens, tree.parents, tree.proposals,
+    result = verify_tree(loop.rule, probs.reshape(virtual, nodes, -1), tree.tokens, tree.parents, tree.proposals,
                          tree.depth, valid.view(virtual, nodes), greedy=loop.greedy, generator=loop.generator,
                          record_tv=loop.record_tv, children=tree.children, level_widths=tree.level_widths,
                          point_mass=tree.point_mass, check=False, walk=loop.walk,
@@ -148,14 +186,14 @@ def rows_step(loop: RowsLoop) -> None:
     write_at = torch.where(keep, k[:, :, None] + offsets, n_tok).view(batch, -1)
     tokens.scatter_(1, write_at, result.committed.clamp(min=0).view(batch, -1))
     loop.step_tv.scatter_(1, write_at, result.step_tv.to(loop.step_tv.dtype).view(batch, -1))
-    # keys: the root (its own token, not a stand-in) and the accepted nodes move to their grid slots
-    # (a stand-in root is the token before the row only once the row above is complete, and a
-    # token already cached keeps the keys it has); other entries copy a lane's own scratch
-    # slot onto itself, so no two entries write one slot
+    # keys: the root and the accepted nodes move to their grid slots (a root whose slot already
+    # holds its real keys keeps them; an auxiliary root's keys stay at the slot before its row,
+    # seen by the rows below until the row above's last token replaces them); other entries copy a
+    # lane's own scratch slot onto itself, so no two entries write one slot
     path = result.path.view(batch, lanes, span)
     moving = (path >= 0) & (offsets < (accepted + 1)[:, :, None]) & active[:, :, None]
     root_slot = cls + (k - 1).clamp(min=0)
-    moving[:, :, 0] &= (~stand_in | (above == grid)) & ~cached.gather(1, root_slot)
+    moving[:, :, 0] &= ~real.gather(1, root_slot)
     source_slot = loop.scratch.expand(batch, -1, -1).gather(2, path.clamp(min=0))
     grid_slot = cls + (k - 1)[:, :, None] + offsets
     idle = loop.scratch[None, :, :span].expand(batch, -1, -1) if span <= nodes else \
@@ -163,10 +201,13 @@ def rows_step(loop: RowsLoop) -> None:
     src = torch.where(moving, source_slot, idle)
     dst = torch.where(moving, grid_slot, idle)
     target.move_cache(src.view(batch, -1), dst.view(batch, -1))
-    cached.scatter_(1, dst.view(batch, -1), moving.view(batch, -1))  # idle entries: scratch, never cached
+    is_real = moving.clone()
+    is_real[:, :, 0] &= ~stand_in
+    cached.scatter_(1, dst.view(batch, -1), moving.view(batch, -1) | cached.gather(1, dst.view(batch, -1)))
+    real.scatter_(1, dst.view(batch, -1), is_real.view(batch, -1) | real.gather(1, dst.view(batch, -1)))
     if loop.profiling:
         started = time.perf_counter()
-    source.update(result.committed, result.path, count.view(-1), root_index, probs.view(virtual, nodes, -1),
+    source.update(result.committed, result.path, count.view(-1), root_index, probs.reshape(virtual, nodes, -1),
                   _lanes_hidden(hidden, lanes, nodes))
     if loop.profiling:
         loop.drafter_seconds += time.perf_counter() - started
@@ -207,7 +248,7 @@ def generate_rows(model, cond, sampling: SamplingConfig, *, source, rule: Accept
     if hasattr(source, "for_lanes"):  # a source with one state per image (a drafter's cache) keeps its lanes apart
         source = source.for_lanes(lanes, grid)
     nodes = source.max_nodes
-    target = GuidedTarget(model, cond, sampling, cond_mask=cond_mask, scratch=lanes * nodes,
+    target = GuidedTarget(model, cond, sampling, cond_mask=cond_mask, scratch=lanes * nodes + 1,
                           compile=compile and profile, timed=profile)
     batch, n_tok, device = target.batch, target.num_tokens, target.device
     virtual = batch * lanes
@@ -272,8 +313,10 @@ def _rows_loop(model, target, source, rule, noise, first, grid, lanes, lead, gre
     committed[:, 0] = True
     fill = kept("fill", (batch, grid + 1))  # tokens committed per row (+ a spill row)
     fill[:, 0] = 1
-    cached = kept("cached", (batch, target.max_seq), torch.bool)  # keys in the cache
+    cached = kept("cached", (batch, target.max_seq), torch.bool)  # slots whose keys are seen (real or auxiliary)
     cached[:, :cls] = True
+    real = kept("real", (batch, target.max_seq), torch.bool)  # slots holding their own token's keys
+    real[:, :cls] = True
     lane_row = kept("lane_row", (batch, lanes))
     lane_row.copy_(torch.arange(lanes, device=device).expand(batch, lanes))  # the row each lane paints next
     raster_of_slot = kept("raster_of_slot", (target.max_seq,)).fill_(-1)
@@ -289,7 +332,10 @@ def _rows_loop(model, target, source, rule, noise, first, grid, lanes, lead, gre
         iteration=kept("iteration", (1,)),
         rank_tests=None if counts is None else kept("rank_tests", counts),
         rank_accepts=None if counts is None else kept("rank_accepts", counts),
-        done=kept("done", ()).fill_(batch), raster_of_slot=raster_of_slot,
+        done=kept("done", ()).fill_(batch), raster_of_slot=raster_of_slot, real=real,
+        row_ends=kept_copy(model, "rows.row_ends", cls + torch.arange(grid, device=device) * grid + grid - 1),
+        slot_ids=kept_copy(model, "rows.slot_ids", torch.arange(target.max_seq, device=device)),
+        spare=target.max_seq - 1,
         scratch=kept_copy(model, "rows.scratch", cls + n_tok + lane_ids[:, None] * nodes + node_ids[None, :]),  # [L, T]
         offsets=kept_copy(model, "rows.offsets", torch.arange(nodes + 1, device=device)),  # a path and its bonus
         uniform_slot=uniform_slot, clock_slot=clock_slot, generator=generator, profiling=profile)
