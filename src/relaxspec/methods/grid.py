@@ -7,6 +7,11 @@ from dataclasses import dataclass
 
 from relaxspec.errors import RelaxspecError
 
+#: What a token painted with rows in parallel is conditioned on, for records and reports.
+ROWS_SEEN = ("each token sees the rows above as far as they were forwarded when it was decided: the row above up to "
+             "its input of that step, not the token decided beside it, and while the row above is open a stand-in "
+             "at its last slot")
+
 
 @dataclass(frozen=True)
 class RowPlan:
@@ -45,4 +50,4 @@ def grid_side(model) -> int | None:
     return side
 
 
-__all__ = ["RowPlan", "grid_side", "row_plan"]
+__all__ = ["ROWS_SEEN", "RowPlan", "grid_side", "row_plan"]

@@ -1,8 +1,8 @@
 """Rows in parallel at their papers' settings (:mod:`relaxspec.decoding.rows`): ZipAR (arXiv
 2412.04062) opens a row once the row above has a lead of tokens and drafts nothing; PJD (Parallel
 Jacobi Decoding, arXiv 2606.05703) gives every open row its own Jacobi window, verified exactly.
-Any other method drafting with a Jacobi window takes ``--rows`` too. Neither is the model's law:
-a token is conditioned on the row above only as far as it was when the token was decided."""
+Any other method drafting with a Jacobi window takes ``--rows`` too. Neither is the model's law
+(:data:`relaxspec.methods.grid.ROWS_SEEN`: what a token sees)."""
 
 from __future__ import annotations
 

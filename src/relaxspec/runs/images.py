@@ -22,6 +22,7 @@ from relaxspec import __version__
 from relaxspec.decoding.result import certified_tv, record_tv_sum, total_rank_counts
 from relaxspec.errors import RelaxspecError
 from relaxspec.files import file_identity, write_atomic, write_grid, write_json, write_png
+from relaxspec.methods.grid import ROWS_SEEN
 from relaxspec.runs.folder import different_settings, settings_hash
 from relaxspec.sampling import batch_seed
 
@@ -144,8 +145,8 @@ def run_totals(done: list[dict], num_tokens: int, generated: int) -> dict:
         # rows in parallel: the image law is not the model's, whatever the rule, so the record
         # (which covers the acceptance only) certifies nothing about it
         "tv_certified": certified_tv(tv_sums) if recorded and rows == 1 else None,
-        **({"law": f"up to {rows} rows in parallel: not the model's law (each token sees the rows above only as far as "
-                   "they were when it was decided); the TV record covers the acceptance only"} if rows > 1 else {}),
+        **({"law": f"up to {rows} rows in parallel: not the model's law ({ROWS_SEEN}); the TV record covers the "
+                   "acceptance only"} if rows > 1 else {}),
     }
 
 

@@ -19,6 +19,7 @@ from relaxspec.bench.report.quality import (FID_LIKE_NOTE, ensure_images, load_r
 from relaxspec.bench.report.statistics import summarize
 from relaxspec.bench.run import RECORDS_FILE, SETTINGS_FILE, read_records
 from relaxspec.errors import RelaxspecError, shown
+from relaxspec.methods.grid import ROWS_SEEN
 
 SUMMARY_JSON, SUMMARY_CSV, SUMMARY_MD = "summary.json", "summary.csv", "summary.md"
 QUALITY_KEYS = ("class_accuracy", "fid_like", "precision", "recall", "class_accuracy_diff_vs_ar", "fid_like_diff_vs_ar")
@@ -292,8 +293,8 @@ def markdown_report(rows: Sequence[dict], settings: dict, notes: Sequence[str], 
     text += [verdict(rows, baseline).replace("verdict: ", "**Verdict:** ", 1), ""]
     parallel = [row["label"] for row in rows if row.get("rows")]
     if parallel:
-        notes = [*notes, f"{', '.join(parallel)} paint rows in parallel: not the model's law, whatever the rule (a "
-                         "token sees the rows above only as far as they were when it was decided). Their TV record "
+        notes = [*notes, f"{', '.join(parallel)} paint rows in parallel: not the model's law, whatever the rule "
+                         f"({ROWS_SEEN}). Their TV record "
                          "covers the acceptance only, so they have no TV certificate; judge them by the quality "
                          "columns."]
     if notes:
