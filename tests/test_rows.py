@@ -154,7 +154,7 @@ def test_bad_row_settings_are_one_line(target, plan, message) -> None:
 def test_zipar_and_pjd_open_rows_at_their_papers_leads() -> None:
     """Without --row-lead: ZipAR's third of the row (its 8 of 24), PJD's fifth (its c = 6 on
     LlamaGen's 32 columns at 512 px; 10 on Lumina-mGPT's 48, between its paper's 11 and its code's
-    8), with PJD's code's Jacobi window of 8."""
+    8), with PJD's code's Jacobi window: its window_size 8 counts the root, so 7 drafts."""
     from types import SimpleNamespace
 
     from relaxspec.methods import MethodOptions
@@ -166,7 +166,7 @@ def test_zipar_and_pjd_open_rows_at_their_papers_leads() -> None:
 
     assert [lead("zipar", side) for side in (8, 24, 32, 48)] == [3, 8, 11, 16]
     assert [lead("pjd", side) for side in (8, 24, 32, 48)] == [2, 5, 6, 10]
-    assert MethodOptions("pjd").window == 8
+    assert MethodOptions("pjd").window == 7
     assert lead("lantern", 24) == 8  # --rows on any other method: ZipAR's schedule
     model = SimpleNamespace(config=SimpleNamespace(grid_size=32, block_size=1024))
     assert row_plan(MethodOptions("pjd", row_lead=3), model).lead == 3

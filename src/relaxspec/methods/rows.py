@@ -33,16 +33,18 @@ class ZipAR(Method):
 
 class PJD(Method):
     """PJD's settings are the official code's and the paper's (github.com/boyaliao/PJD): a Jacobi
-    window of 8 per open row (its sampler's ``window_size``), every row that has a lead open (no
+    window of 7 drafts per open row (its sampler's ``window_size = 8`` counts the root; until
+    2026-11-27 the preset had 8 drafts), every row that has a lead open (no
     cap), and a lead of about a fifth of the row (the paper's c = 6 on LlamaGen's 32 columns at
     512 px; c = 11, and the code's 8, on Lumina-mGPT's 48)."""
 
     name = "pjd"
     summary = "parallel Jacobi decoding: every open row with its own Jacobi window, exact acceptance (PJD)"
     drafts = (JACOBI,)
-    presets = {"pjd": Preset({"rows": ALL_ROWS, "window": 8}, "PJD: every row opens once the row above has a fifth of "
+    presets = {"pjd": Preset({"rows": ALL_ROWS, "window": 7}, "PJD: every row opens once the row above has a fifth of "
                                                               "its tokens (PJD's 6 of 32), each with a Jacobi window "
-                                                              "of 8 verified exactly", bench=False)}
+                                                              "of 7 drafts and its root (PJD's window_size 8) "
+                                                              "verified exactly", bench=False)}
 
     def default_row_lead(self, grid: int) -> int:
         return max(1, round(grid / 5))
