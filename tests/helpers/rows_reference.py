@@ -11,6 +11,14 @@ code's rules (github.com/ThisisBillhe/ZipAR at 2a5695c,
   token is forwarded there), or the row above's real last token when that row is complete;
 * attention is causal by cache slot, over the slots written so far, this forward's included.
 
+On a target whose rows end with a forced token (``row_end_companions``: Emu3, Lumina-mGPT) the
+official rules are Lumina-mGPT-ZipAR's (its ``modeling_chameleon.py``, ``_sample``): row 1 opens at
+the lead as every row does, and a new row's first input is the real end of line after the row
+above, seeing what was forwarded before it in raster order; here that is the row-end companion
+of a token written to a parking slot no query sees, and that end of line's keys are the ones
+every later row sees, even after the row above's last token is forwarded (its own end of line is
+then computed again and not kept). Every key is computed once.
+
 Two departures, both relaxspec's: the official mask also lets a query attend never-written slots
 of the rows above (zero keys and values; ``tests/data/zipar/make_golden.py`` names it), which
 this reference does only as ``variant="zero-keys"`` (a LlamaGen model: its cache is zeroed
@@ -45,15 +53,20 @@ def reference_rows_laws(model, cond, sampling, lanes: int, lead: int, cond_mask=
     total = grid * grid
     images, laws = [], []
 
+    def before_row(row):
+        return row * grid - 1
+
     def draw(probs):
         if generator is None:
             return int(probs.argmax())
         return int(torch.multinomial(probs.double(), 1, generator=generator))
 
     for b in range(cond.shape[0]):
-        target = GuidedTarget(model, cond[b : b + 1], sampling, scratch=grid + 1,
+        target = GuidedTarget(model, cond[b : b + 1], sampling, scratch=3 * grid + 1,
                               cond_mask=None if cond_mask is None else cond_mask[b : b + 1])
         cls, spare = target.cls, target.cls + total
+        ends = variant == "official" and bool(getattr(model, "row_end_companions", False))
+        parking = spare + grid + 1 if ends else target.max_seq  # a slot per row: a new row's end of line
         if variant == "zero-keys":
             model._kv_store.zero_()
         probs0, _ = target.prefill()
@@ -64,10 +77,11 @@ def reference_rows_laws(model, cond, sampling, lanes: int, lead: int, cond_mask=
         ongoing, opened = [0], 0
         first_input: dict[int, tuple[int, int]] = {}  # a new row's first input: (token, slot)
         tail = None  # raster index of the last token of a row finished in the forward before
+        row_end_kept: dict[int, int] = {}  # row -> the slot whose companion keeps its row end
         while sum(count) < total:
             new = opened + 1
             above_done = new < grid and count[new - 1] == grid
-            may_open = above_done or ((new >= 2 or variant == "before") and new < grid and count[new - 1] >= lead)
+            may_open = above_done or ((new >= 2 or variant == "before" or ends) and new < grid and count[new - 1] >= lead)
             if new < grid and len(ongoing) < lanes and may_open:
                 before = new * grid - 1  # the raster index before the row
                 if above_done:
@@ -76,6 +90,8 @@ def reference_rows_laws(model, cond, sampling, lanes: int, lead: int, cond_mask=
                         tail = None
                 elif variant == "before":
                     first_input[new] = (token[(new - 1) * grid + count[new - 1] - 1], cls + before)
+                elif ends:  # the row above's end of line: its token is written to the row's parking slot, unseen
+                    first_input[new] = (token[(new - 1) * grid + count[new - 1] - 1], parking + new - 1)
                 else:
                     first_input[new] = (token[(new - 2) * grid + count[new - 2] - 1], cls + before)
                 ongoing.append(new)
@@ -88,14 +104,14 @@ def reference_rows_laws(model, cond, sampling, lanes: int, lead: int, cond_mask=
                     last = row * grid + count[row] - 1
                     value, slot = token[last], cls + last
                 feed.append((value, slot, row))
-            positions = [slot for _, slot, _ in feed]
+            positions = [cls + before_row(row) if slot >= parking else slot for _, slot, row in feed]
             if variant == "before":  # the keys of an input already cached, and of a stand-in, are not kept
                 slots = [spare + i if slot in written or (row is not None and count[row] == 0 and count[row - 1] < grid)
                          else slot for i, (_, slot, row) in enumerate(feed)]
                 seen_before = set(written)
             else:
-                slots = positions
-                written |= set(slots)
+                slots = [slot for _, slot, _ in feed]
+                written |= {slot for slot in slots if slot < parking}
             mask = torch.zeros(1, len(feed), target.max_seq, dtype=torch.bool)
             for i, (position, slot) in enumerate(zip(positions, slots)):
                 if variant == "before":
@@ -105,8 +121,19 @@ def reference_rows_laws(model, cond, sampling, lanes: int, lead: int, cond_mask=
                 else:
                     for seen in range(position + 1) if variant == "zero-keys" else written:
                         mask[0, i, seen] = seen <= position
+            companions = None
+            if ends:  # a row's end of line is seen from the next row on, where it was kept
+                companions = torch.zeros(1, len(feed), target.max_seq, dtype=torch.bool)
+                for i, position in enumerate(positions):
+                    for row, slot in row_end_kept.items():
+                        companions[0, i, slot] = (row + 1) * grid - 1 < position - cls
             probs, _ = target.forward(torch.tensor([[value for value, _, _ in feed]]), torch.tensor([positions]),
-                                      torch.tensor([slots]), mask)
+                                      torch.tensor([slots]), mask, companions)
+            if ends:  # the row ends computed now: a new row's (its end of line), a row's last token's
+                for (_, slot, row), position in zip(feed, positions):
+                    end_of = (position - cls + 1) // grid - 1
+                    if (position - cls) % grid == grid - 1 and end_of not in row_end_kept:
+                        row_end_kept[end_of] = slot
             if variant == "before":
                 written |= {slot for slot in slots if slot < spare}
             tail = None

@@ -8,7 +8,9 @@ the lanes of one image share its KV cache.
 
 * ``lanes`` rows are open at most; lane ``l`` paints rows ``l, l + lanes, l + 2 lanes, ...``.
   As official LlamaGen-ZipAR schedules them, row 1 opens once row 0 is complete and row ``r + 1``
-  once row ``r`` has ``lead`` tokens (and its lane is free). A row stays ``lead`` tokens behind
+  once row ``r`` has ``lead`` tokens (and its lane is free); on a target whose rows end with a
+  forced token (Emu3, Lumina-mGPT: ``row_end_companions``) row 1 opens at the lead too, as
+  Lumina-mGPT-ZipAR opens it. A row stays ``lead`` tokens behind
   the row above until that one is complete (ZipAR's window: drafts may not overtake it), so every
   open row commits at least one token a step.
 * Each step, lane ``l``'s tree (node 0 = the root, the lane's latest token; nodes in the lane's
@@ -24,13 +26,17 @@ the lanes of one image share its KV cache.
   predicts it: from an auxiliary token, the latest token of the row two above, at the slot before
   the row (the row above's last). Its keys stay there, seen by the rows below, until the row
   above's last token replaces them. Once the row above is complete its real last token is the root.
+  On a row-end target the first token is predicted as Lumina-mGPT-ZipAR predicts it, from the real
+  end of line after the row above: the row-end companion of a root nobody sees (its keys go to a
+  parking slot of the row above), whose keys every later row sees from then on, as the official
+  code keeps them (the row above's last token, forwarded later, does not replace them).
 * Accepted nodes' keys and values move from the scratch slots to their grid slots, which is where
   commits out of raster order land.
 
 Without drafts, greedy, this is official LlamaGen-ZipAR token for token (``tests/test_rows.py``,
 golden tokens of its code on the embedded model) but for one thing the official code does and this
 does not: its mask, causal by cache slot, also lets a lower row attend the never-written slots of
-the rows above as zero keys. No parallel-row setting is the model's law, whatever the rule
+the rows above as zero keys. On row-end targets it is the rules of Lumina-mGPT-ZipAR's code. No parallel-row setting is the model's law, whatever the rule
 (:data:`relaxspec.methods.grid.ROWS_SEEN`); the TV record covers the acceptance only.
 """
 
@@ -100,6 +106,11 @@ class RowsLoop:
     row_ends: torch.Tensor
     slot_ids: torch.Tensor
     spare: int
+    companions: bool = False
+    row_end_kept: torch.Tensor | None = None
+    row_end_raster: torch.Tensor | None = None
+    parking: int = 0
+    lane_eye: torch.Tensor | None = None
     uniform_slot: NoiseSlot | None = None
     clock_slot: NoiseSlot | None = None
     generator: torch.Generator | None = None
@@ -119,15 +130,19 @@ def rows_step(loop: RowsLoop) -> None:
     row = loop.lane_row.clamp(max=grid)  # [B, L]; grid = finished
     f = fill.gather(1, row)
     above = torch.where(row == 0, grid, fill.gather(1, (row - 1).clamp(min=0)))  # the row above's tokens
-    # row 1 opens once row 0 is complete, row r + 1 once row r has ``lead`` (LlamaGen-ZipAR's schedule)
-    opened = (above == grid) | ((above >= lead) & (row >= 2))
+    # row r + 1 opens once row r has ``lead`` tokens; LlamaGen-ZipAR opens row 1 only once row 0 is
+    # complete (its new rows start from a token of the row two above), Lumina-mGPT-ZipAR at the lead
+    opened = (above == grid) | ((above >= lead) & (row >= (0 if loop.companions else 2)))
     active = (row < grid) & opened & (f < grid)
     k = row.clamp(max=grid - 1) * grid + f.clamp(max=grid - 1)  # raster index of the lane's next token
-    # the root: the lane's last token; a row's first step while the row above is open: the latest
-    # token of the row two above, at the slot before the row (LlamaGen-ZipAR's auxiliary token)
+    # the root: the lane's last token; a row's first step while the row above is open: at the slot
+    # before the row, the latest token of the row two above (LlamaGen-ZipAR's auxiliary token), or
+    # on a row-end target a token nothing sees (its row-end companion is the root: the real end
+    # of line before the row, as Lumina-mGPT-ZipAR feeds it; the row above's latest token here)
     stand_in = (f == 0) & (above < grid)
-    two_above = (row - 2).clamp(min=0)
-    root_at = torch.where(stand_in, two_above * grid + (fill.gather(1, two_above) - 1).clamp(min=0), k - 1)
+    hidden_root = stand_in & loop.companions
+    stand_row = (row - 1 if loop.companions else row - 2).clamp(min=0)
+    root_at = torch.where(stand_in, stand_row * grid + (fill.gather(1, stand_row) - 1).clamp(min=0), k - 1)
     roots = tokens.gather(1, root_at.clamp(min=0)).reshape(virtual)
     root_index = (k - 1).reshape(virtual)
     # the tail: the last token of a row finished the step before, forwarded at its grid slot (its
@@ -156,19 +171,29 @@ def rows_step(loop: RowsLoop) -> None:
     # the other lanes' roots; a node sees those earlier in raster order (other lanes' drafts: never)
     root_seen = active[:, None, None, :] & ((k - 1)[:, None, None, :] < raster[..., None])  # [B, L, T, L]
     mask[..., loop.scratch[:, 0]] |= root_seen
+    mask[..., loop.scratch[:, 0]] &= ~hidden_root[:, None, None, :]
     tail_hot = loop.slot_ids[None, :] == tail_slot[:, None]  # [B, S]
     mask |= (tail_on[:, None, None] & (tail_at[:, None, None] < raster))[..., None] & tail_hot[:, None, None, :]
     tail_mask = cached & ((loop.raster_of_slot < tail_at[:, None]) | (loop.raster_of_slot < 0))
     tail_mask[:, cls + n_tok :] = False
     tail_mask |= tail_hot
     mask = torch.cat([mask.view(batch, lanes * nodes, -1), tail_mask[:, None, :]], 1)
+    companions = None
+    if loop.companions:  # the row ends kept, each seen from the next row on; a row's first root's by its own lane
+        companions = loop.row_end_kept[:, None, None, :] & (loop.row_end_raster < raster[..., None])
+        companions[..., loop.scratch[:, 0]] |= (f == 0)[:, None, None, :] & loop.lane_eye[None, :, None, :]
+        tail_companions = loop.row_end_kept & (loop.row_end_raster < tail_at[:, None])
+        companions = torch.cat([companions.view(batch, lanes * nodes, -1), tail_companions[:, None, :]], 1)
     tree_tokens = tree.tokens.view(batch, lanes * nodes)
     probs, hidden = target.forward(torch.cat([tree_tokens, tokens.gather(1, tail_at[:, None])], 1), positions, slots,
-                                   mask)
+                                   mask, companions)
     probs, hidden = probs[:, : lanes * nodes], hidden[:, : lanes * nodes]
     written = tail_hot & tail_on[:, None]
     real |= written
     cached |= written
+    if loop.companions:  # the tail's row end, unless the row below kept one when it opened
+        parked = loop.row_end_kept.gather(1, (loop.parking + tail_row)[:, None])
+        loop.row_end_kept |= written & ~parked
     noise = loop.noise
     result = verify_tree(loop.rule, probs.reshape(virtual, nodes, -1), tree.tokens, tree.parents, tree.proposals,
                          tree.depth, valid.view(virtual, nodes), greedy=loop.greedy, generator=loop.generator,
@@ -198,13 +223,23 @@ def rows_step(loop: RowsLoop) -> None:
     grid_slot = cls + (k - 1)[:, :, None] + offsets
     idle = loop.scratch[None, :, :span].expand(batch, -1, -1) if span <= nodes else \
         loop.scratch[None, :, -1:].expand(batch, lanes, span)
+    if loop.companions:  # a hidden root's keys go to the parking slot of the row above: its row end is kept there
+        grid_slot[:, :, 0] = torch.where(hidden_root, loop.parking + (row - 1).clamp(min=0), grid_slot[:, :, 0])
     src = torch.where(moving, source_slot, idle)
     dst = torch.where(moving, grid_slot, idle)
     target.move_cache(src.view(batch, -1), dst.view(batch, -1))
     is_real = moving.clone()
     is_real[:, :, 0] &= ~stand_in
-    cached.scatter_(1, dst.view(batch, -1), moving.view(batch, -1) | cached.gather(1, dst.view(batch, -1)))
+    seen_now = moving.clone()
+    seen_now[:, :, 0] &= ~hidden_root
+    cached.scatter_(1, dst.view(batch, -1), seen_now.view(batch, -1) | cached.gather(1, dst.view(batch, -1)))
     real.scatter_(1, dst.view(batch, -1), is_real.view(batch, -1) | real.gather(1, dst.view(batch, -1)))
+    if loop.companions:  # row ends kept: a hidden root's (parked), a token's landing at a row end unless one is parked
+        row_of = ((dst - cls).clamp(min=0, max=n_tok - 1) // grid).view(batch, -1)
+        at_end = ((dst - cls) % grid == grid - 1).view(batch, -1) & (dst < cls + n_tok).view(batch, -1)
+        parked = loop.row_end_kept.gather(1, loop.parking + row_of)
+        keep_end = moving.view(batch, -1) & ((at_end & ~parked) | (dst >= loop.parking).view(batch, -1))
+        loop.row_end_kept.scatter_(1, dst.view(batch, -1), keep_end | loop.row_end_kept.gather(1, dst.view(batch, -1)))
     if loop.profiling:
         started = time.perf_counter()
     source.update(result.committed, result.path, count.view(-1), root_index, probs.reshape(virtual, nodes, -1),
@@ -248,7 +283,9 @@ def generate_rows(model, cond, sampling: SamplingConfig, *, source, rule: Accept
     if hasattr(source, "for_lanes"):  # a source with one state per image (a drafter's cache) keeps its lanes apart
         source = source.for_lanes(lanes, grid)
     nodes = source.max_nodes
-    target = GuidedTarget(model, cond, sampling, cond_mask=cond_mask, scratch=lanes * nodes + 1,
+    companions = bool(getattr(model, "row_end_companions", False))  # a target whose row ends are forced tokens
+    target = GuidedTarget(model, cond, sampling, cond_mask=cond_mask,
+                          scratch=lanes * nodes + (grid if companions else 0) + 1,
                           compile=compile and profile, timed=profile)
     batch, n_tok, device = target.batch, target.num_tokens, target.device
     virtual = batch * lanes
@@ -267,7 +304,7 @@ def generate_rows(model, cond, sampling: SamplingConfig, *, source, rule: Accept
         check_compilable(source, compile)
         uniform_slot, clock_slot = walk_noise(noise, source, virtual, probs0.shape[-1], greedy)
         noise.allocate()
-        loop = _rows_loop(model, target, source, rule, noise, first, grid, lanes, lead, greedy,
+        loop = _rows_loop(model, target, source, rule, noise, first, grid, lanes, lead, greedy, companions,
                           record_tv and not rule.lossless, uniform_slot, clock_slot, generator, compile, profile)
         loop.drafter_seconds = start_seconds
         bar.update(batch)
@@ -297,10 +334,13 @@ def generate_rows(model, cond, sampling: SamplingConfig, *, source, rule: Accept
                         tv_recorded=record_tv or rule.lossless, rows=lanes, row_lead=lead, token_step_sizes=sizes_h)
 
 
-def _rows_loop(model, target, source, rule, noise, first, grid, lanes, lead, greedy, record_tv, uniform_slot,
-               clock_slot, generator, compile, profile) -> RowsLoop:
+def _rows_loop(model, target, source, rule, noise, first, grid, lanes, lead, greedy, companions, record_tv,
+               uniform_slot, clock_slot, generator, compile, profile) -> RowsLoop:
     """The loop's tensors, kept with the model across decodes of one shape, set to a decode's
-    start: token 0 committed in every image, every lane on its first row."""
+    start: token 0 committed in every image, every lane on its first row. On a row-end target
+    (``companions``) also: which slots' row-end companions are kept (``row_end_kept``), the raster
+    index each one follows, and a parking slot per row past the scratch slots, where the row end
+    a new row started from is kept before the row above is complete."""
     batch, device, cls, n_tok = first.shape[0], first.device, target.cls, grid * grid
     nodes = source.max_nodes
 
@@ -335,10 +375,24 @@ def _rows_loop(model, target, source, rule, noise, first, grid, lanes, lead, gre
         done=kept("done", ()).fill_(batch), raster_of_slot=raster_of_slot, real=real,
         row_ends=kept_copy(model, "rows.row_ends", cls + torch.arange(grid, device=device) * grid + grid - 1),
         slot_ids=kept_copy(model, "rows.slot_ids", torch.arange(target.max_seq, device=device)),
-        spare=target.max_seq - 1,
+        spare=target.max_seq - 1, companions=companions, parking=cls + n_tok + lanes * nodes,
+        row_end_kept=kept("row_end_kept", (batch, target.max_seq), torch.bool) if companions else None,
+        row_end_raster=kept_copy(model, "rows.row_end_raster", _row_end_raster(target.max_seq, cls, grid, lanes * nodes).to(device))
+        if companions else None,
+        lane_eye=kept_copy(model, "rows.lane_eye", torch.eye(lanes, dtype=torch.bool, device=device)) if companions else None,
         scratch=kept_copy(model, "rows.scratch", cls + n_tok + lane_ids[:, None] * nodes + node_ids[None, :]),  # [L, T]
         offsets=kept_copy(model, "rows.offsets", torch.arange(nodes + 1, device=device)),  # a path and its bonus
         uniform_slot=uniform_slot, clock_slot=clock_slot, generator=generator, profiling=profile)
+
+
+def _row_end_raster(max_seq: int, cls: int, grid: int, scratch: int) -> torch.Tensor:
+    """``[max_seq]``: the raster index a slot's row-end companion follows (a grid slot's own, a
+    parking slot's row's last; ``grid * grid`` elsewhere: never seen)."""
+    n_tok = grid * grid
+    raster = torch.full((max_seq,), n_tok, dtype=torch.long)
+    raster[cls : cls + n_tok] = torch.arange(n_tok)
+    raster[cls + n_tok + scratch : cls + n_tok + scratch + grid] = torch.arange(grid) * grid + grid - 1
+    return raster
 
 
 def row_causal_mask(cached: torch.Tensor, raster_of_slot: torch.Tensor, raster: torch.Tensor, ancestors: torch.Tensor,

@@ -38,14 +38,20 @@ def attention_mask(slots: torch.Tensor, mask: torch.Tensor | None, key_valid: to
 
 def guided_step(model: TargetModel, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                 mask: torch.Tensor | None, key_valid: torch.Tensor | None, sampling: SamplingConfig,
-                streams: int) -> tuple[torch.Tensor, torch.Tensor]:
+                streams: int, companion_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One target forward for ``B`` images over ``tokens [B, T]`` (repeated for each CFG
     stream) at RoPE ``positions``, written to cache ``slots`` and attending by ``mask [B, T,
     cache]`` (default causal by slot): processed probabilities ``[B, T, V]`` and hidden states
-    ``[S*B, T, dim]``. This is what ``--compile`` compiles."""
+    ``[S*B, T, dim]``. ``companion_mask [B, T, cache]``: which slots' row-end companions each
+    query sees, for a target with row-end companions (:class:`relaxspec.models.hf.RowEndTarget`);
+    ``None``: as the main keys are seen. This is what ``--compile`` compiles."""
     slots = stream_rows(slots, streams)
     attn_mask = attention_mask(slots, stream_rows(mask, streams), key_valid, model.max_seq)
-    logits, hidden = model.step(stream_rows(tokens, streams), stream_rows(positions, streams), slots, attn_mask)
+    inputs = (stream_rows(tokens, streams), stream_rows(positions, streams), slots, attn_mask)
+    if companion_mask is None:
+        logits, hidden = model.step(*inputs)
+    else:
+        logits, hidden = model.step(*inputs, companion_mask=stream_rows(companion_mask, streams))
     return process_logits(logits, sampling), hidden
 
 
@@ -109,15 +115,19 @@ class GuidedTarget:
         return process_logits(logits[:, -1], self.sampling), hidden
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                mask: torch.Tensor | None = None,
+                companion_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """One target forward over ``tokens [B, T]`` at RoPE ``positions [B, T]`` written to cache
         ``slots [B, T]``; ``mask [B, T, max_seq]`` (True = may attend), default causal by slot.
+        ``companion_mask``: see :func:`guided_step` (rows in parallel on a row-end target only).
         Returns probabilities ``[B, T, V]`` (what each input predicts next) and hidden states
         ``[S*B, T, dim]``."""
         if self.watch is None:
-            return self._step(self.model, tokens, positions, slots, mask, self.key_valid, self.sampling, self.streams)
+            return self._step(self.model, tokens, positions, slots, mask, self.key_valid, self.sampling, self.streams,
+                              companion_mask)
         with self.watch:
-            return self._step(self.model, tokens, positions, slots, mask, self.key_valid, self.sampling, self.streams)
+            return self._step(self.model, tokens, positions, slots, mask, self.key_valid, self.sampling, self.streams,
+                              companion_mask)
 
     def move_cache(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Compact accepted tree nodes: copy slots ``src [B, n]`` onto ``dst [B, n]``."""

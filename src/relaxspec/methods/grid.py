@@ -9,8 +9,8 @@ from relaxspec.errors import RelaxspecError
 
 #: What a token painted with rows in parallel is conditioned on, for records and reports.
 ROWS_SEEN = ("each token sees the rows above as far as they were forwarded when it was decided: the row above up to "
-             "its input of that step, not the token decided beside it, and while the row above is open a stand-in "
-             "at its last slot")
+             "its input of that step, not the token decided beside it, and a stand-in at its last slot while it is "
+             "open (or, where rows end with a forced token, its end of line as it was when the row below opened)")
 
 
 @dataclass(frozen=True)

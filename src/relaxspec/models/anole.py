@@ -128,6 +128,7 @@ class AnoleTarget(hf.RowEndTarget):
     """
 
     family, formatter = NAME, "relaxspec.models.anole.format_prompts"
+    row_end_companions = False  # no row ends: rows in parallel condition it as LlamaGen
     prompt_end = "<racm3:break> (the prompt after <reserved08706>; the unconditional context is <s> <racm3:break>)"
 
     def __init__(self, model, vocabulary: AnoleVocabulary, prompt_length: int, grid: int):

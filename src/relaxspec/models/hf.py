@@ -444,16 +444,26 @@ class RowEndTarget(torch.nn.Module):
                               self._real_positions(positions), cache_slots, mask)
         return self.head(hidden), hidden
 
-    def step(self, tokens: Tensor, positions: Tensor, cache_slots: Tensor, attn_mask: Tensor):
+    #: Rows in parallel may say which companions a query sees (``step``'s ``companion_mask``).
+    row_end_companions = True
+
+    def step(self, tokens: Tensor, positions: Tensor, cache_slots: Tensor, attn_mask: Tensor,
+             companion_mask: Tensor | None = None):
+        """``companion_mask [R, T, max_seq]``: the slots whose row-end companion each query sees
+        (rows in parallel keep a row end's companion apart from its token); ``None``: a slot's
+        companion is seen with its token where that token ends a row."""
         rows, count = tokens.shape
         cls, width = self.config.cls_token_num, self.grid
         self._slot_pos.scatter_(1, cache_slots, positions)
         slot_pos = self._slot_pos
-        ends_key = (slot_pos >= cls) & ((slot_pos - cls) % width == width - 1)  # [R, M] slots whose companion is real
         ends_row = (positions >= cls) & ((positions - cls) % width == width - 1)  # [R, T]
         own = self._keys[None, None, :] == cache_slots[:, :, None]
         seen = attn_mask & self._key_valid[:, None, :]
-        companions = attn_mask & ends_key[:, None, :]
+        if companion_mask is None:
+            ends_key = (slot_pos >= cls) & ((slot_pos - cls) % width == width - 1)  # [R, M] slots whose companion is real
+            companions = attn_mask & ends_key[:, None, :]
+        else:
+            companions = companion_mask
         mask = torch.cat([torch.cat([seen, companions & ~own], -1),  # a token comes before its own row end
                           torch.cat([seen, companions | own], -1)], 1)  # a row end sees itself
         real = self._real_positions(positions)
