@@ -103,6 +103,36 @@ def test_the_reference_is_the_official_code_its_zero_key_reads_included(embedded
         assert min(differ) >= 20, differ
 
 
+@pytest.mark.slow
+def test_lumina_rows_give_official_lumina_mgpt_zipar_s_tokens(tmp_path) -> None:
+    """Greedy, on the tiny Lumina-mGPT replica, windows 2 and 3 (a lead of 1 and 2 codes): at CFG
+    1 the tokens of the official Lumina-mGPT-ZipAR code (tests/data/zipar/make_lumina_golden.py
+    ran it on the same files), for every prompt. At CFG 3 that code's unconditional branch is its
+    own ([BOS, pad...] at the prompt's positions, not Lumina-mGPT's [<racm3:break>, H, W]), so the
+    tokens are those of the same rules under Lumina-mGPT's own guidance, whose AR is official
+    Lumina-mGPT's (equal here too)."""
+    pytest.importorskip("transformers")
+    from helpers.lumina import IMAGE_SIZE, lumina_folders
+
+    from relaxspec.pipelines import open_pipeline
+
+    golden = json.loads((ZIPAR_GOLDEN.parent / "lumina_golden.json").read_text())
+    folders = lumina_folders(tmp_path)
+    pipeline = open_pipeline(model_path=folders["model_path"], tokenizer_path=folders["tokenizer_path"],
+                             image_size=IMAGE_SIZE)
+    target, condition = pipeline.target, pipeline.conditions(prompts=golden["prompts"])
+    assert target.config.grid_size == 4
+    for scale in golden["cfg_scales"]:
+        greedy = SamplingConfig(cfg_scale=scale, temperature=0.0)
+        ar = generate_ar(target, condition.cond, greedy, cond_mask=condition.mask).tokens.tolist()
+        assert ar == golden["ar"][str(scale)]
+        for window in golden["windows"]:
+            tokens = generate_rows(target, condition.cond, greedy, source=NoDrafts(), rule=ExactRule(),
+                                   plan=RowPlan(4, window - 1), cond_mask=condition.mask).tokens.tolist()
+            want = golden["zipar"] if scale == 1.0 else golden["rules_lumina_uncond"]
+            assert tokens == want[str(scale)][str(window)], (scale, window)
+
+
 def test_the_row_causal_mask_against_a_per_node_reference() -> None:
     """Node i of lane l sees the condition, cached image keys earlier in raster order, and its own
     lane's ancestors; nothing else (another lane's drafts, later rows, uncached keys)."""
