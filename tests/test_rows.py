@@ -35,13 +35,16 @@ def target():
     return peaked_target(GRID5, 0)
 
 
-@pytest.mark.parametrize("source", [NoDrafts, lambda: JacobiSource(3)], ids=["no drafts", "jacobi"])
+@pytest.mark.parametrize("source, prefix_below", [(NoDrafts, False), (lambda: JacobiSource(3), False),
+                                                  (lambda: JacobiSource(3, keep_likelier=True), True)],
+                         ids=["no drafts", "jacobi", "pjd's code"])
 @pytest.mark.parametrize("lanes, lead", [(1, 1), (1, 5), (2, 5), (3, 5)])
-def test_rows_that_never_overlap_are_plain_decoding(target, source, lanes, lead) -> None:
+def test_rows_that_never_overlap_are_plain_decoding(target, source, prefix_below, lanes, lead) -> None:
     """One open row at a time (one lane, or a lead of the whole row): greedy exact decoding is
-    greedy AR token for token."""
+    greedy AR token for token (PJD's acceptance too: its only open row is the top one)."""
     cond = torch.tensor([1, 4])
-    result = generate_rows(target, cond, GREEDY, source=source(), rule=ExactRule(), plan=RowPlan(lanes, lead))
+    result = generate_rows(target, cond, GREEDY, source=source(), rule=ExactRule(),
+                           plan=RowPlan(lanes, lead, prefix_below))
     assert torch.equal(result.tokens, generate_ar(target, cond, GREEDY).tokens)
 
 
@@ -169,6 +172,54 @@ def test_sampled_rows_commit_every_token_in_fewer_forwards(target) -> None:
     assert result.tokens.shape == (3, 25) and (result.tokens >= 0).all() and (result.tokens < 64).all()
     assert (result.target_forwards < 25).all()
     assert all(sum(lengths) == 25 for lengths in result.accept_lengths)
+
+
+def test_pjd_s_acceptance_commits_a_lower_row_s_prefix_and_keeps_likelier_drafts(target) -> None:
+    """PJD's code: a row below the top open one commits its accepted drafts only (the next step
+    drafts that position again), and an old draft survives a redraw, with its old law, where
+    p_new / p_old > 0.5 of it; sampled, every token is committed in fewer forwards than tokens."""
+    sampling = SamplingConfig(cfg_scale=2.0, temperature=1.0, top_k=0)
+    cond, plan = torch.tensor([1, 2, 3]), RowPlan(5, 2, prefix_below=True)
+    result = generate_rows(target, cond, sampling, source=JacobiSource(3, keep_likelier=True), rule=ExactRule(),
+                           plan=plan, generator=torch.Generator().manual_seed(0))
+    assert all(sum(lengths) == 25 for lengths in result.accept_lengths) and (result.target_forwards < 25).all()
+    # the redraw rule, on a window of 3 after a step that committed a prefix of one draft, no bonus
+    source = JacobiSource(3, keep_likelier=True)
+    vocab = 4
+    source.greedy, source.vocab, source.window = False, vocab, 3
+    source.drafts = torch.tensor([[0, 1, 2]])
+    source.laws = torch.tensor([[[0.7, 0.1, 0.1, 0.1], [0.1, 0.6, 0.2, 0.1], [0.1, 0.1, 0.4, 0.4]]])
+    source._offsets = torch.arange(3)
+    # chain node 1 + j predicts the new window's position j (one token committed)
+    probs = torch.tensor([[[0.25] * 4, [0.25] * 4, [0.1, 0.6, 0.1, 0.2], [0.1, 0.1, 0.1, 0.7]]])
+    fresh = torch.tensor([[3, 3, 3]])
+
+    class Fixed:
+        def read(self, slot):
+            return None
+
+    source._noise, source._slots = Fixed(), [None]
+    import relaxspec.drafting.jacobi as jacobi
+
+    drawn = jacobi.sample_from
+    jacobi.sample_from = lambda laws, clocks=None: fresh
+    try:
+        source.update(None, torch.tensor([[0, 1, -1, -1]]), torch.tensor([1]), None, probs, None)
+    finally:
+        jacobi.sample_from = drawn
+    # position 0 (old draft 1, the one rejected or left untested): always the new draw; position 1
+    # (old draft 2, p_new 0.1 / p_old 0.4 = 0.25): redrawn; position 2: past the old window
+    assert source.drafts.tolist() == [[3, 3, 3]]
+    source.drafts = torch.tensor([[0, 1, 2]])
+    source.laws = torch.tensor([[[0.7, 0.1, 0.1, 0.1], [0.1, 0.6, 0.2, 0.1], [0.1, 0.1, 0.4, 0.4]]])
+    probs[0, 2] = torch.tensor([0.05, 0.05, 0.3, 0.6])  # p_new 0.3 / p_old 0.4 = 0.75 > 0.5: kept
+    jacobi.sample_from = lambda laws, clocks=None: fresh
+    try:
+        source.update(None, torch.tensor([[0, 1, -1, -1]]), torch.tensor([1]), None, probs, None)
+    finally:
+        jacobi.sample_from = drawn
+    assert source.drafts.tolist() == [[3, 2, 3]]
+    assert torch.equal(source.laws[0, 1], torch.tensor([0.1, 0.1, 0.4, 0.4]))
 
 
 @pytest.mark.parametrize("plan, message", [

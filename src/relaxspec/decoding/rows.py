@@ -107,6 +107,7 @@ class RowsLoop:
     slot_ids: torch.Tensor
     spare: int
     companions: bool = False
+    prefix_below: bool = False
     row_end_kept: torch.Tensor | None = None
     row_end_raster: torch.Tensor | None = None
     parking: int = 0
@@ -202,7 +203,11 @@ def rows_step(loop: RowsLoop) -> None:
                          uniforms=noise.read(loop.uniform_slot) if loop.uniform_slot is not None else None,
                          clocks=noise.read(loop.clock_slot) if loop.clock_slot is not None else None)
     accepted = result.num_accepted.view(batch, lanes)
-    count = torch.where(active, accepted + 1, torch.zeros_like(accepted))
+    if loop.prefix_below:  # a row below the top open one commits its accepted drafts only (PJD's code)
+        top = row == torch.where(active, row, grid).min(1, keepdim=True).values
+        count = torch.where(active, accepted + top.long(), torch.zeros_like(accepted))
+    else:
+        count = torch.where(active, accepted + 1, torch.zeros_like(accepted))
     add_rank_counts(loop, result)
     # commit: raster k .. k + count - 1 of each lane (the rest to the spill column)
     span = result.committed.shape[1]
@@ -305,7 +310,8 @@ def generate_rows(model, cond, sampling: SamplingConfig, *, source, rule: Accept
         uniform_slot, clock_slot = walk_noise(noise, source, virtual, probs0.shape[-1], greedy)
         noise.allocate()
         loop = _rows_loop(model, target, source, rule, noise, first, grid, lanes, lead, greedy, companions,
-                          record_tv and not rule.lossless, uniform_slot, clock_slot, generator, compile, profile)
+                          plan.prefix_below, record_tv and not rule.lossless, uniform_slot, clock_slot, generator,
+                          compile, profile)
         loop.drafter_seconds = start_seconds
         bar.update(batch)
         tokens_view, committed_view = loop.tokens[:, :n_tok], loop.committed[:, :n_tok]
@@ -334,8 +340,8 @@ def generate_rows(model, cond, sampling: SamplingConfig, *, source, rule: Accept
                         tv_recorded=record_tv or rule.lossless, rows=lanes, row_lead=lead, token_step_sizes=sizes_h)
 
 
-def _rows_loop(model, target, source, rule, noise, first, grid, lanes, lead, greedy, companions, record_tv,
-               uniform_slot, clock_slot, generator, compile, profile) -> RowsLoop:
+def _rows_loop(model, target, source, rule, noise, first, grid, lanes, lead, greedy, companions, prefix_below,
+               record_tv, uniform_slot, clock_slot, generator, compile, profile) -> RowsLoop:
     """The loop's tensors, kept with the model across decodes of one shape, set to a decode's
     start: token 0 committed in every image, every lane on its first row. On a row-end target
     (``companions``) also: which slots' row-end companions are kept (``row_end_kept``), the raster
@@ -375,7 +381,7 @@ def _rows_loop(model, target, source, rule, noise, first, grid, lanes, lead, gre
         done=kept("done", ()).fill_(batch), raster_of_slot=raster_of_slot, real=real,
         row_ends=kept_copy(model, "rows.row_ends", cls + torch.arange(grid, device=device) * grid + grid - 1),
         slot_ids=kept_copy(model, "rows.slot_ids", torch.arange(target.max_seq, device=device)),
-        spare=target.max_seq - 1, companions=companions, parking=cls + n_tok + lanes * nodes,
+        spare=target.max_seq - 1, companions=companions, prefix_below=prefix_below, parking=cls + n_tok + lanes * nodes,
         row_end_kept=kept("row_end_kept", (batch, target.max_seq), torch.bool) if companions else None,
         row_end_raster=kept_copy(model, "rows.row_end_raster", _row_end_raster(target.max_seq, cls, grid, lanes * nodes).to(device))
         if companions else None,

@@ -23,6 +23,11 @@ class JacobiSource:
     ``norm(max(p_new - p_old, 0))`` — a maximal coupling, so the redraw still has law ``p_new``
     (exactness is untouched) while unchanged drafts survive.
 
+    ``keep_likelier=True`` (PJD's code, github.com/boyaliao/PJD): a redraw keeps the previous
+    draft at its position, with the law it was drawn from, wherever ``p_new / p_old > 0.5`` of it,
+    and otherwise draws from ``p_new`` (a deterministic rule: the kept draft's law is no longer
+    its proposal, so verification against it is not exact; rows in parallel only, never lossless).
+
     The window (``drafts [B, L]`` and the laws they were drawn from ``laws [B, L, V]``) is kept in
     tensors updated in place; a step's redraws read numbers reserved on the step's
     :class:`~relaxspec.sampling.StepNoise` (the fresh draws' clocks, then, coupled, the keep
@@ -33,8 +38,10 @@ class JacobiSource:
     forwards_per_step = 0
     models = ()
 
-    def __init__(self, window: int = 16, coupled: bool = False):
-        self.window, self.coupled = window, coupled
+    def __init__(self, window: int = 16, coupled: bool = False, keep_likelier: bool = False):
+        if coupled and keep_likelier:
+            raise ValueError("a Jacobi window keeps old drafts by one rule: coupled or keep_likelier")
+        self.window, self.coupled, self.keep_likelier = window, coupled, keep_likelier
         self.max_nodes, self.max_depth = window + 1, window
         self.depth = window
         self.level_widths = (1,) * window
@@ -106,7 +113,7 @@ class JacobiSource:
             fresh = new_laws.argmax(dim=-1)
         else:
             fresh = sample_from(new_laws, clocks=self._noise.read(self._slots[0]))
-        if self.coupled and not self.greedy:
+        if (self.coupled or self.keep_likelier) and not self.greedy:
             # The old draft at the same image position sits at window index a + 1 + j.
             old_idx = src + 1  # window index (1-based chain node) of the old draft at that position
             old_have = old_idx <= L
@@ -114,6 +121,16 @@ class JacobiSource:
             old_law = self.laws.gather(1, (old_idx - 1).clamp(max=L - 1)[:, :, None].expand(-1, -1, self.vocab))
             p_new = new_laws.gather(2, old_tok[:, :, None]).squeeze(2)
             p_old = old_law.gather(2, old_tok[:, :, None]).squeeze(2).clamp(min=1e-30)
+        if self.keep_likelier and not self.greedy:
+            kept = old_have & have & ((p_new / p_old).clamp(max=1.0) > 0.5)
+            # after a row that committed no bonus (a lower row's prefix), the first position is the
+            # one it rejected or left: its draft is the new prediction, as PJD's code carries it
+            no_bonus = count == (path >= 0).sum(1) - 1
+            kept &= ~(no_bonus[:, None] & (self._offsets == 0)[None, :])
+            self.drafts.copy_(torch.where(kept, old_tok, fresh))
+            self.laws.copy_(torch.where(kept[:, :, None], old_law, new_laws))
+            return
+        if self.coupled and not self.greedy:
             keep = self._noise.read(self._slots[1]) < (p_new / p_old).clamp(max=1.0)
             residual = (new_laws - old_law).clamp(min=0)
             mass = residual.sum(-1, keepdim=True)

@@ -148,6 +148,11 @@ class Method:
     presets: ClassVar[dict[str, Preset]] = {}
     rows_only: ClassVar[bool] = False  # drafts nothing, decodes rows in parallel (ZipAR)
 
+    def prefix_below(self, options) -> bool:
+        """Whether an open row below the top one commits its accepted drafts only (PJD's code),
+        not also a bonus or residual token."""
+        return False
+
     def default_row_lead(self, grid: int) -> int:
         """Tokens a row has before the row below opens, on a grid ``grid`` tokens wide, when
         ``row_lead`` is not given: a third of the row (ZipAR's 8 of 24)."""

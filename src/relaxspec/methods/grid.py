@@ -16,10 +16,12 @@ ROWS_SEEN = ("each token sees the rows above as far as they were forwarded when 
 @dataclass(frozen=True)
 class RowPlan:
     """``lanes`` rows open at once at most (more than the grid has: all of them); a row opens once
-    the row above has ``lead`` tokens."""
+    the row above has ``lead`` tokens; ``prefix_below``: an open row below the top one commits its
+    accepted drafts only (PJD's code), not also a bonus or residual token."""
 
     lanes: int = 2
     lead: int = 1
+    prefix_below: bool = False
 
     def check(self, grid: int | None) -> None:
         """One line for a plan the model's grid cannot take (``grid``: its side, ``None`` without one)."""
@@ -36,7 +38,7 @@ def row_plan(options, model) -> RowPlan:
     defaults to the method's (:meth:`Method.default_row_lead`: a third of the row, PJD's a fifth)."""
     grid = grid_side(model)
     lead = options.row_lead if options.row_lead is not None else options.family.default_row_lead(grid or 3)
-    plan = RowPlan(options.rows, lead)
+    plan = RowPlan(options.rows, lead, options.family.prefix_below(options))
     plan.check(grid)
     return plan
 

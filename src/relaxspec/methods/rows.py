@@ -1,13 +1,20 @@
 """Rows in parallel at their papers' settings (:mod:`relaxspec.decoding.rows`): ZipAR (arXiv
 2412.04062) opens a row once the row above has a lead of tokens and drafts nothing; PJD (Parallel
-Jacobi Decoding, arXiv 2606.05703) gives every open row its own Jacobi window, verified exactly.
+Jacobi Decoding, arXiv 2606.05703) gives every open row its own Jacobi window, verified as its code
+verifies them (``pjd``) or every row exactly (``pjd-exact``).
 Any other method drafting with a Jacobi window takes ``--rows`` too. Neither is the model's law
 (:data:`relaxspec.methods.grid.ROWS_SEEN`: what a token sees)."""
 
 from __future__ import annotations
 
 from relaxspec.errors import RelaxspecError
-from relaxspec.methods.base import JACOBI, Method, Preset
+from relaxspec.methods.base import JACOBI, Method, Preset, Setting
+
+PJD_ACCEPTANCE = Setting(
+    "pjd_acceptance", str, "official",
+    "PJD: 'official' as its code (a row below the top one commits its accepted drafts only, the next token left as "
+    "the next step's first draft; an old draft kept where p_new/q_old > 0.5) or 'exact' (every row as the top one)",
+    choices=("official", "exact"))
 
 #: Every row may be open (ZipAR's schedule: as many as the lead allows); the engine takes the grid's.
 ALL_ROWS = 4096
@@ -39,15 +46,28 @@ class PJD(Method):
     512 px; c = 11, and the code's 8, on Lumina-mGPT's 48)."""
 
     name = "pjd"
-    summary = "parallel Jacobi decoding: every open row with its own Jacobi window, exact acceptance (PJD)"
+    summary = "parallel Jacobi decoding: every open row with its own Jacobi window (PJD)"
     drafts = (JACOBI,)
+    settings = (PJD_ACCEPTANCE,)
     presets = {"pjd": Preset({"rows": ALL_ROWS, "window": 7}, "PJD: every row opens once the row above has a fifth of "
                                                               "its tokens (PJD's 6 of 32), each with a Jacobi window "
                                                               "of 7 drafts and its root (PJD's window_size 8) "
-                                                              "verified exactly", bench=False)}
+                                                              "verified with PJD's code's acceptance", bench=False),
+               "pjd-exact": Preset({"rows": ALL_ROWS, "window": 7, "pjd_acceptance": "exact"},
+                                   "PJD's schedule and window, every open row verified exactly as the top one (a bonus "
+                                   "or residual token each step): faster than PJD's code's acceptance here "
+                                   "(docs/BENCHMARKS.md)", bench=False)}
 
     def default_row_lead(self, grid: int) -> int:
         return max(1, round(grid / 5))
+
+    def prefix_below(self, options) -> bool:
+        return options.pjd_acceptance == "official"
+
+    def source(self, options, context):
+        from relaxspec.drafting.jacobi import JacobiSource
+
+        return JacobiSource(options.window, keep_likelier=options.pjd_acceptance == "official")
 
     def resolve(self, options) -> None:
         super().resolve(options)
