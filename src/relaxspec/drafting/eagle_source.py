@@ -14,9 +14,10 @@ cache, laid out as the target's:
   raster index, whichever lane committed it; a lane's draft nodes sit in the lane's own scratch
   slots past the image, so no lane overwrites another's pairs;
 * a node sees the committed pairs up to its root's in raster order and its own ancestors (the
-  row-causal mask of the target, :func:`relaxspec.decoding.rows.row_causal_mask`); a committed
-  pair sees the committed pairs before it;
-* a row's first step drafts nothing: its root is a stand-in (the row above's latest token) and
+  target's row-causal mask, :func:`relaxspec.decoding.rows.row_causal_mask`, without what the
+  target adds to it: the other rows' inputs of the same forward, a finished row's last token);
+  a committed pair sees the committed pairs before it;
+* a row's first step drafts nothing: its root is a stand-in (a token of a row above) and
   the lane's root law is stale (its previous row's, or a waiting lane's padding), so that step
   decides the bonus token alone and the pair it commits gives the lane the law of the row's next
   token.
