@@ -225,8 +225,10 @@ def test_a_state_saved_before_distillation_resumes(tmp_path, target, dataset) ->
     (dict(law_loss="js"), "law_loss must be one of ce, kl, tv, kl\\+tv"),
     (dict(law_loss="kl", temperature=0.0), "temperature > 0"),
     (dict(law_loss="tv", null_fraction=0.5), "null_fraction 1"),
-    (dict(train_depths=0), "train_depths must be >= 1"),
-    (dict(eval_depths=0), "eval_depths must be >= 1"),
+    (dict(train_depths=0), "train_depths must lie in \\[1, 64\\], got 0"),
+    (dict(train_depths=100000), "train_depths must lie in \\[1, 64\\], got 100,000"),  # it ran on, memory growing
+    (dict(eval_depths=0), "eval_depths must lie in \\[1, 64\\]"),
+    (dict(eval_depths=10**6), "eval_depths must lie in \\[1, 64\\]"),
     (dict(patience=-1), "patience must be >= 0"),
     (dict(distill_weight=-1.0), "distill_weight must be >= 0"),
     (dict(null_fraction=0.0), "null_fraction must be > 0"),

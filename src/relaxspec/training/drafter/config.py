@@ -32,6 +32,10 @@ RUN_FIELDS = ("out", "epochs", "steps", "device", "bf16", "progress", "checkpoin
               "patience", "export", "eval_depths")
 #: Fields added after the first train states were written, and what a state without them did.
 ADDED_FIELDS = {"law_loss": "ce", "distill_weight": 1.0, "train_depths": 1}
+#: The most draft depths one training step unrolls (``train_depths``, ``eval_depths``): each keeps a
+#: batch of features for the backward pass, so memory grows with it; draft chains a step verifies
+#: are rarely deeper than ten, and ``--train-depths 100000`` only ran out of memory.
+MAX_UNROLLED_DEPTHS = 64
 #: Fields of older train states that are family opening inputs now (``inputs``, by the same names).
 INPUT_FIELDS = ("t5_path", "tokenizer_path", "negative_prompt")
 LAW_LOSSES = ("ce", "kl", "tv", "kl+tv")
@@ -149,8 +153,10 @@ class DrafterTrainConfig(common.RecipeConfig):
         need(0 <= self.null_fraction <= 1, f"null_fraction must lie in [0, 1], got {self.null_fraction}")
         need(self.law_loss in LAW_LOSSES, f"law_loss must be one of {', '.join(LAW_LOSSES)}, got {self.law_loss!r}")
         need(self.distill_weight >= 0, f"distill_weight must be >= 0, got {self.distill_weight}")
-        need(self.train_depths >= 1, f"train_depths must be >= 1, got {self.train_depths}")
-        need(self.eval_depths >= 1, f"eval_depths must be >= 1, got {self.eval_depths}")
+        need(1 <= self.train_depths <= MAX_UNROLLED_DEPTHS,
+             f"train_depths must lie in [1, {MAX_UNROLLED_DEPTHS}], got {self.train_depths:,}")
+        need(1 <= self.eval_depths <= MAX_UNROLLED_DEPTHS,
+             f"eval_depths must lie in [1, {MAX_UNROLLED_DEPTHS}], got {self.eval_depths:,}")
         need(self.patience >= 0, f"patience must be >= 0 (0 = never stop early), got {self.patience}")
         if self.law_loss != "ce":
             need(self.temperature > 0, "distilling the decoding law needs temperature > 0 (greedy decoding "
