@@ -97,6 +97,24 @@ def test_the_readme_test_checkpoints_block_runs_as_written(tmp_path, monkeypatch
     assert (tmp_path / "demo-out" / "0000.png").is_file() and (tmp_path / "demo-out" / "0001.png").is_file()
 
 
+def test_the_hint_make_test_checkpoints_prints_runs_as_printed_after_the_readme_s_first_run(tmp_path, monkeypatch,
+                                                                                           capsys):
+    """Issue 45: the "try:" line of make-test-checkpoints ended with ``--out out``, the folder the
+    README's first command had already filled with other settings, so it was refused as printed.
+    Here ``out/`` holds another run, and the printed command runs as it is."""
+    import shlex
+
+    from relaxspec.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "stats.json").write_text('{"settings": "another run"}')
+    assert main(["make-test-checkpoints", "--preset", "tiny", "--out", "ckpt"]) == 0
+    hint = [line for line in capsys.readouterr().out.splitlines() if line.startswith("try: relaxspec ")]
+    assert len(hint) == 1
+    assert main(shlex.split(hint[0][len("try: relaxspec "):]) + ["--no-progress"]) == 0, capsys.readouterr().err
+
+
 def test_gpu_users_keep_their_torch():
     """Issue 33: the README's ``pip install torch==2.13.0`` would replace a GPU machine's CUDA torch.
     The README says how to install there (``pip install -e .`` alone), and that holds: the project

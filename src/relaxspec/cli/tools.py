@@ -356,5 +356,5 @@ def cmd_make_test_checkpoints(args: argparse.Namespace) -> int:
     print(f"wrote random-weight checkpoints (official layout) to {out}: gpt.pt "
           f"({target.num_parameters() / 1e6:.1f}M parameters), vq.pt")
     print(f"try: relaxspec generate --gpt-ckpt {out / 'gpt.pt'} --gpt-model {gpt_spec} --vq-ckpt {out / 'vq.pt'} "
-          f"--vq-model {vq_spec} --image-size {image_size} {condition} --out out")
+          f"--vq-model {vq_spec} --image-size {image_size} {condition} --out {out}-images")
     return 0
