@@ -84,6 +84,10 @@ def test_two_processes_train_the_one_process_weights(tmp_path, target_path) -> N
     lines = [[json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
              for name in ("one", "two")]
     assert [r["step"] for r in lines[0]] == [r["step"] for r in lines[1]] == [0, 4, 8]
+    # the run says who trained it (issue 45)
+    trained = [json.loads((tmp_path / name / "best" / "config.json").read_text())["training"] for name in ("one", "two")]
+    assert (trained[0]["processes"], trained[0]["devices"]) == (1, ["cpu"])
+    assert (trained[1]["processes"], trained[1]["devices"]) == (2, ["cpu", "cpu"])
     assert lines[1][-1]["loss"] < lines[1][0]["loss"] - 0.01  # trained, not the initial weights
     for a, b in zip(*lines):
         assert a["loss"] == pytest.approx(b["loss"], abs=1e-6) and a["accept"] == pytest.approx(b["accept"], abs=1e-6)

@@ -70,6 +70,14 @@ class Group:
         torch.distributed.broadcast(tensor, 0)
         return int(tensor.item())
 
+    def gather(self, value: str) -> list[str]:
+        """Every rank's ``value`` (a short string), in rank order, on every rank."""
+        if self.world == 1:
+            return [value]
+        values: list = [None] * self.world
+        torch.distributed.all_gather_object(values, value)
+        return [str(v) for v in values]
+
     def sum(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor`` summed over the ranks (in place; returned)."""
         if self.world > 1:

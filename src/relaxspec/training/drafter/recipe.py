@@ -349,7 +349,9 @@ def _train(config: DrafterTrainConfig, *, target, dataset, resume: bool, group: 
 
     steps_per_epoch = math.ceil(len(train_set) / config.batch_size)
     total = common.run_length(config.steps, config.epochs, steps_per_epoch)
-    extra = {"recipe": "relaxspec train-drafter", "law_loss": config.law_loss, "train_depths": config.train_depths}
+    # who trained it: the processes and each one's device (a run resumed on other ones says the last)
+    extra = {"recipe": "relaxspec train-drafter", "law_loss": config.law_loss, "train_depths": config.train_depths,
+             "processes": group.world, "devices": group.gather(str(device))}
 
     def evaluate(at: int) -> bool:
         # Step 0 is the untrained baseline: logged, never a candidate for out/best. Every later
