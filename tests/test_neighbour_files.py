@@ -92,6 +92,11 @@ def bad_file(tmp_path, name, array, **kwargs) -> str:
     return str(path)
 
 
+def text_file(path) -> str:
+    path.write_text("0 1 2\n1 0 2\n")
+    return str(path)
+
+
 def test_bad_neighbour_files_are_one_line(codebook, tmp_path, capsys):
     vocab = codebook.shape[0]
     good = np.stack([np.roll(np.arange(vocab), -i - 1)[: vocab - 1] for i in range(vocab)]).astype(np.uint16)
@@ -106,7 +111,11 @@ def test_bad_neighbour_files_are_one_line(codebook, tmp_path, capsys):
         (bad_file(tmp_path, "range.npy", good.astype(np.int64) + vocab), f"code ids must lie in [0, {vocab - 1}]"),
         # A pickled object array: refused by the reader, never unpickled.
         (bad_file(tmp_path, "pickle.npy", np.array([{"a": 1}], dtype=object), allow_pickle=True),
-         "not a NumPy table of code ids"),
+         "not a NumPy table of code ids: it holds Python objects (a pickle), never loaded"),
+        # Issue 45: plain text was called "pickled (object) data", with numpy's advice to unpickle it;
+        # a folder that exists was "no such file".
+        (text_file(tmp_path / "nb.txt"), "not a .npy file (no NumPy header)"),
+        (str(tmp_path), "is a folder, not a file"),
     ]
     for path, message in cases:
         argv = ["generate", "--classes", "heart", "--method", "lantern", "--neighbours", path, "--out",

@@ -187,14 +187,26 @@ def file_identity(path: str) -> dict:
     return {p.name: [p.stat().st_size, p.stat().st_mtime_ns] for p in files}
 
 
+def missing_file(path: str | os.PathLike) -> str | None:
+    """Why ``path`` is not a file one can read, in a few words (``None`` when it is one): a folder
+    is named a folder, not "no such file"."""
+    path = Path(path)
+    if path.is_file():
+        return None
+    return "is a folder, not a file" if path.is_dir() else "no such file"
+
+
+NUMPY_MAGIC = b"\x93NUMPY"
+
+
 def load_array(path: str) -> np.ndarray | dict:
     """A ``.npy`` array or an ``.npz``'s arrays as a dict, refusing pickles (object arrays) and
     anything that is not a NumPy array file, each with one clear message."""
-    if not Path(path).is_file():
-        raise RelaxspecError(f"{path}: no such file")
+    if missing_file(path):
+        raise RelaxspecError(f"{path}: {missing_file(path)}")
     with open(path, "rb") as handle:
         magic = handle.read(6)
-    if magic != b"\x93NUMPY" and not magic.startswith(b"PK"):
+    if magic != NUMPY_MAGIC and not magic.startswith(b"PK"):
         raise RelaxspecError(f"{path}: not a .npy / .npz array file")
     try:
         loaded = np.load(path, allow_pickle=False)

@@ -112,14 +112,21 @@ def load_neighbour_file(path: str | os.PathLike, vocab: int, k: int) -> Tensor:
     first ``k`` columns; pickled (object) arrays are refused, never loaded."""
     import numpy as np
 
+    from relaxspec.files import NUMPY_MAGIC, missing_file
+
     path = Path(path)
     where = f"--neighbours {path}"
-    if not path.is_file():
-        raise RelaxspecError(f"{where}: no such file")
+    if missing_file(path):
+        raise RelaxspecError(f"{where}: {missing_file(path)}")
+    with open(path, "rb") as handle:
+        if handle.read(len(NUMPY_MAGIC)) != NUMPY_MAGIC:
+            raise RelaxspecError(f"{where}: not a .npy file (no NumPy header): save the table with numpy.save")
     try:
         array = np.load(path, mmap_mode="r", allow_pickle=False)
     except ValueError as err:  # an object array (a pickle) or a damaged header
-        raise RelaxspecError(f"{where}: not a NumPy table of code ids ({err})") from None
+        pickled = "allow_pickle" in str(err) or "Python objects" in str(err)
+        why = "it holds Python objects (a pickle), never loaded" if pickled else str(err)
+        raise RelaxspecError(f"{where}: not a NumPy table of code ids: {why}") from None
     except OSError as err:
         raise RelaxspecError(f"{where}: cannot be read as a .npy file ({err})") from None
     if not isinstance(array, np.ndarray) or array.ndim != 2 or not np.issubdtype(array.dtype, np.integer):

@@ -92,14 +92,14 @@ class Lantern(Method):
         ``neighbours`` file), kept per live tokenizer; and ``k`` (at most the codebook size - 1)."""
         from relaxspec.acceptance import cached_neighbour_table
         from relaxspec.acceptance.neighbours import default_cache_dir, load_neighbour_file
-        from relaxspec.files import file_identity
+        from relaxspec.files import file_identity, missing_file
 
         raw = vq.raw_codebook
         k = min(options.k, raw.shape[0] - 1)
         if options.neighbours is not None:  # the user's table (LANTERN's file): read once per file and tokenizer
             path = Path(options.neighbours)
-            if not path.is_file():
-                raise RelaxspecError(f"--neighbours {path}: no such file")
+            if missing_file(path):
+                raise RelaxspecError(f"--neighbours {path}: {missing_file(path)}")
             key = ("file", str(path.resolve()), str(file_identity(str(path))), k, raw.shape[0])
             return _NEIGHBOURS.get(vq, key, lambda: load_neighbour_file(path, raw.shape[0], k)), k
 

@@ -22,6 +22,7 @@ from pathlib import Path
 from relaxspec import __version__, methods
 from relaxspec.devices import machine_identity, machine_kind
 from relaxspec.errors import RelaxspecError, shown
+from relaxspec.files import missing_file
 from relaxspec.models.llamagen.checkpoints import PRECISIONS
 from relaxspec.sampling import SamplingConfig
 
@@ -61,8 +62,8 @@ def read_preset(path) -> dict:
     if isinstance(path, bool) or not isinstance(path, (str, Path)) and not hasattr(path, "__fspath__"):
         raise RelaxspecError(f"a preset is the path of a tune.json file (relaxspec tune writes one), got {shown(path)}")
     path = Path(path)
-    if not path.is_file():
-        raise RelaxspecError(f"--preset {path}: no such file")
+    if missing_file(path):
+        raise RelaxspecError(f"--preset {path}: {missing_file(path)}")
     try:
         data = json.loads(path.read_text())
     except (ValueError, UnicodeDecodeError) as err:
