@@ -332,7 +332,9 @@ def test_generate_paints_rows_and_says_its_law_is_not_the_model_s(tmp_path, caps
         assert all(image["rows"] >= 2 and image["row_lead"] >= 1 for image in stats["images"])
     capsys.readouterr()
     for args, said in ((["--method", "ar", "--rows", "2"], "--rows is not used by --method ar"),
-                       (["--method", "sjd", "--row-lead", "2"], "--row-lead is not used by --method sjd"),
+                       (["--method", "sjd", "--row-lead", "2"], "without --rows: it sets rows in parallel (add --rows R"),
+                       (["--method", "lantern", "--row-lead", "2"], "without --rows: it sets rows in parallel"),
+                       (["--method", "ar", "--row-lead", "2"], "--row-lead is not used by --method ar"),
                        (["--method", "zipar", "--rows", "1"], "--rows must be at least 2"),
                        (["--method", "pjd", "--row-lead", "9"], "row lead must lie in [1, 8]")):
         assert run(*args) == 2

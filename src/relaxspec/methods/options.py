@@ -121,6 +121,8 @@ class MethodOptions:
 
             users = [d for d, fields in STRUCTURE_FIELDS.items() if unused[0] in fields and d in self.family.drafts]
             hint = f" (it belongs to --draft {' / '.join(users)})" if users and len(self.family.drafts) > 1 else ""
+            if unused[0] == "row_lead" and self.family.takes_rows and self.rows < 2:
+                hint = " without --rows: it sets rows in parallel (add --rows R, R >= 2)"
             flag = registry.settings()[unused[0]].cli_flag
             raise RelaxspecError(f"{flag} is not used by {self.family.where(self)}{hint}")
 
