@@ -248,6 +248,18 @@ def test_resume_after_interruption_and_deletion(tiny_ckpts, tmp_path, capsys, mo
     stats = json.loads((out / "stats.json").read_text())
     assert stats["complete"] and stats["totals"]["generated_this_run"] == 1 and len(stats["images"]) == 4
 
+    # Issue 45: a PNG cut short (a crash, a full disk) was kept and every resume failed on it with
+    # "image file is truncated", naming no file; it is drawn again. A folder where a PNG goes is named.
+    whole = (out / "0001.png").read_bytes()
+    (out / "0001.png").write_bytes(whole[: len(whole) // 2])
+    code, stdout, _ = run(generate_args(ckpts, out, *extra), capsys)
+    assert code == 0 and "1 generated now, 3 kept" in stdout and (out / "0001.png").read_bytes() == whole
+    (out / "0001.png").unlink()
+    (out / "0001.png").mkdir()
+    code, _, err = run(generate_args(ckpts, out, *extra), capsys)
+    assert code == 2 and f"{out / '0001.png'}: is a folder where a file is written" in err and err.count("error") == 1
+    (out / "0001.png").rmdir()
+
     # Other settings in the same folder: refused unless --overwrite.
     code, _, err = run(generate_args(ckpts, out, *extra, "--cfg-scale", "2"), capsys)
     assert code == 2 and "different settings" in err and "sampling" in err

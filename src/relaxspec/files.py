@@ -117,6 +117,8 @@ def read_json(path: str | Path, what: str | None = None):
 def write_atomic(path: Path, write) -> None:
     """``write(temp_path)`` then rename over ``path``: readers never see a half-written file."""
     temp = path.with_name(f".{path.name}.{os.getpid()}.tmp{path.suffix}")
+    if path.is_dir():  # the rename would fail naming the temporary file
+        raise RelaxspecError(f"{path}: is a folder where a file is written; move it away")
     try:
         write(temp)
         os.replace(temp, path)
@@ -134,6 +136,19 @@ def write_png(path: Path, pixels: np.ndarray) -> None:
     from PIL import Image
 
     write_atomic(path, lambda temp: Image.fromarray(pixels).save(temp, format="PNG"))
+
+
+def png_is_whole(path: Path) -> bool:
+    """Whether ``path`` is a PNG read to its end without error (a file cut short by a crash or a
+    full disk is not: a resumed run draws that image again)."""
+    from PIL import Image
+
+    try:
+        with Image.open(path) as image:
+            image.load()
+        return True
+    except (OSError, SyntaxError, ValueError):
+        return False
 
 
 def grid_shape(count: int, max_aspect: int = 3) -> tuple[int, int]:

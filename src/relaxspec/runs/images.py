@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 from relaxspec import __version__
 from relaxspec.decoding.result import certified_tv, record_tv_sum, total_rank_counts
 from relaxspec.errors import RelaxspecError
-from relaxspec.files import file_identity, write_atomic, write_grid, write_json, write_png
+from relaxspec.files import file_identity, png_is_whole, write_atomic, write_grid, write_json, write_png
 from relaxspec.methods.grid import ROWS_SEEN
 from relaxspec.runs.folder import different_settings, settings_hash
 from relaxspec.sampling import batch_seed
@@ -201,7 +201,7 @@ def previous_run(out: Path, settings: dict, settings_hash: str, num_images: int,
     for record in old_images:
         i = record.get("index")
         if (isinstance(i, int) and 0 <= i < num_images and (out / str(record.get("file"))).is_file()
-                and (saved[i] >= 0).all()):
+                and (saved[i] >= 0).all() and png_is_whole(out / str(record.get("file")))):
             records[i] = record
             tokens[i] = saved[i]
     return records, tokens, old.get("acceptance_counts_by_batch") or {}
