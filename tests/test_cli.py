@@ -519,3 +519,22 @@ def test_the_default_grid_has_no_empty_cell(tmp_path, capsys):
     write_grid(big, ["0.png", "1.png", "2.png"])
     width, height = Image.open(big / "grid.png").size
     assert width <= 8192 and height <= 8192 and width > 3 * 1400
+
+
+def test_values_past_what_the_model_uses_are_recorded_as_used_and_said(tmp_path, capsys):
+    """Issue 45: ``--k 5000`` over a 1024-code table ran and recorded k = 5000, ``--rows 100000``
+    recorded 100000 open rows where 4 can be. The run records what it used, and says so once."""
+    for args, field, used, said in (
+            (["--method", "lantern", "--k", "5000"], "k", 1023, "--k 5,000: the codebook has 1,024 codes"),
+            (["--method", "zipar", "--rows", "100000"], "rows", 4, "--rows 100,000: at a lead of 3 this model's "
+                                                                    "8-row grid keeps at most 4 rows open")):
+        out = tmp_path / field
+        assert main(["generate", "--classes", "heart", "--no-progress", "--out", str(out), *args]) == 0
+        err = capsys.readouterr().err
+        assert err.count(said) == 1, err
+        assert json.loads((out / "stats.json").read_text())["settings"]["method"][field] == used
+    # a preset's value stays as it names itself: zipar's "every row" (the engine opens those it can)
+    assert main(["generate", "--classes", "heart", "--no-progress", "--method", "zipar", "--out",
+                 str(tmp_path / "preset")]) == 0
+    assert "note:" not in capsys.readouterr().err
+    assert json.loads((tmp_path / "preset" / "stats.json").read_text())["settings"]["method"]["rows"] == 4096

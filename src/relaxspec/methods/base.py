@@ -227,6 +227,19 @@ class Method:
         if options.draft != JACOBI:
             draft_structure(options)  # a tree's own bounds (nothing is allocated)
 
+    def use_effective(self, options, context: BuildContext) -> None:
+        """Settings past what the model can use, set to what it uses (:meth:`MethodOptions.use`,
+        with a note): more open rows than the grid and the lead can keep open. Override to add a
+        method's own, and call this."""
+        if options.rows > 1 and context.target is not None:
+            from relaxspec.methods.grid import grid_side, row_plan
+
+            plan, grid = row_plan(options, context.target), grid_side(context.target)
+            most = min(grid, -(-grid // plan.lead) + 1)  # a row stays the lead behind the row above
+            if options.rows > most:
+                options.use("rows", most, f"--rows {options.rows:,}: at a lead of {plan.lead} this model's "
+                                          f"{grid}-row grid keeps at most {most} rows open; {most} are used")
+
     def _check_rows(self, options, context: BuildContext) -> None:
         """Rows in parallel: a model with a square grid, a lead within the row, and drafts that every
         row can have (a Jacobi window, any tree of the EAGLE drafter, or none)."""

@@ -87,6 +87,14 @@ class Lantern(Method):
         if options.neighbours is not None and context.tokenizer is not None:
             self.table(options, context.tokenizer)  # a table file is read and checked before the first decode
 
+    def use_effective(self, options, context) -> None:
+        super().use_effective(options, context)
+        vq = context.tokenizer
+        codes = None if vq is None else int(vq.raw_codebook.shape[0])
+        if codes is not None and options.k is not None and options.k > codes - 1:
+            options.use("k", codes - 1, f"--k {options.k:,}: the codebook has {codes:,} codes, so each has "
+                                        f"{codes - 1:,} neighbours; k = {codes - 1:,} is used")
+
     def table(self, options, vq):
         """The ``[V, k]`` neighbour table of ``vq``'s codebook this run uses (computed, or the
         ``neighbours`` file), kept per live tokenizer; and ``k`` (at most the codebook size - 1)."""

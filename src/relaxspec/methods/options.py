@@ -52,6 +52,9 @@ class MethodOptions:
         object.__setattr__(self, "_values", values)
         object.__setattr__(self, "method", method.name)
         object.__setattr__(self, "family", method)
+        object.__setattr__(self, "notes", ())
+        # the fields of the last layer (what the user gave): a value a run cannot use is noted then
+        object.__setattr__(self, "given", frozenset(layers[-1]) - {"method"} if layers else frozenset())
         for field, value in values.items():
             known[field].check(value)
         method.resolve(self)
@@ -94,7 +97,18 @@ class MethodOptions:
         object.__setattr__(copy, "_values", dict(self._values))
         object.__setattr__(copy, "method", self.method)
         object.__setattr__(copy, "family", self.family)
+        object.__setattr__(copy, "notes", self.notes)
+        object.__setattr__(copy, "given", self.given)
         return copy
+
+    def use(self, field: str, value, note: str) -> None:
+        """Where the user gave ``field`` past what the run can use on its model, set it to what it
+        uses (``value``), so that the run records that, with ``note`` (one line saying why) kept in
+        :attr:`notes` for the run to print. A preset's or the paper's value stays as it is named
+        (zipar's "every row"; LANTERN's k = 1000 on a small codebook): the engine caps it alike."""
+        if field in self.given:
+            setattr(self, field, value)
+            object.__setattr__(self, "notes", (*self.notes, note))
 
     def __eq__(self, other) -> bool:
         return isinstance(other, MethodOptions) and (self.method, self._values) == (other.method, other._values)

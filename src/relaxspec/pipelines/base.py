@@ -184,8 +184,12 @@ class ImagePipeline:
 
     def check_fits(self, options: MethodOptions) -> None:
         """Refuse, with one line, a method whose sizes this model cannot use (a draft deeper or a
-        window wider than its images, a tree past the node bound), before anything is decoded."""
-        options.family.check_fits(options, methods.BuildContext(target=self.target, tokenizer=self.tokenizer))
+        window wider than its images, a tree past the node bound), before anything is decoded; and
+        set the sizes it can use but not whole (LANTERN's ``k`` past the codebook, more rows than
+        open at once) to what it uses, with a note in ``options.notes``."""
+        context = methods.BuildContext(target=self.target, tokenizer=self.tokenizer)
+        options.family.check_fits(options, context)
+        options.family.use_effective(options, context)
 
     def _check_drafter(self, options: MethodOptions) -> None:
         if options.needs_drafter and self.drafter is None:

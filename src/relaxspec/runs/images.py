@@ -64,6 +64,8 @@ def write_image_run(pipeline, condition, options, sampling, out, settings: dict,
     batch_counts = kept_batch_counts(old_counts, records, batch_size, num_images)
 
     print(f"relaxspec: {options.describe()}", file=sys.stderr)  # the settings in use, and only those
+    for note in options.notes:  # a value given past what this model can use, and what is used
+        print(f"relaxspec: note: {note}", file=sys.stderr)
     stats = {"relaxspec_version": __version__, "settings_hash": digest, "settings": settings,
              "complete": False, "images": [], "totals": {}}
     load_seconds = time.perf_counter() - wall
