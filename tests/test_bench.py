@@ -380,6 +380,14 @@ def test_bench_command(models, tmp_path, capsys):
     assert printed.count("| `") == 2 and "summary.md" in printed
     assert len(read_records(out)) == 4
     assert run_cli(argv + ["--report-only"]) == 0
+    assert "skipped" not in capsys.readouterr().out
+    # Issue 45: a damaged or cut-off line was dropped without a word; the report says so
+    records = (out / "records.jsonl").read_text().splitlines()
+    (out / "records.jsonl").write_text("\n".join([*records[:-1], records[-1][: len(records[-1]) // 2], "{]"]) + "\n")
+    assert run_cli(argv + ["--report-only"]) == 0
+    printed = capsys.readouterr().out
+    assert "note: 2 lines of records.jsonl skipped: not a complete record" in printed
+    assert "2 lines of records.jsonl skipped" in (out / "summary.md").read_text()
     assert run_cli(["bench", "--list-methods"]) == 0 and "lantern++" in capsys.readouterr().out
 
 

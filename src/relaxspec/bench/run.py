@@ -106,19 +106,29 @@ def bench_settings(methods: Sequence[MethodSpec], condition: Condition, seed: in
 def read_records(out_dir: str | Path, expected_hash: str | None = None) -> list[dict]:
     """The complete records in ``records.jsonl`` (a line cut off by a crash is skipped), only those
     of ``expected_hash`` when given."""
+    return read_records_counted(out_dir, expected_hash)[0]
+
+
+def read_records_counted(out_dir: str | Path, expected_hash: str | None = None) -> tuple[list[dict], int]:
+    """:func:`read_records`, and how many non-empty lines were skipped as not records (cut off,
+    damaged, or not a bench record); records of other settings are not counted."""
     path = Path(out_dir) / RECORDS_FILE
     if not path.exists():
-        return []
-    records = []
+        return [], 0
+    records, skipped = [], 0
     for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
         try:
             record = json.loads(line)
         except json.JSONDecodeError:
+            skipped += 1
             continue
-        if isinstance(record, dict) and "index" in record and "method" in record and (
-                expected_hash is None or record.get("settings_hash") == expected_hash):
+        if not (isinstance(record, dict) and "index" in record and "method" in record):
+            skipped += 1
+        elif expected_hash is None or record.get("settings_hash") == expected_hash:
             records.append(record)
-    return records
+    return records, skipped
 
 
 def prepare_out_dir(out: Path, settings: dict, digest: str, overwrite: bool) -> list[dict]:

@@ -17,7 +17,7 @@ from relaxspec.bench.report.plots import PLOT_DATA, make_plots, plot_data
 from relaxspec.bench.report.quality import (FID_LIKE_NOTE, ensure_images, load_real_images, quality_metrics, read_pngs,
                                             within_baseline_quality)
 from relaxspec.bench.report.statistics import summarize
-from relaxspec.bench.run import RECORDS_FILE, SETTINGS_FILE, read_records
+from relaxspec.bench.run import RECORDS_FILE, SETTINGS_FILE, read_records_counted
 from relaxspec.errors import RelaxspecError, shown
 from relaxspec.methods.grid import ROWS_SEEN
 
@@ -140,6 +140,12 @@ def csv_text(rows: Sequence[dict]) -> str:
 
 def load_bench(out_dir: str | Path) -> tuple[dict, list[dict]]:
     """``(settings, records)`` of the benchmark in ``out_dir`` (records of its settings only)."""
+    settings, records, _ = load_bench_counted(out_dir)
+    return settings, records
+
+
+def load_bench_counted(out_dir: str | Path) -> tuple[dict, list[dict], int]:
+    """:func:`load_bench`, and how many lines of ``records.jsonl`` were skipped as not records."""
     out = Path(out_dir)
     path = out / SETTINGS_FILE
     if not path.is_file():
@@ -149,10 +155,10 @@ def load_bench(out_dir: str | Path) -> tuple[dict, list[dict]]:
         digest, settings = meta["settings_hash"], meta["settings"]
     except (json.JSONDecodeError, KeyError, TypeError):
         raise RelaxspecError(f"{path}: not a relaxspec bench settings file") from None
-    records = read_records(out, digest)
+    records, skipped = read_records_counted(out, digest)
     if not records:
         raise RelaxspecError(f"{out / RECORDS_FILE}: no records of this benchmark yet")
-    return settings, records
+    return settings, records, skipped
 
 
 def timed_by_note(records) -> str | None:
@@ -179,7 +185,7 @@ def write_report(out_dir: str | Path, *, vq=None, classifier=None, real_data: st
     from relaxspec.files import write_atomic, write_json
 
     out = Path(out_dir)
-    settings, records = load_bench(out)
+    settings, records, skipped = load_bench_counted(out)
     methods = settings.get("methods", [])
     labels = [m["label"] for m in methods] or list(dict.fromkeys(r["method"] for r in records))
     num_tokens = int(settings.get("image_tokens") or len(records[0]["tokens"]))
@@ -195,6 +201,9 @@ def write_report(out_dir: str | Path, *, vq=None, classifier=None, real_data: st
         row["method"] = (spec.get("options") or {}).get("method")
         row["description"] = spec.get("description")
     notes = []
+    if skipped:  # a crash cuts a line off; an edit can damage more: say what the report leaves out
+        notes.append(f"{skipped} line{'s' if skipped > 1 else ''} of {RECORDS_FILE} skipped: not a complete record "
+                     "(cut off or damaged); run the bench command again to redo those images")
     timed = timed_by_note(records)
     if timed:
         notes.append(timed)
