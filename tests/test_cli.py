@@ -538,3 +538,19 @@ def test_values_past_what_the_model_uses_are_recorded_as_used_and_said(tmp_path,
                  str(tmp_path / "preset")]) == 0
     assert "note:" not in capsys.readouterr().err
     assert json.loads((tmp_path / "preset" / "stats.json").read_text())["settings"]["method"]["rows"] == 4096
+
+
+def test_eval_says_when_it_has_fewer_prompts_than_asked(capsys):
+    """Issue 45: ``eval --num-prompts 1000000`` on 3 captions used 3 without a word."""
+    import argparse
+
+    from relaxspec.cli.eval import eval_prompts
+
+    args = argparse.Namespace(num_prompts=1_000_000)
+    gen = argparse.Namespace(prompt=["a red fox", "a dog", "the sea"], prompts_file=None)
+    eval_prompts(args, gen)
+    assert gen.prompt == ["a red fox", "a dog", "the sea"] and args.num_prompts == 3
+    assert "--num-prompts 1,000,000: the run has 3 prompts; all 3 are used" in capsys.readouterr().err
+    args.num_prompts = 2
+    eval_prompts(args, gen)
+    assert gen.prompt == ["a red fox", "a dog"] and capsys.readouterr().err == ""

@@ -310,6 +310,10 @@ def eval_prompts(args: argparse.Namespace, gen: argparse.Namespace) -> None:
         prompts = read_prompts(gen)
         if not prompts:
             raise RelaxspecError("--num-prompts keeps the first N prompts of --prompt / --prompts-file: this run has none")
+        if args.num_prompts > len(prompts):  # said, and recorded as used (issue 45)
+            print(f"relaxspec: note: --num-prompts {args.num_prompts:,}: the run has {len(prompts):,} prompts; "
+                  f"all {len(prompts):,} are used", file=sys.stderr)
+            args.num_prompts = len(prompts)
         gen.prompt, gen.prompts_file = prompts[:args.num_prompts], None
 
 
