@@ -134,6 +134,21 @@ def test_one_step_law_matches_enumeration(name, seed):
     torch.testing.assert_close(expected.sum(1), torch.ones(t.shape[0], dtype=torch.float64), atol=ATOL, rtol=0)
 
 
+def test_float64_inputs_at_a_merge_boundary_keep_the_law_of_accept_and_residual():
+    """Issue 45: LANTERN++ (lam 2) with float64 inputs where x's first two neighbours sum to its
+    bound to the last bit: accept and residual (float64) merge both, the law was computed in
+    float32 and merged one, 0.28 off. The law now computes in the inputs' dtype (float32 at least)."""
+    rule = LanternRule(NBRS, k=3, lam=2.0)
+    t = torch.tensor([[0.2830749590581557, 0.2811246665824132, 0.0019502924757425523, 0.11919060112022964,
+                       0.08112893599678032, 0.23353054476667867]], dtype=torch.float64)
+    q = one_hot(torch.tensor([0]), 6, torch.float64)
+    depth = depth_for(1)
+    law = rule.one_step_law(t, q, depth)
+    assert law.dtype == torch.float64
+    torch.testing.assert_close(law, enumerate_law(rule, t, q, depth), atol=1e-12, rtol=0)
+    assert (rule.one_step_law(t.float(), q.float(), depth).double() - law).abs().max() > 0.1  # float32 differs here
+
+
 @pytest.mark.parametrize("name", list(RULES))
 def test_step_tv_matches_enumeration(name):
     """General rows: TV of the marginal law; one-hot rows: the fast path (law of that token)."""

@@ -253,7 +253,11 @@ class LanternRule(AcceptanceRule):
         batch, vocab = target.shape
         depth = as_depth(depth, batch, target.device)
         table = self._table(target.device)
-        t, q = target.float(), proposal.float()
+        # at least float32, and float64 kept: the law's merge decisions are those of accept and
+        # residual, which compute in the inputs' dtype (a float32 law of float64 inputs can merge
+        # otherwise at a boundary and under-count the step's TV record)
+        dtype = torch.promote_types(torch.promote_types(target.dtype, proposal.dtype), torch.float32)
+        t, q = target.to(dtype), proposal.to(dtype)
         excess = (t - q).clamp(min=0)  # (t - q)_+
         # Where q(x) <= t(x) nothing about x's neighbourhood matters: a(x) = q(x) (p~_x(x) >= t(x)
         # >= q(x)) and nothing is rejected (c_x = 0); the formulas below give exactly that, so
