@@ -18,6 +18,12 @@ class MethodOptions:
     ``method`` is the method's name (``"lantern"`` for ``"lantern++"``) and every setting is an
     attribute (``options.delta``). Use :func:`relaxspec.methods.resolve` to put a model's own
     presets in between and refuse settings the method would ignore.
+
+    ``MethodOptions(name)`` is the registry's (the paper's) setting of ``name``, not a model's own
+    tuned preset of it: ``--method lantern`` on the embedded model is its LANTERN (delta 0.5, 64
+    neighbours, a chain of six), ``MethodOptions("lantern")`` LANTERN on EAGLE-2's tree with
+    delta 0.1 and k 1000. For the model's, ask its pipeline: ``open_pipeline(...).method("lantern")``
+    (what ``relaxspec.generate`` and every command use).
     """
 
     def __init__(self, method: str = "ar", **fields):
