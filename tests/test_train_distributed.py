@@ -258,3 +258,26 @@ def test_an_out_folder_in_use_is_refused_by_rank_0_alone(tmp_path, target_path) 
     said = [line for line in run.stderr.splitlines() if line.startswith("relaxspec: error:")]
     assert run.returncode != 0 and len(said) == 1 and "is in use by another train-drafter run" in said[0], run.stderr
     assert sorted(p.name for p in (tmp_path / "busy").iterdir()) == [".lock"]
+
+
+def test_a_process_started_alone_says_what_it_waits_for_and_stops(tmp_path, target_path) -> None:
+    """Issue 45: ``WORLD_SIZE=2 RANK=0 relaxspec train-drafter ...`` without the second process
+    printed nothing and waited up to an hour. Rank 0 now says what it waits for once the wait is
+    noticeable and stops, in one line, after RELAXSPEC_RENDEZVOUS_SECONDS (300 by default); a rank
+    whose rank 0 never comes stops alike. Nothing is written."""
+    args = [sys.executable, "-m", "relaxspec", "train-drafter", "--gpt-ckpt", target_path, *RECIPE, "--steps", "2",
+            "--out", str(tmp_path / "run")]
+    for rank in (0, 1):
+        started, port = time.monotonic(), free_port()
+        run = subprocess.run(args, env=env(RANK=rank, LOCAL_RANK=rank, WORLD_SIZE=2, MASTER_ADDR="127.0.0.1",
+                                           MASTER_PORT=port, RELAXSPEC_RENDEZVOUS_SECONDS=3),
+                             capture_output=True, text=True, timeout=120)
+        lines = [line for line in run.stderr.splitlines() if line.strip()]
+        assert run.returncode == 2 and time.monotonic() - started < 60, run.stderr
+        assert lines[-1].startswith("relaxspec: error: the 2 processes of this run did not all start within 3 s")
+        if rank == 0:
+            assert lines == ["relaxspec: waiting for the 2 processes of this run (WORLD_SIZE 2) at "
+                             f"127.0.0.1:{port}, at most 3 s", lines[-1]]
+        else:
+            assert len(lines) == 1
+        assert not (tmp_path / "run").exists()

@@ -19,6 +19,11 @@ class SaidByRankZero(RelaxspecError):
     rank 0 says it; the others exit with it without repeating the line."""
 
 
+class NotJoined(RelaxspecError):
+    """The processes of a multi-process run did not all start: each process says so itself (rank 0
+    may be the one missing)."""
+
+
 class PeerLost(RelaxspecError):
     """Another process of a multi-process run stopped, so this one stops too. Its process group is
     broken: the command line says the line and leaves at once (tearing the group down can abort)."""

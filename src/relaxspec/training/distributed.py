@@ -24,12 +24,16 @@ from dataclasses import dataclass
 
 import torch
 
-from relaxspec.errors import PeerLost, RelaxspecError, SaidByRankZero
+from relaxspec.errors import NotJoined, PeerLost, RelaxspecError, SaidByRankZero
 from relaxspec.runs.shards import distributed
 
 #: How long a collective waits for the slowest rank (rank 0 evaluating a 7B target's drafter
 #: while the others wait is minutes; a dead rank is noticed long before, see the module's doc).
 TIMEOUT = datetime.timedelta(minutes=60)
+#: How long the processes of a run wait for each other to start (``RELAXSPEC_RENDEZVOUS_SECONDS``
+#: sets it): a process started alone says what it waits for and stops after this, not after
+#: :data:`TIMEOUT`.
+RENDEZVOUS_SECONDS = 300
 
 
 @dataclass(frozen=True)
@@ -114,10 +118,75 @@ def join(device: torch.device) -> tuple[Group, torch.device]:
         if missing:
             raise RelaxspecError(f"WORLD_SIZE {world} but {' and '.join(missing)} not set: start the processes with "
                                  "torchrun (it sets them)")
+        store = _rendezvous(rank, world)
         torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world,
-                                             timeout=TIMEOUT)
+                                             store=store, timeout=TIMEOUT)
         signal.signal(signal.SIGTERM, _stopped_by_launcher)
     return Group(rank, world, local), device
+
+
+def _rendezvous(rank: int, world: int):
+    """The run's key-value store, once every process has reached it, within
+    :data:`RENDEZVOUS_SECONDS`; rank 0 says what it waits for. Under torchrun its agent holds the
+    store; processes started by hand have rank 0 hold it."""
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    try:
+        seconds = float(os.environ.get("RELAXSPEC_RENDEZVOUS_SECONDS", RENDEZVOUS_SECONDS))
+    except ValueError:
+        raise RelaxspecError("RELAXSPEC_RENDEZVOUS_SECONDS must be a number of seconds") from None
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    waiting = (f"relaxspec: waiting for the {world} processes of this run (WORLD_SIZE {world}) at {host}:{port}, "
+               f"at most {seconds:g} s")
+    try:
+        if rank != 0 or agent:  # the store's own client logs every failed try at length: probe quietly first
+            _wait_for_port(host, port, seconds)
+        store = torch.distributed.TCPStore(host, port, world_size=world, is_master=rank == 0 and not agent,
+                                           timeout=datetime.timedelta(seconds=seconds), wait_for_workers=False)
+        # every process checks in, then waits for all (keys of this start: torchrun may restart)
+        start = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        store.add(f"relaxspec/joined/{start}", 1)
+        if rank == 0:
+            _wait_for_count(store, f"relaxspec/joined/{start}", world, seconds, waiting)
+            store.set(f"relaxspec/all/{start}", "1")
+        else:
+            store.wait([f"relaxspec/all/{start}"], datetime.timedelta(seconds=seconds))
+    except (RuntimeError, TimeoutError, ConnectionError):
+        raise NotJoined(f"the {world} processes of this run did not all start within {seconds:g} s "
+                             f"(WORLD_SIZE {world}, {host}:{port}): start them together, e.g. with torchrun "
+                             "--nproc_per_node") from None
+    return store
+
+
+def _wait_for_port(host: str, port: int, seconds: float) -> None:
+    """Until ``host:port`` takes a connection (the run's store is up), for at most ``seconds``."""
+    import socket
+    import time
+
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            socket.create_connection((host, port), timeout=1.0).close()
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{host}:{port}") from None
+            time.sleep(0.1)
+
+
+def _wait_for_count(store, key: str, count: int, seconds: float, waiting: str) -> None:
+    """Until ``key`` counts ``count``; ``waiting`` is said once the wait passes a few seconds."""
+    import time
+
+    started = time.monotonic()
+    said = False
+    while store.add(key, 0) < count:
+        waited = time.monotonic() - started
+        if waited > seconds:
+            raise TimeoutError(key)
+        if waited > min(5.0, seconds / 2) and not said:
+            print(waiting, file=sys.stderr, flush=True)
+            said = True
+        time.sleep(0.05)
 
 
 @contextlib.contextmanager
@@ -126,7 +195,7 @@ def alike(rank: int):
     said once, by rank 0 (the others raise :class:`~relaxspec.errors.SaidByRankZero`)."""
     try:
         yield
-    except SaidByRankZero:
+    except (SaidByRankZero, NotJoined):
         raise
     except RelaxspecError as err:
         if rank != 0:
