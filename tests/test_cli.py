@@ -554,3 +554,24 @@ def test_eval_says_when_it_has_fewer_prompts_than_asked(capsys):
     args.num_prompts = 2
     eval_prompts(args, gen)
     assert gen.prompt == ["a red fox", "a dog"] and capsys.readouterr().err == ""
+
+
+def test_a_ctrl_c_while_the_command_line_loads_is_one_line(monkeypatch, capsys):
+    """Issue 45: a Ctrl-C while ``relaxspec`` imported torch printed a 24-line KeyboardInterrupt
+    traceback. The script (relaxspec.launch, also ``python -m relaxspec``) ends it in one line."""
+    import builtins
+    import sys as system
+
+    from relaxspec import launch
+
+    real_import = builtins.__import__
+
+    def interrupted(name, *args, **kwargs):
+        if name == "relaxspec.cli":
+            raise KeyboardInterrupt
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.delitem(system.modules, "relaxspec.cli")
+    monkeypatch.setattr(builtins, "__import__", interrupted)
+    assert launch.main() == 130
+    assert capsys.readouterr().err == "relaxspec: interrupted while starting\n"

@@ -3,7 +3,7 @@
 
 import sys
 
-from relaxspec.cli import main
+from relaxspec.launch import main
 
 if __name__ == "__main__":
     sys.exit(main())
