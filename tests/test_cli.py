@@ -66,7 +66,8 @@ def test_generate_end_to_end(tiny_ckpts, tmp_path, capsys):
         "--top-k", "20", "--top-p", "0.9", "--seed", "0", "--method", "ar"), capsys)
     assert code == 0, err
     assert "3 images" in stdout
-    assert sorted(p.name for p in out.iterdir()) == ["0000.png", "0001.png", "0002.png", "grid.png", "stats.json", "tokens.npy"]
+    assert sorted(p.name for p in out.iterdir()) == [".lock", "0000.png", "0001.png", "0002.png", "grid.png", "stats.json",
+                                                     "tokens.npy"]
     tokens = np.load(out / "tokens.npy")
     assert tokens.dtype == np.int64 and tokens.shape == (3, 16)
     assert tokens.min() >= 0 and tokens.max() < 64
@@ -232,7 +233,7 @@ def test_resume_after_interruption_and_deletion(tiny_ckpts, tmp_path, capsys, mo
     assert sorted(p.name for p in out.glob("*.png")) == ["0000.png", "0001.png"]
     partial = json.loads((out / "stats.json").read_text())
     assert partial["complete"] is False and [r["index"] for r in partial["images"]] == [0, 1]
-    assert not list(out.glob(".*"))  # no temp files left behind
+    assert [p.name for p in out.glob(".*")] == [".lock"]  # no temp files left behind (the lock file stays)
     first_png = (out / "0000.png").stat().st_mtime_ns
 
     code, stdout, err = run(generate_args(ckpts, out, *extra), capsys)
@@ -575,3 +576,31 @@ def test_a_ctrl_c_while_the_command_line_loads_is_one_line(monkeypatch, capsys):
     monkeypatch.setattr(builtins, "__import__", interrupted)
     assert launch.main() == 130
     assert capsys.readouterr().err == "relaxspec: interrupted while starting\n"
+
+
+@pytest.mark.parametrize("command", [
+    ["generate", "--classes", "heart", "--no-progress"],
+    ["bench", "--methods", "ar", "--num-images", "1", "--no-progress", "--no-plots"],
+    ["tune", "--lossless", "--minutes", "1", "--no-progress"],
+], ids=["generate", "bench", "tune"])
+def test_a_folder_another_run_is_writing_is_refused(tmp_path, command, capsys):
+    """Issue 45: two generate runs with different settings into one --out at once both exited 0 and
+    mixed the folder (stats.json of one, PNGs of the other). Every command that writes a folder
+    holds it (relaxspec.runs.folder.hold_folder, the OS's lock on OUT/.lock) for the whole run: a
+    second run is refused in one line and writes nothing; once the holder is gone the folder is free."""
+    import subprocess
+    import sys as system
+
+    out = tmp_path / "out"
+    holder = subprocess.Popen([system.executable, "-c", "import sys, time; from relaxspec.runs.folder import hold_folder\n"
+                               "with hold_folder(sys.argv[1], 'generate'):\n    print('held', flush=True); "
+                               "time.sleep(60)", str(out)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        assert main([*command, "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert f"--out {out} is in use by another run (relaxspec generate, pid {holder.pid})" in err
+        assert err.count("error") == 1 and sorted(p.name for p in out.iterdir()) == [".lock"]
+    finally:
+        holder.kill()
+        holder.wait()

@@ -256,7 +256,7 @@ def test_an_out_folder_in_use_is_refused_by_rank_0_alone(tmp_path, target_path) 
         run = torchrun("train-drafter", "--gpt-ckpt", target_path, *RECIPE, "--steps", "1", "--out",
                        str(tmp_path / "busy"))
     said = [line for line in run.stderr.splitlines() if line.startswith("relaxspec: error:")]
-    assert run.returncode != 0 and len(said) == 1 and "is in use by another train-drafter run" in said[0], run.stderr
+    assert run.returncode != 0 and len(said) == 1 and "is in use by another run (relaxspec train-drafter" in said[0], run.stderr
     assert sorted(p.name for p in (tmp_path / "busy").iterdir()) == [".lock"]
 
 

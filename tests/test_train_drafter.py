@@ -213,7 +213,7 @@ def test_two_runs_may_not_share_an_out_folder(tmp_path, target: Transformer, dat
     import sys
 
     from relaxspec.cli import main
-    from relaxspec.training.common import LOCK_FILE
+    from relaxspec.runs.folder import LOCK_FILE
 
     save_model(target, tmp_path / "target")
     np.savez(tmp_path / "data.npz", tokens=dataset.tokens.numpy(), labels=dataset.labels.numpy())
@@ -225,8 +225,8 @@ def test_two_runs_may_not_share_an_out_folder(tmp_path, target: Transformer, dat
                                "time.sleep(60)", str(out)], stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"
-        with pytest.raises(RelaxspecError, match=rf"--out {out} is in use by another train-drafter run \(pid "
-                                                 rf"{holder.pid}\); wait for it to end or choose another folder"):
+        with pytest.raises(RelaxspecError, match=rf"--out {out} is in use by another run \(relaxspec train-drafter, "
+                                                 rf"pid {holder.pid}\); wait for it to end or choose another folder"):
             train_drafter(DrafterTrainConfig(out=str(out), steps=2, batch_size=4, progress=False),
                           target=target, dataset=dataset)
         assert not (out / TRAIN_STATE).exists()

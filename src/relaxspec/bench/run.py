@@ -40,7 +40,7 @@ from relaxspec.conditions import Condition
 from relaxspec.methods import BuildContext
 from relaxspec.decoding.result import DecodeResult
 from relaxspec.errors import RelaxspecError
-from relaxspec.runs.folder import different_settings, settings_hash
+from relaxspec.runs.folder import different_settings, hold_folder, settings_hash
 from relaxspec.sampling import SamplingConfig, batch_seed
 
 RECORDS_FILE, SETTINGS_FILE = "records.jsonl", "settings.json"
@@ -229,8 +229,18 @@ def run_bench(pipeline, condition: Condition, methods: Sequence[MethodSpec], sam
     sharded over processes (:mod:`relaxspec.runs.shards`); the others are left to the other
     processes. Seeds, method order and record indices are those of the whole run, so the shards'
     records together are the records one process would write (timings aside). ``timed_by``: what
-    every record says about where it was timed (a rank and its device).
+    every record says about where it was timed (a rank and its device). ``out_dir`` is held for the
+    run (:func:`relaxspec.runs.folder.hold_folder`): another run writing it is refused.
     """
+    with hold_folder(out_dir, "bench"):
+        return _run_bench(pipeline, condition, methods, sampling, out_dir, seed=seed, threads=threads, warmup=warmup,
+                          batch_size=batch_size, progress=progress, identity=identity, overwrite=overwrite, part=part,
+                          timed_by=timed_by)
+
+
+def _run_bench(pipeline, condition, methods, sampling, out_dir, *, seed, threads, warmup, batch_size, progress,
+               identity, overwrite, part, timed_by) -> list[dict]:
+
     if not isinstance(condition, Condition) or not len(condition):
         raise RelaxspecError("no images to benchmark (give a pipeline's Condition)")
     if not methods:

@@ -16,6 +16,7 @@ from relaxspec.conditions import class_ids
 from relaxspec import extras
 from relaxspec.errors import RelaxspecError
 from relaxspec.inputs import check_at_least, check_seed, check_threads
+from relaxspec.runs.folder import hold_folder
 
 #: Where tuning the embedded model writes when no --out is given.
 EMBEDDED_OUT = "tune-embedded"
@@ -218,9 +219,10 @@ def cmd_tune(args: argparse.Namespace) -> int:
                         classifier=classifier, real_images=real_images, real_labels=real_labels,
                         quality_source=source, progress=not args.no_progress,
                         command=shlex.join(["relaxspec", *sys.argv[1:]]) if sys.argv[1:2] == ["tune"] else "relaxspec tune")
-    tuner = Tuner(pipeline, sampling, args.out, config, overwrite=args.overwrite)
-    result = tuner.run()
-    written = write_results(Path(args.out), result, tuner)
+    with hold_folder(args.out, "tune"):  # another run writing the folder is refused (its state would mix)
+        tuner = Tuner(pipeline, sampling, args.out, config, overwrite=args.overwrite)
+        result = tuner.run()
+        written = write_results(Path(args.out), result, tuner)
     print(f"wrote {', '.join(p.name for p in written['files'])} in {args.out}")
     if result["chosen"] is None:
         print(f"relaxspec: {closest_message(budget, result.get('closest'))}", file=sys.stderr)

@@ -23,7 +23,7 @@ from relaxspec.decoding.result import certified_tv, record_tv_sum, total_rank_co
 from relaxspec.errors import RelaxspecError
 from relaxspec.files import file_identity, png_is_whole, write_atomic, write_grid, write_json, write_png
 from relaxspec.methods.grid import ROWS_SEEN
-from relaxspec.runs.folder import different_settings, settings_hash
+from relaxspec.runs.folder import different_settings, hold_folder, settings_hash
 from relaxspec.sampling import batch_seed
 
 STATS_FILE, TOKENS_FILE = "stats.json", "tokens.npy"
@@ -53,8 +53,18 @@ def write_image_run(pipeline, condition, options, sampling, out, settings: dict,
                     upscale_by: int = 1, started: float | None = None) -> dict:
     """Generate one image per row of ``condition`` with ``pipeline`` into ``out`` and return the
     finished ``stats.json``. ``settings``: what identifies the run (:func:`image_settings`); a
-    folder holding another run's images is refused unless ``overwrite``. ``started``: when the
-    command began (``time.perf_counter()``), for the load time the totals report."""
+    folder holding another run's images is refused unless ``overwrite``, and so is a folder
+    another run is writing (:func:`relaxspec.runs.folder.hold_folder`, held to the last write).
+    ``started``: when the command began (``time.perf_counter()``), for the load time the totals
+    report."""
+    with hold_folder(out, "generate"):
+        return _write_image_run(pipeline, condition, options, sampling, out, settings, seed=seed,
+                                batch_size=batch_size, overwrite=overwrite, progress=progress, grid_max=grid_max,
+                                upscale_by=upscale_by, started=started)
+
+
+def _write_image_run(pipeline, condition, options, sampling, out, settings: dict, *, seed, batch_size, overwrite,
+                     progress, grid_max, upscale_by, started) -> dict:
     wall = started if started is not None else time.perf_counter()
     out = Path(out)
     digest = settings_hash(settings)

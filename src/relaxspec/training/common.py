@@ -62,38 +62,11 @@ def publish_model(out: str | Path, model: torch.nn.Module, *, kind: str | None =
     return folder
 
 
-#: The file a running recipe holds locked in its output folder.
-LOCK_FILE = ".lock"
-
-
-@contextlib.contextmanager
 def out_lock(out: str | Path, command: str):
-    """Hold ``out`` for one run: a second run given the same folder while this one lives is refused
-    in one line (its writes would interleave with this run's checkpoints). The lock is the
-    operating system's (``flock``) on ``out/.lock``, so a killed run leaves no stale lock: the file
-    stays, the lock goes with the process."""
-    import fcntl
+    """Hold ``out`` for one run of the recipe ``command`` (:func:`relaxspec.runs.folder.hold_folder`)."""
+    from relaxspec.runs.folder import hold_folder
 
-    folder = Path(out)
-    if folder.exists() and not folder.is_dir():
-        raise RelaxspecError(f"--out {folder}: exists and is not a folder")
-    folder.mkdir(parents=True, exist_ok=True)
-    handle = open(folder / LOCK_FILE, "a+")
-    try:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            handle.seek(0)
-            holder = handle.read().strip() or "another process"
-            raise RelaxspecError(f"--out {folder} is in use by another {command} run ({holder}); wait for it to end "
-                                 "or choose another folder") from None
-        handle.seek(0)
-        handle.truncate()
-        handle.write(f"pid {os.getpid()}")
-        handle.flush()
-        yield folder
-    finally:
-        handle.close()
+    return hold_folder(out, command)
 
 
 def save_train_state(out: str | Path, state: dict) -> None:
