@@ -20,7 +20,6 @@ hooks; a recipe supplies only its batch loss and what to do at its intervals.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
