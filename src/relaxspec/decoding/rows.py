@@ -150,7 +150,8 @@ def rows_step(loop: RowsLoop) -> None:
     # keys are real from now on), unless a lane's root is that token this step
     ends = loop.row_ends  # [grid] grid slots of the rows' last tokens
     pending = (fill[:, :grid] == grid) & ~real[:, ends]
-    tail_row = pending.to(torch.uint8).argmax(1)
+    # the first pending row (a min, not an argmax: inductor's CPU argmax of an all-false row gave -1)
+    tail_row = torch.where(pending, (ends - cls) // grid, grid).amin(1).clamp(max=grid - 1)
     tail_at = tail_row * grid + grid - 1
     tail_on = pending.any(1) & ~(active & ~stand_in & (f == 0) & (k - 1 == tail_at[:, None])).any(1)
     tail_slot = torch.where(tail_on, cls + tail_at, loop.spare)
