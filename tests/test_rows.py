@@ -5,6 +5,7 @@ reference; bad settings."""
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -174,7 +175,7 @@ def test_sampled_rows_commit_every_token_in_fewer_forwards(target) -> None:
     assert all(sum(lengths) == 25 for lengths in result.accept_lengths)
 
 
-def test_pjd_s_acceptance_commits_a_lower_row_s_prefix_and_keeps_likelier_drafts(target) -> None:
+def test_pjd_s_acceptance_commits_a_lower_row_s_prefix_and_keeps_likelier_drafts(target, monkeypatch) -> None:
     """PJD's code: a row below the top open one commits its accepted drafts only (the next step
     drafts that position again), and an old draft survives a redraw, with its old law, where
     p_new / p_old > 0.5 of it; sampled, every token is committed in fewer forwards than tokens."""
@@ -183,43 +184,28 @@ def test_pjd_s_acceptance_commits_a_lower_row_s_prefix_and_keeps_likelier_drafts
     result = generate_rows(target, cond, sampling, source=JacobiSource(3, keep_likelier=True), rule=ExactRule(),
                            plan=plan, generator=torch.Generator().manual_seed(0))
     assert all(sum(lengths) == 25 for lengths in result.accept_lengths) and (result.target_forwards < 25).all()
-    # the redraw rule, on a window of 3 after a step that committed a prefix of one draft, no bonus
-    source = JacobiSource(3, keep_likelier=True)
-    vocab = 4
-    source.greedy, source.vocab, source.window = False, vocab, 3
-    source.drafts = torch.tensor([[0, 1, 2]])
-    source.laws = torch.tensor([[[0.7, 0.1, 0.1, 0.1], [0.1, 0.6, 0.2, 0.1], [0.1, 0.1, 0.4, 0.4]]])
-    source._offsets = torch.arange(3)
-    # chain node 1 + j predicts the new window's position j (one token committed)
-    probs = torch.tensor([[[0.25] * 4, [0.25] * 4, [0.1, 0.6, 0.1, 0.2], [0.1, 0.1, 0.1, 0.7]]])
-    fresh = torch.tensor([[3, 3, 3]])
-
-    class Fixed:
-        def read(self, slot):
-            return None
-
-    source._noise, source._slots = Fixed(), [None]
+    # the redraw rule, on a window of 3 after a step that committed a prefix of one draft, no bonus;
+    # chain node 1 + j predicts the new window's position j, every fresh draw is code 3
     import relaxspec.drafting.jacobi as jacobi
 
-    drawn = jacobi.sample_from
-    jacobi.sample_from = lambda laws, clocks=None: fresh
-    try:
+    monkeypatch.setattr(jacobi, "sample_from", lambda laws, clocks=None: torch.tensor([[3, 3, 3]]))
+
+    def redraw(third_law):
+        source = JacobiSource(3, keep_likelier=True)
+        source.greedy, source.vocab, source._offsets = False, 4, torch.arange(3)
+        source._noise, source._slots = SimpleNamespace(read=lambda slot: None), [None]
+        source.drafts = torch.tensor([[0, 1, 2]])
+        source.laws = torch.tensor([[[0.7, 0.1, 0.1, 0.1], [0.1, 0.6, 0.2, 0.1], [0.1, 0.1, 0.4, 0.4]]])
+        probs = torch.tensor([[[0.25] * 4, [0.25] * 4, third_law, [0.1, 0.1, 0.1, 0.7]]])
         source.update(None, torch.tensor([[0, 1, -1, -1]]), torch.tensor([1]), None, probs, None)
-    finally:
-        jacobi.sample_from = drawn
+        return source
+
     # position 0 (old draft 1, the one rejected or left untested): always the new draw; position 1
     # (old draft 2, p_new 0.1 / p_old 0.4 = 0.25): redrawn; position 2: past the old window
-    assert source.drafts.tolist() == [[3, 3, 3]]
-    source.drafts = torch.tensor([[0, 1, 2]])
-    source.laws = torch.tensor([[[0.7, 0.1, 0.1, 0.1], [0.1, 0.6, 0.2, 0.1], [0.1, 0.1, 0.4, 0.4]]])
-    probs[0, 2] = torch.tensor([0.05, 0.05, 0.3, 0.6])  # p_new 0.3 / p_old 0.4 = 0.75 > 0.5: kept
-    jacobi.sample_from = lambda laws, clocks=None: fresh
-    try:
-        source.update(None, torch.tensor([[0, 1, -1, -1]]), torch.tensor([1]), None, probs, None)
-    finally:
-        jacobi.sample_from = drawn
-    assert source.drafts.tolist() == [[3, 2, 3]]
-    assert torch.equal(source.laws[0, 1], torch.tensor([0.1, 0.1, 0.4, 0.4]))
+    assert redraw([0.1, 0.6, 0.1, 0.2]).drafts.tolist() == [[3, 3, 3]]
+    kept = redraw([0.05, 0.05, 0.3, 0.6])  # p_new 0.3 / p_old 0.4 = 0.75 > 0.5: kept, with its old law
+    assert kept.drafts.tolist() == [[3, 2, 3]]
+    assert torch.equal(kept.laws[0, 1], torch.tensor([0.1, 0.1, 0.4, 0.4]))
 
 
 @pytest.mark.parametrize("plan, message", [
