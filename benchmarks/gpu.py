@@ -176,7 +176,7 @@ def step_cost(model, cond, sampling, options: dict, device: torch.device, *, com
     tokens = model.config.block_size
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         run(2)
-    host = host_calls(prof.events())
+    host = host_calls(prof)
     per_step = max(host["steps"] or 0, 1)
     profiled = run(3, MethodOptions(**options, compile=compile, profile=True))
     return {"ms_per_token": 1000 * wall / tokens, "ms_per_step": 1000 * wall / steps,

@@ -169,10 +169,14 @@ def test_packing_can_be_turned_off(monkeypatch):
 
 @pytest.mark.slow  # compiles a target and a drafter step
 @torch.no_grad()
-def test_a_compiled_decode_packs_the_target_and_the_drafter():
+def test_a_compiled_decode_packs_the_target_and_the_drafter(monkeypatch):
     """The two callers of ``compiled`` that run models (the target's step, the drafter's) hand
-    them over: after a compiled decode both multiply by packed weights, and the tokens are eager's."""
+    them over: after a compiled decode both multiply by packed weights, and the tokens are eager's.
+    (Packed under either backend; aot_eager here, inductor's kernels in tests/test_fast_engine.py.)"""
+    import relaxspec.compiling
     from relaxspec.decoding import MethodOptions, decode
+
+    monkeypatch.setattr(relaxspec.compiling, "BACKEND", "aot_eager")
     from relaxspec.sampling import SamplingConfig
     from helpers.engine import markov_pair
 

@@ -234,7 +234,7 @@ def compiled_case(pair, tmp_path, name: str, temperature: float) -> list[str]:
     compiles = counters["stats"]["unique_graphs"]
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         again = run(pair, name, tmp_path, temperature, compile=True, seed=5)
-    host = host_calls(prof.events())
+    host = host_calls(prof)
     steps = host["steps"]
     checks = {
         "compiled tokens are eager's": torch.equal(first.tokens, eager.tokens),
@@ -268,6 +268,15 @@ def test_every_step_is_one_graph_with_eager_tokens(pair, tmp_path, monkeypatch, 
     failures = [line for name, temperature in COMPILED[cases]
                 for line in compiled_case(pair, tmp_path, name, temperature)]
     assert not failures, "\n".join(failures)
+
+
+def test_the_raw_profile_counts_as_its_event_tree(pair, tmp_path):
+    """``host_calls`` of a profile reads its raw events (what the tests above do, a second or two
+    faster a case): the same top-level events as ``prof.events()``'s tree, counted the same."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        run(pair, "sd-chain", tmp_path, 1.0)
+    raw, tree = host_calls(prof, steady=False), host_calls(prof.events(), steady=False)
+    assert raw == tree and raw["ops"] > 100 and "aten::exponential_" in raw["names"]
 
 
 @pytest.mark.parametrize("name", ["lantern-chain", "rows-sd-chain", "ar"])

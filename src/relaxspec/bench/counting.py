@@ -265,21 +265,41 @@ COMPILED_REGION = "Torch-Compiled Region"
 VALUE_READS = ("aten::item", "aten::_local_scalar_dense")
 
 
+def top_level_events(prof) -> list[tuple[str, int]]:
+    """``(name, start)`` of every CPU event of a ``torch.profiler.profile`` that no other CPU event
+    of its thread encloses, in time order, read from the profiler's raw results: what
+    ``prof.events()`` marks ``cpu_parent is None``, without building its tree (seconds for a
+    decode whose compiled graph runs op by op)."""
+    from torch.autograd import DeviceType
+
+    raw = sorted(((e.start_thread_id(), e.start_ns(), -e.end_ns(), e.name())
+                  for e in prof.profiler.kineto_results.events() if e.device_type() == DeviceType.CPU))
+    top, thread, end = [], None, 0
+    for tid, start, neg_end, name in raw:
+        if tid != thread or start >= end:
+            top.append((name, start))
+            thread, end = tid, -neg_end
+    return sorted(top, key=lambda event: event[1])
+
+
 def host_calls(events, steady: bool = True) -> dict:
-    """What the host did in a decode profiled by ``torch.profiler`` (its ``events()``), per step
-    of a compiled decode: ``calls`` into compiled regions, ``ops`` (aten ops run outside them:
-    eager dispatches, on a GPU kernel launches between the graphs) and ``reads`` of a value,
-    counted over the top-level events. ``steady``: from the decode's first compiled call to its
-    last, over the ``steps`` between (the eager prologue -- prefill, first token, a drafter's first
-    catch-up -- and the read-out left out); else every event, and ``steps`` is left to the caller
-    (``None``). ``names``: the aten ops counted."""
-    top = sorted((e for e in events if e.cpu_parent is None), key=lambda e: e.time_range.start)
+    """What the host did in a decode profiled by ``torch.profiler`` (the profile itself, or its
+    ``events()``), per step of a compiled decode: ``calls`` into compiled regions, ``ops`` (aten
+    ops run outside them: eager dispatches, on a GPU kernel launches between the graphs) and
+    ``reads`` of a value, counted over the top-level events. ``steady``: from the decode's first
+    compiled call to its last, over the ``steps`` between (the eager prologue -- prefill, first
+    token, a drafter's first catch-up -- and the read-out left out); else every event, and
+    ``steps`` is left to the caller (``None``). ``names``: the aten ops counted."""
+    if hasattr(events, "profiler"):  # the profile: its raw events (:func:`top_level_events`)
+        top = [name for name, _ in top_level_events(events)]
+    else:
+        top = [e.name for e in sorted((e for e in events if e.cpu_parent is None), key=lambda e: e.time_range.start)]
     steps = None
     if steady:
-        calls = [i for i, e in enumerate(top) if e.name.startswith(COMPILED_REGION)]
+        calls = [i for i, name in enumerate(top) if name.startswith(COMPILED_REGION)]
         top = top[calls[0] : calls[-1]] if len(calls) > 1 else []
         steps = max(len(calls) - 1, 0)
-    counted = {"calls": sum(e.name.startswith(COMPILED_REGION) for e in top),
-               "ops": sum(e.name.startswith("aten::") for e in top),
-               "reads": sum(e.name in VALUE_READS for e in top)}
-    return {**counted, "steps": steps, "names": sorted({e.name for e in top if e.name.startswith("aten::")})}
+    counted = {"calls": sum(name.startswith(COMPILED_REGION) for name in top),
+               "ops": sum(name.startswith("aten::") for name in top),
+               "reads": sum(name in VALUE_READS for name in top)}
+    return {**counted, "steps": steps, "names": sorted({name for name in top if name.startswith("aten::")})}
