@@ -556,6 +556,7 @@ class OracleTreeSource:
         self.max_nodes, self.max_depth, self.forwards = spec.num_nodes, spec.depth, 0
         # no fixed tree shape declared (its trees carry no children table): the engine runs it eagerly
         self.level_widths, self.forwards_per_step, self.models, self.watch = None, 0, (), None
+        self.caption_rows = "upstream"
         index = {p: i + 1 for i, p in enumerate(spec.paths)}
         self.node_paths = [[index[tuple(rp[:d])] for d in range(1, len(rp) + 1)] for rp in rank_paths]
         self.children = {i: [j for j in range(spec.num_nodes) if int(spec.parents[j]) == i] for i in range(spec.num_nodes)}
@@ -643,7 +644,7 @@ def test_method_options_validation_and_aliases():
             MethodOptions(**bad)
     plus = MethodOptions(method="lantern++")
     assert (plus.method, plus.draft, plus.delta) == ("lantern", "static", None)
-    assert plus.lam is not None and plus.lam > 1 and plus.tree == "lantern57"
+    assert plus.lam is not None and plus.lam > 1 and plus.tree == "naive_extend_57"
     assert MethodOptions(method="lantern").delta is not None  # plain LANTERN: the additive budget
     eagle2 = MethodOptions(method="eagle2")
     assert (eagle2.method, eagle2.draft) == ("sd", "dynamic")

@@ -298,7 +298,7 @@ def generate_rows(model, cond, sampling: SamplingConfig, *, source, rule: Accept
     rule.prepare(device)
     bar = tqdm(total=batch * n_tok, desc="rows", disable=not progress, leave=False)
     try:
-        probs0, hidden0 = target.prefill()
+        probs0, hidden0 = target.prefill(source.caption_rows)
         first = sample_from(probs0, generator, greedy)
         noise = StepNoise(device, owner=model)
         started = time.perf_counter()

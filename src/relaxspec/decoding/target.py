@@ -12,13 +12,15 @@ speculative steps put drafts in scratch slots beyond the committed prefix and co
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from relaxspec.caching import kept_copy
 from relaxspec.compiling import compiled
 from relaxspec.errors import RelaxspecError
 from relaxspec.timing import Stopwatch
-from relaxspec.models.base import TargetModel, condition_tokens
+from relaxspec.models.base import TargetModel, condition_states, condition_tokens
 from relaxspec.sampling import SamplingConfig, process_logits, stream_rows
 
 
@@ -101,17 +103,17 @@ class GuidedTarget:
         self.watch = Stopwatch(self.device) if timed else None  # time inside the model's forward calls
         self._step = compiled(guided_step, self.device, model) if compile else guided_step
 
-    def prefill(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def prefill(self, caption_rows: str = "upstream") -> tuple[torch.Tensor, torch.Tensor]:
         """Encode the condition. Returns probabilities for image token 0 ``[B, V]`` and the
         hidden states at every condition position ``[S*B, C, dim]`` (all streams; the last one
-        predicted image token 0)."""
+        predicted image token 0), those at padded caption positions computed as ``caption_rows``
+        says (:func:`relaxspec.models.base.condition_states`: what the draft source reads)."""
         slots = torch.arange(self.cls, device=self.device).expand(self.batch * self.streams, -1)
         mask = attention_mask(slots, None, self.key_valid, self.max_seq)
-        if self.watch is None:
+        with self.watch or contextlib.nullcontext():
             logits, hidden = self.model.prefill(self.cond, slots, slots, mask)
-        else:
-            with self.watch:
-                logits, hidden = self.model.prefill(self.cond, slots, slots, mask)
+            valid = None if self.key_valid is None else self.key_valid[:, : self.cls]
+            hidden = condition_states(self.model, self.cond, valid, hidden, caption_rows)
         return process_logits(logits[:, -1], self.sampling), hidden
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,

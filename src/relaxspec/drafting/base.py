@@ -67,7 +67,9 @@ class DraftSource(Protocol):
     and :meth:`update` (what ``drafter_forwards`` counts). ``models``: the modules its steps run (a
     drafter; what a compiled step packs and keeps at fixed addresses). In profile mode a source
     times its model calls in a :class:`relaxspec.timing.Stopwatch` kept as ``watch`` (``None``
-    otherwise).
+    otherwise). ``caption_rows``: how the hidden states at padded caption positions it reads as
+    ``condition_hidden`` are computed (:data:`relaxspec.models.base.CAPTION_ROWS`; ``"upstream"``
+    for a source that reads none).
 
     The decoding loop runs :meth:`propose` and :meth:`update` inside one step that it may compile
     as one graph (issue 41), so they must make the same ops on the same shapes every step, keep
@@ -81,6 +83,7 @@ class DraftSource(Protocol):
     level_widths: tuple[int, ...] | None
     forwards_per_step: int
     models: tuple
+    caption_rows: str
 
     def start(self, first_tokens: torch.Tensor, first_probs: torch.Tensor, first_hidden: torch.Tensor,
               streams: int, num_tokens: int, generator: torch.Generator | None, greedy: bool, *,
@@ -170,6 +173,7 @@ class NoDrafts:
     forwards_per_step = 0
     models = ()
     watch = None
+    caption_rows = "upstream"  # reads no condition
 
     def start(self, first_tokens, first_probs, first_hidden, streams, num_tokens, generator, greedy, *,
               condition_hidden=None, condition_tokens=None, noise=None, profiling=None) -> None:

@@ -66,7 +66,7 @@ from relaxspec.drafting.family import FamilyLayers, layer_spec, rope_table
 from relaxspec.models.llamagen.checkpoints import load_strict, read_state
 from relaxspec.errors import RelaxspecError
 from relaxspec.models import hf
-from relaxspec.models.base import TargetModel
+from relaxspec.models.base import CAPTION_ROWS, TargetModel
 from relaxspec.models.llamagen.gpt import (GPTConfig, TransformerBlock, allocate_kv_store, release_kv_store,
                                   rope_table_2d, run_blocks)
 
@@ -91,7 +91,10 @@ class DrafterConfig:
     vocabulary, ``layer["config"]["vocab_size"]``, as the prompt's tokens need); ``condition_pairs``
     ``P > 0`` makes it read the condition's pairs (module docstring): LlamaGen blocks those of a
     ``P + 1``-token condition, a family drafter those of a prompt of at most ``P + 1`` tokens (with
-    its own token table)."""
+    its own token table); ``caption_rows`` (LlamaGen blocks reading a caption) says how the rows at
+    padded caption positions it reads were computed when it was trained, and so how decoding
+    computes them for it: ``"upstream"`` (upstream LlamaGen's, relaxspec's own) or ``"lantern"``
+    (official LANTERN's converted target's: its released drafters)."""
 
     target: dict
     n_layer: int = 1
@@ -100,6 +103,7 @@ class DrafterConfig:
     first_attention_norm: bool = True
     own_embedding: bool = False
     condition_pairs: int = 0
+    caption_rows: str = "upstream"
 
     def __post_init__(self) -> None:
         if self.n_layer < 1:
@@ -113,6 +117,11 @@ class DrafterConfig:
         if not isinstance(self.condition_pairs, int) or isinstance(self.condition_pairs, bool) \
                 or self.condition_pairs < 0:
             raise RelaxspecError(f"drafter condition_pairs must be a count >= 0, got {self.condition_pairs!r}")
+        if self.caption_rows not in CAPTION_ROWS:
+            raise RelaxspecError(f"drafter caption_rows must be one of {', '.join(CAPTION_ROWS)}, "
+                                 f"got {self.caption_rows!r}")
+        if self.caption_rows != "upstream" and not (self.family == LLAMAGEN and self.condition_pairs):
+            raise RelaxspecError("drafter caption_rows is for LlamaGen blocks that read a caption (condition_pairs)")
         if self.family != LLAMAGEN and not self.first_attention_norm:
             raise RelaxspecError(f"a drafter of the {self.family} family has its target's layers, input norm "
                                  "included: first_attention_norm is for LlamaGen blocks")
@@ -169,7 +178,7 @@ class DrafterConfig:
 
 
 #: Official LANTERN's layout of LlamaGen blocks (:class:`DrafterConfig`) and their defaults.
-LANTERN_FIELDS = ("first_attention_norm", "own_embedding", "condition_pairs")
+LANTERN_FIELDS = ("first_attention_norm", "own_embedding", "condition_pairs", "caption_rows")
 DEFAULTS = {f.name: f.default for f in dataclasses.fields(DrafterConfig)}
 
 

@@ -73,6 +73,7 @@ class EagleSource:
     def __init__(self, drafter: EagleDrafter, structure: DraftStructure, sampling: SamplingConfig):
         self.drafter, self.structure, self.sampling = drafter, structure, sampling
         self.models = (drafter,)
+        self.caption_rows = drafter.config.caption_rows
         self.max_nodes = structure.max_nodes
         self.max_depth = structure.depth
 

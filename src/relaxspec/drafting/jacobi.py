@@ -37,6 +37,7 @@ class JacobiSource:
     watch = None
     forwards_per_step = 0
     models = ()
+    caption_rows = "upstream"  # reads no condition
 
     def __init__(self, window: int = 16, coupled: bool = False, keep_likelier: bool = False):
         if coupled and keep_likelier:

@@ -247,8 +247,9 @@ def drafter_config(config: dict, target: TargetModel, where: str) -> dict:
         raise RelaxspecError(f"{where}: {err}") from None
     if blocks.ffn_dim != width:
         raise RelaxspecError(f"{where}: intermediate_size {width} cannot be built for hidden_size {dim}")
+    # trained on the caption rows LANTERN's converted target computes (padded ones included)
     return dict(target=blocks.to_dict(), n_layer=layers, first_attention_norm=False, own_embedding=True,
-                condition_pairs=pairs)
+                condition_pairs=pairs, caption_rows="lantern")
 
 
 def expected_keys(kind: str, layers: int, fc_bias: bool, config: dict) -> list[str]:

@@ -15,7 +15,9 @@ sit in scratch slots past the image and are compacted with :meth:`TargetModel.mo
 A target conditioned on token ids (the transformers families' prompts) may also offer
 ``condition_tokens(cond) -> [R, C]``: the token at every condition position of each row of
 ``cond`` (-1 where padded), what a drafter that reads the prompt (official LANTERN's Anole
-drafter) pairs with the prefill's hidden states; :func:`condition_tokens` asks for it.
+drafter) pairs with the prefill's hidden states; :func:`condition_tokens` asks for it. A target
+whose caption may be padded may offer ``lantern_condition_states(cond, valid) -> [R, C, D]``: its
+caption rows as official LANTERN's converted target computes them (:func:`condition_states`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
+
+from relaxspec.errors import RelaxspecError
 
 
 @runtime_checkable
@@ -91,6 +95,31 @@ def condition_tokens(model: TargetModel, cond: Tensor) -> Tensor | None:
     conditioned on tokens; ``None`` for one conditioned otherwise (class ids, caption features)."""
     method = getattr(model, "condition_tokens", None)
     return method(cond) if callable(method) else None
+
+
+#: How the hidden states at padded caption positions are computed for a drafter that reads the
+#: caption's rows: ``upstream`` as the target's own prefill computes them (upstream LlamaGen: a
+#: padded position sees itself alone), ``lantern`` as official LANTERN's converted target does
+#: (:mod:`relaxspec.models.llamagen.lantern_rows`), what LANTERN's released drafters were trained on.
+CAPTION_ROWS = ("upstream", "lantern")
+
+
+def condition_states(model: TargetModel, cond: Tensor, valid: Tensor | None, hidden: Tensor, rows: str) -> Tensor:
+    """The hidden states at every condition position ``[R, C, D]`` a drafter reads: the
+    prefill's own ``hidden`` with, for ``rows`` ``"lantern"``, its padded positions (``valid
+    [R, C]`` False) as official LANTERN's converted target computes them -- asked of the target as
+    ``model.lantern_condition_states(cond, valid) -> [R, C, D]`` (LlamaGen's offers it). Nothing
+    changes where nothing is padded (``valid`` None)."""
+    if rows not in CAPTION_ROWS:
+        raise RelaxspecError(f"caption rows must be one of {', '.join(CAPTION_ROWS)}, got {rows!r}")
+    if rows == "upstream" or valid is None:
+        return hidden
+    method = getattr(model, "lantern_condition_states", None)
+    if not callable(method):
+        raise RelaxspecError(f"the drafter reads padded caption rows as official LANTERN's target computes them; "
+                             f"this target ({type(model).__name__}) cannot compute them")
+    valid = valid.to(hidden.device).bool()
+    return torch.where(valid[:, :, None], hidden, method(cond, valid).to(hidden.dtype))
 
 
 @runtime_checkable

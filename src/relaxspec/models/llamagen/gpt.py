@@ -23,6 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from relaxspec.errors import RelaxspecError
+from relaxspec.models.llamagen.lantern_rows import lantern_caption_bias
 
 MODEL_TYPES = ("c2i", "t2i")
 
@@ -426,6 +427,16 @@ class Transformer(nn.Module):
     def step(self, tokens: torch.Tensor, positions: torch.Tensor, cache_slots: torch.Tensor,
              attn_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self(tokens, positions, cache_slots=cache_slots, attn_mask=attn_mask, return_hidden=True, check=False)
+
+    def lantern_condition_states(self, cond: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """The final hidden states ``[R, C, dim]`` at every caption position of ``cond`` (real
+        tokens ``valid [R, C]``) as official LANTERN's converted target computes them, padded
+        positions included (:mod:`relaxspec.models.llamagen.lantern_rows`). Runs beside the cache:
+        nothing is written to it."""
+        h = self.embed_condition(cond)
+        positions = torch.arange(h.shape[1], device=h.device).expand(h.shape[0], -1)
+        bias = lantern_caption_bias(valid.to(h.device), h.dtype)
+        return self.norm(run_blocks(self.layers, h, self.rope[positions], None, bias, None))
 
     # ---------------------------------------------------------------- embeddings
     def null_condition(self, cond: torch.Tensor) -> torch.Tensor:

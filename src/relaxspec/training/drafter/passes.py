@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from relaxspec.drafting.eagle import EagleDrafter
-from relaxspec.models.base import TargetModel, TeacherForcedTarget, condition_tokens
+from relaxspec.models.base import TargetModel, TeacherForcedTarget, condition_states, condition_tokens
 from relaxspec.training.drafter.config import DrafterTrainConfig
 from relaxspec.training.drafter.maths import drafter_inputs, drafter_loss, drafter_targets, unrolled_mask
 
@@ -31,13 +31,15 @@ def target_features(target: TargetModel, tokens: torch.Tensor, labels: torch.Ten
 
 
 def target_features_with_condition(target: TargetModel, tokens: torch.Tensor, labels: torch.Tensor, null_rows: int,
-                                   cond_mask: torch.Tensor | None = None):
+                                   cond_mask: torch.Tensor | None = None, caption_rows: str = "upstream"):
     """:func:`target_features`, and what a drafter that reads the condition takes, as decoding
-    hands them over: the hidden states at every condition position ``[R, C, dim]`` and, for a
-    target conditioned on tokens, those tokens ``[R, C]`` (else ``None``). Returns ``(hidden,
-    logits, condition, condition_tokens)``."""
+    hands them over: the hidden states at every condition position ``[R, C, dim]`` (padded caption
+    positions as ``caption_rows`` says: the drafter's own) and, for a target conditioned on
+    tokens, those tokens ``[R, C]`` (else ``None``). Returns ``(hidden, logits, condition,
+    condition_tokens)``."""
     cond, tokens, mask = _with_null_rows(target, tokens, labels, null_rows, cond_mask)
-    logits, hidden, condition = teacher_forced(target, cond, tokens, mask, with_condition=True)
+    logits, hidden, condition = teacher_forced(target, cond, tokens, mask, with_condition=True,
+                                               caption_rows=caption_rows)
     return hidden, logits, condition, condition_tokens(target, cond)
 
 
@@ -52,12 +54,13 @@ def _with_null_rows(target: TargetModel, tokens: torch.Tensor, labels: torch.Ten
 
 @torch.no_grad()
 def teacher_forced(target: TargetModel, cond: torch.Tensor, tokens: torch.Tensor,
-                   cond_mask: torch.Tensor | None = None, with_condition: bool = False):
+                   cond_mask: torch.Tensor | None = None, with_condition: bool = False, caption_rows: str = "upstream"):
     """Logits ``[R, N, V]`` and hidden states ``[R, N, D]`` of whole images ``tokens [R, N]``
     through the decoding interface: a prefill, then one causal step over tokens ``0 .. N-2``; row
     ``k`` predicts token ``k``. These are the features decoding shows the drafter, exactly.
     ``with_condition``: also the prefill's hidden states at every condition position ``[R, C, D]``
-    (what decoding hands a drafter that reads the condition)."""
+    (what decoding hands a drafter that reads the condition; padded caption positions as
+    ``caption_rows`` says, :func:`relaxspec.models.base.condition_states`)."""
     from relaxspec.decoding.target import attention_mask
 
     rows, count = tokens.shape
@@ -75,7 +78,10 @@ def teacher_forced(target: TargetModel, cond: torch.Tensor, tokens: torch.Tensor
     logits, hidden = target.step(tokens[:, :-1].to(target.device), positions, positions,
                                  attention_mask(positions, None, key_valid, length))
     logits, hidden = torch.cat([first_logits[:, -1:], logits], 1), torch.cat([first_hidden[:, -1:], hidden], 1)
-    return (logits, hidden, first_hidden) if with_condition else (logits, hidden)
+    if not with_condition:
+        return logits, hidden
+    valid = None if key_valid is None else key_valid[:, :cls]
+    return logits, hidden, condition_states(target, cond.to(target.device), valid, first_hidden, caption_rows)
 
 
 def unrolled(drafter: EagleDrafter, features: torch.Tensor, tokens: torch.Tensor, depths: int, *,
@@ -137,7 +143,7 @@ def batch_loss(drafter: EagleDrafter, tokens: torch.Tensor, labels: torch.Tensor
         mask = None if cond_mask is None else cond_mask.to(device)
         if drafter.config.condition_pairs:  # official LANTERN's layout reads the condition too
             features, logits, condition, condition_tokens = target_features_with_condition(
-                target, tokens, labels, null_rows, mask)
+                target, tokens, labels, null_rows, mask, drafter.config.caption_rows)
         else:
             (features, logits), condition, condition_tokens = target_features(target, tokens, labels, null_rows,
                                                                               mask), None, None
