@@ -98,12 +98,16 @@ def raster_step(loop: RasterLoop) -> None:
     if loop.profiling:
         loop.drafter_seconds += time.perf_counter() - started
     nodes = tree.num_nodes
-    # A step may commit at most the tokens still missing: drafts deeper than that are never
-    # tested (stopping early is exact: the bonus then comes from p itself).
-    valid = tree.valid & (tree.depth <= (n_tok - n - 1)[:, None])
+    # A step commits at most the tokens still missing, but every draft is tested, past the image
+    # too, as official EAGLE and LANTERN test them: committing a prefix of the walk is exact, and
+    # where two accepted paths run through the image's last token, greedy takes the longer one
+    # (so a relaxed rule may accept a draft at the last token, whose bonus is then dropped).
+    missing = n_tok - n
+    valid = tree.valid
     base = target.cls + root_index
     slots = base[:, None] + loop.offsets[:nodes]
-    # Nodes past the image (never tested) still need a valid RoPE row.
+    # Nodes past the image are scored at the last image token's position (official LlamaGen code:
+    # zero RoPE rows); they decide nothing committed but which equally long path wins.
     positions = (base[:, None] + tree.depth).clamp(max=target.cls + n_tok - 1)
     mask = tree_attention_mask(base, tree.ancestors, target.max_seq)
     probs, hidden = target.forward(tree.tokens, positions, slots, mask)
@@ -114,7 +118,7 @@ def raster_step(loop: RasterLoop) -> None:
                          check=False, walk=loop.walk,
                          uniforms=noise.read(loop.uniform_slot) if loop.uniform_slot is not None else None,
                          clocks=noise.read(loop.clock_slot) if loop.clock_slot is not None else None)
-    count = torch.where(active, result.num_accepted + 1, torch.zeros_like(n))
+    count = torch.where(active, torch.minimum(result.num_accepted + 1, missing), torch.zeros_like(n))
     add_rank_counts(loop, result)
     # Commit: tokens n .. n + count - 1 of each row (the rest of the span goes to a scratch
     # column past the image).
@@ -210,7 +214,7 @@ def generate_speculative(model, cond, sampling: SamplingConfig, options: MethodO
     rule.prepare(device)
     bar = tqdm(total=batch * n_tok, desc=options.method, disable=not progress, leave=False)
     try:
-        probs0, hidden0 = target.prefill()
+        probs0, hidden0 = target.prefill(source.caption_rows)
         first = sample_from(probs0, generator, greedy)
         noise = StepNoise(device, owner=model)
         started = time.perf_counter()
