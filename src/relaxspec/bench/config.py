@@ -9,7 +9,7 @@ read as "what the relaxation buys":
 
 * ``eagle2`` (exact, EAGLE-2 dynamic tree) <-> ``lantern`` (LANTERN applies its additive budget to
   EAGLE-2's dynamic tree, arXiv 2410.03355);
-* ``sd-static`` (exact, static ``lantern57`` tree, sampled siblings: EAGLE-1 style) <->
+* ``sd-static`` (exact, static ``naive_extend_57`` tree, sampled siblings: EAGLE-1 style) <->
   ``lantern++`` (multiplicative ``lam``, arXiv 2502.06352) and ``cool`` (COOL-SD, arXiv 2601.09212,
   which compares against EAGLE-1 and LANTERN++);
 * ``sjd`` <-> ``scd``: the drafter-free Jacobi baselines (arXiv 2410.01699, 2510.24211).

@@ -140,7 +140,7 @@ def shipped_trees() -> dict[str, list[str]]:
 
 
 def load_tree(name_or_path: str) -> TreeSpec:
-    """A shipped tree by name ("eagle25", "lantern57", ...), ``chainN``, or a JSON file of paths."""
+    """A shipped tree by name ("eagle25", "naive_extend_57", ...), ``chainN``, or a JSON file of paths."""
     if name_or_path == "eagle25":
         return TreeSpec.from_paths(EAGLE25)
     if name_or_path.startswith("chain") and name_or_path[5:].isdigit():

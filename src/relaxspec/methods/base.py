@@ -73,7 +73,7 @@ DRAFT = Setting("draft", str, None, f"{' | '.join(EAGLE_DRAFTS)} | {JACOBI} | a 
                                      "(default: the method's own)")
 DEPTH = Setting("depth", int, None, "chain length / dynamic-tree depth (default 4 for a chain, 5 for EAGLE-2's tree)",
                 minimum=1)
-TREE = Setting("tree", str, "lantern57", "name of a shipped static tree (default lantern57)")
+TREE = Setting("tree", str, "naive_extend_57", "name of a shipped static tree (default naive_extend_57, official LANTERN++'s)")
 SIBLINGS = Setting("siblings", str, "sampled", "static trees: sibling drafts sampled from q without replacement, "
                                                "or the top-k", choices=("sampled", "topk"))
 DYNAMIC_TOP_K = Setting("dynamic_top_k", int, 10, "EAGLE-2 dynamic tree: children per beam (default 10)", minimum=1)

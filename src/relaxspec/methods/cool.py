@@ -18,7 +18,7 @@ class Cool(Method):
     settings = (COOL_DELTA, NU, NORMALISATION)
     drafts = ("static", "chain", "dynamic")
     relaxed = True
-    presets = {"cool": Preset({"draft": "static", "tree": "lantern57", "siblings": "sampled", "cool_delta": 1.1},
+    presets = {"cool": Preset({"draft": "static", "tree": "naive_extend_57", "siblings": "sampled", "cool_delta": 1.1},
                               "COOL-SD: annealed w_i = delta exp(-nu i - mu), delta=1.1, static 57-node tree",
                               spellings=("cool-sd",))}
 

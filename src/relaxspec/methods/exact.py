@@ -13,7 +13,7 @@ class Exact(Method):
         "sd": Preset({}, "exact speculative decoding, EAGLE drafter, chain of 4", bench=False),
         "sd-chain": Preset({"draft": "chain", "depth": 4}, "exact speculative decoding, EAGLE drafter, chain of 4",
                            fixed=("draft",)),
-        "sd-static": Preset({"draft": "static", "tree": "lantern57", "siblings": "sampled"},
+        "sd-static": Preset({"draft": "static", "tree": "naive_extend_57", "siblings": "sampled"},
                             "exact speculative decoding, static 57-node tree, sampled siblings (EAGLE-1 style)",
                             fixed=("draft",)),
         "eagle2": Preset({"draft": "dynamic", "dynamic_top_k": 10, "depth": 5, "total_tokens": 59},

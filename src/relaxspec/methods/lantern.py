@@ -42,8 +42,8 @@ class Lantern(Method):
     presets = {
         "lantern": Preset({"draft": "dynamic", "delta": 0.1},
                           "LANTERN: additive budget delta=0.1 over k=1000 latent neighbours, on EAGLE-2's dynamic tree"),
-        "lantern++": Preset({"draft": "static", "tree": "lantern57", "siblings": "sampled", "lam": 5.0},
-                            "LANTERN++: multiplicative lam=5 over k=10 neighbours, static 57-node tree",
+        "lantern++": Preset({"draft": "static", "tree": "naive_extend_57", "siblings": "sampled", "lam": 5.0},
+                            "LANTERN++: multiplicative lam=5 over k=10 neighbours, official static 57-node tree (naive_extend_57)",
                             fixed=("draft",), spellings=("lanternpp",),
                             refuse={"delta": "--method lantern++ is the multiplicative rule (--lam); for an additive "
                                              "budget use --method lantern --draft static --delta D"}),
