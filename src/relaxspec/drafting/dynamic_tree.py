@@ -11,6 +11,16 @@ from relaxspec.drafting.trees import check_tree_size
 from relaxspec.errors import RelaxspecError
 
 
+def best_candidates(scores: torch.Tensor, count: int) -> torch.Tensor:
+    """The indices ``[B, count]`` of the ``count`` best of candidates ``scores [B, M]`` (cumulative
+    log-probabilities, candidates numbered level by level), best first, as official EAGLE-2's
+    selection (one top-k over the scores) keeps them: near ties are decided by the scores alone.
+    A child never outscores its parent (log q <= 0); where they tie exactly (q = 1) the earlier
+    candidate -- the shallower -- goes first (a stable sort; top-k leaves the order of equal scores
+    open), so the kept set is ancestor-closed."""
+    return scores.sort(dim=-1, descending=True, stable=True).indices[:, :count]
+
+
 class DynamicTree:
     """EAGLE-2's dynamic tree (arXiv 2406.16858): at each of ``depth`` levels expand the
     ``top_k`` children of the ``top_k`` best nodes by cumulative drafter log-probability, then keep
@@ -116,11 +126,8 @@ class DynamicTree:
         scores_all = torch.cat(cand_score, 1)
         parents_all = torch.cat(cand_parent, 1)
         depth_all = torch.cat(cand_depth, 1)
-        # Keep the best total-1 candidates. A child never outscores its parent (log q <= 0), and
-        # ties are broken towards shallower (earlier) candidates, so the set is ancestor-closed.
         n_keep = min(self.total - 1, tokens_all.shape[1])
-        order_key = scores_all - 1e-6 * torch.arange(tokens_all.shape[1], device=device)
-        keep = order_key.topk(n_keep, dim=-1).indices
+        keep = best_candidates(scores_all, n_keep)
         # Node order: the candidates' own, as EAGLE-2 numbers its tree: by depth, then by the
         # expanded beam (best first), then by rank under it (siblings tested most-likely first).
         # Greedy LANTERN takes the first longest path in this order, as the official code does.
