@@ -283,3 +283,25 @@ def _strip_decoder(files, tmp_path) -> Path:
     save_file({k: v.contiguous() for k, v in files["state"].items() if not k.startswith(anole.DECODER_PREFIX)},
               str(folder / "model.safetensors"))
     return folder
+
+
+def test_a_folder_as_save_pretrained_writes_it_reads_transformers_defaults(files, golden, tmp_path):
+    """(issue 43) ``save_pretrained`` leaves out every ``vq_config`` field equal to transformers'
+    default (the tiny folder's 8192 codes among them; the real Anole-7b's are all defaults):
+    relaxspec fills them in as transformers does, and the folder decodes the official tokens."""
+    from transformers.models.chameleon.configuration_chameleon import ChameleonVQVAEConfig
+
+    defaults = ChameleonVQVAEConfig().to_dict()
+    assert {key: defaults[key] for key in anole.VQ_DEFAULTS} == anole.VQ_DEFAULTS
+    folder = _copy(files, tmp_path, "saved")
+    config = json.loads((folder / "config.json").read_text())
+    config["vq_config"] = {k: v for k, v in config["vq_config"].items() if k not in defaults or defaults[k] != v}
+    assert "num_embeddings" not in config["vq_config"] and "resolution" in config["vq_config"]
+    (folder / "config.json").write_text(json.dumps(config))
+    assert anole.read_anole_config(folder)[1] == anole.read_anole_config(files["model_path"])[1]
+    official = golden["runs"]["prompt0"]
+    opened = anole.open_folder(folder, official["prompts"])
+    tokens = decode(opened.target, opened.cond, greedy(official["cfg"]), methods.resolve("ar")).tokens
+    assert (tokens + af.FIRST_IMAGE_ID).tolist() == official["tokens"]
+    del config["vq_config"]  # none at all: every field transformers' default (a 512-pixel, 8192-code VQ)
+    assert anole.vq_config(config, folder).n_embed == 8192 and anole.vq_config(config, folder).resolution == 512

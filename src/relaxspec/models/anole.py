@@ -224,9 +224,19 @@ def is_anole_folder(path) -> bool:
         return False
 
 
+#: transformers' ``ChameleonVQVAEConfig`` defaults: ``save_pretrained`` leaves out every field equal
+#: to them (the real ``leloy/Anole-7b-v0.1-hf`` uses exactly these), and transformers fills them in.
+VQ_DEFAULTS = {"embed_dim": 256, "num_embeddings": 8192, "double_latent": False, "latent_channels": 256,
+               "resolution": 512, "in_channels": 3, "base_channels": 128, "channel_multiplier": [1, 1, 2, 2, 4],
+               "num_res_blocks": 2, "attn_resolutions": None, "dropout": 0.0, "attn_type": "vanilla"}
+
+
 def vq_config(config: dict, path) -> VQGANConfig:
-    """``config.json``'s ``vq_config`` (transformers' names) as the taming decoder's config."""
+    """``config.json``'s ``vq_config`` (transformers' names; the fields it leaves out are
+    transformers' defaults, :data:`VQ_DEFAULTS`) as the taming decoder's config."""
     vq = config.get("vq_config")
+    if vq is None or isinstance(vq, dict):
+        vq = {**VQ_DEFAULTS, **(vq or {})}
     try:
         if vq.get("attn_type", "vanilla") != "vanilla":
             raise RelaxspecError(f"{path}: vq_config attn_type {vq['attn_type']!r}: relaxspec decodes the Chameleon "

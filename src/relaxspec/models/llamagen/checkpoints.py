@@ -198,7 +198,7 @@ def load_strict(module: torch.nn.Module, state_dict: dict[str, torch.Tensor], so
 # ------------------------------------------------------------------------------------------
 
 
-def _read_json_config(path: Path, what: str) -> dict:
+def _read_json_config(path: Path, what: str, check: bool = True) -> dict:
     try:
         data = json.loads(path.read_text())
     except json.JSONDecodeError as err:
@@ -209,7 +209,7 @@ def _read_json_config(path: Path, what: str) -> dict:
         raise RelaxspecError(f"{path}: expected a JSON object of {what} fields")
     known = {f.name for f in dataclasses.fields(GPTConfig if what == "GPTConfig" else VQConfig)}
     unknown = sorted(set(data) - known)
-    if unknown:
+    if check and unknown:
         raise RelaxspecError(f"{path}: unknown {what} fields: {', '.join(unknown)}")
     return data
 
@@ -250,19 +250,61 @@ def resolve_gpt_model(spec: str | None, ckpt: str, image_size: int, downsample: 
         raise RelaxspecError(f"{spec}: bad GPT config ({err})") from None
 
 
+#: Upstream LlamaGen's ``ModelArgs`` (tokenizer/tokenizer_image/vq_model.py) fields -> VQConfig's;
+#: its loss weights are training-only and read nothing here.
+UPSTREAM_VQ_FIELDS = {"dropout_p": "dropout"}
+UPSTREAM_VQ_TRAINING = ("commit_loss_beta", "entropy_loss_ratio")
+
+
+def upstream_vq_fields(data: dict, where: str) -> dict:
+    """VQConfig fields from a JSON object that may be upstream's ``ModelArgs`` as upstream writes
+    it (``encoder_ch_mult`` / ``decoder_ch_mult``, ``dropout_p``, the loss weights) or relaxspec's
+    own fields, or a mix."""
+    data = dict(data)
+    for name in UPSTREAM_VQ_TRAINING:
+        data.pop(name, None)
+    for old, new in UPSTREAM_VQ_FIELDS.items():
+        if old in data:
+            data.setdefault(new, data.pop(old))
+    mults = {name: data.pop(name) for name in ("encoder_ch_mult", "decoder_ch_mult") if name in data}
+    if mults:
+        values = [tuple(v) if isinstance(v, list) else v for v in mults.values()]
+        if len(set(map(repr, values))) > 1:
+            raise RelaxspecError(f"{where}: encoder_ch_mult {mults.get('encoder_ch_mult')} and decoder_ch_mult "
+                                 f"{mults.get('decoder_ch_mult')} differ; relaxspec's VQ model (as every released "
+                                 "one) has one ch_mult")
+        data.setdefault("ch_mult", values[0])
+    return data
+
+
 def resolve_vq_model(spec: str) -> tuple[str | None, VQConfig | None]:
-    """A VQ model spec: a named tokenizer or a JSON file of VQConfig fields."""
+    """A VQ model spec: a named tokenizer, a JSON file of VQConfig fields or of upstream's
+    ``ModelArgs`` (as upstream writes it), or the same JSON inline (``{...}``)."""
     if spec in VQ_CONFIGS:
         return spec, None
-    if not _is_config_file(spec):
+    if spec.lstrip().startswith("{"):
+        try:
+            data = json.loads(spec)
+        except json.JSONDecodeError as err:
+            raise RelaxspecError(f"--vq-model: not valid JSON ({err})") from None
+        where = "--vq-model"
+    elif _is_config_file(spec):
+        data, where = _read_json_config(Path(spec), "VQConfig", check=False), spec
+    else:
         raise RelaxspecError(f"unknown VQ model {spec!r}; choose one of {', '.join(VQ_CONFIGS)} "
-                             "or give a JSON file of VQConfig fields")
+                             "or give a JSON file (or inline JSON) of VQConfig or upstream ModelArgs fields")
+    if not isinstance(data, dict):
+        raise RelaxspecError(f"{where}: expected a JSON object of VQConfig fields")
+    fields = upstream_vq_fields(data, where)
+    unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(VQConfig)})
+    if unknown:
+        raise RelaxspecError(f"{where}: unknown VQConfig fields: {', '.join(unknown)}")
     try:
-        return None, VQConfig(**_read_json_config(Path(spec), "VQConfig"))
-    except RelaxspecError:
-        raise
+        return None, VQConfig(**fields)
+    except RelaxspecError as err:
+        raise RelaxspecError(f"{where}: {err}") from None
     except (TypeError, ValueError) as err:
-        raise RelaxspecError(f"{spec}: bad VQ config ({err})") from None
+        raise RelaxspecError(f"{where}: bad VQ config ({err})") from None
 
 
 
