@@ -215,6 +215,30 @@ def test_greedy_lantern_drafts_and_decodes_as_official_lantern(golden, files, op
         assert sorted(leaves) == official["first_tree_paths"], name
 
 
+PARITY = {"eagle": ("sd", {"draft": "dynamic"}),
+          "lantern_delta": ("lantern", {"draft": "dynamic", "k": 64, "delta": 0.2}),
+          "lantern_lam": ("lantern", {"draft": "dynamic", "k": 128, "lam": 3.0}),
+          "lantern_pp": ("lantern++", {"k": 128, "lam": 3.0}),
+          "static": ("sd-static", {})}
+
+
+@pytest.mark.parametrize("run", list(PARITY))
+def test_every_prompt_gives_official_lanterns_tokens(golden, files, run):
+    """(issue 43) Each of the three prompts alone, greedy at CFG 3: exact SD and LANTERN on the
+    dynamic tree, and exact SD and LANTERN++ on the official static tree (naive_extend_57, the
+    static presets' default), give official EaModel.generate's codes."""
+    method, options = PARITY[run]
+    if method.startswith("lantern"):
+        options = {**options, "neighbours": files["neighbours"]}
+    for index in range(3):
+        official = golden["parity"][f"prompt{index}_{run}"]
+        opened = anole.open_folder(files["model_path"], official["prompts"])
+        drafter = load_drafter(files["drafter"], opened.target)
+        tokens = decode(opened.target, opened.cond, GREEDY, methods.resolve(method, options), drafter=drafter,
+                        vq=opened.tokenizer).tokens[0]
+        assert tokens.tolist() == official["codes"], (run, index)
+
+
 # ------------------------------------------------------------------------------ refusals
 
 

@@ -29,6 +29,8 @@ What ``run`` changes in LANTERN, and why the computation stays the same:
    ``EaModel.from_pretrained``'s defaults build the drafter (EAGLE-2's dynamic tree: 59 tokens,
    depth 4, top-10), ``eval()`` as generate_images.py does.
 4. Observation only: ``ea_layer.topK_genrate`` is wrapped to record each run's first draft tree.
+5. Issue 43 (``parity``): every prompt alone, greedy at CFG 3, exact and LANTERN on the dynamic
+   tree and on the static one (``static_tree=True``: ``generate``'s default ``naive_extend_57``).
 
 Teacher-forced (no change to the code): for each prompt alone (the official batch of one), the
 target's final hidden states over ``[prompt; unconditional context] + image tokens 0..62`` (its
@@ -54,6 +56,12 @@ HERE = Path(__file__).resolve().parent
 LOGIT_IDS = list(range(4, 8196, 256))
 #: The official generations recorded: (name, lantern, lantern_k, lantern_delta) at CFG 3, prompt 0.
 RUNS = [("eagle", False, 1, 0.1), ("lantern_delta", True, 64, 0.3), ("lantern_lam", True, 128, 3.0)]
+#: Issue 43's runs on each of the three prompts (prompts of different lengths, each alone as the
+#: official code runs them): (name, lantern, lantern_k, lantern_delta, static_tree); the static
+#: runs on ``generate``'s default tree, ``naive_extend_57``.
+PARITY_RUNS = [("eagle", False, 1, 0.1, False), ("lantern_delta", True, 64, 0.2, False),
+               ("lantern_lam", True, 128, 3.0, False), ("lantern_pp", True, 128, 3.0, True),
+               ("static", False, 1, 0.1, True)]
 
 
 def build(root: Path) -> None:
@@ -149,6 +157,17 @@ def run(root: Path, lantern: Path, commit: str, out: Path) -> None:
         record["runs"][name] = {"lantern": use_lantern, "k": k, "delta": delta,
                                 "codes": (tokens.reshape(-1) - 4).tolist(), "mean_accept": float(mean_accept),
                                 "first_tree_paths": leaves}
+    record["parity"] = {}
+    for index in range(3):
+        prompts = golden["runs"][f"prompt{index}"]["prompts"]
+        for name, use_lantern, k, delta, static in PARITY_RUNS:
+            with torch.no_grad():
+                tokens, _, _ = model.generate(prompt=prompts, max_length=64, temperature=0.0, top_k=0, top_p=1.0,
+                                              cfg=3.0, lantern=use_lantern, lantern_k=k, lantern_delta=delta,
+                                              static_tree=static)
+            record["parity"][f"prompt{index}_{name}"] = {"prompts": prompts, "lantern": use_lantern, "k": k,
+                                                          "delta": delta, "static_tree": static,
+                                                          "codes": (tokens.reshape(-1) - 4).tolist()}
     record.update(prompt=prompt, cfg=3.0, logit_ids=LOGIT_IDS, fingerprint=built["fingerprint"],
                   made_with={"lantern": f"jadohu/LANTERN {commit}", "transformers": transformers.__version__,
                              "torch": torch.__version__, "tree": "EaModel.from_pretrained defaults (59, 4, 10)"})
