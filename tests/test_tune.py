@@ -231,7 +231,7 @@ def test_tune_lossless_on_llamagen_files_and_the_preset_round_trips(llamagen, co
     """The phases leave their files; every setting tried is exact; the preset names a tree beside
     it; generate / bench / relaxspec.generate take it, and greedy decoding with it equals greedy AR."""
     out = tmp_path / "tune"
-    text = tune([*llamagen["args"], "--lossless", "--minutes", "0.2", "--no-compile"], out, capsys)
+    text = tune([*llamagen["args"], "--lossless", "--minutes", "0.1", "--no-compile"], out, capsys)
     assert "chosen:" in text
     for name in ("costs.json", "probe.json", "state.json", "settings.csv", "report.md", "tune.json"):
         assert (out / name).is_file(), name
@@ -328,7 +328,7 @@ def test_nothing_within_budget_beats_ar_names_the_closest(llamagen, cost_model, 
 def test_an_interrupted_tune_resumes_without_redoing_decodes(llamagen, cost_model, tmp_path, capsys, monkeypatch):
     from relaxspec.bench import run
 
-    args = [*llamagen["args"], "--lossless", "--minutes", "0.2", "--no-compile", "--classes", "0,2,3",
+    args = [*llamagen["args"], "--lossless", "--minutes", "0.1", "--no-compile", "--classes", "0,2,3",
             "--heldout-classes", "1,5"]
     out = tmp_path / "tune"
     real = run.timed_decode
@@ -777,7 +777,7 @@ def test_tune_a_janus_folder_on_prompts(cost_model, tmp_path, capsys):
     texts = ["a red fox", "a blue cat", "the dog under the rain", "a lighthouse"]
     prompts.write_text("\n".join(texts) + "\n")
     out = tmp_path / "tune"
-    code = main(["tune", "--model-path", str(folder), "--prompts-file", str(prompts), "--lossless", "--minutes", "0.2",
+    code = main(["tune", "--model-path", str(folder), "--prompts-file", str(prompts), "--lossless", "--minutes", "0.1",
                  "--no-compile", "--out", str(out), "--no-progress"])
     assert code in (0, 1), capsys.readouterr().err
     state = json.loads((out / "state.json").read_text())
@@ -818,7 +818,7 @@ def test_compiled_finalists_and_compiled_ar_join_the_last_rounds(llamagen, cost_
     # (and with aot_eager in a few: which compiler compiles is not what the rounds are about)
     monkeypatch.setattr(relaxspec.compiling, "BACKEND", "aot_eager")
     out = tmp_path / "tune"
-    code = main(["tune", *llamagen["args"], "--lossless", "--minutes", "0.25", "--classes", "0,2",
+    code = main(["tune", *llamagen["args"], "--lossless", "--minutes", "0.3", "--classes", "0,2",
                  "--heldout-classes", "1", "--out", str(out), "--no-progress"])
     assert code in (0, 1), capsys.readouterr().err
     state = json.loads((out / "state.json").read_text())
