@@ -24,13 +24,6 @@ except ImportError:
     pass
 
 
-def pytest_collection_modifyitems(items):
-    """The tests marked slow first (in their own order), the rest after: xdist's workers then start
-    on the long ones and finish on short ones, so neither waits alone at the end on a long test
-    that started late (the suite's wall time on CI's two cores)."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
-
-
 #: 64-d, 2 layers, 4 heads (head dim 16), 64 codes, 10 classes, 4x4 token grid.
 TINY_GPT = dict(dim=64, n_layer=2, n_head=4, vocab_size=64, num_classes=10, block_size=16)
 #: t2i variant: 6 caption tokens of 32 features.
