@@ -50,7 +50,7 @@ METHODS = {
 
 @pytest.fixture(scope="module")
 def pair():
-    return markov_pair()
+    return markov_pair(n_layer=1)  # one target block: the steps these tests trace (30 of them) are what they pay
 
 
 def options_for(name: str, tmp_path, **extra) -> MethodOptions:

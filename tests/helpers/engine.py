@@ -51,7 +51,7 @@ def tiny_drafter(model: Transformer, seed: int = 1, scale: float = 4.0) -> Eagle
 
 
 def markov_pair(seed: int = 0, vocab: int = 32, block_size: int = 16, mix: float = 0.1,
-                classes: int = 5) -> tuple[Transformer, EagleDrafter]:
+                classes: int = 5, n_layer: int = 2) -> tuple[Transformer, EagleDrafter]:
     """A target that is nearly a Markov chain over tokens, and a drafter that computes the chain.
 
     Target: unit-RMS token embeddings ``e(x)``; attention and MLP outputs scaled by ``mix``, so
@@ -59,11 +59,12 @@ def markov_pair(seed: int = 0, vocab: int = 32, block_size: int = 16, mix: float
     condition (and the rest of the prefix) only enter through the ``O(mix)`` attention term.
     Drafter: ``fc`` copies the token embedding (plus a small share of the target feature), the
     drafter block is near identity, and the head is the target's, so ``q ~ softmax(W e(x))``:
-    close to ``p`` but not equal, and rows of a batch accept different lengths.
+    close to ``p`` but not equal, and rows of a batch accept different lengths. ``n_layer``: the
+    target's blocks (one makes a step's graph smaller to trace, what compile tests pay).
     """
     torch.manual_seed(seed)
     dim = 32
-    config = GPTConfig(dim=dim, n_layer=2, n_head=2, vocab_size=vocab, num_classes=classes,
+    config = GPTConfig(dim=dim, n_layer=n_layer, n_head=2, vocab_size=vocab, num_classes=classes,
                        block_size=block_size, multiple_of=32)
     model = Transformer(config).eval()
     scaled_(model, 8.0)
