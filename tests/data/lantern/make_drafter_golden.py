@@ -128,9 +128,11 @@ def teacher_forced(target, drafter, caption, mask, tokens, rounded: bool):
         return features, target.lm_head(hidden).float()[:, 119:]
 
 
-def official_generation(eam, cnets, target, caption, neighbours, runs):
-    """Greedy tokens of official EaModel.generate per (lantern, k, delta) in ``runs``, and the
-    first dynamic tree of each run (its root-to-leaf token paths)."""
+def official_ea_model(eam, cnets, target, neighbours: np.ndarray):
+    """Official ``EaModel`` over ``target`` with the tiny drafter, built as ``from_pretrained``
+    builds it (the config's path, the state dict, ``eval()``; EAGLE-2's defaults: 59 nodes, depth 4,
+    top-10), from a scratch folder holding ``neighbours`` where ``EaModel.__init__`` reads it, with
+    the two patches of the module docstring."""
     import os
     import tempfile
 
@@ -144,12 +146,6 @@ def official_generation(eam, cnets, target, caption, neighbours, runs):
         return config
 
     eam.EConfig.from_pretrained = classmethod(from_pretrained)
-
-    class T5:
-        def get_text_embeddings(self, prompts):
-            return caption.clone(), torch.ones(caption.shape[:2], dtype=torch.long)
-
-    target.t5_model = T5()
     here = os.getcwd()
     with tempfile.TemporaryDirectory() as scratch:
         table = Path(scratch) / "ckpts" / "llamagen" / "vq_distances" / "top_16383_indices.npy"
@@ -163,6 +159,19 @@ def official_generation(eam, cnets, target, caption, neighbours, runs):
             os.chdir(here)
     freqs = cnets.precompute_freqs_cis_2d(GRID, CONFIG["hidden_size"] // CONFIG["num_attention_heads"], 10000, 119)
     model.ea_layer.freqs_cis = torch.cat([freqs, torch.zeros_like(freqs[:10])], dim=0)  # patch: the 4x4 grid
+    return model
+
+
+def official_generation(eam, cnets, target, caption, neighbours, runs):
+    """Greedy tokens of official EaModel.generate per (lantern, k, delta) in ``runs``, and the
+    first dynamic tree of each run (its root-to-leaf token paths)."""
+
+    class T5:
+        def get_text_embeddings(self, prompts):
+            return caption.clone(), torch.ones(caption.shape[:2], dtype=torch.long)
+
+    target.t5_model = T5()
+    model = official_ea_model(eam, cnets, target, neighbours)
     trees = []
     draft = model.ea_layer.topK_genrate
 

@@ -25,9 +25,7 @@ as LANTERN's converted target computes them (its HF mask) with the weights in fp
 from __future__ import annotations
 
 import copy
-import os
 import sys
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -36,7 +34,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from make_drafter_golden import CONFIG, DRAFTER, GRID, official_modules, official_target  # noqa: E402
+from make_drafter_golden import CONFIG, GRID, official_ea_model, official_modules, official_target  # noqa: E402
 
 VALID = (120, 37, 7)
 RUNS = {"ar": dict(lantern=False, lantern_k=1, lantern_delta=0.1),
@@ -44,33 +42,6 @@ RUNS = {"ar": dict(lantern=False, lantern_k=1, lantern_delta=0.1),
         "mul": dict(lantern=True, lantern_k=5, lantern_delta=5.0),
         "pp": dict(lantern=True, lantern_k=10, lantern_delta=5.0, static_tree=True),
         "static": dict(lantern=False, lantern_k=1, lantern_delta=0.1, static_tree=True)}
-
-
-def official_model(eam, cnets, target, neighbours):
-    from safetensors.torch import load_file
-
-    original = eam.EConfig.from_pretrained.__func__
-
-    def from_pretrained(cls, *args, **kwargs):
-        config = original(cls, *args, **kwargs)
-        object.__setattr__(config, "rope_scaling", None)  # patch: what transformers 4.32 keeps
-        return config
-
-    eam.EConfig.from_pretrained = classmethod(from_pretrained)
-    here = os.getcwd()
-    with tempfile.TemporaryDirectory() as scratch:
-        table = Path(scratch) / "ckpts" / "llamagen" / "vq_distances" / "top_16383_indices.npy"
-        table.parent.mkdir(parents=True)
-        np.save(table, neighbours)
-        os.chdir(scratch)
-        try:
-            state = load_file(str(DRAFTER / "model.safetensors"))
-            model = eam.EaModel(target, None, str(DRAFTER / "config.json"), 59, 4, 10, 1.0, state).eval()
-        finally:
-            os.chdir(here)
-    freqs = cnets.precompute_freqs_cis_2d(GRID, CONFIG["hidden_size"] // CONFIG["num_attention_heads"], 10000, 119)
-    model.ea_layer.freqs_cis = torch.cat([freqs, torch.zeros_like(freqs[:10])], dim=0)  # patch: the 4x4 grid
-    return model
 
 
 def condition_states(target, right_padded: torch.Tensor, valid: int, dtype: torch.dtype) -> np.ndarray:
@@ -107,7 +78,7 @@ def main(src: Path) -> None:
     for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16), ("fp16", torch.float16)):
         golden[f"condition_{name}"] = np.stack([condition_states(target, c, v, dtype)
                                                 for c, v in zip(captions, VALID)]).astype(np.float32)
-    model = official_model(eam, cnets, target, neighbours)
+    model = official_ea_model(eam, cnets, target, neighbours)
     current = {}
 
     class T5:
