@@ -24,15 +24,9 @@ def python_blocks(page: str) -> list[str]:
 @pytest.mark.slow  # runs every Python block of the docs against the embedded model
 @pytest.mark.parametrize("page", PAGES)
 def test_every_python_block_runs(page, tmp_path, monkeypatch):
-    import relaxspec.compiling
-
     blocks = python_blocks(page)
     assert blocks, f"{page} has no Python blocks"
     monkeypatch.chdir(tmp_path)
-    # A block with compile=True compiles as users' do, traced whole by dynamo, but run by aot_eager:
-    # inductor's kernels for the embedded model (~30 s of gcc on a cold CI machine) are tested in
-    # tests/test_cli.py's --compile run and tests/test_fast_engine.py.
-    monkeypatch.setattr(relaxspec.compiling, "BACKEND", "aot_eager")
     namespace: dict = {"__name__": "__docs__"}
     for number, code in enumerate(blocks, 1):
         try:
