@@ -103,7 +103,6 @@ def raster_step(loop: RasterLoop) -> None:
     # where two accepted paths run through the image's last token, greedy takes the longer one
     # (so a relaxed rule may accept a draft at the last token, whose bonus is then dropped).
     missing = n_tok - n
-    valid = tree.valid
     base = target.cls + root_index
     slots = base[:, None] + loop.offsets[:nodes]
     # Nodes past the image are scored at the last image token's position (official LlamaGen code:
@@ -112,7 +111,7 @@ def raster_step(loop: RasterLoop) -> None:
     mask = tree_attention_mask(base, tree.ancestors, target.max_seq)
     probs, hidden = target.forward(tree.tokens, positions, slots, mask)
     noise = loop.noise
-    result = verify_tree(loop.rule, probs, tree.tokens, tree.parents, tree.proposals, tree.depth, valid,
+    result = verify_tree(loop.rule, probs, tree.tokens, tree.parents, tree.proposals, tree.depth, tree.valid,
                          greedy=loop.greedy, generator=loop.generator, record_tv=loop.record_tv,
                          children=tree.children, level_widths=tree.level_widths, point_mass=tree.point_mass,
                          check=False, walk=loop.walk,

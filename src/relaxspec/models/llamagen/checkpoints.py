@@ -198,19 +198,27 @@ def load_strict(module: torch.nn.Module, state_dict: dict[str, torch.Tensor], so
 # ------------------------------------------------------------------------------------------
 
 
-def _read_json_config(path: Path, what: str, check: bool = True) -> dict:
+def _read_json_config(path: Path, what: str, translate=None) -> dict:
     try:
         data = json.loads(path.read_text())
     except json.JSONDecodeError as err:
         raise RelaxspecError(f"{path}: not valid JSON ({err})") from None
     if isinstance(data, dict) and isinstance(data.get("config"), dict):  # a relaxspec config.json
         data = data["config"]
+    return _config_fields(data, what, str(path), translate)
+
+
+def _config_fields(data, what: str, where: str, translate=None) -> dict:
+    """``data`` as the fields of ``what`` (GPTConfig / VQConfig), after ``translate`` (another
+    layout's names -> these), refusing anything else in one line."""
     if not isinstance(data, dict):
-        raise RelaxspecError(f"{path}: expected a JSON object of {what} fields")
+        raise RelaxspecError(f"{where}: expected a JSON object of {what} fields")
+    if translate is not None:
+        data = translate(data, where)
     known = {f.name for f in dataclasses.fields(GPTConfig if what == "GPTConfig" else VQConfig)}
     unknown = sorted(set(data) - known)
-    if check and unknown:
-        raise RelaxspecError(f"{path}: unknown {what} fields: {', '.join(unknown)}")
+    if unknown:
+        raise RelaxspecError(f"{where}: unknown {what} fields: {', '.join(unknown)}")
     return data
 
 
@@ -266,14 +274,12 @@ def upstream_vq_fields(data: dict, where: str) -> dict:
     for old, new in UPSTREAM_VQ_FIELDS.items():
         if old in data:
             data.setdefault(new, data.pop(old))
-    mults = {name: data.pop(name) for name in ("encoder_ch_mult", "decoder_ch_mult") if name in data}
-    if mults:
-        values = [tuple(v) if isinstance(v, list) else v for v in mults.values()]
-        if len(set(map(repr, values))) > 1:
-            raise RelaxspecError(f"{where}: encoder_ch_mult {mults.get('encoder_ch_mult')} and decoder_ch_mult "
-                                 f"{mults.get('decoder_ch_mult')} differ; relaxspec's VQ model (as every released "
-                                 "one) has one ch_mult")
-        data.setdefault("ch_mult", values[0])
+    encoder, decoder = data.pop("encoder_ch_mult", None), data.pop("decoder_ch_mult", None)
+    if encoder is not None and decoder is not None and encoder != decoder:
+        raise RelaxspecError(f"{where}: encoder_ch_mult {encoder} and decoder_ch_mult {decoder} differ; relaxspec's VQ "
+                             "model (as every released one) has one ch_mult")
+    if encoder is not None or decoder is not None:
+        data.setdefault("ch_mult", encoder if encoder is not None else decoder)
     return data
 
 
@@ -283,22 +289,16 @@ def resolve_vq_model(spec: str) -> tuple[str | None, VQConfig | None]:
     if spec in VQ_CONFIGS:
         return spec, None
     if spec.lstrip().startswith("{"):
+        where = "--vq-model"
         try:
-            data = json.loads(spec)
+            fields = _config_fields(json.loads(spec), "VQConfig", where, upstream_vq_fields)
         except json.JSONDecodeError as err:
             raise RelaxspecError(f"--vq-model: not valid JSON ({err})") from None
-        where = "--vq-model"
     elif _is_config_file(spec):
-        data, where = _read_json_config(Path(spec), "VQConfig", check=False), spec
+        where, fields = spec, _read_json_config(Path(spec), "VQConfig", upstream_vq_fields)
     else:
         raise RelaxspecError(f"unknown VQ model {spec!r}; choose one of {', '.join(VQ_CONFIGS)} "
                              "or give a JSON file (or inline JSON) of VQConfig or upstream ModelArgs fields")
-    if not isinstance(data, dict):
-        raise RelaxspecError(f"{where}: expected a JSON object of VQConfig fields")
-    fields = upstream_vq_fields(data, where)
-    unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(VQConfig)})
-    if unknown:
-        raise RelaxspecError(f"{where}: unknown VQConfig fields: {', '.join(unknown)}")
     try:
         return None, VQConfig(**fields)
     except RelaxspecError as err:
