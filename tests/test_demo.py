@@ -397,7 +397,7 @@ def test_a_real_browser_presses_race_and_sees_both_images(served):
 @pytest.mark.parametrize("argv, message", [
     (["--port", "0"], "--port must be 1..65535"),
     (["--out", "FILE"], "exists and is not a folder"),
-    (["--vq-ckpt", "vq.pt"], "--vq-ckpt / --gpt-model go with --gpt-ckpt"),
+    (["--vq-ckpt", "vq.pt"], "--vq-ckpt goes with --gpt-ckpt (LlamaGen); this model is the embedded model"),
     (["--prompt", "a fox"], "--prompt goes with a text-to-image model; the embedded model is class-conditional"),
     (["--negative-prompt", "dark"], "--negative-prompt goes with --model-path"),
 ])

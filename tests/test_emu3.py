@@ -178,7 +178,7 @@ def test_generate_with_an_emu3_folder_equals_transformers(emu3_folder, tmp_path,
     (["--prompt", "a fox", "--image-size", "30"], "give a multiple of 8"),
     (["--prompt", "a fox", "--image-size", "64"], "the model's context is 96"),
     (["--prompt", ""], "prompt 1 is empty"),
-    (["--prompt", "a fox", "--t5-path", "t5"], "--t5-path goes with --gpt-ckpt (LlamaGen t2i); this model is Emu3"),
+    (["--prompt", "a fox", "--t5-path", "t5"], "--t5-path goes with --gpt-ckpt (LlamaGen); this model is Emu3"),
 ])
 def test_emu3_folder_errors_are_one_line(emu3_folder, tmp_path, refused, extra, message):
     folder, _ = emu3_folder

@@ -15,6 +15,7 @@ import pytest
 from PIL import Image
 
 from helpers import palette
+from helpers.cli import install_family, refused, run
 from relaxspec.cli import build_parser, main
 
 pytest.importorskip("transformers")  # --model-path needs it, for every family
@@ -26,12 +27,8 @@ PROMPTS = ["a red fox", "the blue sky at night", "green hills", "a small boat"]
 def installed(tmp_path_factory):
     """A distribution on sys.path whose entry point registers the family (as ``pip install`` of a
     package that declares ``[project.entry-points."relaxspec.families"] palette = ...`` does)."""
-    site = tmp_path_factory.mktemp("site")
-    info = site / "palette_family-0.1.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: palette-family\nVersion: 0.1\n")
-    (info / "entry_points.txt").write_text("[relaxspec.families]\npalette = helpers.palette_pipeline:PalettePipeline\n")
-    sys.path.insert(0, str(site))
+    site = install_family(tmp_path_factory.mktemp("site"), "palette-family",
+                          "palette = helpers.palette_pipeline:PalettePipeline")
     yield site
     sys.path.remove(str(site))
 
@@ -45,20 +42,6 @@ def files(installed, tmp_path_factory):
     prompts.write_text("\n".join(PROMPTS) + "\n")
     return {"model": ["--model-path", str(folder), "--palette-path", str(colours)], "folder": folder,
             "palette": colours, "prompts": prompts}
-
-
-def run(argv, capsys) -> str:
-    code = main([str(a) for a in argv])
-    err = capsys.readouterr().err
-    assert code == 0, err
-    return err
-
-
-def refused(argv, capsys) -> str:
-    assert main([str(a) for a in argv]) == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1, err
-    return err
 
 
 def test_the_family_brings_its_flag_help_and_info(files, capsys):

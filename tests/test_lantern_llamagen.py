@@ -122,10 +122,22 @@ def test_bad_folders_are_one_line(changes, message, tmp_path, tiny_ckpts, captio
     assert message in err and err.count("\n") == 1, err
 
 
-def test_other_ways_in_are_named(tmp_path, tiny_ckpts, captions, capsys):
-    # --model-path: the folder is a LlamaGen model whose VQ and text encoder are elsewhere
+def test_model_path_opens_the_folder_with_its_vq_and_text_inputs(tmp_path, tiny_ckpts, captions, capsys):
+    """The front door asks every family: --model-path DIR opens LANTERN's folder as --gpt-ckpt DIR
+    does (same tokens), and without its VQ says which family and which input is missing."""
     assert main(["generate", "--model-path", str(FOLDER), "--prompt", "a cat", "--out", str(tmp_path / "o")]) == 2
-    assert "official LANTERN's LlamaGen folder: open it as LlamaGen weights, --gpt-ckpt" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"--model-path {FOLDER} is a LlamaGen model: give --vq-ckpt PATH" in err and err.count("\n") == 1, err
+    common = [*vq_args(tiny_ckpts), "--caption-features", str(captions), "--temperature", "0", "--no-progress"]
+    assert main(["generate", "--gpt-ckpt", str(FOLDER), *common, "--out", str(tmp_path / "files")]) == 0
+    assert main(["generate", "--model-path", str(FOLDER), *common, "--out", str(tmp_path / "folder")]) == 0
+    assert np.array_equal(np.load(tmp_path / "files" / "tokens.npy"), np.load(tmp_path / "folder" / "tokens.npy"))
+    assert main(["generate", "--model-path", str(FOLDER), "--gpt-ckpt", str(FOLDER), *common,
+                 "--out", str(tmp_path / "both")]) == 2
+    assert "--model-path is a whole model: leave out --gpt-ckpt" in capsys.readouterr().err
+
+
+def test_other_ways_in_are_named(tmp_path, tiny_ckpts, captions, capsys):
     # a Stage II (1024-token) folder given a Stage I grid: one line
     argv = ["generate", "--gpt-ckpt", str(FOLDER), *vq_args(tiny_ckpts), "--caption-features", str(captions),
             "--image-size", "32", "--out", str(tmp_path / "o")]

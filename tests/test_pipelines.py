@@ -150,14 +150,14 @@ def test_pixels_and_images(pipe):
 
 def test_the_front_door_refuses_what_does_not_go_together(tmp_path):
     cases = [
-        (dict(vq_ckpt="vq.pt"), "--vq-ckpt / --gpt-model go with --gpt-ckpt"),
+        (dict(vq_ckpt="vq.pt"), "--vq-ckpt goes with --gpt-ckpt (LlamaGen); this model is the embedded model"),
         (dict(tokenizer_path="tok"), "--tokenizer-path goes with --model-path"),
         (dict(negative_prompt="blurry"), "--negative-prompt goes with --model-path"),
         (dict(model_path=tmp_path, gpt_ckpt="gpt.pt"), "--model-path is a whole model"),
         (dict(model_path=tmp_path), "not a transformers model folder"),
         (dict(precision="fp8"), "precision must be one of fp32, bf16, fp16"),
         (dict(image_size=0), "image size must be a whole number >= 1"),
-        (dict(t5_path="t5"), "--t5-path goes with --gpt-ckpt (LlamaGen t2i); this model is the embedded model"),
+        (dict(t5_path="t5"), "--t5-path goes with --gpt-ckpt (LlamaGen); this model is the embedded model"),
     ]
     for kwargs, message in cases:
         with pytest.raises(RelaxspecError) as err:

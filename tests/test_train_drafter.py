@@ -468,6 +468,24 @@ def test_family_inputs_are_one_checked_field_and_old_runs_map_into_it() -> None:
     assert DrafterTrainConfig.from_dict(old).inputs == {"t5_path": "t5", "negative_prompt": "blurry"}
 
 
+def test_a_run_saved_with_llamagens_own_fields_reads_them_as_its_inputs() -> None:
+    """Runs saved before LlamaGen became a family like the others kept its files and sizes as
+    fields of their own (``gpt_ckpt``, ``gpt_model``, ``vq_ckpt``, ``vq_model``, ``downsample``):
+    they read back as the family's inputs (the values every run saved by default left out), so such
+    a run resumes, moved files included, and a changed size is still a different recipe."""
+    from relaxspec.training.drafter.config import check_resume
+
+    old = {**DrafterTrainConfig().to_dict(), "gpt_ckpt": "gpt.pt", "gpt_model": "GPT-B", "vq_ckpt": None,
+           "vq_model": "VQ-16", "downsample": 16}
+    del old["inputs"]
+    assert DrafterTrainConfig.from_dict(old).inputs == {"gpt_ckpt": "gpt.pt", "gpt_model": "GPT-B"}
+    check_resume(old, DrafterTrainConfig(inputs={"gpt_ckpt": "moved/gpt.pt", "gpt_model": "GPT-B"}))
+    with pytest.raises(RelaxspecError, match=r"gpt_model \(saved 'GPT-B', now 'GPT-L'\)"):
+        check_resume(old, DrafterTrainConfig(inputs={"gpt_ckpt": "gpt.pt", "gpt_model": "GPT-L"}))
+    eight = {**old, "downsample": 8}
+    assert DrafterTrainConfig.from_dict(eight).inputs["downsample"] == 8
+
+
 def test_a_resume_compares_inputs_one_by_one(tmp_path) -> None:
     """A path input may move (like --gpt-ckpt); a text input is the recipe. An older run's saved
     fields compare with today's inputs."""
@@ -494,12 +512,14 @@ def test_an_old_run_resumes_from_the_command_line(tmp_path, target: Transformer,
     assert main(["train-drafter", "--gpt-ckpt", str(tmp_path / "target"), "--data", str(tmp_path / "data.npz"),
                  "--steps", "1", "--batch-size", "4", *out]) == 0
     state = torch.load(tmp_path / "run" / TRAIN_STATE, weights_only=True)
-    del state["config"]["inputs"]
-    state["config"].update(t5_path=None, tokenizer_path=None, negative_prompt=None)
+    inputs = state["config"].pop("inputs")  # an old state: the target's files were fields of their own
+    state["config"].update(t5_path=None, tokenizer_path=None, negative_prompt=None, gpt_model=None, vq_ckpt=None,
+                           vq_model="VQ-16", downsample=16, **inputs)
     torch.save(state, tmp_path / "run" / TRAIN_STATE)
     assert main(["train-drafter", "--resume", "--steps", "2", *out]) == 0
     state = torch.load(tmp_path / "run" / TRAIN_STATE, weights_only=True)
-    assert state["step"] == 2 and state["config"]["inputs"] == {} and "t5_path" not in state["config"]
+    assert state["step"] == 2 and state["config"]["inputs"] == {"gpt_ckpt": str(tmp_path / "target")}
+    assert "t5_path" not in state["config"] and "gpt_ckpt" not in state["config"]
 
 
 def test_another_family_s_input_is_refused_before_the_target_loads(tmp_path, refused) -> None:

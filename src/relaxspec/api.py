@@ -19,8 +19,9 @@ from relaxspec.errors import RelaxspecError
 from relaxspec.inputs import check_seed, check_upscale
 from relaxspec.methods import MethodOptions
 from relaxspec.pipelines import UPSTREAM_SAMPLING, ImagePipeline, open_pipeline
-from relaxspec.pipelines.families import check_inputs, opening_inputs
-from relaxspec.pipelines.llamagen import LlamaGenC2I, llamagen_pipeline
+from relaxspec.pipelines.families import opening_inputs
+from relaxspec.pipelines.llamagen import llamagen_pipeline
+from relaxspec.pipelines.open import choose_family
 from relaxspec.sampling import SamplingConfig, batch_seed
 
 __all__ = ["Generation", "UPSTREAM_SAMPLING", "generate", "pipeline_of"]
@@ -78,11 +79,12 @@ def generate(classes: str | Sequence[int | str] | None = None, method: str | Met
     The model: by default the embedded one, loaded once per ``device`` (default cpu) and
     ``precision`` (default fp32); ``model``: a pipeline (:func:`relaxspec.pipelines.open_pipeline`)
     or ``(target, vq, drafter)`` in memory, with ``prompts`` and ``t5_path`` (a local Flan-T5
-    folder) for a LlamaGen t2i target; ``model_path``: a transformers folder of any family,
-    opened as ``relaxspec generate --model-path`` opens it for ``prompts``, with ``drafter_ckpt``
-    and ``image_size``. A family's own opening inputs (``tokenizer_path`` for Lumina-mGPT,
-    ``negative_prompt`` for Emu3, :mod:`relaxspec.pipelines.families`) are keywords too: every
-    keyword that is not one is a method field.
+    folder) for a LlamaGen t2i target; ``model_path``: a model folder any family claims,
+    or a family's files by its opening inputs (LlamaGen's ``gpt_ckpt``, ``vq_ckpt``, ...), opened
+    as ``relaxspec generate`` opens them (for ``prompts``), with ``drafter_ckpt`` and
+    ``image_size``. A family's opening inputs (``tokenizer_path`` for Lumina-mGPT,
+    ``negative_prompt`` for Emu3, :mod:`relaxspec.pipelines.families`) are keywords: every keyword
+    that is not one is a method field.
 
     ``preset``: a preset file written by ``relaxspec tune`` for this model on this kind of machine
     (:mod:`relaxspec.pipelines.presets`): its method and settings become the default method (its
@@ -96,23 +98,24 @@ def generate(classes: str | Sequence[int | str] | None = None, method: str | Met
     known = opening_inputs()
     inputs = {name: fields.pop(name) for name in list(fields) if name in known and fields[name] is not None}
     method_fields = {name: value for name, value in fields.items() if name not in known}
-    if model_path is not None:
-        if model is not None or classes is not None:
-            raise RelaxspecError("model_path is a whole text-to-image model: give prompts, not model / classes")
-        if not prompts or isinstance(prompts, str):
-            raise RelaxspecError("model_path: give prompts=[...] (a list of texts)")
-        pipeline = open_pipeline(model_path=model_path, prompts=list(prompts), drafter_ckpt=drafter_ckpt,
-                                 device=device or "cpu", precision=precision or "fp32", image_size=image_size,
-                                 **inputs)
+    family = None if model is not None else choose_family(model_path, inputs)  # the inputs checked against it
+    if family is not None:  # a model folder, or a file family's files: opened as the commands open them
+        if family.takes == "prompts" and (classes is not None or not prompts or isinstance(prompts, str)):
+            raise RelaxspecError(f"this {family.family} model takes text prompts: give prompts=[...] (a list of texts), "
+                                 "not classes")
+        pipeline = open_pipeline(model_path, prompts=None if prompts is None else list(prompts),
+                                 drafter_ckpt=drafter_ckpt, device=device or "cpu", precision=precision or "fp32",
+                                 image_size=image_size, **inputs)
     else:
         if drafter_ckpt is not None or image_size is not None:
-            raise RelaxspecError("drafter_ckpt and image_size go with model_path")
+            raise RelaxspecError("drafter_ckpt and image_size go with model_path or a model's files")
         if model is None:
             if prompts is not None:
                 raise RelaxspecError("the embedded model is class-conditional: give classes, not prompts")
-            check_inputs(LlamaGenC2I, inputs, "the embedded model (class-conditional)")
             pipeline = _embedded(str(device or "cpu"), precision or "fp32")
         else:
+            if model_path is not None:
+                raise RelaxspecError("give model or model_path, not both")
             if device is not None or precision is not None:
                 raise RelaxspecError("device and precision apply to the embedded model; load your own model on the "
                                      "device and in the precision you want")

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from relaxspec.bench.config import BASELINE, DEFAULT_METHODS, expand_methods, parse_methods
-from relaxspec.cli.options import add_model_options, open_from_args, read_prompts
+from relaxspec.cli.options import add_model_options, model_family, open_from_args, read_prompts
 from relaxspec.runs.shards import distributed, shard_dir, shard_folders, shard_range
 from relaxspec.conditions import class_ids
 from relaxspec.errors import RelaxspecError, shown
@@ -26,9 +26,9 @@ EMBEDDED_OUT = "bench-embedded"
 
 def embedded_bench_defaults(args: argparse.Namespace) -> tuple[dict, dict]:
     """The embedded model's own presets and benchmark settings (``defaults.json``: which methods a
-    plain ``relaxspec bench`` runs, on how many images) when no --gpt-ckpt is given; empty for a
-    user's model."""
-    if args.gpt_ckpt is not None or getattr(args, "model_path", None) is not None:
+    plain ``relaxspec bench`` runs, on how many images) when no model is named; empty for a user's
+    model."""
+    if model_family(args) is not None:
         return {}, {}
     from relaxspec import embedded
 
@@ -46,7 +46,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
         "mal_hist.png and accept_heatmap.png into --out."))
     bench.set_defaults(handler=run_bench_cli)
     models = bench.add_argument_group("models (default: the embedded emoji model, its drafter and its sampling defaults)")
-    add_model_options(models, vq_model_default=None, drafter_help="EAGLE drafter folder (methods that draft with it)")
+    add_model_options(models, drafter_help="EAGLE drafter folder (methods that draft with it)")
 
     images = bench.add_argument_group("images")
     images.add_argument("--classes", metavar="IDS", help="comma-separated class ids (default: all of the model's classes)")
@@ -175,7 +175,7 @@ def run_bench_cli(args: argparse.Namespace) -> int:
         raise RelaxspecError("relaxspec bench draws its plots with matplotlib, which is not installed: "
                              f"{extras.EXTRAS['matplotlib'].install}, or pass --no-plots")
     if not args.out:
-        if args.gpt_ckpt is not None or args.model_path is not None:
+        if model_family(args) is not None:
             raise RelaxspecError("--out DIR is required")
         args.out = EMBEDDED_OUT
     prompted = bool(args.prompt or args.prompts_file)
@@ -183,8 +183,6 @@ def run_bench_cli(args: argparse.Namespace) -> int:
         raise RelaxspecError("give --classes or prompts, not both")
     if prompted and args.images_per_class is not None:
         raise RelaxspecError("--images-per-class goes with --classes; with prompts give --num-images")
-    if args.model_path is not None and (args.gpt_ckpt or args.vq_ckpt):
-        raise RelaxspecError("--model-path is a whole model: leave out --gpt-ckpt / --vq-ckpt")
     if prompted and args.classifier is not None:
         raise RelaxspecError("--classifier scores class-conditional images; a prompt bench reports speed and the TV "
                              "certificate (score prompt images with relaxspec eval --fid-ref)")
@@ -243,7 +241,7 @@ def run_bench_cli(args: argparse.Namespace) -> int:
         for spec in specs:
             spec.options.setdefault("profile", True)
     drafting = [s.label for s in specs if s.needs_drafter]
-    embedded = args.gpt_ckpt is None and args.model_path is None
+    embedded = model_family(args) is None
     if drafting and args.drafter_ckpt is None and not embedded:
         raise RelaxspecError(f"{', '.join(drafting)} draft with an EAGLE drafter: give --drafter-ckpt (train one with "
                              "relaxspec train-drafter), or choose drafter-free --methods such as ar,sjd,scd")
@@ -252,8 +250,7 @@ def run_bench_cli(args: argparse.Namespace) -> int:
         args.device = f"cuda:{local}"
     prompts = _prompts(args) if prompted else []
     drafter_ckpt, args.drafter_ckpt = args.drafter_ckpt, args.drafter_ckpt if drafting else None
-    pipeline = open_from_args(args, prompts=prompts if args.model_path is not None and prompts else None,
-                              with_drafter=bool(drafting))
+    pipeline = open_from_args(args, prompts=prompts or None, with_drafter=bool(drafting))
     args.drafter_ckpt = drafter_ckpt
     if preset is not None:
         from relaxspec.pipelines.presets import with_preset

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from relaxspec.cli.options import add_model_options, open_from_args
+from relaxspec.cli.options import add_model_options, model_family, open_from_args
 from relaxspec.errors import RelaxspecError, shown
 from relaxspec.extras import require
 from relaxspec.inputs import check_threads
@@ -49,7 +49,8 @@ def load_demo_model(args: argparse.Namespace):
     prompt the page starts with."""
     from relaxspec.demo.race import DemoModel
 
-    embedded = args.gpt_ckpt is None and args.model_path is None
+    family = model_family(args)
+    embedded = family is None
     if embedded and args.prompt is not None:
         raise RelaxspecError("--prompt goes with a text-to-image model; the embedded model is class-conditional "
                              "(the page picks a class)")
@@ -65,7 +66,7 @@ def load_demo_model(args: argparse.Namespace):
     if args.threads is not None:
         torch.set_num_threads(check_threads(args.threads))
     prompt = None
-    if args.model_path is not None:
+    if family is not None and family.takes == "prompts":  # a folder family: opened for the page's prompts
         prompt = args.prompt if args.prompt is not None else DEFAULT_PROMPT
         pipeline = open_from_args(args, prompts=[prompt], prompt_length=PAGE_PROMPT_TOKENS)
     else:

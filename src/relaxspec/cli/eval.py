@@ -131,7 +131,7 @@ def generate_shard(args: argparse.Namespace, gen: argparse.Namespace, rank: int,
     """Generate this rank's slice into its shard folder: the pipeline the options name, the
     shard's conditions, and :func:`relaxspec.runs.images.write_image_run` (resumable)."""
     from relaxspec.cli.imagerun import prepare, run_settings
-    from relaxspec.cli.options import DEFAULT_CLASSES
+    from relaxspec.pipelines.llamagen import DEFAULT_CLASSES
     from relaxspec.runs.images import summary, write_image_run
 
     out = Path(gen.out)

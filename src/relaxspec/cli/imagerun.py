@@ -10,37 +10,19 @@ from pathlib import Path
 import torch
 
 from relaxspec import methods
-from relaxspec.cli.options import (DEFAULT_CLASSES, add_family_inputs, add_model_path, family_inputs, open_from_args,
-                                   read_prompts)
+from relaxspec.cli.options import add_model_options, family_inputs, model_family, open_from_args, read_prompts
 from relaxspec.conditions import Condition
 from relaxspec.errors import RelaxspecError
 from relaxspec.files import load_caption_features
 from relaxspec.inputs import check_at_least, check_seed, check_threads, check_upscale
-from relaxspec.models.llamagen.checkpoints import PRECISIONS
-from relaxspec.models.llamagen.gpt import GPT_SIZES
-from relaxspec.models.llamagen.vq import VQ_CONFIGS
+from relaxspec.pipelines.llamagen import DEFAULT_CLASSES
 from relaxspec.runs.images import image_settings
 
 
 def add_image_run_options(parser: argparse.ArgumentParser) -> None:
     """generate's options (models, conditions, sampling, method, output)."""
-    models = parser.add_argument_group("models")
-    models.add_argument("--gpt-ckpt", metavar="PATH",
-                        help="GPT weights: official .pt/.pth, .safetensors, or a relaxspec model folder "
-                             "(default: the embedded emoji model, with its tokenizer and drafter)")
-    models.add_argument("--gpt-model", metavar="NAME|JSON", help=(
-        f"named size ({', '.join(GPT_SIZES)}), or a JSON file of GPTConfig fields for other sizes; "
-        "needed for official files (the head count is not in the weights)"))
-    models.add_argument("--vq-ckpt", metavar="PATH", help="VQ tokenizer weights (default: the embedded model's)")
-    models.add_argument("--vq-model", default="VQ-16", metavar="NAME|JSON",
-                        help=f"named tokenizer ({', '.join(VQ_CONFIGS)}) or a JSON file of VQConfig fields (default VQ-16)")
-    models.add_argument("--image-size", type=int, help="pixels per side; fixes the token grid (default: the model's "
-                                                       "own for relaxspec folders, else 256; Emu3: the image area "
-                                                       "its processor asks for, default its own)")
-    add_model_path(models)
-    add_family_inputs(models)
-    models.add_argument("--precision", choices=tuple(PRECISIONS), default="fp32", help="GPT weights dtype (default fp32)")
-    models.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:1, ...")
+    models = parser.add_argument_group("models (default: the embedded emoji model, with its tokenizer and drafter)")
+    add_model_options(models, drafter_help=None)
     models.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's choice; 1 is often "
                                                     "fastest for small models on a busy machine)")
 
@@ -110,31 +92,24 @@ def given_settings(args: argparse.Namespace) -> dict:
 
 
 def command_condition(args: argparse.Namespace, pipeline, prompts: list[str]) -> Condition:
-    """The images' conditions from --classes, prompts or --caption-features, for ``pipeline``."""
+    """The images' conditions from --classes, prompts or --caption-features, for ``pipeline``
+    (what it takes, and what to give otherwise, is the family's)."""
+    features = getattr(args, "caption_features", None) or getattr(args, "caption_mask", None)
     if pipeline.takes == "classes":
-        if getattr(args, "caption_features", None) or getattr(args, "caption_mask", None):
+        if features:
             raise RelaxspecError("this is a class-conditional (c2i) model: give --classes, not --caption-features")
         if prompts:
             raise RelaxspecError("this is a class-conditional (c2i) model: give --classes, not prompts")
         return pipeline.conditions(classes=args.classes)
     if args.classes is not None:
-        if hasattr(pipeline, "caption_condition"):
-            raise RelaxspecError("this is a text-to-image (t2i) model: give --prompt / --caption-features, not --classes")
-        raise RelaxspecError(f"this {pipeline.family} model takes text prompts: --prompt TEXT or --prompts-file FILE")
+        raise RelaxspecError(f"this is a text-to-image model ({pipeline.family}): {pipeline.conditions_hint()}, not "
+                             "--classes")
     if prompts:
         return pipeline.conditions(prompts=prompts)
-    if getattr(args, "caption_features", None) and hasattr(pipeline, "caption_condition"):
+    if getattr(args, "caption_features", None):
         features, mask = load_caption_features(args.caption_features, args.caption_mask)
-        return pipeline.caption_condition(features, mask, args.caption_features)
-    if hasattr(pipeline, "caption_condition"):
-        if getattr(args, "t5_path", None):
-            raise RelaxspecError("--t5-path encodes prompts: give --prompt TEXT or --prompts-file FILE")
-        config = pipeline.target.config
-        raise RelaxspecError(f"this is a text-to-image (t2i) model: give --prompt TEXT with --t5-path DIR, or "
-                             f"--caption-features PATH.npy (caption features [N, {config.cls_token_num}, "
-                             f"{config.caption_dim}], e.g. Flan-T5-XL outputs)")
-    raise RelaxspecError(f"this {pipeline.family} model takes text prompts: give --prompt TEXT (repeatable) or "
-                         "--prompts-file FILE")
+        return pipeline.feature_condition(features, mask, args.caption_features)
+    raise RelaxspecError(f"this is a text-to-image model ({pipeline.family}): {pipeline.conditions_hint()}")
 
 
 def check_inputs(args: argparse.Namespace) -> list[str]:
@@ -145,7 +120,8 @@ def check_inputs(args: argparse.Namespace) -> list[str]:
     check_at_least("grid max", args.grid_max, 0)
     check_upscale(args.upscale)  # the output side is checked once the model's image size is known
     check_seed(args.seed)
-    embedded = args.gpt_ckpt is None and args.model_path is None
+    family = model_family(args)  # the inputs checked against it before any weights load
+    embedded = family is None
     preset = preset_option(args)
     if args.threads is None and preset is not None and preset.get("threads"):
         args.threads = int(preset["threads"])  # the threads it was timed with
@@ -159,14 +135,8 @@ def check_inputs(args: argparse.Namespace) -> list[str]:
     if out.exists() and not out.is_dir():
         raise RelaxspecError(f"--out {out}: exists and is not a folder")
     prompts = read_prompts(args)
-    if args.model_path is not None:  # checked before the folder is read: what it takes
-        from relaxspec.pipelines.families import check_inputs as check_family_inputs
-        from relaxspec.pipelines.open import folder_pipeline_class
-
-        family = folder_pipeline_class(args.model_path)
-        check_family_inputs(family, family_inputs(args))
-        if args.classes is not None or args.caption_features or not prompts:
-            raise RelaxspecError(f"this {family.family} model takes text prompts: --prompt TEXT or --prompts-file FILE")
+    if family is not None and family.takes == "prompts" and (args.classes is not None or args.caption_features or not prompts):  # checked before the folder is read
+        raise RelaxspecError(f"this {family.family} model takes text prompts: --prompt TEXT or --prompts-file FILE")
     if preset is not None:
         fields = dict(preset["method"])
         methods.resolve(fields.pop("method"), given_settings(args), {preset["method"]["method"]: fields})
@@ -219,7 +189,7 @@ def prepare(args: argparse.Namespace):
     """``(pipeline, condition, options, sampling)`` from an image run's options, each checked (the
     inputs before any weights load)."""
     prompts = check_inputs(args)
-    pipeline = open_from_args(args, prompts=prompts if args.model_path is not None and prompts else None)
+    pipeline = open_from_args(args, prompts=prompts or None)
     if args.preset is not None:
         from relaxspec.pipelines.presets import with_preset
 

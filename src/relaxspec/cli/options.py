@@ -11,10 +11,6 @@ from relaxspec.devices import resolve_device
 from relaxspec.errors import RelaxspecError
 from relaxspec import extras
 from relaxspec.files import read_prompts_file
-from relaxspec.models.llamagen.gpt import GPT_SIZES
-from relaxspec.models.llamagen.vq import VQ_CONFIGS
-from relaxspec.pipelines.llamagen import DEFAULT_CLASSES  # noqa: F401 - upstream's demo classes, for the help texts
-
 
 
 class UsageError(Exception):
@@ -29,23 +25,21 @@ class Parser(argparse.ArgumentParser):
         raise UsageError(f"{message} (see '{self.prog} --help')")
 
 
-def add_model_options(group, *, vq_model_default: str | None = "VQ-16", drafter_help: str) -> None:
-    """The model flags ``bench`` and ``demo`` share with ``generate``: GPT, tokenizer, drafter,
-    image size, precision and device."""
-    from relaxspec.models.llamagen.checkpoints import PRECISIONS
+def add_model_options(group, *, drafter_help: str | None) -> None:
+    """The model flags every command that opens a model shares, declared once: ``--model-path``,
+    each family's opening inputs (LlamaGen's ``--gpt-ckpt``, ``--vq-ckpt``, ...), the drafter
+    (``drafter_help``; ``None``: the command declares it elsewhere), image size, precision and
+    device."""
+    from relaxspec.models.weights import PRECISIONS
 
-    group.add_argument("--gpt-ckpt", metavar="PATH",
-                       help="target GPT weights (official .pt, .safetensors or a relaxspec folder)")
-    group.add_argument("--gpt-model", metavar="NAME|JSON",
-                       help=f"named size ({', '.join(GPT_SIZES)}) or JSON config (official files)")
-    group.add_argument("--vq-ckpt", metavar="PATH", help="VQ tokenizer weights (required with --gpt-ckpt)")
-    group.add_argument("--vq-model", default=vq_model_default, metavar="NAME|JSON",
-                       help=f"named tokenizer ({', '.join(VQ_CONFIGS)}) or JSON config (default VQ-16)")
-    group.add_argument("--drafter-ckpt", metavar="PATH", help=drafter_help)
-    group.add_argument("--image-size", type=int, help="pixels per side (official files; default 256)")
     add_model_path(group)
     add_family_inputs(group)
-    group.add_argument("--precision", choices=tuple(PRECISIONS), default="fp32", help="GPT weights dtype (default fp32)")
+    if drafter_help is not None:
+        group.add_argument("--drafter-ckpt", metavar="PATH", help=drafter_help)
+    group.add_argument("--image-size", type=int, help="pixels per side; fixes the token grid (default: the model's "
+                                                      "own; official LlamaGen files 256; Emu3: the image area its "
+                                                      "processor asks for)")
+    group.add_argument("--precision", choices=tuple(PRECISIONS), default="fp32", help="target weights dtype (default fp32)")
     group.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:1, ...")
 
 
@@ -54,8 +48,10 @@ def add_model_path(group) -> None:
     from relaxspec.pipelines.families import all_families
 
     names = ", ".join(dict.fromkeys(f.family for f in all_families() if f.opened_with == "--model-path"))
-    group.add_argument("--model-path", metavar="DIR", help=f"a transformers model folder (save_pretrained layout, "
-                                                           f"safetensors) of a supported family: {names}")
+    group.add_argument("--model-path", metavar="DIR", help=f"a model folder: a transformers folder (save_pretrained "
+                                                           f"layout, safetensors) of a supported family: {names}; or a "
+                                                           "LlamaGen model folder (relaxspec's, official LANTERN's) "
+                                                           "with its family's inputs")
 
 
 def add_family_inputs(group, option=None) -> None:
@@ -66,10 +62,11 @@ def add_family_inputs(group, option=None) -> None:
 
     for declared, takers in opening_inputs().values():
         text = f"{takers_text(takers)}: {declared.help}"
+        kind = {"type": int} if declared.kind == "int" else {}
         if option is not None:
-            option(declared.flag, text, metavar=declared.metavar)
+            option(declared.flag, text, metavar=declared.metavar, **kind)
         else:
-            group.add_argument(declared.flag, metavar=declared.metavar, help=text)
+            group.add_argument(declared.flag, metavar=declared.metavar, help=text, **kind)
 
 
 def family_inputs(args: argparse.Namespace) -> dict:
@@ -105,17 +102,24 @@ def int_list(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"expected integers like 1,2,2, got {text!r}") from None
 
 
+def model_family(args: argparse.Namespace):
+    """The family the model flags name (``None``: the embedded model), their inputs checked
+    against it before any weights load (:func:`relaxspec.pipelines.open.choose_family`)."""
+    from relaxspec.pipelines.open import choose_family
+
+    return choose_family(getattr(args, "model_path", None), family_inputs(args))
+
+
 def open_from_args(args: argparse.Namespace, *, prompts: list[str] | None = None, prompt_length: int | None = None,
-                   with_drafter: bool = True):
+                   with_drafter: bool = True, with_tokenizer: bool = True):
     """The pipeline the model flags name (:func:`relaxspec.pipelines.open_pipeline`): the one way
     every command opens a model."""
     from relaxspec.pipelines import open_pipeline
 
-    return open_pipeline(gpt_ckpt=args.gpt_ckpt, gpt_model=args.gpt_model, vq_ckpt=args.vq_ckpt,
-                         vq_model=args.vq_model, model_path=getattr(args, "model_path", None),
-                         drafter_ckpt=args.drafter_ckpt, device=args.device, precision=args.precision,
-                         image_size=args.image_size, prompts=prompts, prompt_length=prompt_length,
-                         with_drafter=with_drafter, **family_inputs(args))
+    return open_pipeline(getattr(args, "model_path", None), drafter_ckpt=args.drafter_ckpt, device=args.device,
+                         precision=args.precision, image_size=args.image_size, prompts=prompts,
+                         prompt_length=prompt_length, with_drafter=with_drafter, with_tokenizer=with_tokenizer,
+                         **family_inputs(args))
 
 
 def read_prompts(args: argparse.Namespace) -> list[str]:
@@ -132,11 +136,16 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
 
 def config_from_args(args: argparse.Namespace, config_cls, read_saved) -> tuple[object, bool]:
     """The config the command line asks for: the given options over the defaults or, with
-    ``--resume``, over the saved run's config (``read_saved(out) -> state dict``)."""
+    ``--resume``, over the saved run's config (``read_saved(out) -> state dict``; a dict field
+    given, entry by entry)."""
     given = {k: v for k, v in vars(args).items() if k in config_cls.__dataclass_fields__}
     resume = bool(getattr(args, "resume", False))
     base = dict(read_saved(given.get("out", config_cls.out))["config"]) if resume else {}
-    return config_cls.from_dict({**base, **given}), resume
+    merged = {**base, **given}
+    for key in set(base) & set(given):  # a dict field (a family's inputs): the given entries over the saved
+        if isinstance(base[key], dict) and isinstance(given[key], dict):
+            merged[key] = {**base[key], **given[key]}
+    return config_cls.from_dict(merged), resume
 
 
 def add_run_options(parser: argparse.ArgumentParser, defaults, *, unit: str, seed_help: str,

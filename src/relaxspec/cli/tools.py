@@ -14,7 +14,7 @@ import torch
 from relaxspec.models.llamagen.checkpoints import describe
 from relaxspec.cli.options import device_option
 from relaxspec.decoding.result import add_counts
-from relaxspec.pipelines import open_pipeline
+from relaxspec.pipelines.open import reopen_pipeline
 from relaxspec.pipelines.families import opening_inputs
 from relaxspec.files import read_json
 from relaxspec.inputs import check_threads
@@ -143,23 +143,18 @@ def _tree_for_this_machine(args: argparse.Namespace, rates: torch.Tensor):
     from relaxspec.drafting.trees import best_tree_for_cost
 
     settings = read_json(args.stats[0]).get("settings") or {}
-    if not (settings.get("gpt_ckpt") or settings.get("model_path")) or not settings.get("drafter_ckpt"):
+    named = settings.get("model_path") or any(settings.get(name) for name, (declared, _) in opening_inputs().items()
+                                               if declared.opens)
+    if not named or not settings.get("drafter_ckpt"):
         raise RelaxspecError(f"{args.stats[0]}: --budget auto needs a run that names its model and drafter checkpoints "
                              "(a relaxspec generate run with a drafter method)")
     device = device_option(settings.get("device", "cpu"))
     threads = args.threads if args.threads is not None else (1 if device.type == "cpu" else None)
     if threads is not None:
         torch.set_num_threads(check_threads(threads))
-    # The run's own model, reopened as the run opened it (any family the pipelines serve).
     prompts = settings.get("prompts")
-    folder = settings.get("model_path")
-    pipeline = open_pipeline(
-        gpt_ckpt=settings.get("gpt_ckpt"), gpt_model=settings.get("gpt_model"), vq_ckpt=settings.get("vq_ckpt"),
-        vq_model=settings.get("vq_model", "VQ-16") if not folder else "VQ-16", model_path=folder,
-        drafter_ckpt=settings["drafter_ckpt"], device=device, precision=settings.get("precision", "fp32"),
-        image_size=settings.get("image_size_given") if folder else settings.get("image_size"),
-        prompts=prompts[:1] if folder and prompts else None,
-        **{name: settings.get(name) for name in opening_inputs()})  # the family inputs it recorded
+    # The run's own model, reopened as the run opened it (any family the pipelines serve).
+    pipeline = reopen_pipeline(settings, device=device, prompts=prompts[:1] if prompts else None)
     condition = pipeline.conditions(prompts=prompts[:1]) if pipeline.takes == "prompts" else None
     sampling = SamplingConfig(**settings.get("sampling", {}))
     costs = measure_forward_costs(pipeline.target, pipeline.drafter, sampling=sampling,
@@ -225,7 +220,8 @@ def families_record() -> list[dict]:
     for family in all_families():
         entry = f"{family.__module__}:{family.__qualname__}"
         opened = family.opened_with + (f" (config.json model_type {types[entry]!r})" if entry in types else "")
-        records.append({"family": family.family, "opened_with": opened, "takes": family.takes, "pipeline": entry,
+        takes = family.takes or "classes or prompts (its files say)"
+        records.append({"family": family.family, "opened_with": opened, "takes": takes, "pipeline": entry,
                         "inputs": [{"flag": i.flag, "keyword": i.name, "kind": i.kind, "help": i.help, "needs": i.needs}
                                    for i in family.inputs]})
     return records

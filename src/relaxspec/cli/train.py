@@ -7,12 +7,11 @@ functions (:mod:`relaxspec.training`, :mod:`relaxspec.evaluation.classifier`,
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 from pathlib import Path
 
-from relaxspec.models.llamagen.checkpoints import PRECISIONS
+from relaxspec.models.weights import PRECISIONS
 from relaxspec.cli.options import (
     Options,
     add_family_inputs,
@@ -177,13 +176,10 @@ def add_train_drafter_parser(subparsers) -> argparse.ArgumentParser:
 
     option = Options(parser, defaults)
 
-    option.section("target")
-    option("--gpt-ckpt", "target checkpoint: an official .pt or a relaxspec folder", metavar="PATH")
-    option("--gpt-model", "target size for an official checkpoint (GPT-B, GPT-L, GPT-XL, ...)")
+    option.section("target (its family's inputs, as every command takes them)")
     add_model_path(option.group)
     add_family_inputs(option.group, option=option)
     option("--image-size", "image resolution of an official checkpoint (Emu3: the image size to paint)", type=int)
-    option("--downsample", "tokenizer downsampling factor", type=int)
     option("--precision", "target weights precision", choices=list(PRECISIONS))
     option.section("data")
     option("--data", "token sequences: .npz (tokens, labels) or .npy [n, N] with labels.npy / stats.json beside "
@@ -201,9 +197,8 @@ def add_train_drafter_parser(subparsers) -> argparse.ArgumentParser:
            type=float)
     option("--top-k", "top-k of the self-samples and the laws (0 = off; --model-path: default its own)", type=int)
     option("--top-p", "top-p of the self-samples and the laws (1 = off; --model-path: default its own)", type=float)
-    option("--images", "folder of images (class sub-folders or --label) to encode with the VQ model", metavar="DIR")
-    option("--vq-ckpt", "the target's VQ tokenizer, for --images (opened with --gpt-ckpt as its pair)", metavar="PATH")
-    option("--vq-model", "VQ model name for an official VQ checkpoint")
+    option("--images", "folder of images (class sub-folders or --label) to encode with the target's image tokenizer "
+           "(LlamaGen: give --vq-ckpt)", metavar="DIR")
     option("--val-fraction", "share of sequences held out to measure draft accuracy", type=float)
     option.section("training")
     option("--out", "output folder", metavar="DIR")
@@ -281,15 +276,17 @@ def _drafter_config(args: argparse.Namespace) -> tuple[DrafterTrainConfig, bool]
     if "classes" in args:  # each --classes word may itself be a comma list
         args.classes = [c for word in args.classes for c in word]
     if getattr(args, "model_path", None) is not None and not getattr(args, "resume", False):
-        from relaxspec.pipelines.open import folder_sampling
+        from relaxspec.pipelines.families import is_folder_family
+        from relaxspec.pipelines.open import folder_pipeline_class, folder_sampling
 
-        for key, value in folder_sampling(args.model_path).items():  # self-samples drawn as generate draws them
+        defaults = folder_sampling(args.model_path) if is_folder_family(folder_pipeline_class(args.model_path)) else {}
+        for key, value in defaults.items():  # self-samples drawn as generate draws them
             if getattr(args, key, None) is None:
                 setattr(args, key, value)
-    config, resume = config_from_args(args, DrafterTrainConfig, read_drafter_state)
     given = family_inputs(args)
-    if given:  # over a resumed run's saved inputs
-        config = dataclasses.replace(config, inputs={**config.inputs, **given})
+    if given:  # the config's one field of family inputs (over a resumed run's saved ones)
+        args.inputs = given
+    config, resume = config_from_args(args, DrafterTrainConfig, read_drafter_state)
     check_law_weight(args, config.law_loss)
     return config, resume
 

@@ -11,7 +11,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from relaxspec.cli.options import add_model_options, open_from_args, read_prompts
+from relaxspec.cli.options import add_model_options, model_family, open_from_args, read_prompts
 from relaxspec.conditions import class_ids
 from relaxspec import extras
 from relaxspec.errors import RelaxspecError
@@ -57,7 +57,7 @@ def add_tune_parser(subparsers) -> argparse.ArgumentParser:
     search.add_argument("--seed", type=int, default=0, help="seeds every image of the search (default 0)")
 
     models = tune.add_argument_group("models (default: the embedded emoji model, its drafter and sampling)")
-    add_model_options(models, vq_model_default=None, drafter_help="EAGLE drafter folder (without one, only the "
+    add_model_options(models, drafter_help="EAGLE drafter folder (without one, only the "
                                                                   "drafter-free methods are tried)")
 
     images = tune.add_argument_group("images")
@@ -101,6 +101,11 @@ def budget_from_args(args: argparse.Namespace):
     raise RelaxspecError("choose a budget: --lossless, --max-tv-per-token X or --within-ar-quality")
 
 
+NEEDS_PROMPTS = "this model takes text prompts: give --prompts-file FILE (or --prompt, at least two)"
+QUALITY_PROMPTS = ("--within-ar-quality scores class-conditional images; for a prompt model use --lossless or "
+                   "--max-tv-per-token")
+
+
 def check_inputs(args: argparse.Namespace):
     """Everything checked before a model loads (one line each)."""
     from relaxspec.tuning.config import check_minutes
@@ -109,7 +114,8 @@ def check_inputs(args: argparse.Namespace):
     check_minutes(args.minutes)
     check_threads(args.threads)
     check_at_least("batch size", args.batch_size, 1)
-    embedded = args.gpt_ckpt is None and args.model_path is None
+    family = model_family(args)
+    embedded = family is None
     if not args.out:
         if not embedded:
             raise RelaxspecError("--out DIR is required")
@@ -121,9 +127,8 @@ def check_inputs(args: argparse.Namespace):
     if (args.classifier is not None or args.real_data is not None) and budget.kind != "quality":
         raise RelaxspecError("--classifier / --real-data go with --within-ar-quality")
     if budget.kind == "quality":
-        if args.model_path is not None:
-            raise RelaxspecError("--within-ar-quality scores class-conditional images; for a prompt model use "
-                                 "--lossless or --max-tv-per-token")
+        if family is not None and family.takes == "prompts":
+            raise RelaxspecError(QUALITY_PROMPTS)
         if args.classifier is None:
             if not embedded:
                 raise RelaxspecError("--within-ar-quality needs --classifier DIR (relaxspec train-classifier) for this "
@@ -184,9 +189,14 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
     budget = check_inputs(args)
     prompts = read_prompts(args) if (args.prompt or args.prompts_file) else []
-    if args.model_path is not None and not prompts:
-        raise RelaxspecError("this model takes text prompts: give --prompts-file FILE (or --prompt, at least two)")
-    pipeline = open_from_args(args, prompts=prompts if args.model_path is not None else None)
+    family = model_family(args)
+    if family is not None and family.takes == "prompts" and not prompts:
+        raise RelaxspecError(NEEDS_PROMPTS)
+    pipeline = open_from_args(args, prompts=prompts or None)
+    if pipeline.takes == "prompts" and not prompts:  # a family whose files say it (a LlamaGen t2i checkpoint)
+        raise RelaxspecError(NEEDS_PROMPTS)
+    if pipeline.takes == "prompts" and budget.kind == "quality":
+        raise RelaxspecError(QUALITY_PROMPTS)
     sampling = pipeline.sampling(cfg_scale=args.cfg_scale, temperature=args.temperature, top_k=args.top_k,
                                  top_p=args.top_p)
     tune, heldout = split_classes(args, pipeline)

@@ -17,3 +17,9 @@ class AnolePipeline(FolderPipeline):
         from relaxspec.models.anole import is_anole_folder
 
         return is_anole_folder(path)
+
+    def to_uint8(self, decoded):
+        """Pixels as the official code converts them (:func:`relaxspec.models.anole.to_uint8`)."""
+        from relaxspec.models.anole import to_uint8
+
+        return to_uint8(decoded).cpu().numpy()

@@ -10,6 +10,7 @@ learn a family's details. :func:`relaxspec.pipelines.open_pipeline` is the one w
 from __future__ import annotations
 
 import hashlib
+from abc import ABC, abstractmethod
 from typing import Callable, Sequence
 
 import numpy as np
@@ -32,9 +33,9 @@ UPSTREAM_SAMPLING = {"cfg_scale": 4.0, "temperature": 1.0, "top_k": 2000, "top_p
 
 def to_uint8(pixels: Tensor) -> np.ndarray:
     """``[B, 3, H, W]`` in ``[-1, 1]`` -> uint8 ``[B, H, W, 3]``, rounded as LlamaGen saves images."""
-    from relaxspec.models.llamagen.vq import to_uint8 as llamagen_uint8
+    from relaxspec.models.weights import to_uint8 as saving_rule
 
-    return llamagen_uint8(pixels).cpu().numpy()
+    return saving_rule(pixels).cpu().numpy()
 
 
 def weights_fingerprint(module) -> str | None:
@@ -66,13 +67,18 @@ def named_parameters(obj) -> list:
     return found
 
 
-class ImagePipeline:
+class ImagePipeline(ABC):
     """A model family's target, tokenizer and drafter, with what it needs to turn conditions into
-    images.
+    images. The class is the family's contract with relaxspec (:mod:`relaxspec.pipelines.families`):
 
-    Subclasses set :attr:`family` (what users read), :attr:`takes` (``"classes"`` or
-    ``"prompts"``) and :attr:`inputs` (what the family opens its model with besides the weights),
-    and implement :meth:`_conditions`.
+    * class attributes :attr:`family` (what users read), :attr:`takes` (``"classes"``,
+      ``"prompts"``, or ``None`` where the model's files decide), :attr:`inputs` (what it opens its
+      model with), :attr:`opened_with` (the flag that names one, for messages) and :attr:`usage`;
+    * :meth:`open` (a classmethod: the pipeline for an :class:`~relaxspec.pipelines.families.Opening`
+      and the family's inputs) and, for a file family that also opens folders,
+      :meth:`claims_folder`;
+    * :meth:`_conditions` (classes or prompts -> a :class:`Condition`); a family whose conditions
+      can also come from a features file implements :meth:`feature_condition`.
 
     Args:
         target: a :class:`~relaxspec.models.base.TargetModel`.
@@ -87,12 +93,27 @@ class ImagePipeline:
     """
 
     family = "model"
-    takes = "classes"
-    #: What the family opens its model with besides the weights
-    #: (:class:`~relaxspec.pipelines.families.OpeningInput` s).
+    takes: str | None = "classes"
+    #: What the family opens its model with (:class:`~relaxspec.pipelines.families.OpeningInput` s).
     inputs: tuple = ()
     #: The flag that opens a model of the family (what messages point to).
-    opened_with = "--gpt-ckpt"
+    opened_with = "--model-path"
+    #: What `relaxspec info` says a model of this family is for.
+    usage = ""
+    #: What messages call a model of the family (default: :attr:`family`).
+    called: str | None = None
+
+    @classmethod
+    @abstractmethod
+    def open(cls, opening, inputs: dict) -> "ImagePipeline":
+        """The pipeline of the model ``opening`` and ``inputs`` (the family's own, checked against
+        :attr:`inputs`) name; one-line errors."""
+
+    @classmethod
+    def claims_folder(cls, path) -> bool:
+        """Whether a folder given as ``--model-path`` is this (file) family's; folder families are
+        found by their model type instead."""
+        return False
 
     def __init__(self, target, tokenizer, drafter=None, *, sampling: dict | None = None, presets: dict | None = None,
                  default_method: str = "ar", default_classes=None, identity: dict | None = None):
@@ -152,8 +173,21 @@ class ImagePipeline:
             raise RelaxspecError(f"this is a text-to-image model ({self.family}): give prompts, not classes")
         return self._conditions(classes, prompts)
 
+    @abstractmethod
     def _conditions(self, classes, prompts) -> Condition:
-        raise NotImplementedError
+        """Classes or prompts (checked against :attr:`takes`) -> a :class:`Condition`."""
+
+    def feature_condition(self, features: Tensor, mask: Tensor | None, source: str) -> Condition:
+        """Precomputed condition features (``--caption-features``) -> a :class:`Condition`; a family
+        whose model reads none refuses them in one line."""
+        raise RelaxspecError(f"--caption-features: this {self.family} model reads no precomputed features; "
+                             f"{self.conditions_hint()}")
+
+    def conditions_hint(self) -> str:
+        """What to give for this model's conditions (the end of a one-line refusal)."""
+        if self.takes == "classes":
+            return "give --classes"
+        return "give --prompt TEXT (repeatable) or --prompts-file FILE"
 
     # ---------------------------------------------------------------- settings
     def sampling(self, sampling: SamplingConfig | dict | None = None, **overrides) -> SamplingConfig:
@@ -212,8 +246,14 @@ class ImagePipeline:
 
     @torch.no_grad()
     def pixels(self, tokens: Tensor) -> np.ndarray:
-        """Image tokens ``[B, N]`` -> uint8 pixels ``[B, H, W, 3]``."""
-        return to_uint8(self.tokenizer.decode(tokens.to(self.device)))
+        """Image tokens ``[B, N]`` -> uint8 pixels ``[B, H, W, 3]``: the tokenizer's decoding,
+        converted by :meth:`to_uint8`."""
+        return np.asarray(self.to_uint8(self.tokenizer.decode(tokens.to(self.device))))
+
+    def to_uint8(self, decoded: Tensor) -> np.ndarray:
+        """The tokenizer's output ``[B, 3, H, W]`` -> uint8 ``[B, H, W, 3]``: upstream LlamaGen's
+        saving rule; a family whose official code converts its own way overrides it."""
+        return to_uint8(decoded)
 
     def images(self, tokens: Tensor, upscale: int = 1) -> list:
         """Image tokens ``[B, N]`` -> PIL images, each enlarged ``upscale`` times (nearest neighbour)."""

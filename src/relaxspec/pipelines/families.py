@@ -1,15 +1,25 @@
 """The model families relaxspec opens, and the inputs each opens its model with.
 
-A family is a pipeline class (:class:`~relaxspec.pipelines.base.ImagePipeline`). What it needs
-beyond its weights (Lumina-mGPT's Chameleon tokenizer folder, Emu3's negative prompt, a LlamaGen
-t2i checkpoint's Flan-T5 folder) it declares as :class:`OpeningInput` s in its ``inputs``; the
-commands' flags, their help, ``relaxspec info`` and :func:`~relaxspec.pipelines.open_pipeline`'s
-checks all come from these declarations, so a new family touches no command.
+A family is a pipeline class (:class:`~relaxspec.pipelines.base.ImagePipeline`) that says how its
+models are opened: what it reads them from (its :class:`OpeningInput` s: LlamaGen's ``gpt_ckpt``,
+``vq_ckpt``, ``t5_path``, Lumina-mGPT's tokenizer folder, Emu3's negative prompt), which folders
+it claims, and ``open``. The commands' flags, their help, ``relaxspec info`` and
+:func:`~relaxspec.pipelines.open_pipeline`'s checks all come from these declarations, so a new
+family touches no command.
 
-Folder families (a transformers ``save_pretrained`` folder, ``--model-path``) are found by their
-``config.json`` ``model_type``: the built-in ones in :data:`FOLDER_PIPELINES`, and any installed
-package's in its ``relaxspec.families`` entry points (name: the model type, value:
-``module:Class``), e.g. in ``pyproject.toml``::
+Two kinds of family:
+
+* a **folder family** (:class:`~relaxspec.pipelines.folders.FolderPipeline`): a transformers
+  ``save_pretrained`` folder given as ``--model-path``, found by its ``config.json``
+  ``model_type``;
+* a **file family** (LlamaGen, or a plugin's): opened from its own files, named by an input it
+  declares with ``opens=True`` (LlamaGen's ``gpt_ckpt``); it may also claim folders given as
+  ``--model-path`` (``claims_folder``: LlamaGen takes its own model folders and official
+  LANTERN's).
+
+Built-in families are listed in :data:`FAMILIES`; installed packages add theirs through the
+``relaxspec.families`` entry points (a folder family's name is its model type; a file family's
+any name), e.g. in ``pyproject.toml``::
 
     [project.entry-points."relaxspec.families"]
     palette = "palette_relaxspec.pipeline:PalettePipeline"
@@ -25,8 +35,11 @@ from importlib.metadata import entry_points
 
 from relaxspec.errors import RelaxspecError
 
-#: The entry-point group through which installed packages add folder families.
+#: The entry-point group through which installed packages add families.
 ENTRY_POINT_GROUP = "relaxspec.families"
+
+#: The built-in file families (opened from their own files, not by a folder's model type).
+FAMILIES: tuple[str, ...] = ("relaxspec.pipelines.llamagen:LlamaGenPipeline",)
 
 #: ``config.json``'s ``model_type`` -> ``module:class`` of its pipeline (imported when used).
 #: Families that share a model type are listed together: each but the last takes the folders its
@@ -37,16 +50,13 @@ FOLDER_PIPELINES: dict[str, str | tuple[str, ...]] = {
     "chameleon": ("relaxspec.pipelines.anole:AnolePipeline", "relaxspec.pipelines.lumina:LuminaPipeline"),
 }
 
-#: The families opened from LlamaGen files (``--gpt-ckpt``), not from a folder's model type.
-LLAMAGEN_PIPELINES = ("relaxspec.pipelines.llamagen:LlamaGenC2I", "relaxspec.pipelines.llamagen:LlamaGenT2I")
-
-KINDS = ("path", "text")
+KINDS = ("path", "text", "int")
 
 #: Keywords ``open_pipeline`` and ``relaxspec.generate`` take themselves (and every method setting's
 #: name): a family input of one of these names would be read as the other, so its family is skipped.
-RESERVED = frozenset({"gpt_ckpt", "gpt_model", "vq_ckpt", "vq_model", "model_path", "drafter_ckpt", "device",
-                      "precision", "image_size", "prompts", "prompt_length", "with_drafter", "classes", "method",
-                      "model", "sampling", "seed", "upscale", "progress", "preset", "out", "threads", "batch_size"})
+RESERVED = frozenset({"model_path", "drafter_ckpt", "device", "precision", "image_size", "prompts", "prompt_length",
+                      "with_drafter", "with_tokenizer", "classes", "method", "model", "sampling", "seed", "upscale",
+                      "progress", "preset", "out", "threads", "batch_size"})
 
 _warned: set[str] = set()
 
@@ -60,15 +70,19 @@ def _warn(message: str) -> None:
 
 @dataclass(frozen=True)
 class OpeningInput:
-    """One input a family opens its model with, besides the weights.
+    """One input a family opens its model with.
 
     Args:
         name: the keyword (``open_pipeline(tokenizer_path=...)``); the flag is ``--tokenizer-path``.
         help: what it is, for the flag's help (the families that take it are added).
-        kind: ``"path"`` (a file or folder: a run records it resolved and its file identity) or
-            ``"text"``.
+        kind: ``"path"`` (a file or folder: a run records it resolved and its file identity),
+            ``"text"`` or ``"int"``.
         metavar: the flag's placeholder.
         needs: the optional package reading it needs (:mod:`relaxspec.extras`), checked before any work.
+        opens: given, it names a model of this family (a file family's weights: LlamaGen's
+            ``gpt_ckpt``); the family's other inputs go with it.
+        default: what the family uses when it is not given (for the help and older runs' records;
+            the family applies it).
     """
 
     name: str
@@ -76,6 +90,8 @@ class OpeningInput:
     kind: str = "path"
     metavar: str = "DIR"
     needs: str | None = None
+    opens: bool = False
+    default: str | int | None = None
 
     def __post_init__(self):
         if not self.name.isidentifier() or self.name.startswith("_"):
@@ -88,26 +104,70 @@ class OpeningInput:
         return "--" + self.name.replace("_", "-")
 
 
+@dataclass(frozen=True)
+class Opening:
+    """What every family is opened with, whatever its files (:func:`~relaxspec.pipelines.open_pipeline`).
+
+    Args:
+        model_path: a model folder (``--model-path``), or ``None`` for a file family's files.
+        drafter_ckpt: an EAGLE drafter trained for the target, or ``None``.
+        device: a resolved :class:`torch.device`.
+        precision: the target weights' dtype name (:data:`relaxspec.models.weights.PRECISIONS`).
+        image_size: pixels per side asked for, or ``None`` (the model's own).
+        prompts: the prompts a folder family is opened for (its target is made for a prompt length).
+        prompt_length: without prompts, the prompt tokens it is opened for.
+        with_drafter: ``False`` leaves a model's own drafter out (the embedded one's).
+        with_tokenizer: ``False`` when no pixels are needed (train-drafter): a family whose image
+            tokenizer is a file of its own may leave it out.
+    """
+
+    model_path: str | None = None
+    drafter_ckpt: str | None = None
+    device: object = "cpu"
+    precision: str = "fp32"
+    image_size: int | None = None
+    prompts: list | None = None
+    prompt_length: int | None = None
+    with_drafter: bool = True
+    with_tokenizer: bool = True
+
+
 def _load(entry: str):
     module, name = entry.split(":")
     return getattr(importlib.import_module(module), name)
 
 
 def _plugin_entries() -> dict[str, list[str]]:
-    """Model type -> ``module:Class`` from installed packages' entry points."""
+    """Entry-point name -> ``module:Class`` from installed packages' entry points."""
     found: dict[str, list[str]] = {}
     for point in entry_points(group=ENTRY_POINT_GROUP):
         found.setdefault(point.name, []).append(point.value)
     return found
 
 
+def is_folder_family(family) -> bool:
+    """Whether ``family`` is opened from a transformers folder found by its model type."""
+    return bool(getattr(family, "FOLDER", False))
+
+
 def folder_entries() -> dict[str, list[str]]:
     """Every folder family, built-in and installed: model type -> its pipelines' ``module:Class``
-    (a plugin's family for a built-in model type is tried before the built-in ones)."""
+    (a plugin's family for a built-in model type is tried before the built-in ones). An installed
+    file family is left out (its entry-point name is no model type)."""
     entries = {t: [e] if isinstance(e, str) else list(e) for t, e in FOLDER_PIPELINES.items()}
     for model_type, plugins in _plugin_entries().items():
-        entries[model_type] = plugins + entries.get(model_type, [])
+        plugins = [entry for entry in plugins if (family := _usable(entry)) is None or is_folder_family(family)]
+        if plugins:
+            entries[model_type] = plugins + entries.get(model_type, [])
     return entries
+
+
+def file_families() -> list:
+    """The file families (LlamaGen's, then installed packages' that load), in the order they are asked."""
+    found = [_load(entry) for entry in FAMILIES]
+    for plugins in _plugin_entries().values():
+        found += [f for f in map(_usable, plugins) if f is not None and not is_folder_family(f)]
+    return found
 
 
 def pipeline_classes(model_type: str) -> list:
@@ -136,7 +196,7 @@ def _usable(entry: str):
         return None
     from relaxspec import methods
 
-    taken = sorted({i.name for i in getattr(family, "inputs", ())} & (RESERVED | set(methods.settings())))
+    taken = sorted({i.name for i in family.inputs} & (RESERVED | set(methods.settings())))
     if taken:
         _warn(f"the model family {entry} declares the input(s) {', '.join(taken)}, which relaxspec's own options "
               "use; it is skipped")
@@ -145,12 +205,13 @@ def _usable(entry: str):
 
 
 def all_families() -> list:
-    """Every pipeline class: LlamaGen's, then each folder family's (imports the pipeline modules,
-    which are light: a family's model module is imported when a folder is opened). An installed
-    family that does not load is left out with a warning, so it breaks no command."""
-    classes = [_load(entry) for entry in LLAMAGEN_PIPELINES]
+    """Every family: the file families (LlamaGen's first), then each folder family (imports the
+    pipeline modules, which are light: a family's model module is imported when a model is
+    opened). An installed family that does not load is left out with a warning, so it breaks no
+    command."""
+    classes = file_families()
     for entries in folder_entries().values():
-        classes += [family for family in map(_usable, entries) if family is not None]
+        classes += [family for family in map(_usable, entries) if family is not None and family not in classes]
     return classes
 
 
@@ -192,11 +253,22 @@ def known_inputs(given: dict) -> dict:
         opening = known[name][0]
         if opening.kind == "path" and hasattr(value, "__fspath__"):
             value = os.fspath(value)
-        if not isinstance(value, str):
+        if opening.kind == "int":
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise RelaxspecError(f"{opening.flag} is a whole number, got {type(value).__name__}")
+        elif not isinstance(value, str):
             raise RelaxspecError(f"{opening.flag} is {'a path' if opening.kind == 'path' else 'text'}, "
                                  f"got {type(value).__name__}")
         checked[name] = value
     return checked
+
+
+def refuse_other(name: str, this: str) -> None:
+    """Refuse, in one line, the input ``name`` for a model it does not go with (``this``: what the
+    message calls the model)."""
+    opening, takers = opening_inputs()[name]
+    where = " or ".join(dict.fromkeys(t.opened_with for t in takers))
+    raise RelaxspecError(f"{opening.flag} goes with {where} ({takers_text(takers)}); this model is {this}")
 
 
 def check_inputs(family, given: dict, this: str | None = None) -> dict:
@@ -207,12 +279,10 @@ def check_inputs(family, given: dict, this: str | None = None) -> dict:
     declared = {i.name for i in family.inputs}
     for name in given:
         if name not in declared:
-            opening, takers = opening_inputs()[name]
-            where = " or ".join(dict.fromkeys(t.opened_with for t in takers))
-            raise RelaxspecError(f"{opening.flag} goes with {where} ({takers_text(takers)}); this model is "
-                                 f"{this or family.family}")
+            refuse_other(name, this or family.called or family.family)
     return given
 
 
-__all__ = ["ENTRY_POINT_GROUP", "FOLDER_PIPELINES", "LLAMAGEN_PIPELINES", "OpeningInput", "RESERVED", "all_families",
-           "check_inputs", "folder_entries", "known_inputs", "opening_inputs", "pipeline_class", "pipeline_classes", "takers_text"]
+__all__ = ["ENTRY_POINT_GROUP", "FAMILIES", "FOLDER_PIPELINES", "Opening", "OpeningInput", "RESERVED", "all_families",
+           "check_inputs", "file_families", "folder_entries", "is_folder_family", "known_inputs", "opening_inputs",
+           "pipeline_class", "pipeline_classes", "refuse_other", "takers_text"]

@@ -8,8 +8,6 @@ from __future__ import annotations
 import importlib
 from pathlib import Path
 
-import numpy as np
-import torch
 
 from relaxspec.conditions import Condition, check_prompts
 from relaxspec.errors import RelaxspecError
@@ -27,8 +25,14 @@ class FolderPipeline(ImagePipeline):
 
     takes = "prompts"
     opened_with = "--model-path"
+    FOLDER = True  # found by its config.json model_type (relaxspec.pipelines.families)
     MODEL = ""  # the model module's import path
-    usage = ""  # what `relaxspec info` says a folder of this family is for
+
+    @classmethod
+    def open(cls, opening, inputs: dict) -> "FolderPipeline":
+        return open_folder(cls, opening.model_path, prompts=opening.prompts, prompt_length=opening.prompt_length,
+                           drafter_ckpt=opening.drafter_ckpt, device=opening.device, precision=opening.precision,
+                           image_size=opening.image_size, **inputs)
 
     def __init__(self, opened, model_module, drafter=None, *, path, sampling: dict | None = None):
         identity = {"model_path": str(Path(path).resolve()), "model_type": model_module.MODEL_TYPE,
@@ -56,12 +60,6 @@ class FolderPipeline(ImagePipeline):
         settings = {**self.opened.record, "prompts": prompts}
         return Condition(cond, mask, [{"prompt": p} for p in prompts], settings)
 
-    @torch.no_grad()
-    def pixels(self, tokens: torch.Tensor) -> np.ndarray:
-        convert = getattr(self.model_module, "to_uint8", None)  # a family whose official code converts its own way
-        if convert is None:
-            return super().pixels(tokens)
-        return np.asarray(convert(self.tokenizer.decode(tokens.to(self.device))))
 
 
 def open_folder(pipeline_class: type[FolderPipeline], path, *, prompts=None, prompt_length: int | None = None,
@@ -72,7 +70,7 @@ def open_folder(pipeline_class: type[FolderPipeline], path, *, prompts=None, pro
     family's own opening inputs (``pipeline_class.inputs``), passed to its model module's
     ``open_folder`` by name."""
     from relaxspec.drafting.eagle import load_drafter
-    from relaxspec.models.llamagen.checkpoints import PRECISIONS
+    from relaxspec.models.weights import PRECISIONS
 
     inputs = check_inputs(pipeline_class, inputs)
     module = importlib.import_module(pipeline_class.MODEL)

@@ -24,7 +24,87 @@ def spec_id(spec: str | None) -> str | None:
     return str(Path(spec).resolve()) if spec and spec not in GPT_SIZES and spec not in VQ_CONFIGS else spec
 
 
-class LlamaGenC2I(ImagePipeline):
+def _gpt_sizes() -> str:
+    from relaxspec.models.llamagen.gpt import GPT_SIZES
+
+    return ", ".join(GPT_SIZES)
+
+
+def _vq_names() -> str:
+    from relaxspec.models.llamagen.vq import VQ_CONFIGS
+
+    return ", ".join(VQ_CONFIGS)
+
+
+class LlamaGenPipeline(ImagePipeline):
+    """The LlamaGen family: a GPT file or folder and its VQ tokenizer's file, opened by
+    ``gpt_ckpt`` (or a LlamaGen model folder given as ``--model-path``: relaxspec's, or official
+    LANTERN's converted LlamaGen-T2I). Whether it draws classes (:class:`LlamaGenC2I`) or prompts
+    (:class:`LlamaGenT2I`) its weights say."""
+
+    family = "LlamaGen"
+    takes = None
+    opened_with = "--gpt-ckpt"
+    called = "a LlamaGen checkpoint"
+    usage = ("a LlamaGen target: relaxspec generate --gpt-ckpt PATH --vq-ckpt PATH (--gpt-model NAME for an "
+             "official file; a t2i one with --t5-path DIR or --caption-features)")
+    inputs = (
+        OpeningInput("gpt_ckpt", "GPT weights: official .pt/.pth, .safetensors, a relaxspec model folder or official "
+                                 "LANTERN's LlamaGen folder (default: the embedded emoji model, with its tokenizer and "
+                                 "drafter)", metavar="PATH", opens=True),
+        OpeningInput("gpt_model", f"named size ({_gpt_sizes()}), or a JSON file of GPTConfig fields (or upstream's "
+                                  "ModelArgs) for other sizes; needed for official files (the head count is not in "
+                                  "the weights)", kind="text", metavar="NAME|JSON"),
+        OpeningInput("vq_ckpt", "the VQ tokenizer's weights that go with the GPT", metavar="PATH"),
+        OpeningInput("vq_model", f"named tokenizer ({_vq_names()}) or a JSON file of VQConfig fields (or upstream's "
+                                 "ModelArgs) (default VQ-16)", kind="text", metavar="NAME|JSON", default="VQ-16"),
+        OpeningInput("downsample", "the tokenizer's downsampling factor, for an official GPT file opened without its "
+                                   "VQ (train-drafter; default: --vq-model's, else 16)", kind="int", metavar="N"),
+        OpeningInput("t5_path", "the local Flan-T5 folder (save_pretrained layout) that encodes a t2i model's "
+                                "prompts, as upstream LlamaGen's", needs="transformers"),
+    )
+
+    @classmethod
+    def claims_folder(cls, path) -> bool:
+        """relaxspec's own GPT folders and official LANTERN's LlamaGen folders."""
+        from relaxspec.models.llamagen.checkpoints import is_gpt_folder
+        from relaxspec.models.llamagen.hf_layout import is_lantern_folder
+
+        return is_lantern_folder(path) or is_gpt_folder(path)
+
+    @classmethod
+    def open(cls, opening, inputs: dict) -> ImagePipeline:
+        from relaxspec.models.llamagen.checkpoints import load_gpt
+
+        inputs = dict(inputs)
+        gpt = inputs.pop("gpt_ckpt", None)
+        if opening.model_path is not None:
+            gpt = opening.model_path
+        if inputs.get("vq_ckpt") is None and not opening.with_tokenizer:  # no pixels needed: the GPT alone
+            target = load_gpt(gpt, inputs.get("gpt_model"), image_size=opening.image_size,
+                              downsample=_downsample(inputs), precision=opening.precision, device=opening.device)
+            return llamagen_pipeline(target, None, None, **{k: v for k, v in inputs.items() if k == "t5_path"})
+        if inputs.get("vq_ckpt") is None:
+            if opening.model_path is not None:
+                raise RelaxspecError(f"--model-path {opening.model_path} is a LlamaGen model: give --vq-ckpt PATH (its "
+                                     "VQ tokenizer's weights), and for a t2i model --t5-path DIR or --caption-features")
+            raise RelaxspecError("--vq-ckpt is required with --gpt-ckpt (the tokenizer that goes with the GPT)")
+        return open_llamagen(gpt, drafter_ckpt=opening.drafter_ckpt, device=opening.device,
+                             precision=opening.precision, image_size=opening.image_size, **inputs)
+
+
+def _downsample(inputs: dict) -> int:
+    """The tokenizer's downsampling factor for a GPT opened without its VQ: given, else the named
+    VQ model's, else upstream's 16."""
+    from relaxspec.models.llamagen.vq import VQ_CONFIGS
+
+    if inputs.get("downsample") is not None:
+        return inputs["downsample"]
+    named = VQ_CONFIGS.get(inputs.get("vq_model") or "VQ-16")
+    return named.downsample_factor if named is not None else 16
+
+
+class LlamaGenC2I(LlamaGenPipeline):
     """A class-conditional LlamaGen transformer and its VQ tokenizer; classes by id, or by name
     when the checkpoint names them."""
 
@@ -39,14 +119,12 @@ class LlamaGenC2I(ImagePipeline):
         return class_condition(classes, self.target.config.num_classes, self.class_names)
 
 
-class LlamaGenT2I(ImagePipeline):
+class LlamaGenT2I(LlamaGenPipeline):
     """A text-to-image LlamaGen transformer: prompts encoded by a local Flan-T5 folder
     (``t5_path``), as upstream's ``sample_t2i.py`` does, or caption features given directly."""
 
     family = "LlamaGen t2i"
     takes = "prompts"
-    inputs = (OpeningInput("t5_path", "the local Flan-T5 folder (save_pretrained layout) that encodes prompts, as "
-                                      "upstream LlamaGen's", needs="transformers"),)
 
     def __init__(self, target, tokenizer, drafter=None, *, t5_path: str | None = None, **kwargs):
         super().__init__(target, tokenizer, drafter, **kwargs)
@@ -78,7 +156,14 @@ class LlamaGenT2I(ImagePipeline):
         return Condition(features.cpu(), mask.cpu(), [{"prompt": p} for p in prompts],
                          {"prompts": list(prompts), "t5_path": str(Path(self.t5_path).resolve())})
 
-    def caption_condition(self, features: torch.Tensor, mask: torch.Tensor | None, source: str) -> Condition:
+    def conditions_hint(self) -> str:
+        config = self.target.config
+        if self.t5_path:
+            return "--t5-path encodes prompts: give --prompt TEXT or --prompts-file FILE"
+        return (f"give --prompt TEXT with --t5-path DIR, or --caption-features PATH.npy (caption features "
+                f"[N, {config.cls_token_num}, {config.caption_dim}], e.g. Flan-T5-XL outputs)")
+
+    def feature_condition(self, features: torch.Tensor, mask: torch.Tensor | None, source: str) -> Condition:
         """Precomputed caption features ``[N, C, caption_dim]`` (and mask ``[N, C]``), checked."""
         config = self.target.config
         expected = (config.cls_token_num, config.caption_dim)
@@ -94,7 +179,7 @@ class LlamaGenT2I(ImagePipeline):
 
 
 def open_llamagen(gpt_ckpt, vq_ckpt, *, gpt_model: str | None = None, vq_model: str | None = "VQ-16",
-                  t5_path: str | None = None, drafter_ckpt=None, device="cpu", precision: str = "fp32",
+                  t5_path: str | None = None, downsample: int | None = None, drafter_ckpt=None, device="cpu", precision: str = "fp32",
                   image_size: int | None = None, sampling: dict | None = None, presets: dict | None = None,
                   default_method: str = "ar", default_classes=None, family: str | None = None) -> ImagePipeline:
     """A LlamaGen checkpoint pair (official files or relaxspec folders) as its pipeline."""
@@ -103,7 +188,10 @@ def open_llamagen(gpt_ckpt, vq_ckpt, *, gpt_model: str | None = None, vq_model: 
 
     if vq_ckpt is None:
         raise RelaxspecError("--vq-ckpt is required with --gpt-ckpt (the tokenizer that goes with the GPT)")
-    vq = load_vq(vq_ckpt, vq_model, device=device)
+    vq = load_vq(vq_ckpt, vq_model or "VQ-16", device=device)
+    if downsample is not None and downsample != vq.config.downsample_factor:
+        raise RelaxspecError(f"--downsample {downsample}: the tokenizer downsamples {vq.config.downsample_factor} times "
+                             "(leave --downsample out when giving --vq-ckpt)")
     downsample = vq.config.downsample_factor
     if image_size is not None and image_size % downsample:
         raise RelaxspecError(f"--image-size {image_size} is not a multiple of the tokenizer's downsampling {downsample}")
@@ -115,7 +203,7 @@ def open_llamagen(gpt_ckpt, vq_ckpt, *, gpt_model: str | None = None, vq_model: 
     drafter = load_drafter(drafter_ckpt, target) if drafter_ckpt is not None else None
     identity = {"gpt_ckpt": str(Path(gpt_ckpt).resolve()), "gpt_model": spec_id(gpt_model),
                 "gpt_config": target.config.to_dict(), "vq_ckpt": str(Path(vq_ckpt).resolve()),
-                "vq_model": spec_id(vq_model), "vq_config": _asdict(vq.config)}
+                "vq_model": spec_id(vq_model or "VQ-16"), "vq_config": _asdict(vq.config)}
     kwargs = dict(sampling=sampling, presets=presets, default_method=default_method, identity=identity)
     if target.config.model_type == "c2i":
         if t5_path is not None:
@@ -136,12 +224,17 @@ def llamagen_pipeline(target, vq=None, drafter=None, **inputs) -> ImagePipeline:
     """The pipeline around a LlamaGen target already in memory (with its VQ and drafter, either may
     be ``None``: one without a VQ formats conditions and paints nothing), its family's ``inputs``
     (a t2i target's ``t5_path``) checked as :func:`~relaxspec.pipelines.open_pipeline` checks them."""
-    from relaxspec.pipelines.families import check_inputs
+    from relaxspec.pipelines.families import check_inputs, refuse_other
 
+    inputs = check_inputs(LlamaGenPipeline, inputs)
+    for name in inputs:
+        if name != "t5_path":
+            raise RelaxspecError(f"--{name.replace('_', '-')}: a model in memory is opened already")
     if target.config.model_type == "c2i":
-        return LlamaGenC2I(target, vq, drafter, **check_inputs(LlamaGenC2I, inputs, "a class-conditional LlamaGen "
-                                                                                  "model (c2i)"))
-    return LlamaGenT2I(target, vq, drafter, **check_inputs(LlamaGenT2I, inputs))
+        if inputs:
+            refuse_other("t5_path", "a class-conditional LlamaGen model (c2i)")
+        return LlamaGenC2I(target, vq, drafter)
+    return LlamaGenT2I(target, vq, drafter, **inputs)
 
 
 def open_embedded(*, drafter_ckpt=None, device="cpu", precision: str = "fp32", with_drafter: bool = True):
@@ -164,4 +257,4 @@ def _asdict(config) -> dict:
     return dataclasses.asdict(config)
 
 
-__all__ = ["DEFAULT_CLASSES", "LlamaGenC2I", "LlamaGenT2I", "llamagen_pipeline", "open_embedded", "open_llamagen", "spec_id"]
+__all__ = ["DEFAULT_CLASSES", "LlamaGenC2I", "LlamaGenPipeline", "LlamaGenT2I", "llamagen_pipeline", "open_embedded", "open_llamagen", "spec_id"]

@@ -13,3 +13,9 @@ class LuminaPipeline(FolderPipeline):
     inputs = (OpeningInput("tokenizer_path", "Meta's Chameleon tokenizer folder (text_tokenizer.json, vqgan.yaml, "
                                              "vqgan.ckpt)", needs="pyyaml"),)
     usage = "a Lumina-mGPT target: relaxspec generate --model-path DIR --tokenizer-path CHAMELEON_TOKENIZER_DIR --prompt TEXT"
+
+    def to_uint8(self, decoded):
+        """Pixels as the official code converts them (:func:`relaxspec.models.lumina.to_uint8`)."""
+        from relaxspec.models.lumina import to_uint8
+
+        return to_uint8(decoded).cpu().numpy()

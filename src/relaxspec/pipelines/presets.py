@@ -23,7 +23,7 @@ from relaxspec import __version__, methods
 from relaxspec.devices import machine_identity, machine_kind
 from relaxspec.errors import RelaxspecError, shown
 from relaxspec.files import missing_file
-from relaxspec.models.llamagen.checkpoints import PRECISIONS
+from relaxspec.models.weights import PRECISIONS
 from relaxspec.sampling import SamplingConfig
 
 #: What a preset file says it is, and the format version this code writes and reads.

@@ -35,7 +35,7 @@ def ensure_images(out_dir: str | Path, records: Sequence[dict], vq, *, batch_siz
     from tqdm.auto import tqdm
 
     from relaxspec.files import write_atomic, write_png
-    from relaxspec.models.llamagen.vq import to_uint8
+    from relaxspec.models.weights import to_uint8
 
     out = Path(out_dir) / IMAGES_DIR
     marker = out / "SETTINGS_HASH"

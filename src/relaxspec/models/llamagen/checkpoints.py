@@ -17,19 +17,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 
 from relaxspec.errors import RelaxspecError
+from relaxspec.models.weights import FORMAT_VERSION, PRECISIONS, load_safetensors, load_strict, save_folder  # noqa: F401
 from relaxspec.models.llamagen.gpt import GPT_SIZES, GPTConfig, Transformer, gpt_config
 from relaxspec.models.llamagen.vq import VQ_CONFIGS, VQConfig, VQModel
 
 #: Keys some official files carry that are derived buffers, not weights.
 IGNORED_KEY = re.compile(r"(^|\.)(freqs_cis|kv_cache\..*|k_cache|v_cache)$")
 CONTAINER_KEYS = ("model", "module", "state_dict")
-FORMAT_VERSION = 1
 #: Layouts that carry their config (our folders, official LANTERN's HF-Llama folders).
 CONFIGURED = ("relaxspec", "lantern")
-PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass
@@ -111,6 +109,16 @@ def _is_state_dict(obj: object) -> bool:
     )
 
 
+def is_gpt_folder(path: str | Path) -> bool:
+    """Whether ``path`` is one of relaxspec's LlamaGen GPT folders (``config.json`` of kind ``gpt``)."""
+    config_file = Path(path) / "config.json"
+    try:
+        meta = json.loads(config_file.read_text())
+    except (OSError, ValueError, UnicodeDecodeError):
+        return False
+    return isinstance(meta, dict) and meta.get("kind") == "gpt" and "config" in meta
+
+
 def read_state(path: str | Path) -> LoadedState:
     """Read weights from an official ``.pt``/``.pth``, a ``.safetensors`` file, or one of our
     folders, without building a model."""
@@ -132,7 +140,7 @@ def read_state(path: str | Path) -> LoadedState:
             raise RelaxspecError(f"{config_file}: unreadable config ({err})") from None
         if not isinstance(meta, dict) or "kind" not in meta or "config" not in meta:
             raise RelaxspecError(f"{config_file}: not a relaxspec config (needs 'kind' and 'config')")
-        state = _load_safetensors(weights)
+        state = load_safetensors(weights)
         return LoadedState(state, "relaxspec", meta["config"], meta["kind"], meta)
     if not path.is_file():
         raise RelaxspecError(f"{path}: not a regular file")
@@ -142,7 +150,7 @@ def read_state(path: str | Path) -> LoadedState:
     except OSError as err:
         raise RelaxspecError(f"{path}: cannot read ({err.strerror})") from None
     if path.suffix == ".safetensors" or _looks_like_safetensors(head, path.stat().st_size):
-        return LoadedState(_load_safetensors(path), "safetensors")
+        return LoadedState(load_safetensors(path), "safetensors")
     if not head:
         raise RelaxspecError(f"{path}: the file is empty")
     if not (head.startswith(ZIP_MAGIC) or head[:1] == PICKLE_PROTO):
@@ -160,37 +168,9 @@ def read_state(path: str | Path) -> LoadedState:
     )
 
 
-def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
-    try:
-        return load_file(str(path))
-    except Exception as err:  # noqa: BLE001
-        raise RelaxspecError(f"{path}: not a readable safetensors file ({err})") from None
-
-
 def strip_ignored(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Drop derived buffers (``freqs_cis``, ``kv_cache``) some official files carry."""
     return {k: v for k, v in state_dict.items() if not IGNORED_KEY.search(k)}
-
-
-def load_strict(module: torch.nn.Module, state_dict: dict[str, torch.Tensor], source: str) -> None:
-    """``load_state_dict(strict=True)`` with one error that lists every missing key, unexpected
-    key and shape mismatch."""
-    expected = module.state_dict()
-    missing = sorted(set(expected) - set(state_dict))
-    unexpected = sorted(set(state_dict) - set(expected))
-    shapes = sorted(
-        f"{k}: file {tuple(state_dict[k].shape)} vs model {tuple(expected[k].shape)}"
-        for k in set(expected) & set(state_dict)
-        if tuple(state_dict[k].shape) != tuple(expected[k].shape)
-    )
-    problems = []
-    for label, items in (("missing keys", missing), ("unexpected keys", unexpected), ("shape mismatches", shapes)):
-        if items:
-            shown = ", ".join(items[:8]) + (f", ... ({len(items)} in all)" if len(items) > 8 else "")
-            problems.append(f"{label}: {shown}")
-    if problems:
-        raise RelaxspecError(f"{source}: weights do not fit the model; " + "; ".join(problems))
-    module.load_state_dict({k: v.to(expected[k].dtype) for k, v in state_dict.items()}, strict=True)
 
 
 # ------------------------------------------------------------------------------------------
@@ -442,22 +422,13 @@ def load_vq(path: str | Path, model_name: str | None = "VQ-16", *, device: str |
 
 def save_model(model: torch.nn.Module, folder: str | Path, *, kind: str | None = None,
                dtype: torch.dtype | None = None, extra: dict | None = None) -> Path:
-    """Write ``model.safetensors`` + ``config.json`` (kind "gpt", "vq" or "drafter")."""
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
+    """Write ``model.safetensors`` + ``config.json`` (kind "gpt", "vq", or given:
+    :func:`relaxspec.models.weights.save_folder`)."""
     if kind is None:
         kind = "gpt" if isinstance(model, Transformer) else "vq" if isinstance(model, VQModel) else None
     if kind is None:
         raise ValueError("save_model needs kind= for this module")
-    state = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).contiguous()
-             for k, v in model.state_dict().items()}
-    config = model.config.to_dict() if hasattr(model.config, "to_dict") else dataclasses.asdict(model.config)
-    save_file(state, str(folder / "model.safetensors"))
-    names = getattr(model, "class_names", None)  # a named model stays named when saved again
-    meta = {"format_version": FORMAT_VERSION, "kind": kind, "config": config,
-            **({"class_names": list(names)} if names else {}), **(extra or {})}
-    (folder / "config.json").write_text(json.dumps(meta, indent=2) + "\n")
-    return folder
+    return save_folder(model, folder, kind=kind, dtype=dtype, extra=extra)
 
 
 def describe(path: str | Path, model_name: str | None = None) -> dict:

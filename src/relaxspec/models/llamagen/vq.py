@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from relaxspec.errors import RelaxspecError
+from relaxspec.models.weights import to_uint8  # noqa: F401 - upstream's saving rule, where LlamaGen code finds it
 
 # Upstream registers ``codebook_used`` with a hard-coded length (a ring buffer of recent indices
 # used for training-time usage statistics); it is part of the state dict, so keep its shape.
@@ -391,17 +392,3 @@ class VQModel(nn.Module):
             )
         return tokens.long()
 
-
-def to_uint8(images: torch.Tensor) -> torch.Tensor:
-    """Decoder output ``[B, 3, H, W]`` in ``[-1, 1]`` -> ``uint8 [B, H, W, 3]``.
-
-    Upstream's saving rule (REFERENCE §2.3): ``clamp(127.5 x + 128, 0, 255)`` then a plain cast,
-    which truncates, so -1 -> 0 (0.5 truncates), 0 -> 128, 1 -> 255 (255.5 clamps). Computed in
-    float32 so half-precision decoder output rounds the same way; stays on the input's device.
-    """
-    if images.ndim != 4:
-        raise RelaxspecError(
-            f"to_uint8 expects images [batch, C, H, W], got shape {tuple(images.shape)}."
-        )
-    pixels = torch.clamp(127.5 * images.float() + 128.0, 0, 255)
-    return pixels.permute(0, 2, 3, 1).to(torch.uint8)

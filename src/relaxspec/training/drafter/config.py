@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from relaxspec.models.llamagen.checkpoints import PRECISIONS
+from relaxspec.models.weights import PRECISIONS
 from relaxspec.pipelines.families import known_inputs, opening_inputs
 from relaxspec.sampling import SamplingConfig
 from relaxspec.training import common
@@ -25,19 +25,19 @@ PREPARING = "preparing"
 SELF_SAMPLES = "self_samples.npz"
 #: Fields a resumed run may change: how long it runs, where, and how chatty it is. Everything
 #: else is the recipe and must stay what it was, or the continuation would not be exact.
-#: A family's opening inputs of the path kind (``inputs``) are where files are, like ``gpt_ckpt``:
-#: they may change too (see :func:`check_resume`).
+#: A family's opening inputs of the path kind (``inputs``: its weights' files among them) are where
+#: files are: they may change too (see :func:`check_resume`).
 RUN_FIELDS = ("out", "epochs", "steps", "device", "bf16", "progress", "checkpoint_interval",
-              "eval_interval", "eval_sequences", "gpt_ckpt", "vq_ckpt", "model_path", "prompts_file",
-              "patience", "export", "eval_depths")
+              "eval_interval", "eval_sequences", "model_path", "prompts_file", "patience", "export", "eval_depths")
 #: Fields added after the first train states were written, and what a state without them did.
 ADDED_FIELDS = {"law_loss": "ce", "distill_weight": 1.0, "train_depths": 1}
 #: The most draft depths one training step unrolls (``train_depths``, ``eval_depths``): each keeps a
 #: batch of features for the backward pass, so memory grows with it; draft chains a step verifies
 #: are rarely deeper than ten, and ``--train-depths 100000`` only ran out of memory.
 MAX_UNROLLED_DEPTHS = 64
-#: Fields of older train states that are family opening inputs now (``inputs``, by the same names).
-INPUT_FIELDS = ("t5_path", "tokenizer_path", "negative_prompt")
+#: A field of an older train state named as a family's opening input is that input now (``inputs``,
+#: :func:`upgrade`); this one was a field before it became an input of the same meaning.
+OLD_INPUT_DEFAULTS = {"downsample": 16}
 LAW_LOSSES = ("ce", "kl", "tv", "kl+tv")
 #: Where a run keeps the weights of its best evaluation (``out/best``).
 BEST = common.BEST
@@ -50,17 +50,14 @@ class DrafterTrainConfig(common.RecipeConfig):
     what = "drafter training"
 
     out: str = "out/drafter"
-    # target (official files need gpt_model; our folders carry their config)
-    gpt_ckpt: str | None = None
-    gpt_model: str | None = None
-    model_path: str | None = None  # a model folder of any family (Janus, Emu3, ...): trained on its own samples
-    # what the target's family opens it with besides the weights (relaxspec.pipelines.families): input
-    # name -> value, e.g. {"t5_path": DIR} for a LlamaGen t2i target, {"tokenizer_path": DIR} for Lumina-mGPT
+    # the target: a model folder of any family (Janus, Emu3, a LlamaGen folder, ...) and/or what its family
+    # opens it with (relaxspec.pipelines.families): input name -> value, e.g. a LlamaGen checkpoint's files
+    # and a t2i one's Flan-T5 folder, {"tokenizer_path": DIR} for Lumina-mGPT
+    model_path: str | None = None
     inputs: dict = field(default_factory=dict)
     prompts_file: str | None = None  # the self-samples' prompts, one per line (a target that takes prompts)
     prompts_sha256: str | None = None  # set from prompts_file's prompts, so a resume cannot swap them
     image_size: int | None = None
-    downsample: int = 16
     precision: str = "fp32"  # the target's weights; the drafter trains in fp32
     # data: token files, the target's own samples, and/or an image folder through a VQ model
     data: list[str] = field(default_factory=list)
@@ -73,9 +70,7 @@ class DrafterTrainConfig(common.RecipeConfig):
     temperature: float = 1.0
     top_k: int = 0
     top_p: float | None = None  # None = 1.0 (off)
-    images: str | None = None
-    vq_ckpt: str | None = None
-    vq_model: str = "VQ-16"
+    images: str | None = None  # encoded with the target's image tokenizer (its family's input, e.g. a VQ file)
     val_fraction: float = 0.02  # held out to measure draft accuracy
     # drafter
     n_layer: int = 1
@@ -168,14 +163,16 @@ class DrafterTrainConfig(common.RecipeConfig):
         need(self.checkpoint_interval >= 1, f"checkpoint_interval must be >= 1, got {self.checkpoint_interval}")
         need(self.eval_interval >= 1, f"eval_interval must be >= 1, got {self.eval_interval}")
         need(self.eval_sequences >= 1, f"eval_sequences must be >= 1, got {self.eval_sequences}")
-        need(self.images is None or self.vq_ckpt is not None, "--images needs --vq-ckpt to encode them")
-        need(self.model_path is None or self.gpt_ckpt is None, "give --model-path or --gpt-ckpt, not both")
-        need(self.model_path is None or (not self.data and self.images is None and self.classes is None),
+        need(self.images is None or self.model_path is not None or bool(self.inputs),
+             "--images are encoded by the target's image tokenizer: name the target (--model-path DIR, or its "
+             "family's files, e.g. LlamaGen's --gpt-ckpt with --vq-ckpt)")
+        folder = self.model_path is not None and _prompted_folder(self.model_path)
+        need(not folder or (not self.data and self.images is None and self.classes is None),
              "a --model-path target trains on its own samples of prompts: give --self-samples COUNT and "
              "--prompts-file FILE (not --data / --images / --classes)")
-        need(self.model_path is None or self.prompts_file is not None,
+        need(not folder or self.prompts_file is not None,
              "--model-path needs --prompts-file FILE (the prompts of its self-samples)")
-        need(self.model_path is None or self.self_samples >= 1,
+        need(not folder or self.self_samples >= 1,
              "--model-path trains on the model's own samples: give --self-samples COUNT")
         need(self.prompts_file is None or (self.self_samples >= 1 and not self.data and self.images is None
                                            and self.classes is None),
@@ -190,13 +187,29 @@ class DrafterTrainConfig(common.RecipeConfig):
                               top_p=1.0 if self.top_p is None else self.top_p)
 
 
+def _prompted_folder(path) -> bool:
+    """Whether the model folder ``path`` is of a family that draws prompts (a transformers
+    folder: it trains on its own samples of prompts); a folder that cannot be read counts as one
+    (opening it says why)."""
+    from relaxspec.errors import RelaxspecError
+    from relaxspec.pipelines.open import folder_pipeline_class
+
+    try:
+        return folder_pipeline_class(path).takes == "prompts"
+    except RelaxspecError:
+        return True
+
+
 def upgrade(data: dict) -> dict:
-    """A saved config dict as today's fields: an older run's ``t5_path`` / ``tokenizer_path`` /
-    ``negative_prompt`` fields (:data:`INPUT_FIELDS`) are its ``inputs`` now, so ``--resume``
-    continues it."""
+    """A saved config dict as today's fields: an older run's fields named as a family's opening
+    inputs (a LlamaGen target's files and sizes, ``t5_path``, ``tokenizer_path``,
+    ``negative_prompt``) are its ``inputs`` now, those it saved at their default left out (a run
+    that never named a tokenizer saved upstream's), so ``--resume`` continues it."""
     data = dict(data)
-    old = {name: data.pop(name) for name in INPUT_FIELDS if name in data}
-    inputs = {name: value for name, value in old.items() if value is not None}
+    known = opening_inputs()
+    defaults = {**{name: declared.default for name, (declared, _) in known.items()}, **OLD_INPUT_DEFAULTS}
+    old = {name: data.pop(name) for name in known if name in data}
+    inputs = {name: value for name, value in old.items() if value is not None and value != defaults.get(name)}
     if inputs or "inputs" in data:
         data["inputs"] = {**inputs, **(data.get("inputs") or {})}
     return data

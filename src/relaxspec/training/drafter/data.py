@@ -16,7 +16,6 @@ from tqdm.auto import tqdm
 
 from relaxspec.errors import RelaxspecError
 from relaxspec.models.base import TargetModel, TeacherForcedTarget
-from relaxspec.models.llamagen.checkpoints import load_vq
 from relaxspec.models.llamagen.vq import VQModel
 from relaxspec.sampling import SamplingConfig
 from relaxspec.training import common
@@ -315,7 +314,7 @@ def build_dataset(config: DrafterTrainConfig, target: TargetModel, prompts=None,
                   shard: Shard | None = None) -> DrafterDataset:
     """All the sources ``config`` names, concatenated (token files, then self-samples, then images).
     ``prompts``: ``(cond, cond_mask)`` of a prompt-conditioned target, what its self-samples cycle.
-    ``vq``: the VQ model ``images`` are encoded with, when already open (else ``config.vq_ckpt``'s).
+    ``vq``: the image tokenizer ``images`` are encoded with (the target's family opens it).
     ``shard``: this process's share of the self-samples (every process gets all of them)."""
     progress = config.progress and (shard is None or shard.rank == 0)
     parts = [load_token_file(path, config.label) for path in config.data]
@@ -328,7 +327,9 @@ def build_dataset(config: DrafterTrainConfig, target: TargetModel, prompts=None,
                                         seed=config.seed, batch_size=config.batch_size, progress=progress,
                                         cache=Path(config.out) / SELF_SAMPLES, shard=shard))
     if config.images is not None:
-        vq = vq if vq is not None else load_vq(config.vq_ckpt, config.vq_model, device=target.device)
+        if vq is None:
+            raise RelaxspecError("--images: the target's image tokenizer encodes them: give its family's tokenizer input "
+                                 "(LlamaGen: --vq-ckpt PATH)")
         size = target.config.grid_size * vq.config.downsample_factor
         parts.append(encode_images(config.images, vq, size, label=config.label, batch_size=config.batch_size,
                                    progress=progress))

@@ -33,7 +33,7 @@ from relaxspec.devices import resolve_device
 from relaxspec.drafting.eagle import LLAMAGEN, DrafterConfig, EagleDrafter, drafter_config, load_drafter
 from relaxspec.errors import RelaxspecError, SaidByRankZero
 from relaxspec.models.base import TargetModel, TeacherForcedTarget
-from relaxspec.models.llamagen.checkpoints import load_gpt, load_strict
+from relaxspec.models.weights import load_strict
 from relaxspec.training import common, distributed
 from relaxspec.training.common import TRAIN_STATE
 from relaxspec.training.drafter.checkpoints import (
@@ -107,9 +107,8 @@ def _read_prompts(config: DrafterTrainConfig) -> list[str]:
 
 
 def _around(target: TargetModel, inputs: dict):
-    """The pipeline of a LlamaGen target already loaded (given in memory, or a ``gpt_ckpt`` without
-    ``vq_ckpt``, which train-drafter does not need): it formats conditions (a t2i one's prompts
-    with its ``t5_path``) and paints nothing. ``None`` for a target of another kind."""
+    """The pipeline of a LlamaGen target given in memory: it formats conditions (a t2i one's
+    prompts with its ``t5_path``) and paints nothing. ``None`` for a target of another kind."""
     from relaxspec.models.llamagen.gpt import Transformer
     from relaxspec.pipelines.llamagen import llamagen_pipeline
 
@@ -118,41 +117,38 @@ def _around(target: TargetModel, inputs: dict):
 
 def _open_named(config: DrafterTrainConfig, prompts: list[str] | None, device: torch.device | None = None):
     """The pipeline of the target ``config`` names, opened as every command opens one
-    (:func:`relaxspec.pipelines.open_pipeline`: LlamaGen files or folders, LANTERN's LlamaGen
-    folders, any family's model folder), with its family's ``config.inputs``. A LlamaGen checkpoint
-    without ``vq_ckpt`` (needed only for ``images``) is loaded alone, its inputs checked the same way."""
+    (:func:`relaxspec.pipelines.open_pipeline`: any family's files or model folder, with its
+    ``config.inputs``); its image tokenizer only where ``images`` needs it (a family may leave out
+    one of its own files then)."""
     from relaxspec.pipelines import open_pipeline
-    from relaxspec.pipelines.families import check_inputs
-    from relaxspec.pipelines.llamagen import LlamaGenT2I
+    from relaxspec.pipelines.open import choose_family
 
     device = device or resolve_device(config.device)
-    if config.model_path is None and config.gpt_ckpt is None:
-        raise RelaxspecError("no target: give --gpt-ckpt (and --gpt-model for an official file) or --model-path")
-    if config.model_path is None and config.vq_ckpt is None:
-        check_inputs(LlamaGenT2I, config.inputs, "a LlamaGen checkpoint")  # as open_pipeline does, before loading
-        target = load_gpt(config.gpt_ckpt, config.gpt_model, image_size=config.image_size,
-                          downsample=config.downsample, precision=config.precision, device=device)
-        return _around(target, config.inputs)
-    return open_pipeline(gpt_ckpt=config.gpt_ckpt, gpt_model=config.gpt_model, vq_ckpt=config.vq_ckpt,
-                         vq_model=config.vq_model, model_path=config.model_path, device=device,
-                         precision=config.precision, image_size=config.image_size, prompts=prompts,
-                         with_drafter=False, **config.inputs)
+    if choose_family(config.model_path, config.inputs) is None:
+        from relaxspec.pipelines.families import file_families
+
+        named = " or ".join(["--model-path DIR"] + [f"{f.opened_with} ({f.family})" for f in file_families()])
+        raise RelaxspecError(f"no target: give {named}")
+    return open_pipeline(config.model_path, device=device, precision=config.precision, image_size=config.image_size,
+                         prompts=prompts, with_drafter=False, with_tokenizer=config.images is not None,
+                         **config.inputs)
 
 
 def _open(config: DrafterTrainConfig, target: TargetModel | None, dataset: DrafterDataset | None,
           device: torch.device | None = None):
-    """:func:`open_target`, and the LlamaGen VQ it opened with the target (for ``images``), else ``None``."""
+    """:func:`open_target`, and the image tokenizer it opened with the target (for ``images``),
+    else ``None``."""
     prompts = None
     if config.prompts_file is not None and (target is None or dataset is None):
         prompts = _read_prompts(config)
     vq = None
     if target is None:
         pipeline = _open_named(config, prompts, device)
-        target = pipeline.target
-        if config.model_path is None:
-            vq = pipeline.tokenizer
+        target, vq = pipeline.target, pipeline.tokenizer
     else:  # already open: only its prompts may need formatting (a LlamaGen target's, by its pipeline)
         pipeline = _around(target, config.inputs) if prompts is not None and dataset is None else None
+        if config.images is not None and dataset is None:  # the tokenizer that encodes them, by the family's inputs
+            vq = _open_named(config, None, target.device).tokenizer
     conditions = None
     if prompts is not None and dataset is None:
         if pipeline is None:
@@ -168,7 +164,7 @@ def _open(config: DrafterTrainConfig, target: TargetModel | None, dataset: Draft
 
 def open_target(config: DrafterTrainConfig, target: TargetModel | None = None,
                 dataset: DrafterDataset | None = None) -> tuple[TargetModel, tuple | None]:
-    """``target``, else the one ``config`` names (``model_path`` or ``gpt_ckpt``, with its family's
+    """``target``, else the one ``config`` names (``model_path`` or its family's files, with its family's
     ``inputs``), and what its self-samples cycle for a prompt-conditioned target: ``(cond,
     cond_mask)``, the family's own conditions of ``prompts_file`` (else ``None``)."""
     target, conditions, _ = _open(config, target, dataset)
@@ -203,7 +199,7 @@ def train_drafter(config: DrafterTrainConfig, *, target: TeacherForcedTarget | N
     family (:func:`relaxspec.drafting.eagle.drafter_config`: LlamaGen blocks, or a transformers
     target's own decoder layers).
 
-    ``target`` and ``dataset`` default to what ``config`` names (``gpt_ckpt``; ``data`` /
+    ``target`` and ``dataset`` default to what ``config`` names (its model; ``data`` /
     ``self_samples`` / ``images``). The target is frozen in place (``eval()``, no gradients).
     Writes ``config.out``, which no other run may use meanwhile (:func:`common.out_lock`);
     returns the trained drafter and its evaluation history.
