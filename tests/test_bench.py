@@ -197,10 +197,12 @@ def test_prebuilt_sources_and_rules_decode_exactly_like_decode(models):
     """The bench builds each method's draft source and rule once; reusing them across images
     gives the tokens :func:`relaxspec.decoding.decode` gives with the same generator."""
     cond = torch.tensor([3])
+    pipeline = pipeline_of((models["target"], models["vq"], models["drafter"]))
+    condition = pipeline.conditions(classes=[3])
     for spec in expand_methods(["sd-static", "lantern++", "cool", "sjd", "scd"]):
-        method = PreparedMethod.build(spec, SAMPLING, models["drafter"], models["vq"])
+        method = PreparedMethod.build(spec, SAMPLING, pipeline)
         for seed in (0, 1):
-            mine = bench_run.decode_method(method, models["target"], cond, torch.Generator().manual_seed(seed))
+            mine = bench_run.decode_method(method, pipeline, condition, torch.Generator().manual_seed(seed))
             theirs = decode(models["target"], cond, SAMPLING, spec.method_options(), drafter=models["drafter"],
                             vq=models["vq"], generator=torch.Generator().manual_seed(seed))
             assert torch.equal(mine.tokens, theirs.tokens), spec.label
@@ -229,7 +231,7 @@ def test_bench_input_errors(models, tmp_path):
                   tmp_path / "b", progress=False)  # class ids are given as a pipeline's Condition
     (tmp_path / "c").mkdir()
     (tmp_path / "c" / "records.jsonl").write_text("{}\n")
-    with pytest.raises(RelaxspecError, match="without a readable settings.json"):
+    with pytest.raises(RelaxspecError, match="holds records.jsonl but no settings.json"):
         bench_on(models, [1], expand_methods(["ar"]), tmp_path / "c", progress=False)
 
 
@@ -535,8 +537,9 @@ def test_gsd_is_benchmarked_like_decode(models):
     """GSD's rule reads the target's token embeddings: the bench hands it the target."""
     cond = torch.tensor([3])
     [_, spec] = expand_methods(["gsd"], ["gsd:window=4"])
-    method = PreparedMethod.build(spec, SAMPLING, None, models["vq"], models["target"])
-    mine = bench_run.decode_method(method, models["target"], cond, torch.Generator().manual_seed(0))
+    pipeline = pipeline_of((models["target"], models["vq"], None))
+    method = PreparedMethod.build(spec, SAMPLING, pipeline)
+    mine = bench_run.decode_method(method, pipeline, pipeline.conditions(classes=[3]), torch.Generator().manual_seed(0))
     theirs = decode(models["target"], cond, SAMPLING, spec.method_options(), vq=models["vq"],
                     generator=torch.Generator().manual_seed(0))
     assert torch.equal(mine.tokens, theirs.tokens) and mine.accept_lengths == theirs.accept_lengths

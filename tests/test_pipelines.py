@@ -175,3 +175,41 @@ def test_one_class_check():
                              ("cat", "give class ids"), (" , ", "no classes given"), ("-1", "out of range")]:
         with pytest.raises(RelaxspecError, match=message.replace("?", r"\?")):
             class_ids(classes, 3, names if classes in ("heat",) else None)
+
+
+def test_every_command_decodes_through_the_pipeline_and_checks_a_method_once(tmp_path, monkeypatch, capsys):
+    """One decode path: generate (three batches), eval's shard and bench (two methods, a warm-up)
+    decode through ``ImagePipeline.generate`` with what ``prepare`` checked and built once per
+    method and run; no command calls the engine past the pipeline."""
+    from relaxspec.cli import main
+    from relaxspec.methods.base import Method
+    from relaxspec.pipelines.base import PreparedDecode
+
+    checks, builds, decodes = [], [], []
+    real_check, real_prepare, real_generate = Method.check_fits, ImagePipeline.prepare, ImagePipeline.generate
+
+    def check(self, options, context):
+        checks.append(options.method)
+        return real_check(self, options, context)
+
+    def prepare(self, options=None, sampling=None):
+        builds.append(options.method)
+        return real_prepare(self, options, sampling)
+
+    def generate(self, condition, options=None, sampling=None, **kwargs):
+        decodes.append(isinstance(options, PreparedDecode))
+        return real_generate(self, condition, options, sampling, **kwargs)
+
+    monkeypatch.setattr(Method, "check_fits", check)
+    monkeypatch.setattr(ImagePipeline, "prepare", prepare)
+    monkeypatch.setattr(ImagePipeline, "generate", generate)
+    quiet = ["--no-progress", "--classes", "heart,time,animal-mammal"]
+    assert main(["generate", "--method", "sjd", *quiet, "--out", str(tmp_path / "g")]) == 0, capsys.readouterr().err
+    assert (checks, builds, decodes) == (["sjd"], ["sjd"], [True, True, True])
+    checks.clear(), builds.clear(), decodes.clear()
+    assert main(["eval", "--", "--method", "scd", *quiet, "--out", str(tmp_path / "e")]) == 0, capsys.readouterr().err
+    assert (checks, builds, decodes) == (["scd"], ["scd"], [True, True, True])
+    checks.clear(), builds.clear(), decodes.clear()
+    assert main(["bench", "--methods", "sjd", "--classes", "1,2", "--warmup", "1", "--no-plots", "--no-progress",
+                 "--out", str(tmp_path / "b")]) == 0, capsys.readouterr().err
+    assert sorted(checks) == sorted(builds) == ["ar", "sjd"] and decodes == [True] * 6  # 2 warm-ups, 2 x 2 images

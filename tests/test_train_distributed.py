@@ -250,9 +250,9 @@ def test_a_family_drafter_trains_on_two_processes_as_on_one(tmp_path) -> None:
 def test_an_out_folder_in_use_is_refused_by_rank_0_alone(tmp_path, target_path) -> None:
     """Two processes given an --out another run holds: rank 0 says it in one line, rank 1 stops
     with it silently, and nothing is written there."""
-    from relaxspec.training.common import out_lock
+    from relaxspec.runs.folder import hold_folder
 
-    with out_lock(tmp_path / "busy", "train-drafter"):
+    with hold_folder(tmp_path / "busy", "train-drafter"):
         run = torchrun("train-drafter", "--gpt-ckpt", target_path, *RECIPE, "--steps", "1", "--out",
                        str(tmp_path / "busy"))
     said = [line for line in run.stderr.splitlines() if line.startswith("relaxspec: error:")]

@@ -220,8 +220,8 @@ def test_two_runs_may_not_share_an_out_folder(tmp_path, target: Transformer, dat
     out = tmp_path / "run"
     argv = ["train-drafter", "--gpt-ckpt", str(tmp_path / "target"), "--data", str(tmp_path / "data.npz"), "--steps",
             "2", "--batch-size", "4", "--no-progress", "--out", str(out)]
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from relaxspec.training.common import out_lock\n"
-                               "with out_lock(sys.argv[1], 'train-drafter'):\n    print('held', flush=True); "
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from relaxspec.runs.folder import hold_folder\n"
+                               "with hold_folder(sys.argv[1], 'train-drafter'):\n    print('held', flush=True); "
                                "time.sleep(60)", str(out)], stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"

@@ -16,7 +16,7 @@ from relaxspec.cli.train import add_train_gpt_parser
 from relaxspec.models.llamagen.checkpoints import load_gpt, save_model
 from relaxspec.errors import RelaxspecError
 from relaxspec.models.llamagen.vq import VQConfig, VQModel
-from relaxspec.training import common
+from relaxspec.runs.folder import TRAIN_STATE
 from relaxspec.training import gpt as gpt_recipe
 from relaxspec.training.gpt import (
     GPTTrainConfig,
@@ -111,7 +111,7 @@ def test_interrupted_run_resumes_bit_for_bit(tmp_path, data, vq, monkeypatch) ->
     whole = train_gpt(quick(tmp_path / "whole", data, vq, steps=12, patience=0, eval_interval=4))
     with interrupted_at(monkeypatch, 7):
         train_gpt(quick(tmp_path / "split", data, vq, steps=12, patience=0, eval_interval=4))
-    assert torch.load(tmp_path / "split" / common.TRAIN_STATE, weights_only=True)["step"] == 5
+    assert torch.load(tmp_path / "split" / TRAIN_STATE, weights_only=True)["step"] == 5
     resumed = train_gpt(quick(tmp_path / "split", data, vq, steps=12, patience=0, eval_interval=4), resume=True)
     for name, value in whole.model.state_dict().items():
         assert torch.equal(value, resumed.model.state_dict()[name]), name

@@ -16,7 +16,7 @@ from relaxspec.cli.train import add_train_vq_parser
 from relaxspec.models.llamagen.checkpoints import load_vq
 from relaxspec.errors import RelaxspecError
 from relaxspec.models.llamagen.vq import VQModel
-from relaxspec.training import common
+from relaxspec.runs.folder import TRAIN_STATE
 from relaxspec.training.vq import (
     VQTrainConfig,
     evaluate_vq,
@@ -95,7 +95,7 @@ def test_interrupted_run_resumes_bit_for_bit(tmp_path, data, monkeypatch) -> Non
     whole = train_vq(quick(tmp_path / "whole", data, steps=12, eval_interval=4))
     with interrupted_at(monkeypatch, 7):
         train_vq(quick(tmp_path / "split", data, steps=12, eval_interval=4))
-    assert torch.load(tmp_path / "split" / common.TRAIN_STATE, weights_only=True)["step"] == 5
+    assert torch.load(tmp_path / "split" / TRAIN_STATE, weights_only=True)["step"] == 5
     resumed = train_vq(quick(tmp_path / "split", data, steps=12, eval_interval=4), resume=True)
     for name, value in whole.vq.state_dict().items():
         assert torch.equal(value, resumed.vq.state_dict()[name]), name

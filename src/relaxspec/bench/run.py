@@ -32,15 +32,12 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from relaxspec import __version__
 from relaxspec.bench.config import BASELINE, MethodSpec
-from relaxspec.decoding import decode
-from relaxspec.decoding.engine import build_parts
 from relaxspec.conditions import Condition
-from relaxspec.methods import BuildContext
 from relaxspec.decoding.result import DecodeResult
 from relaxspec.errors import RelaxspecError
-from relaxspec.runs.folder import different_settings, hold_folder, settings_hash
+from relaxspec.pipelines.base import PreparedDecode
+from relaxspec.runs.folder import RunKind, hold_folder, open_run, run_meta, settings_hash
 from relaxspec.sampling import SamplingConfig, batch_seed
 
 RECORDS_FILE, SETTINGS_FILE = "records.jsonl", "settings.json"
@@ -50,26 +47,22 @@ WARMUP_SEED = 2**40
 
 @dataclass
 class PreparedMethod:
-    """A method ready to decode: its options, sampling, and the draft source / acceptance rule
-    built once (reused across images; both reset themselves at the start of every decode)."""
+    """A benchmarked method ready to decode: its spec and what the pipeline prepared for it
+    (:meth:`~relaxspec.pipelines.ImagePipeline.prepare`: checked once, its draft source and
+    acceptance rule built once and reused across images; both reset themselves at the start of
+    every decode)."""
 
     spec: MethodSpec
-    sampling: SamplingConfig
-    options: object
-    source: object = None
-    rule: object = None
+    prepared: PreparedDecode
 
     @classmethod
-    def build(cls, spec: MethodSpec, sampling: SamplingConfig, drafter=None, vq=None, target=None) -> PreparedMethod:
-        options = spec.method_options()
-        sampling = spec.sampling_config(sampling)
-        if options.method == "ar":
-            return cls(spec, sampling, options)
-        if options.needs_drafter and drafter is None:
+    def build(cls, spec: MethodSpec, sampling: SamplingConfig, pipeline) -> PreparedMethod:
+        if spec.needs_drafter and pipeline.drafter is None:
             raise RelaxspecError(f"{spec.label} needs a trained drafter (--drafter-ckpt)")
-        source, rule = build_parts(options, BuildContext(target=target, tokenizer=vq, drafter=drafter,
-                                                         sampling=sampling))
-        return cls(spec, sampling, options, source, rule)
+        try:
+            return cls(spec, pipeline.prepare(spec.method_options(), spec.sampling_config(sampling)))
+        except RelaxspecError as err:
+            raise RelaxspecError(f"{spec.label}: {err}") from None
 
 
 def prompted(condition: Condition) -> bool:
@@ -82,12 +75,9 @@ def prompts_of(condition: Condition) -> list[str]:
     return [record["prompt"] for record in condition.records]
 
 
-def decode_method(method: PreparedMethod, target, cond: torch.Tensor, generator: torch.Generator,
-                  cond_mask: torch.Tensor | None = None) -> DecodeResult:
-    """One decode of ``cond [B, ...]``: :func:`relaxspec.decoding.decode` with the prebuilt source
-    and rule."""
-    return decode(target, cond, method.sampling, method.options, generator=generator, cond_mask=cond_mask,
-                  source=method.source, rule=method.rule)
+def decode_method(method: PreparedMethod, pipeline, condition: Condition, generator: torch.Generator) -> DecodeResult:
+    """One decode of ``condition`` (its rows on the pipeline's device), through the pipeline."""
+    return pipeline.generate(condition, method.prepared, generator=generator)
 
 
 def bench_settings(methods: Sequence[MethodSpec], condition: Condition, seed: int,
@@ -131,31 +121,20 @@ def read_records_counted(out_dir: str | Path, expected_hash: str | None = None) 
     return records, skipped
 
 
+#: A benchmark's folder: ``settings.json`` holds its settings, ``records.jsonl`` one line per decode.
+BENCH_RUN = RunKind("bench", "a benchmark", SETTINGS_FILE, "a benchmark's settings", owned=(RECORDS_FILE,))
+
+
 def prepare_out_dir(out: Path, settings: dict, digest: str, overwrite: bool) -> list[dict]:
-    """Check ``out`` holds nothing or a run of the same settings; return that run's records and
-    rewrite ``records.jsonl`` with exactly them (dropping a torn last line before appending)."""
+    """Open ``out`` for the benchmark of ``settings`` (:func:`relaxspec.runs.folder.open_run`);
+    return the records of the same benchmark there and rewrite ``records.jsonl`` with exactly them
+    (dropping a torn last line before appending)."""
     from relaxspec.files import write_atomic, write_json
 
-    if out.exists() and not out.is_dir():
-        raise RelaxspecError(f"--out {out}: exists and is not a folder")
-    out.mkdir(parents=True, exist_ok=True)
-    settings_path, records_path = out / SETTINGS_FILE, out / RECORDS_FILE
-    old = None
-    if settings_path.exists():
-        try:
-            old = json.loads(settings_path.read_text())
-        except json.JSONDecodeError:
-            old = None
-    if old is None and records_path.exists() and not overwrite:
-        raise RelaxspecError(f"--out {out} holds {RECORDS_FILE} without a readable {SETTINGS_FILE}; "
-                             "choose another folder or pass --overwrite")
-    if old is not None and old.get("settings_hash") != digest:
-        if not overwrite:
-            raise different_settings(out, "a benchmark", settings, old)
-        old = None
+    old = open_run(out, BENCH_RUN, settings, overwrite=overwrite, digest=digest)
     records = read_records(out, digest) if old is not None else []
-    write_atomic(records_path, lambda temp: temp.write_text("".join(json.dumps(r) + "\n" for r in records)))
-    write_json(settings_path, {"relaxspec_version": __version__, "settings_hash": digest, "settings": settings})
+    write_atomic(out / RECORDS_FILE, lambda temp: temp.write_text("".join(json.dumps(r) + "\n" for r in records)))
+    write_json(out / SETTINGS_FILE, run_meta(settings, digest))
     return records
 
 
@@ -171,18 +150,17 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def timed_decode(method: PreparedMethod, target, cond: torch.Tensor, seed: int,
-                 cond_mask: torch.Tensor | None = None) -> tuple[DecodeResult, float]:
+def timed_decode(method: PreparedMethod, pipeline, condition: Condition, seed: int) -> tuple[DecodeResult, float]:
     """``(result, wall seconds)``; the garbage collector is off during the call (as ``timeit``
     does) so a collection never lands inside one method's timing."""
-    device = target.device
+    device = pipeline.device
     generator = torch.Generator(device=device).manual_seed(seed)
     _sync(device)
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
         start = time.perf_counter()
-        result = decode_method(method, target, cond, generator, cond_mask)
+        result = decode_method(method, pipeline, condition, generator)
         _sync(device)
         wall = time.perf_counter() - start
     finally:
@@ -251,9 +229,9 @@ def _run_bench(pipeline, condition, methods, sampling, out_dir, *, seed, threads
     labels = [m.label for m in methods]
     if len(set(labels)) != len(labels):
         raise RelaxspecError("method labels must be unique")
-    target, vq = pipeline.target, pipeline.tokenizer
-    drafter = pipeline.drafter if any(m.needs_drafter for m in methods) else None
     out = Path(out_dir)
+    # every method checked (its sizes, its drafter) and built once, before the folder is touched
+    prepared = {m.label: PreparedMethod.build(m, sampling, pipeline) for m in methods}
     settings = bench_settings(methods, condition, seed, sampling, threads or torch.get_num_threads(), batch_size,
                               pipeline.image_tokens, identity if identity is not None else {"model": pipeline.fingerprint()})
     digest = settings_hash(settings)
@@ -270,19 +248,18 @@ def _run_bench(pipeline, condition, methods, sampling, out_dir, *, seed, threads
         stack.callback(torch.set_num_threads, torch.get_num_threads())
         if threads is not None:
             torch.set_num_threads(threads)
-        prepared = {m.label: PreparedMethod.build(m, sampling, drafter, vq, target) for m in methods}
-        device = target.device
+        device = pipeline.device
 
-        def conditions(index: list[int]) -> tuple[list, torch.Tensor, torch.Tensor | None]:
+        def conditions(index: list[int]) -> tuple[list, Condition]:
             part = condition.select(index).to(device)
-            return [record[key] for record in part.records], part.cond, part.mask
+            return [record[key] for record in part.records], part
 
-        _, first, first_mask = conditions(units[mine[0]])
+        _, first = conditions(units[mine[0]])
         pending = {m.label for _, m in todo}
         for w in range(warmup):
             for m in methods:
                 if m.label in pending:
-                    timed_decode(prepared[m.label], target, first, WARMUP_SEED + w, first_mask)
+                    timed_decode(prepared[m.label], pipeline, first, WARMUP_SEED + w)
         bar = tqdm(total=len(mine) * len(methods), initial=len(mine) * len(methods) - len(todo), unit="decode",
                    desc="bench", disable=True if not progress else None)
         stack.callback(bar.close)
@@ -291,13 +268,13 @@ def _run_bench(pipeline, condition, methods, sampling, out_dir, *, seed, threads
             index = units[u]
             shift = u % len(methods)
             order = list(methods[shift:]) + list(methods[:shift])  # rotate: no method always runs first
-            cond_classes, cond, cond_mask = conditions(index)
+            cond_classes, part = conditions(index)
             seed_u = batch_seed(seed, u)
             for position, m in enumerate(order):
                 if all((i, m.label) in done for i in index):
                     continue
                 bar.set_postfix_str(f"image {index[0]} {m.label}", refresh=False)
-                result, wall = timed_decode(prepared[m.label], target, cond, seed_u, cond_mask)
+                result, wall = timed_decode(prepared[m.label], pipeline, part, seed_u)
                 new = [{**r, **(timed_by or {})}
                        for r in result_records(result, wall, m, index, cond_classes, seed_u, u, position, digest, key)
                        if (r["index"], m.label) not in done]
@@ -340,13 +317,7 @@ def merge_shards(out: str | Path, world: int | None = None, overwrite: bool = Fa
     pairs = {(record["index"], record["method"]) for record in records}
     if len(pairs) < images * len(settings["methods"]):
         return False
-    if (out / SETTINGS_FILE).is_file() and not overwrite:
-        try:
-            old = json.loads((out / SETTINGS_FILE).read_text())
-        except json.JSONDecodeError:
-            old = None
-        if not isinstance(old, dict) or old.get("settings_hash") != digest:
-            raise different_settings(out, "a benchmark", settings, old)
+    open_run(out, BENCH_RUN, settings, overwrite=overwrite, digest=digest)  # this benchmark's, or refused
     order = {label: i for i, label in enumerate(m["label"] for m in settings["methods"])}
     records.sort(key=lambda record: (record["index"], order.get(record["method"], 0)))
     write_atomic(out / RECORDS_FILE, lambda temp: temp.write_text("".join(json.dumps(r) + "\n" for r in records)))

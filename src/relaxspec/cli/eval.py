@@ -170,9 +170,8 @@ def generate_shard(args: argparse.Namespace, gen: argparse.Namespace, rank: int,
     if world > 1 and gen.device == "cuda":
         gen.device = f"cuda:{local}"
     started = time.perf_counter()
-    pipeline, condition, options, sampling = prepare(gen)
-    stats = write_image_run(pipeline, condition, options, sampling, folder, run_settings(gen, pipeline, options, sampling,
-                                                                                          condition),
+    pipeline, condition, prepared = prepare(gen)
+    stats = write_image_run(pipeline, condition, prepared, folder, run_settings(gen, pipeline, prepared, condition),
                             seed=gen.seed, batch_size=gen.batch_size, overwrite=gen.overwrite,
                             progress=not gen.no_progress, grid_max=gen.grid_max, upscale_by=gen.upscale,
                             started=started)

@@ -26,10 +26,10 @@ def add_generate_parser(subparsers) -> argparse.ArgumentParser:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     wall = time.perf_counter()
-    pipeline, condition, options, sampling = prepare(args)
-    settings = run_settings(args, pipeline, options, sampling, condition)
+    pipeline, condition, prepared = prepare(args)
+    settings = run_settings(args, pipeline, prepared, condition)
     out = Path(args.out)
-    stats = write_image_run(pipeline, condition, options, sampling, out, settings, seed=args.seed,
+    stats = write_image_run(pipeline, condition, prepared, out, settings, seed=args.seed,
                             batch_size=args.batch_size, overwrite=args.overwrite, progress=not args.no_progress,
                             grid_max=args.grid_max, upscale_by=args.upscale, started=wall)
     print(summary(out, stats))

@@ -112,8 +112,9 @@ def command_condition(args: argparse.Namespace, pipeline, prompts: list[str]) ->
     raise RelaxspecError(f"this is a text-to-image model ({pipeline.family}): {pipeline.conditions_hint()}")
 
 
-def check_inputs(args: argparse.Namespace) -> list[str]:
-    """Everything that can be checked before a model loads (one line each); returns the prompts."""
+def check_inputs(args: argparse.Namespace) -> tuple[list[str], object]:
+    """Everything that can be checked before a model loads (one line each); returns the prompts
+    and the method's options."""
     if args.image_size is not None:
         check_at_least("image size", args.image_size, 1)
     check_at_least("batch size", args.batch_size, 1)
@@ -137,18 +138,20 @@ def check_inputs(args: argparse.Namespace) -> list[str]:
     prompts = read_prompts(args)
     if family is not None and family.takes == "prompts" and (args.classes is not None or args.caption_features or not prompts):  # checked before the folder is read
         raise RelaxspecError(f"this {family.family} model takes text prompts: --prompt TEXT or --prompts-file FILE")
+    # The method, resolved once, before any weights load: from the preset file, the embedded
+    # model's shipped presets (a file too), or the registry (a user's model brings no presets).
     if preset is not None:
         fields = dict(preset["method"])
-        methods.resolve(fields.pop("method"), given_settings(args), {preset["method"]["method"]: fields})
-    elif embedded:  # the method is checked before any weights load (the embedded model's presets are a file)
+        options = methods.resolve(fields.pop("method"), given_settings(args), {preset["method"]["method"]: fields})
+    elif embedded:
         from relaxspec import embedded as shipped
 
         early = shipped.defaults()
-        methods.resolve(args.method or early.get("method", {}).get("method", "ar"), given_settings(args),
-                        early.get("presets"))
+        options = methods.resolve(args.method or early.get("method", {}).get("method", "ar"), given_settings(args),
+                                  early.get("presets"))
     else:
-        methods.resolve(args.method or "ar", given_settings(args))
-    return prompts
+        options = methods.resolve(args.method or "ar", given_settings(args))
+    return prompts, options
 
 
 def preset_option(args: argparse.Namespace) -> dict | None:
@@ -163,7 +166,7 @@ def preset_option(args: argparse.Namespace) -> dict | None:
     return read_preset(args.preset)
 
 
-def run_settings(args: argparse.Namespace, pipeline, options, sampling, condition: Condition) -> dict:
+def run_settings(args: argparse.Namespace, pipeline, prepared, condition: Condition) -> dict:
     """The run's settings (:func:`relaxspec.runs.images.image_settings`) with the files the options
     named (caption features, prompts file) and what reopens its model."""
     from relaxspec.pipelines.families import opening_inputs
@@ -174,7 +177,7 @@ def run_settings(args: argparse.Namespace, pipeline, options, sampling, conditio
              # the family's path inputs its pipeline does not list among its files (LlamaGen's t5_path)
              **{name: value for name, value in family_inputs(args).items()
                 if declared[name][0].kind == "path" and name not in pipeline.files}}
-    settings = image_settings(pipeline, options, sampling, condition, seed=args.seed, batch_size=args.batch_size,
+    settings = image_settings(pipeline, prepared.options, prepared.sampling, condition, seed=args.seed, batch_size=args.batch_size,
                               precision=args.precision, files=files)
     if args.upscale != 1:  # recorded only when used, so runs from before the flag still resume
         settings["upscale"] = args.upscale
@@ -186,9 +189,10 @@ def run_settings(args: argparse.Namespace, pipeline, options, sampling, conditio
 
 
 def prepare(args: argparse.Namespace):
-    """``(pipeline, condition, options, sampling)`` from an image run's options, each checked (the
-    inputs before any weights load)."""
-    prompts = check_inputs(args)
+    """``(pipeline, condition, prepared)`` from an image run's options, each checked (the inputs
+    before any weights load; the method's sizes once, by
+    :meth:`~relaxspec.pipelines.ImagePipeline.prepare`, which builds what it decodes with)."""
+    prompts, options = check_inputs(args)
     pipeline = open_from_args(args, prompts=prompts or None)
     if args.preset is not None:
         from relaxspec.pipelines.presets import with_preset
@@ -196,16 +200,15 @@ def prepare(args: argparse.Namespace):
         pipeline = with_preset(pipeline, args.preset)
     sampling = pipeline.sampling(cfg_scale=args.cfg_scale, temperature=args.temperature, top_k=args.top_k,
                                  top_p=args.top_p)
-    options = methods.resolve(args.method or pipeline.default_method, given_settings(args), pipeline.presets)
     if args.drafter_ckpt is not None and not options.needs_drafter and args.preset is None:
         raise RelaxspecError(f"--drafter-ckpt is not used by {options.family.where(options)}")
     if options.needs_drafter and pipeline.drafter is None:
         raise RelaxspecError("--drafter-ckpt is required: this method drafts with an EAGLE drafter trained for the "
                              "target (train one with relaxspec train-drafter)")
-    pipeline.check_fits(options)
+    prepared = pipeline.prepare(options, sampling)
     condition = command_condition(args, pipeline, prompts)
     check_upscale(args.upscale, pipeline.image_size)
-    return pipeline, condition, options, sampling
+    return pipeline, condition, prepared
 
 
 __all__ = ["add_image_run_options", "add_setting_flags", "check_inputs", "command_condition", "given_settings",

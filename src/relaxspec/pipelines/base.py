@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import numpy as np
@@ -65,6 +66,19 @@ def named_parameters(obj) -> list:
         if isinstance(value, torch.nn.Module):
             found += [(f"{attribute}.{name}", tensor) for name, tensor in value.named_parameters()]
     return found
+
+
+@dataclass
+class PreparedDecode:
+    """A method ready to decode on one pipeline (:meth:`ImagePipeline.prepare`): its options,
+    checked against the model once (the sizes it uses set), its sampling, and the draft source and
+    acceptance rule built once. Each part resets itself at the start of every decode, so one
+    serves a whole run (generate's batches, bench's images, tune's rounds)."""
+
+    options: MethodOptions
+    sampling: SamplingConfig
+    source: object = None
+    rule: object = None
 
 
 class ImagePipeline(ABC):
@@ -205,7 +219,8 @@ class ImagePipeline(ABC):
 
     def method(self, method: str | MethodOptions | None = None, fields: dict | None = None) -> MethodOptions:
         """A method name (the model's own preset of that name, then ``fields``; ``None``: the
-        model's default method) or :class:`MethodOptions`, checked against this pipeline."""
+        model's default method) or :class:`MethodOptions`, resolved, its drafter checked (its
+        sizes are checked once, by :meth:`prepare`)."""
         if isinstance(method, MethodOptions):
             if fields:
                 raise RelaxspecError("give method fields either in the MethodOptions or as keywords, not both")
@@ -213,7 +228,6 @@ class ImagePipeline(ABC):
         else:
             options = methods.resolve(method or self.default_method, fields, self.presets)
         self._check_drafter(options)
-        self.check_fits(options)
         return options
 
     def check_fits(self, options: MethodOptions) -> None:
@@ -225,24 +239,47 @@ class ImagePipeline(ABC):
         options.family.check_fits(options, context)
         options.family.use_effective(options, context)
 
+    def prepare(self, options: MethodOptions | None = None, sampling: SamplingConfig | None = None) -> PreparedDecode:
+        """``options`` (default: the model's default method) and ``sampling`` (default: the
+        model's) ready to decode: the drafter checked, the sizes checked and set once
+        (:meth:`check_fits`), the draft source and acceptance rule built once."""
+        options = options if options is not None else self.method()
+        sampling = sampling if sampling is not None else self.sampling()
+        self._check_drafter(options)
+        self.check_fits(options)
+        if options.method == "ar":
+            return PreparedDecode(options, sampling)
+        context = methods.BuildContext(target=self.target, tokenizer=self.tokenizer,
+                                       drafter=self.drafter if options.needs_drafter else None, sampling=sampling)
+        source = options.family.source(options, context)  # the parts Method.build makes, the sizes checked above
+        rule = options.family.rule(options, context, horizon=source.max_depth)
+        return PreparedDecode(options, sampling, source, rule)
+
     def _check_drafter(self, options: MethodOptions) -> None:
         if options.needs_drafter and self.drafter is None:
             raise RelaxspecError(f"method {options.method!r} drafts with an EAGLE drafter and this model has none: "
                                  "give a drafter (relaxspec train-drafter trains one), or choose sjd, scd or gsd")
 
     # ---------------------------------------------------------------- decoding and pixels
-    def generate(self, condition: Condition, options: MethodOptions | None = None,
+    def generate(self, condition: Condition, options: MethodOptions | PreparedDecode | None = None,
                  sampling: SamplingConfig | None = None, *, generator: torch.Generator | None = None,
                  progress: bool = False, on_step: Callable | None = None) -> DecodeResult:
         """Image tokens for every condition, with the method ``options`` names (default: the
-        model's default method) and ``sampling`` (default: the model's)."""
-        options = options if options is not None else self.method()
-        sampling = sampling if sampling is not None else self.sampling()
-        self._check_drafter(options)
+        model's default method) and ``sampling`` (default: the model's), or a
+        :class:`PreparedDecode` (:meth:`prepare`: the way a run of many decodes checks and builds
+        its method once). Every decode of relaxspec's commands goes through here."""
+        if isinstance(options, PreparedDecode):
+            if sampling is not None:
+                raise RelaxspecError("a PreparedDecode holds its sampling: give it or a sampling, not both")
+            prepared = options
+        else:
+            prepared = self.prepare(options, sampling)
         condition = condition.to(self.device)
-        return decode(self.target, condition.cond, sampling, options, generator=generator,
-                      drafter=self.drafter if options.needs_drafter else None, vq=self.tokenizer,
-                      cond_mask=condition.mask, progress=progress, on_step=on_step)
+        chosen = prepared.options
+        return decode(self.target, condition.cond, prepared.sampling, chosen, generator=generator,
+                      drafter=self.drafter if chosen.needs_drafter else None, vq=self.tokenizer,
+                      cond_mask=condition.mask, progress=progress, on_step=on_step, source=prepared.source,
+                      rule=prepared.rule)
 
     @torch.no_grad()
     def pixels(self, tokens: Tensor) -> np.ndarray:

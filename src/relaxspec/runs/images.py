@@ -8,7 +8,6 @@ an uninterrupted one would.
 
 from __future__ import annotations
 
-import json
 import math
 import sys
 import time
@@ -18,12 +17,10 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from relaxspec import __version__
 from relaxspec.decoding.result import certified_tv, record_tv_sum, total_rank_counts
-from relaxspec.errors import RelaxspecError
 from relaxspec.files import file_identity, png_is_whole, write_atomic, write_grid, write_json, write_png
 from relaxspec.methods.grid import ROWS_SEEN
-from relaxspec.runs.folder import different_settings, hold_folder, settings_hash
+from relaxspec.runs.folder import RunKind, hold_folder, open_run, run_meta, settings_hash
 from relaxspec.sampling import batch_seed
 
 STATS_FILE, TOKENS_FILE = "stats.json", "tokens.npy"
@@ -48,22 +45,23 @@ def image_settings(pipeline, options, sampling, condition, *, seed: int, batch_s
     }
 
 
-def write_image_run(pipeline, condition, options, sampling, out, settings: dict, *, seed: int = 0,
+def write_image_run(pipeline, condition, prepared, out, settings: dict, *, seed: int = 0,
                     batch_size: int = 1, overwrite: bool = False, progress: bool = True, grid_max: int = 64,
                     upscale_by: int = 1, started: float | None = None) -> dict:
-    """Generate one image per row of ``condition`` with ``pipeline`` into ``out`` and return the
-    finished ``stats.json``. ``settings``: what identifies the run (:func:`image_settings`); a
+    """Generate one image per row of ``condition`` with ``pipeline`` and its ``prepared`` method
+    (:meth:`~relaxspec.pipelines.ImagePipeline.prepare`: checked and built once for every batch)
+    into ``out`` and return the finished ``stats.json``. ``settings``: what identifies the run (:func:`image_settings`); a
     folder holding another run's images is refused unless ``overwrite``, and so is a folder
     another run is writing (:func:`relaxspec.runs.folder.hold_folder`, held to the last write).
     ``started``: when the command began (``time.perf_counter()``), for the load time the totals
     report."""
     with hold_folder(out, "generate"):
-        return _write_image_run(pipeline, condition, options, sampling, out, settings, seed=seed,
+        return _write_image_run(pipeline, condition, prepared, out, settings, seed=seed,
                                 batch_size=batch_size, overwrite=overwrite, progress=progress, grid_max=grid_max,
                                 upscale_by=upscale_by, started=started)
 
 
-def _write_image_run(pipeline, condition, options, sampling, out, settings: dict, *, seed, batch_size, overwrite,
+def _write_image_run(pipeline, condition, prepared, out, settings: dict, *, seed, batch_size, overwrite,
                      progress, grid_max, upscale_by, started) -> dict:
     wall = started if started is not None else time.perf_counter()
     out = Path(out)
@@ -73,11 +71,11 @@ def _write_image_run(pipeline, condition, options, sampling, out, settings: dict
     records, tokens, old_counts = previous_run(out, settings, digest, num_images, num_tokens, overwrite)
     batch_counts = kept_batch_counts(old_counts, records, batch_size, num_images)
 
+    options = prepared.options
     print(f"relaxspec: {options.describe()}", file=sys.stderr)  # the settings in use, and only those
     for note in options.notes:  # a value given past what this model can use, and what is used
         print(f"relaxspec: note: {note}", file=sys.stderr)
-    stats = {"relaxspec_version": __version__, "settings_hash": digest, "settings": settings,
-             "complete": False, "images": [], "totals": {}}
+    stats = run_meta(settings, digest, complete=False, images=[], totals={})
     load_seconds = time.perf_counter() - wall
     bar = tqdm(total=num_images, initial=len(records), unit="image", desc="generate",
                disable=True if not progress else None)
@@ -88,7 +86,7 @@ def _write_image_run(pipeline, condition, options, sampling, out, settings: dict
             continue
         batch_seed_b = batch_seed(seed, batch)
         generator = torch.Generator(device=pipeline.device).manual_seed(batch_seed_b)
-        result = pipeline.generate(condition.select(index), options, sampling, generator=generator,
+        result = pipeline.generate(condition.select(index), prepared, generator=generator,
                                    progress=progress and sys.stderr.isatty())
         began = time.perf_counter()
         with torch.inference_mode():
@@ -176,32 +174,34 @@ def kept_batch_counts(old: dict, records: dict[int, dict], batch_size: int, num_
     return kept
 
 
+def _image_records_problem(meta: dict) -> str | None:
+    images = meta.get("images")
+    if not isinstance(images, list) or not all(isinstance(r, dict) for r in images):
+        return "no image records"
+    return None
+
+
+#: An image run's folder (generate, eval's shards): ``stats.json`` holds its settings and images.
+IMAGE_RUN = RunKind("generate", "a run", STATS_FILE, "a run's record", problem=_image_records_problem)
+
+
+def _remove_pngs(out: Path, old: dict | None) -> None:
+    """A replaced run's PNGs (those its ``stats.json`` lists)."""
+    for record in (old or {}).get("images", []):
+        stale = out / str(record.get("file", ""))
+        if stale.parent == out and stale.suffix == ".png" and stale.is_file():
+            stale.unlink()
+
+
 def previous_run(out: Path, settings: dict, settings_hash: str, num_images: int, num_tokens: int,
                  overwrite: bool) -> tuple[dict[int, dict], np.ndarray, dict]:
     """The images of an earlier run with the same settings that are finished (PNG on disk, tokens
     saved), the token array to continue (tokens of unfinished images are -1) and that run's
-    per-batch acceptance counts."""
+    per-batch acceptance counts (:func:`relaxspec.runs.folder.open_run`: another run's folder is
+    refused, or replaced with ``overwrite``)."""
     tokens = np.full((num_images, num_tokens), -1, dtype=np.int64)
-    stats_path = out / STATS_FILE
-    if not stats_path.exists():
-        return {}, tokens, {}
-    try:
-        old = json.loads(stats_path.read_text())
-        old_hash, old_images = old["settings_hash"], old["images"]
-        if not isinstance(old_images, list) or not all(isinstance(r, dict) for r in old_images):
-            raise TypeError
-    except (json.JSONDecodeError, KeyError, TypeError):
-        old = old_hash = None
-    if old_hash != settings_hash:
-        if not overwrite:
-            if old is None:
-                raise RelaxspecError(f"--out {out}: {stats_path.name} there is not from relaxspec; "
-                                     "choose another folder or pass --overwrite")
-            raise different_settings(out, "a run", settings, old)
-        for record in old_images if old is not None else []:
-            stale = out / str(record.get("file", ""))
-            if stale.parent == out and stale.suffix == ".png" and stale.is_file():
-                stale.unlink()
+    old = open_run(out, IMAGE_RUN, settings, overwrite=overwrite, digest=settings_hash, clear=_remove_pngs)
+    if old is None:
         return {}, tokens, {}
     try:
         saved = np.load(out / TOKENS_FILE, allow_pickle=False)
@@ -210,7 +210,7 @@ def previous_run(out: Path, settings: dict, settings_hash: str, num_images: int,
     if saved.shape != tokens.shape:
         return {}, tokens, {}
     records = {}
-    for record in old_images:
+    for record in old["images"]:
         i = record.get("index")
         if (isinstance(i, int) and 0 <= i < num_images and (out / str(record.get("file"))).is_file()
                 and (saved[i] >= 0).all() and png_is_whole(out / str(record.get("file")))):

@@ -5,7 +5,8 @@ A run writes into one folder ``out``:
 * ``model.safetensors`` + ``config.json`` — the weights other commands load (our format);
 * ``train_state.pt`` — what ``--resume`` loads: weights, optimizer, step, RNG, config, history.
   It holds only tensors, numbers, strings, lists and dicts, so it loads with
-  ``torch.load(..., weights_only=True)`` (REFERENCE §2.3: a pickle can run code);
+  ``torch.load(..., weights_only=True)`` (REFERENCE §2.3: a pickle can run code); the folder is
+  opened, locked and resumed by :mod:`relaxspec.runs.folder`, as every command's is;
 * ``metrics.jsonl`` — one JSON line per evaluation.
 
 Every file is replaced atomically (written beside, then ``os.replace``), so an interrupted run
@@ -35,7 +36,6 @@ from tqdm.auto import tqdm
 from relaxspec.models.llamagen.checkpoints import save_model
 from relaxspec.errors import RelaxspecError
 
-TRAIN_STATE = "train_state.pt"
 METRICS = "metrics.jsonl"
 #: Where a recipe keeps its best-scoring weights (model.safetensors + config.json).
 BEST = "best"
@@ -59,51 +59,6 @@ def publish_model(out: str | Path, model: torch.nn.Module, *, kind: str | None =
         os.replace(staging / file, folder / file)
     shutil.rmtree(staging, ignore_errors=True)
     return folder
-
-
-def out_lock(out: str | Path, command: str):
-    """Hold ``out`` for one run of the recipe ``command`` (:func:`relaxspec.runs.folder.hold_folder`)."""
-    from relaxspec.runs.folder import hold_folder
-
-    return hold_folder(out, command)
-
-
-def save_train_state(out: str | Path, state: dict) -> None:
-    """``torch.save(state, out/train_state.pt)`` atomically. ``state`` must hold only what
-    ``weights_only=True`` loads (tensors, numbers, strings, lists, dicts)."""
-    path = Path(out) / TRAIN_STATE
-    tmp = path.with_name(TRAIN_STATE + ".tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, path)
-
-
-def read_train_state(out: str | Path, version: int, what: str) -> dict:
-    """``out/train_state.pt``, loaded with ``weights_only=True``; ``what`` names the recipe in the
-    error for a file of another recipe or version."""
-    path = Path(out) / TRAIN_STATE
-    if not path.is_file():
-        raise RelaxspecError(f"{path}: no training state to resume from")
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except OSError as err:
-        raise RelaxspecError(f"{path}: cannot be read ({err.strerror or err})") from None
-    except Exception:  # noqa: BLE001 - any other failure means "not our training state"
-        # torch's own message advises loading with weights_only=False, which would run whatever code
-        # the pickle holds: never pass that on (REFERENCE §2.3).
-        raise RelaxspecError(f"{path}: not a relaxspec training state, or it cannot be read safely (a training "
-                             f"state holds only tensors, numbers, strings, lists and dicts)") from None
-    if not isinstance(state, dict) or state.get("format_version") != version or state.get("recipe", what) != what:
-        raise RelaxspecError(f"{path}: not a relaxspec {what} training state (version {version})")
-    return state
-
-
-def check_fresh_or_resume(out: str | Path, resume: bool, version: int, what: str) -> dict | None:
-    """The saved state when resuming; ``None`` for a fresh run, which must not overwrite one."""
-    if resume:
-        return read_train_state(out, version, what)
-    if (Path(out) / TRAIN_STATE).exists():
-        raise RelaxspecError(f"{out} already holds a training run; pass --resume to continue it or choose another --out")
-    return None
 
 
 def check_resumable(saved: dict, current: dict, run_fields: tuple[str, ...]) -> None:

@@ -52,6 +52,7 @@ from relaxspec.errors import RelaxspecError
 from relaxspec.inputs import check_threads
 from relaxspec.models.llamagen.gpt import GPTConfig, Transformer
 from relaxspec.models.llamagen.vq import VQModel
+from relaxspec.runs import folder as run_folder
 from relaxspec.training import common
 from relaxspec.training.vq import AUGMENT, load_images, to_pixels
 
@@ -262,7 +263,7 @@ def _param_groups(model: Transformer, weight_decay: float) -> list[dict]:
 
 
 def read_train_state(out: str | Path) -> dict:
-    return common.read_train_state(out, STATE_VERSION, RECIPE)
+    return run_folder.read_train_state(out, STATE_VERSION, RECIPE)
 
 
 # ------------------------------------------------------------------------------------------
@@ -323,7 +324,7 @@ def train_gpt(config: GPTTrainConfig, *, vq: VQModel | None = None, train: Image
               val: ImageSet | None = None, num_classes: int | None = None, resume: bool = False) -> GPTTrainResult:
     """Train (or, with ``resume``, continue) a c2i target on VQ tokens; writes ``config.out``."""
     out = Path(config.out)
-    saved = common.check_fresh_or_resume(out, resume, STATE_VERSION, RECIPE)
+    saved = run_folder.fresh_or_resume(out, resume, STATE_VERSION, RECIPE)
     if saved is not None:
         common.check_resumable(saved["config"], config.to_dict(), RUN_FIELDS)
     if config.threads:
@@ -354,7 +355,7 @@ def train_gpt(config: GPTTrainConfig, *, vq: VQModel | None = None, train: Image
     optimizer = torch.optim.AdamW(_param_groups(model, config.weight_decay), lr=config.lr, betas=config.betas)
     step, history, best, bad_evals, running = 0, [], {}, 0, []  # running: train losses since the last evaluation
     if saved is not None:
-        load_strict(model, saved["model"], str(out / common.TRAIN_STATE))
+        load_strict(model, saved["model"], str(out / run_folder.TRAIN_STATE))
         optimizer.load_state_dict(saved["optimizer"])
         common.set_rng_state(saved["rng"])
         step, history, best = int(saved["step"]), list(saved["history"]), dict(saved["best"])
@@ -387,7 +388,7 @@ def train_gpt(config: GPTTrainConfig, *, vq: VQModel | None = None, train: Image
 
     def checkpoint(at: int) -> None:
         common.publish_model(out, model, extra={"training": {**extra, "step": at}})
-        common.save_train_state(out, {
+        run_folder.save_train_state(out, {
             "format_version": STATE_VERSION, "recipe": RECIPE, "step": at,
             "model": {k: v.detach().cpu().clone() for k, v in model.state_dict().items()},
             "optimizer": optimizer.state_dict(), "rng": common.rng_state(), "config": config.to_dict(),

@@ -39,6 +39,7 @@ from relaxspec.devices import resolve_device
 from relaxspec.errors import RelaxspecError
 from relaxspec.inputs import check_threads
 from relaxspec.models.llamagen.vq import VQConfig, VQModel, to_uint8
+from relaxspec.runs import folder as run_folder
 from relaxspec.training import common
 
 STATE_VERSION = 1
@@ -238,14 +239,14 @@ def evaluate_vq(vq: VQModel, images: torch.Tensor, batch_size: int = 128) -> dic
 
 
 def read_train_state(out: str | Path) -> dict:
-    return common.read_train_state(out, STATE_VERSION, RECIPE)
+    return run_folder.read_train_state(out, STATE_VERSION, RECIPE)
 
 
 def _save_checkpoint(out: Path, vq: VQModel, optimizer: torch.optim.Optimizer, step: int, usage: torch.Tensor,
                      restarted: int, config: VQTrainConfig, history: list[dict]) -> None:
     extra = {"training": {"step": step, "recipe": "relaxspec train-vq", "metrics": history[-1] if history else {}}}
     common.publish_model(out, vq, kind="vq", extra=extra)
-    common.save_train_state(out, {
+    run_folder.save_train_state(out, {
         "format_version": STATE_VERSION, "recipe": RECIPE, "step": step,
         "model": {k: v.detach().cpu().clone() for k, v in vq.state_dict().items()},
         "optimizer": optimizer.state_dict(), "usage": usage.clone(), "restarted": restarted, "rng": common.rng_state(),
@@ -271,7 +272,7 @@ def train_vq(config: VQTrainConfig, *, train: ImageSet | None = None, val: Image
              resume: bool = False) -> VQTrainResult:
     """Train (or, with ``resume``, continue) a VQ tokenizer; writes ``config.out``."""
     out = Path(config.out)
-    saved = common.check_fresh_or_resume(out, resume, STATE_VERSION, RECIPE)
+    saved = run_folder.fresh_or_resume(out, resume, STATE_VERSION, RECIPE)
     if saved is not None:
         common.check_resumable(saved["config"], config.to_dict(), RUN_FIELDS)
     if config.threads:
@@ -294,7 +295,7 @@ def train_vq(config: VQTrainConfig, *, train: ImageSet | None = None, val: Image
     step, history, restarted = 0, [], 0  # restarted: codes moved since the last evaluation
     out.mkdir(parents=True, exist_ok=True)
     if saved is not None:
-        load_strict(vq, saved["model"], str(out / common.TRAIN_STATE))
+        load_strict(vq, saved["model"], str(out / run_folder.TRAIN_STATE))
         optimizer.load_state_dict(saved["optimizer"])
         common.set_rng_state(saved["rng"])
         step, history, usage = int(saved["step"]), list(saved["history"]), saved["usage"].clone()

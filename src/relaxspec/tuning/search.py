@@ -240,14 +240,15 @@ class Tuner:
             shown = ", ".join(f"{k} {v}" for k, v in fields.items())
             self.say(f"probing acceptance per (depth, rank) with the {PROBE_TREES[rule]} tree, {rule} rule "
                      f"({method}{', ' + shown if shown else ''}), {count} images")
-            options = self.pipeline.method(method, {"draft": "static", "tree": PROBE_TREES[rule], **fields})
+            prepared = self.pipeline.prepare(self.pipeline.method(method, {"draft": "static", "tree": PROBE_TREES[rule],
+                                                                             **fields}), self.sampling)
             tests = accepts = None
             with pinned_threads(self.config.threads):
                 for start in range(0, count, max(1, self.config.batch_size)):
                     n = min(max(1, self.config.batch_size), count - start)
                     condition = self.images(self.config.tune, start, n)
                     generator = torch.Generator(device=self.device).manual_seed(self.config.seed * 1000003 + 77 + start)
-                    result = self.pipeline.generate(condition, options, self.sampling, generator=generator)
+                    result = self.pipeline.generate(condition, prepared, generator=generator)
                     tests, accepts = add_counts(tests, result.rank_tests.double().cpu()), \
                         add_counts(accepts, result.rank_accepts.double().cpu())
             probes[rule] = {"tests": tests.tolist(), "accepts": accepts.tolist(), "images": count,

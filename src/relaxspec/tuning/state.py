@@ -6,14 +6,13 @@ code did not write is refused with one line, never half used."""
 from __future__ import annotations
 
 import math
-import shutil
 from pathlib import Path
 
-from relaxspec import __version__, methods
+from relaxspec import methods
 from relaxspec.bench.config import BASELINE
 from relaxspec.errors import RelaxspecError, shown
 from relaxspec.files import read_json, write_json
-from relaxspec.runs.folder import different_settings, stored
+from relaxspec.runs.folder import RunKind, open_run, run_meta
 from relaxspec.tuning.candidates import PROBE_RULES
 from relaxspec.tuning.config import MAX_PLAN_IMAGES
 
@@ -26,41 +25,14 @@ OWNED = ("costs.json", "probe.json", "trees", "rounds", "quality", "quality-refe
 def open_state(out: Path, settings: dict, digest: str, overwrite: bool) -> dict:
     """The ``state.json`` in ``out`` of the run whose ``settings`` hash to ``digest``: the saved
     one when it is that run's, else a fresh one (with ``overwrite``, after removing every file of
-    :data:`OWNED`). A folder of another run, a damaged state or leftovers without a state are
-    refused in one line unless ``overwrite``."""
-    if out.exists() and not out.is_dir():
-        raise RelaxspecError(f"--out {out}: exists and is not a folder")
-    path = out / STATE_FILE
-    leftovers = [name for name in OWNED if (out / name).exists()]
-    if path.exists():
-        try:
-            state = read_json(path)
-        except RelaxspecError:  # not JSON, not UTF-8 text, nested too deeply
-            state, problem = None, "not JSON"
-        else:
-            problem = state_problem(state)
-        if problem is not None:
-            if not overwrite:
-                raise RelaxspecError(f"--out {out}: {STATE_FILE} is not a tune state this relaxspec wrote "
-                                     f"({problem}); remove it or pass --overwrite")
-            state = None
-        if state is not None and state.get("settings_hash") == digest:
-            return state
-        if state is not None and not overwrite:
-            raise different_settings(out, "a tuning run", settings, state)
-    elif leftovers and not overwrite:
-        raise RelaxspecError(f"--out {out} holds {leftovers[0]} but no {STATE_FILE}; choose another folder or "
-                             "pass --overwrite")
-    for name in leftovers:
-        target = out / name
-        if target.is_dir():
-            shutil.rmtree(target)
-        else:
-            target.unlink()
-    out.mkdir(parents=True, exist_ok=True)
-    state = {"settings_hash": digest, "settings": stored(settings), "relaxspec_version": __version__,
-             "spent_seconds": 0.0, "rounds": []}
-    write_json(path, state)
+    :data:`OWNED`): :func:`relaxspec.runs.folder.open_run`, which refuses a folder of another run,
+    a damaged state (:func:`state_problem`) or leftovers without a state in one line unless
+    ``overwrite``."""
+    state = open_run(out, TUNE_RUN, settings, overwrite=overwrite, digest=digest)
+    if state is not None:
+        return state
+    state = run_meta(settings, digest, spent_seconds=0.0, rounds=[])
+    write_json(out / STATE_FILE, state)
     return state
 
 
@@ -259,4 +231,9 @@ def _verdict_problem(verdict) -> str | None:
     return None
 
 
-__all__ = ["OWNED", "STATE_FILE", "costs_problem", "open_state", "probes_problem", "read_owned", "state_problem"]
+#: A tuning run's folder: ``state.json`` holds its settings and every decision, beside what it writes.
+TUNE_RUN = RunKind("tune", "a tuning run", STATE_FILE, "a tune state",
+                   owned=tuple(name for name in OWNED if name != STATE_FILE), problem=state_problem)
+
+
+__all__ = ["OWNED", "STATE_FILE", "TUNE_RUN", "costs_problem", "open_state", "probes_problem", "read_owned", "state_problem"]

@@ -11,7 +11,7 @@ What lives where (each module imports only those above it):
 * ``recipe``      :func:`train_drafter`, the loop, and its evaluation.
 """
 
-from relaxspec.training.common import TRAIN_STATE
+from relaxspec.runs.folder import TRAIN_STATE
 from relaxspec.training.drafter.checkpoints import export_drafter, plot_acceptance, read_train_state
 from relaxspec.training.drafter.config import BEST, SELF_SAMPLES, DrafterTrainConfig
 from relaxspec.training.drafter.data import (

@@ -11,7 +11,8 @@ from relaxspec.drafting.eagle import EagleDrafter, load_drafter
 from relaxspec.errors import RelaxspecError
 from relaxspec.models.base import TargetModel
 from relaxspec.training import common
-from relaxspec.training.common import TRAIN_STATE
+from relaxspec.runs import folder as run_folder
+from relaxspec.runs.folder import TRAIN_STATE
 from relaxspec.training.drafter.config import PREPARING, STATE_VERSION, DrafterTrainConfig
 
 
@@ -22,7 +23,7 @@ def save_checkpoint(out: Path, drafter: EagleDrafter, optimizer: torch.optim.Opt
     ``--resume`` loads: weights too, so it alone is a consistent snapshot), each replaced atomically."""
     common.publish_model(out, drafter, kind="drafter",
                          extra={"training": {"step": step, "recipe": "relaxspec train-drafter"}})
-    common.save_train_state(out, {
+    run_folder.save_train_state(out, {
         "format_version": STATE_VERSION,
         "step": step,
         "model": {k: v.detach().cpu().clone() for k, v in drafter.state_dict().items()},
@@ -78,7 +79,7 @@ def export_drafter(source: str | Path, folder: str | Path, target: TargetModel, 
 def read_train_state(out: str | Path) -> dict:
     """``out/train_state.pt``, loaded with ``weights_only=True``. A run stopped while drawing its
     self-samples has one too, holding only its config (and ``preparing``)."""
-    return common.read_train_state(out, STATE_VERSION, "drafter")
+    return run_folder.read_train_state(out, STATE_VERSION, "drafter")
 
 
 def prior_state(out: Path, resume: bool) -> dict | None:
@@ -91,4 +92,4 @@ def prior_state(out: Path, resume: bool) -> dict | None:
                 return None
         except RelaxspecError:
             pass  # not ours: refused below as a run this one must not overwrite
-    return common.check_fresh_or_resume(out, resume, STATE_VERSION, "drafter")
+    return run_folder.fresh_or_resume(out, resume, STATE_VERSION, "drafter")

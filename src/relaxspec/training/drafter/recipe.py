@@ -35,7 +35,7 @@ from relaxspec.errors import RelaxspecError, SaidByRankZero
 from relaxspec.models.base import TargetModel, TeacherForcedTarget
 from relaxspec.models.weights import load_strict
 from relaxspec.training import common, distributed
-from relaxspec.training.common import TRAIN_STATE
+from relaxspec.runs.folder import TRAIN_STATE, hold_folder, save_train_state
 from relaxspec.training.drafter.checkpoints import (
     ACCEPT_PLOT,
     export_drafter,
@@ -201,7 +201,7 @@ def train_drafter(config: DrafterTrainConfig, *, target: TeacherForcedTarget | N
 
     ``target`` and ``dataset`` default to what ``config`` names (its model; ``data`` /
     ``self_samples`` / ``images``). The target is frozen in place (``eval()``, no gradients).
-    Writes ``config.out``, which no other run may use meanwhile (:func:`common.out_lock`);
+    Writes ``config.out``, which no other run may use meanwhile (:func:`relaxspec.runs.folder.hold_folder`);
     returns the trained drafter and its evaluation history.
 
     Under torchrun (``WORLD_SIZE`` > 1) the processes form one run
@@ -241,17 +241,17 @@ def train_drafter(config: DrafterTrainConfig, *, target: TeacherForcedTarget | N
 
 @contextlib.contextmanager
 def _hold(out: str | Path, group: distributed.Group):
-    """Hold ``out`` for this run (:func:`common.out_lock`, taken by rank 0) and check that every
+    """Hold ``out`` for this run (:func:`relaxspec.runs.folder.hold_folder`, taken by rank 0) and check that every
     process sees the folder rank 0 writes (several nodes need a file system they share)."""
     if group.world == 1:
-        with common.out_lock(out, "train-drafter"):
+        with hold_folder(out, "train-drafter"):
             yield
         return
     with contextlib.ExitStack() as held:
         refusal = None
         if group.main:
             try:
-                held.enter_context(common.out_lock(out, "train-drafter"))
+                held.enter_context(hold_folder(out, "train-drafter"))
             except RelaxspecError as err:
                 refusal = str(err)
         if group.agree(refusal is not None):
@@ -294,7 +294,7 @@ def _train(config: DrafterTrainConfig, *, target, dataset, resume: bool, group: 
     if dataset is None and config.self_samples and saved is None and main:
         # Drawing the self-samples is slow and cached batch by batch: name the recipe now, so that
         # --resume after a Ctrl-C while drawing them continues with it (and reuses the cache).
-        common.save_train_state(out, {"format_version": STATE_VERSION, "step": 0, "config": config.to_dict(),
+        save_train_state(out, {"format_version": STATE_VERSION, "step": 0, "config": config.to_dict(),
                                       PREPARING: True})
     if dataset is None:
         dataset = build_dataset(config, target, prompts, vq=vq, shard=Shard(group.rank, group.world, group.barrier))
