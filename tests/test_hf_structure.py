@@ -110,7 +110,7 @@ def test_compiled_steps_have_no_graph_breaks(families, family):
     target, cond, mask, _, scale, _ = families[family]
     guided = GuidedTarget(target, cond, SamplingConfig(cfg_scale=scale), cond_mask=mask, scratch=8)
     guided.prefill()
-    batch, cls = cond.shape[0], target.config.cls_token_num
+    batch, cls = cond.shape[0], target.config.condition_length
     tokens = torch.randint(target.config.vocab_size, (batch, 5))
     positions = cls + 2 + torch.arange(5).expand(batch, 5)  # across a row end of the 4-token rows
     explain = torch._dynamo.explain
@@ -210,7 +210,7 @@ def test_padding_prompts_longer_keeps_their_law(folders, family):
         alone[prompt] = decode(opened.target, opened.cond, greedy, methods.resolve("ar"),
                                cond_mask=opened.cond_mask).tokens
     wide = module.open_folder(folder, ["a red fox"], prompt_length=60, **extra)
-    assert wide.target.config.cls_token_num == 60
+    assert wide.target.config.condition_length == 60
     for prompt, tokens in alone.items():
         cond, mask = wide.format([prompt])
         assert cond.shape[-1] == 60

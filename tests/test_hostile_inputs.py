@@ -284,8 +284,8 @@ def test_every_recipe_refuses_an_infinite_setting(config):
     """``--lr inf`` passed the recipes' ``> 0`` checks and trained on nan; every recipe's config
     refuses a non-finite number (one check, common.need_finite)."""
     from relaxspec.training.drafter import DrafterTrainConfig
-    from relaxspec.training.gpt import GPTTrainConfig
-    from relaxspec.training.vq import VQTrainConfig
+    from relaxspec.training.llamagen.gpt import GPTTrainConfig
+    from relaxspec.training.llamagen.vq import VQTrainConfig
 
     cls = {"gpt": GPTTrainConfig, "vq": VQTrainConfig, "drafter": DrafterTrainConfig}[config]
     with pytest.raises(RelaxspecError, match="lr must be a finite number, got inf"):

@@ -26,7 +26,7 @@ class AveragingTarget(nn.Module):
     def __init__(self, vocab: int = 12, grid: int = 3, classes: int = 3, dim: int = 16, seed: int = 0):
         super().__init__()
         torch.manual_seed(seed)
-        self.config = SimpleNamespace(vocab_size=vocab, block_size=grid * grid, grid_size=grid, cls_token_num=1, dim=dim,
+        self.config = SimpleNamespace(vocab_size=vocab, block_size=grid * grid, grid_size=grid, condition_length=1, dim=dim,
                                       num_classes=classes, model_type="c2i")
         self.class_names = None
         self.embedding = nn.Embedding(vocab, dim)

@@ -17,8 +17,8 @@ from relaxspec.models.llamagen.checkpoints import load_gpt, save_model
 from relaxspec.errors import RelaxspecError
 from relaxspec.models.llamagen.vq import VQConfig, VQModel
 from relaxspec.runs.folder import TRAIN_STATE
-from relaxspec.training import gpt as gpt_recipe
-from relaxspec.training.gpt import (
+from relaxspec.training.llamagen import gpt as gpt_recipe
+from relaxspec.training.llamagen.gpt import (
     GPTTrainConfig,
     evaluate_nll,
     load_images,

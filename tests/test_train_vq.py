@@ -17,7 +17,7 @@ from relaxspec.models.llamagen.checkpoints import load_vq
 from relaxspec.errors import RelaxspecError
 from relaxspec.models.llamagen.vq import VQModel
 from relaxspec.runs.folder import TRAIN_STATE
-from relaxspec.training.vq import (
+from relaxspec.training.llamagen.vq import (
     VQTrainConfig,
     evaluate_vq,
     load_images,

@@ -80,7 +80,7 @@ def generate(classes: str | Sequence[int | str] | None = None, method: str | Met
     ``precision`` (default fp32); ``model``: a pipeline (:func:`relaxspec.pipelines.open_pipeline`)
     or ``(target, vq, drafter)`` in memory, with ``prompts`` and ``t5_path`` (a local Flan-T5
     folder) for a LlamaGen t2i target; ``model_path``: a model folder any family claims,
-    or a family's files by its opening inputs (LlamaGen's ``gpt_ckpt``, ``vq_ckpt``, ...), opened
+    or a family's files by its opening inputs (LlamaGen's weights and VQ files, ...), opened
     as ``relaxspec generate`` opens them (for ``prompts``), with ``drafter_ckpt`` and
     ``image_size``. A family's opening inputs (``tokenizer_path`` for Lumina-mGPT,
     ``negative_prompt`` for Emu3, :mod:`relaxspec.pipelines.families`) are keywords: every keyword

@@ -5,13 +5,13 @@ official LlamaGen layout, for users without the released weights, the README dem
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 from pathlib import Path
 
 import torch
 
 from relaxspec.models.llamagen.checkpoints import describe
+from relaxspec.models.llamagen.files import TEST_PRESETS, describe_lines
 from relaxspec.cli.options import device_option
 from relaxspec.decoding.result import add_counts
 from relaxspec.pipelines.open import reopen_pipeline
@@ -19,40 +19,12 @@ from relaxspec.pipelines.families import opening_inputs
 from relaxspec.files import read_json
 from relaxspec.inputs import check_threads
 from relaxspec.errors import RelaxspecError
-from relaxspec.models.llamagen.gpt import GPT_SIZES, GPTConfig, Transformer, gpt_config
-from relaxspec.models.llamagen.vq import VQ_CONFIGS, VQConfig, VQModel
+from relaxspec.models.llamagen.gpt import GPT_SIZES
+from relaxspec.models.llamagen.vq import VQ_CONFIGS
 from relaxspec.sampling import SamplingConfig
-
-#: Random-weight sizes for ``make-test-checkpoints`` (official layout, unnamed sizes, so a JSON
-#: config travels with them). "small" is VQ-16-shaped at 256 px; "tiny" is for unit tests (16 px).
-TEST_PRESETS: dict[str, dict] = {
-    "small": dict(
-        gpt=dict(dim=128, n_layer=2, n_head=2, vocab_size=16384, num_classes=1000),
-        t2i=dict(cls_token_num=120, caption_dim=2048),
-        vq=dict(codebook_size=16384, codebook_embed_dim=8, z_channels=64, ch=16, ch_mult=(1, 1, 2, 2, 4),
-                num_res_blocks=1, norm_groups=8),
-        image_size=256,
-    ),
-    "tiny": dict(
-        gpt=dict(dim=64, n_layer=2, n_head=4, vocab_size=64, num_classes=10),
-        t2i=dict(cls_token_num=6, caption_dim=32),
-        vq=dict(codebook_size=64, codebook_embed_dim=8, z_channels=16, ch=32, ch_mult=(1, 2, 2),
-                num_res_blocks=1, norm_groups=8),
-        image_size=16,
-    ),
-}
 
 #: ``relaxspec info embedded`` describes the shipped model (unless a file of that name is there).
 EMBEDDED = "embedded"
-LAYOUTS = {
-    "model": 'official LlamaGen file {"model": state_dict}', "module": '{"module": state_dict}',
-    "state_dict": '{"state_dict": state_dict}', "raw": "raw state dict (like upstream XXL / 3B / FSDP files)",
-    "safetensors": "safetensors file", "relaxspec": "relaxspec folder (config.json + model.safetensors)",
-    "lantern": "official LANTERN's LlamaGen folder (HF-Llama names; open it with --gpt-ckpt DIR --vq-ckpt VQ and "
-               "--t5-path or --caption-features)",
-}
-
-
 def add_info_parser(subparsers) -> None:
     info = subparsers.add_parser("info", help="describe a checkpoint",
                                description="Print a checkpoint's layout, inferred config and parameter count.")
@@ -94,8 +66,10 @@ def add_make_test_checkpoints_parser(subparsers) -> None:
     make.add_argument("--out", required=True, metavar="DIR")
     make.add_argument("--preset", choices=tuple(TEST_PRESETS), default="small",
                       help="small: fast 256 px demo (default); tiny: 16 px, for unit tests")
-    make.add_argument("--gpt-model", choices=tuple(GPT_SIZES), help="write this named size instead of the preset's GPT")
-    make.add_argument("--vq-model", choices=tuple(VQ_CONFIGS), help="write this named tokenizer instead of the preset's")
+    make.add_argument("--gpt-model", dest="gpt_size", choices=tuple(GPT_SIZES),
+                      help="write this named size instead of the preset's GPT")
+    make.add_argument("--vq-model", dest="vq_size", choices=tuple(VQ_CONFIGS),
+                      help="write this named tokenizer instead of the preset's")
     make.add_argument("--model-type", choices=("c2i", "t2i"), default="c2i")
     make.add_argument("--image-size", type=int,
                       help="resolution the GPT config is written for (default: the preset's; 256 with --vq-model)")
@@ -192,11 +166,11 @@ def transformers_use(model_type: str, path: Path | None = None) -> str:
 def transformers_folder(path: Path) -> dict | None:
     """What a save_pretrained folder is (``None`` if ``path`` is not one): its model type,
     architectures, weight files, and what relaxspec can do with it."""
-    from relaxspec.models.llamagen.hf_layout import is_lantern_folder
+    from relaxspec.pipelines.families import file_families
 
     config_file = path / "config.json"
-    if not path.is_dir() or not config_file.is_file() or is_lantern_folder(path):
-        return None
+    if not path.is_dir() or not config_file.is_file() or any(f.claims_folder(path) for f in file_families()):
+        return None  # a file family's folder (LANTERN's LlamaGen layout): described as its checkpoint
     try:
         config = json.loads(config_file.read_text())
     except (ValueError, UnicodeDecodeError):
@@ -253,7 +227,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         for key, value in folder.items():
             print(f"{key + ':':22s} {', '.join(value) if isinstance(value, list) else value}")
     else:
-        _print_info(info)
+        print("\n".join(describe_lines(info)))
     return 0
 
 
@@ -270,7 +244,7 @@ def _info_embedded(args: argparse.Namespace) -> int:
         return 0
     for part, info in parts.items():
         print(f"== {part}")
-        _print_info(info)
+        print("\n".join(describe_lines(info)))
     defaults = embedded.defaults()
     print("== defaults (relaxspec generate / bench / relaxspec.generate with no checkpoint options)")
     for key in ("sampling", "method"):
@@ -286,71 +260,9 @@ def _info_embedded(args: argparse.Namespace) -> int:
     return 0
 
 
-def _short(value):
-    """A config value for one line: long lists and nested configs as their size (--json has all)."""
-    if isinstance(value, (list, tuple)) and len(value) > 8:
-        return f"[{len(value)} items]"
-    if isinstance(value, dict):
-        return f"{{{len(value)} fields}}"
-    return value
-
-
-def _print_info(info: dict) -> None:
-    print(f"path:       {info['path']}")
-    print(f"layout:     {LAYOUTS.get(info['layout'], info['layout'])}")
-    kind = info["kind"]
-    if kind == "gpt" and isinstance(info.get("config"), dict) and "model_type" in info["config"]:
-        kind = f"gpt ({info['config']['model_type']})"
-    print(f"kind:       {kind}")
-    if info.get("config"):
-        print("config:     " + ", ".join(f"{k}={_short(v)}" for k, v in info["config"].items()))
-    if info.get("kind") == "gpt" and info.get("layout") not in ("relaxspec", "lantern"):
-        looks = info.get("looks_like")
-        print(f"looks like: {looks or 'no named size (load it with --gpt-model CONFIG.json)'}"
-              + ("" if not looks else f" (pass --gpt-model {looks})"))
-    print(f"parameters: {info['parameters']:,} ({info['parameters'] / 1e6:.1f}M)")
-    print(f"tensors:    {info['tensors']} ({', '.join(info['dtypes'])})")
-
-
 def cmd_make_test_checkpoints(args: argparse.Namespace) -> int:
-    preset = TEST_PRESETS[args.preset]
-    out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        raise RelaxspecError(f"--out {out}: exists and is not a folder")
-    out.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(args.seed)
-    if args.vq_model:
-        vq_config, vq_spec = VQ_CONFIGS[args.vq_model], args.vq_model
-    else:
-        vq_config, vq_spec = VQConfig(**preset["vq"]), str(out / "vq.json")
-    image_size = args.image_size or (256 if args.vq_model else preset["image_size"])
-    downsample = vq_config.downsample_factor
-    if image_size % downsample:
-        raise RelaxspecError(f"--image-size {image_size} is not a multiple of the tokenizer's downsampling {downsample}")
-    conditioning = dict(preset["t2i"]) if args.model_type == "t2i" else {}
-    if args.gpt_model:
-        extra = {} if args.model_type == "c2i" else {"caption_dim": 2048}
-        gpt = gpt_config(args.gpt_model, image_size=image_size, downsample=downsample, model_type=args.model_type,
-                         vocab_size=vq_config.codebook_size, **extra)
-        gpt_spec = args.gpt_model
-    else:
-        grid = image_size // downsample
-        gpt = GPTConfig(**preset["gpt"], **conditioning, model_type=args.model_type, block_size=grid * grid)
-        if gpt.vocab_size != vq_config.codebook_size:
-            gpt = dataclasses.replace(gpt, vocab_size=vq_config.codebook_size)
-        gpt_spec = str(out / "gpt.json")
-    target = Transformer(gpt)
-    vq = VQModel(vq_config)
-    torch.save({"model": target.state_dict()}, out / "gpt.pt")
-    torch.save({"model": vq.state_dict()}, out / "vq.pt")
-    if not args.gpt_model:
-        (out / "gpt.json").write_text(json.dumps(gpt.to_dict(), indent=2) + "\n")
-    if not args.vq_model:
-        (out / "vq.json").write_text(json.dumps(dataclasses.asdict(vq_config), indent=2) + "\n")
-    condition = "--classes 207,360" if args.model_type == "c2i" and gpt.num_classes > 360 else (
-        "--classes 1,2" if args.model_type == "c2i" else "--caption-features CAPTIONS.npy")
-    print(f"wrote random-weight checkpoints (official layout) to {out}: gpt.pt "
-          f"({target.num_parameters() / 1e6:.1f}M parameters), vq.pt")
-    print(f"try: relaxspec generate --gpt-ckpt {out / 'gpt.pt'} --gpt-model {gpt_spec} --vq-ckpt {out / 'vq.pt'} "
-          f"--vq-model {vq_spec} --image-size {image_size} {condition} --out {out}-images")
+    from relaxspec.models.llamagen.files import write_test_checkpoints
+
+    print(write_test_checkpoints(args.out, preset=args.preset, gpt_size=args.gpt_size, vq_size=args.vq_size,
+                                 model_type=args.model_type, image_size=args.image_size, seed=args.seed))
     return 0

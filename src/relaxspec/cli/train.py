@@ -27,10 +27,10 @@ from relaxspec.errors import RelaxspecError
 from relaxspec.evaluation.classifier import ClassifierTrainConfig, save_classifier, train_classifier
 from relaxspec.training.drafter import DrafterTrainConfig, train_drafter
 from relaxspec.training.drafter import read_train_state as read_drafter_state
-from relaxspec.training.gpt import GPTTrainConfig, train_gpt
-from relaxspec.training.gpt import read_train_state as read_gpt_state
-from relaxspec.training.vq import VQTrainConfig, train_vq
-from relaxspec.training.vq import read_train_state as read_vq_state
+from relaxspec.training.llamagen.gpt import GPTTrainConfig, train_gpt
+from relaxspec.training.llamagen.gpt import read_train_state as read_gpt_state
+from relaxspec.training.llamagen.vq import VQTrainConfig, train_vq
+from relaxspec.training.llamagen.vq import read_train_state as read_vq_state
 
 
 def class_ids(text: str) -> list[int]:

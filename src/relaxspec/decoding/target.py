@@ -6,7 +6,7 @@ cache and the condition's key mask, and turns raw logits into processed probabil
 the target through it, so CFG and logits processing exist once.
 
 Slots and positions: the condition occupies slots/positions ``0 .. C-1`` (``C`` =
-``cls_token_num``) and committed image token ``k`` always sits at slot = position ``C + k``;
+``condition_length``) and committed image token ``k`` always sits at slot = position ``C + k``;
 speculative steps put drafts in scratch slots beyond the committed prefix and compact them back.
 """
 
@@ -80,7 +80,7 @@ class GuidedTarget:
         config = model.config
         self.batch = cond.shape[0]
         self.streams = 2 if sampling.use_cfg else 1
-        self.cls = config.cls_token_num
+        self.cls = config.condition_length
         self.num_tokens = config.block_size
         self.device = model.device
         cond = cond.to(self.device)

@@ -67,7 +67,7 @@ from relaxspec.models.llamagen.checkpoints import load_strict, read_state
 from relaxspec.errors import RelaxspecError
 from relaxspec.models import hf
 from relaxspec.models.base import CAPTION_ROWS, TargetModel
-from relaxspec.models.llamagen.gpt import (GPTConfig, TransformerBlock, allocate_kv_store, release_kv_store,
+from relaxspec.models.llamagen.gpt import (GPTConfig, TransformerBlock, block_shape, allocate_kv_store, release_kv_store,
                                   rope_table_2d, run_blocks)
 
 
@@ -185,7 +185,7 @@ DEFAULTS = {f.name: f.default for f in dataclasses.fields(DrafterConfig)}
 def drafter_target_config(target: TargetModel) -> dict:
     """The target's shape as the drafter's blocks need it (a LlamaGen ``GPTConfig`` dict): a
     LlamaGen target's own config; for any other :class:`TargetModel` one built from its
-    ``config`` (``dim``, ``vocab_size``, ``block_size``, ``cls_token_num``, ``num_classes``,
+    ``config`` (``dim``, ``vocab_size``, ``block_size``, ``condition_length``, ``num_classes``,
     ``model_type``), with ``config.n_head`` heads if it says, else heads of 64 dims (or the widest
     that divides ``dim`` in multiples of 4, as the 2D RoPE needs)."""
     config = target.config
@@ -199,10 +199,10 @@ def drafter_target_config(target: TargetModel) -> dict:
             raise RelaxspecError(f"the target's width {dim} has no head size that is a multiple of 4: "
                                  "an EAGLE drafter cannot be built for it")
         heads = min(fits, key=lambda h: (abs(dim // h - 64), h))
-    shape = GPTConfig(dim=dim, n_layer=1, n_head=int(heads), vocab_size=int(config.vocab_size),
-                      block_size=int(config.block_size), cls_token_num=int(config.cls_token_num),
-                      num_classes=max(1, int(getattr(config, "num_classes", 1) or 1)),
-                      model_type=getattr(config, "model_type", "c2i"), multiple_of=32)
+    shape = block_shape(dim=dim, n_head=int(heads), vocab_size=int(config.vocab_size),
+                        block_size=int(config.block_size), condition_length=int(config.condition_length),
+                        num_classes=max(1, int(getattr(config, "num_classes", 1) or 1)),
+                        model_type=getattr(config, "model_type", "c2i"), multiple_of=32)
     return shape.to_dict()
 
 
@@ -254,7 +254,7 @@ def check_target(config: DrafterConfig, target: TargetModel) -> None:
             raise RelaxspecError(f"the drafter's token table covers {config.layer['config']['vocab_size']} tokens; "
                                  f"this target's vocabulary is {vocabulary}")
     if config.condition_pairs:
-        cls = int(target.config.cls_token_num)
+        cls = int(target.config.condition_length)
         if config.family == LLAMAGEN and cls != config.condition_pairs + 1:
             raise RelaxspecError(f"the drafter reads a {config.condition_pairs + 1}-token condition "
                                  f"({config.condition_pairs} condition pairs); this target's condition is {cls} tokens")

@@ -232,9 +232,9 @@ def drafter_config(config: dict, target: TargetModel, where: str) -> dict:
     if image_tokens != tcfg.block_size:
         raise RelaxspecError(f"{where}: the drafter was made for a {side}x{side} token grid ({image_tokens} image "
                              f"tokens, input_type {stage}), the target's is {target_side}x{target_side}")
-    if pairs + 1 != tcfg.cls_token_num:
+    if pairs + 1 != tcfg.condition_length:
         raise RelaxspecError(f"{where}: the drafter reads a {pairs + 1}-token caption, the target's is "
-                             f"{tcfg.cls_token_num} tokens")
+                             f"{tcfg.condition_length} tokens")
     # SwiGLU width: GPTConfig rounds int(8 * dim / 3) (times a multiplier) up to multiple_of.
     base = int(2 * 4 * dim / 3)
     ffn = dict(multiple_of=width, ffn_dim_multiplier=None if width >= base else width / base)

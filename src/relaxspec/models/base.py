@@ -8,7 +8,7 @@ conditioning, positions or caches implements the same members.
 
 Conventions. ``B`` images, ``S`` CFG streams (2 with guidance: rows ``0..B-1`` conditional,
 ``B..2B-1`` unconditional), ``R = S*B`` rows, ``T`` tokens per call, ``V`` vocabulary, ``D``
-hidden size, ``C = config.cls_token_num`` condition slots. The condition occupies cache slots and
+hidden size, ``C = config.condition_length`` condition slots. The condition occupies cache slots and
 positions ``0..C-1``; image token ``k`` is at slot ``C + k`` once committed; speculative drafts
 sit in scratch slots past the image and are compacted with :meth:`TargetModel.move_cache`.
 
@@ -35,7 +35,7 @@ class TargetModel(Protocol):
     """An autoregressive image-token model, as decoding drives it.
 
     ``config`` has at least ``vocab_size`` (``V``), ``block_size`` (image tokens ``N``),
-    ``grid_size`` (``N = grid_size**2``), ``cls_token_num`` (``C``), ``dim`` (``D``),
+    ``grid_size`` (``N = grid_size**2``), ``condition_length`` (``C``), ``dim`` (``D``),
     ``num_classes`` and ``model_type`` (``"c2i"`` / ``"t2i"``). ``class_names``: the class names
     when the checkpoint carries them, else ``None``. ``max_seq``: slots of the current cache.
     """

@@ -350,7 +350,7 @@ class RowEndTarget(torch.nn.Module):
         self.register_buffer("head_weight", model.lm_head.weight[self.code_ids].detach().clone(), persistent=False)
         self.grid = int(grid)
         self.config = SimpleNamespace(vocab_size=len(code_ids), block_size=self.grid ** 2, grid_size=self.grid,
-                                      cls_token_num=int(prompt_length), dim=text_config.hidden_size, num_classes=0,
+                                      condition_length=int(prompt_length), dim=text_config.hidden_size, num_classes=0,
                                       model_type="t2i", n_head=text_config.num_attention_heads)
         self.text_config = text_config
         self.class_names = None
@@ -369,9 +369,9 @@ class RowEndTarget(torch.nn.Module):
         if cond.dim() != 3 or cond.shape[1] != 2:
             raise RelaxspecError(f"{self.family} conditions are [B, 2, S] token ids (prompt, unconditional context): "
                                  f"format them with {self.formatter}")
-        if cond.shape[2] != self.config.cls_token_num:
+        if cond.shape[2] != self.config.condition_length:
             raise RelaxspecError(f"these prompts are {cond.shape[2]} tokens; this target was made for "
-                                 f"{self.config.cls_token_num} (its prompt_length)")
+                                 f"{self.config.condition_length} (its prompt_length)")
         valid = cond[:, 0] >= 0
         if not bool((valid[:, 1:] >= valid[:, :-1]).all() and self.ends_well(cond, valid)):
             raise RelaxspecError(f"{self.family} prompts must be left-padded and end with {self.prompt_end}: format "
@@ -453,7 +453,7 @@ class RowEndTarget(torch.nn.Module):
         (rows in parallel keep a row end's companion apart from its token); ``None``: a slot's
         companion is seen with its token where that token ends a row."""
         rows, count = tokens.shape
-        cls, width = self.config.cls_token_num, self.grid
+        cls, width = self.config.condition_length, self.grid
         self._slot_pos.scatter_(1, cache_slots, positions)
         slot_pos = self._slot_pos
         ends_row = (positions >= cls) & ((positions - cls) % width == width - 1)  # [R, T]
@@ -477,6 +477,6 @@ class RowEndTarget(torch.nn.Module):
     def _real_positions(self, positions: Tensor) -> Tensor:
         """Engine positions -> transformers' position ids: left padding removed, and image token
         ``k`` moved on by the ``k // grid`` row ends before it."""
-        cls = self.config.cls_token_num
+        cls = self.config.condition_length
         image = (positions - cls).clamp(min=0)
         return (positions - self._pad[:, None]).clamp(min=0) + torch.where(positions >= cls, image // self.grid, 0)

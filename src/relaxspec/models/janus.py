@@ -56,7 +56,7 @@ class JanusTarget(nn.Module):
         grid = math.isqrt(tokens)
         text = model.config.text_config
         self.config = SimpleNamespace(vocab_size=model.model.vqmodel.config.num_embeddings, block_size=tokens,
-                                      grid_size=grid, cls_token_num=int(prompt_length), dim=text.hidden_size,
+                                      grid_size=grid, condition_length=int(prompt_length), dim=text.hidden_size,
                                       num_classes=0, model_type="t2i", n_head=text.num_attention_heads)
         self.class_names = None
         self.max_seq = 0
@@ -99,8 +99,8 @@ class JanusTarget(nn.Module):
     def prefill(self, cond: Tensor, positions: Tensor, cache_slots: Tensor, attn_mask: Tensor):
         # The first image token is predicted from the begin-of-image token, which ends every
         # image-mode prompt: with left padding it sits in the last slot (checked once per decode).
-        if cond.dim() != 2 or cond.shape[1] != self.config.cls_token_num:
-            raise RelaxspecError(f"Janus conditions are [B, S] prompt token ids with S = {self.config.cls_token_num} "
+        if cond.dim() != 2 or cond.shape[1] != self.config.condition_length:
+            raise RelaxspecError(f"Janus conditions are [B, S] prompt token ids with S = {self.config.condition_length} "
                                  f"(load_janus's prompt_length), got {tuple(cond.shape)}")
         if not bool((cond[:, -1] == self.boi).all()):
             raise RelaxspecError("Janus prompts must end with the begin-of-image token and be left-padded: "

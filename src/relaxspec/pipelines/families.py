@@ -1,8 +1,8 @@
 """The model families relaxspec opens, and the inputs each opens its model with.
 
 A family is a pipeline class (:class:`~relaxspec.pipelines.base.ImagePipeline`) that says how its
-models are opened: what it reads them from (its :class:`OpeningInput` s: LlamaGen's ``gpt_ckpt``,
-``vq_ckpt``, ``t5_path``, Lumina-mGPT's tokenizer folder, Emu3's negative prompt), which folders
+models are opened: what it reads them from (its :class:`OpeningInput` s: LlamaGen's weights and
+VQ files and Flan-T5 folder, Lumina-mGPT's tokenizer folder, Emu3's negative prompt), which folders
 it claims, and ``open``. The commands' flags, their help, ``relaxspec info`` and
 :func:`~relaxspec.pipelines.open_pipeline`'s checks all come from these declarations, so a new
 family touches no command.
@@ -13,7 +13,7 @@ Two kinds of family:
   ``save_pretrained`` folder given as ``--model-path``, found by its ``config.json``
   ``model_type``;
 * a **file family** (LlamaGen, or a plugin's): opened from its own files, named by an input it
-  declares with ``opens=True`` (LlamaGen's ``gpt_ckpt``); it may also claim folders given as
+  declares with ``opens=True`` (LlamaGen's weights file); it may also claim folders given as
   ``--model-path`` (``claims_folder``: LlamaGen takes its own model folders and official
   LANTERN's).
 
@@ -79,8 +79,8 @@ class OpeningInput:
             ``"text"`` or ``"int"``.
         metavar: the flag's placeholder.
         needs: the optional package reading it needs (:mod:`relaxspec.extras`), checked before any work.
-        opens: given, it names a model of this family (a file family's weights: LlamaGen's
-            ``gpt_ckpt``); the family's other inputs go with it.
+        opens: given, it names a model of this family (a file family's weights file); the
+            family's other inputs go with it.
         default: what the family uses when it is not given (for the help and older runs' records;
             the family applies it).
     """

@@ -47,7 +47,7 @@ class FolderPipeline(ImagePipeline):
 
     @property
     def prompt_tokens(self) -> int:
-        return self.target.config.cls_token_num
+        return self.target.config.condition_length
 
     def _conditions(self, classes, prompts) -> Condition:
         if prompts is None:

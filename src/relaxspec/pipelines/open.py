@@ -6,7 +6,7 @@ that decides which family opens it.
   official LANTERN's, with their VQ and text inputs), else the transformers family its
   ``config.json`` ``model_type`` names (Anole and Lumina-mGPT, both ``chameleon``, by whether the
   weights hold the VQ decoder);
-* a file family's opening input (LlamaGen's ``gpt_ckpt``, with ``vq_ckpt`` and the rest).
+* a file family's opening inputs (LlamaGen's weights file, with its VQ file and the rest).
 
 Every family's inputs are keywords, checked against what the family declares
 (:mod:`relaxspec.pipelines.families`); what every family shares (device, precision, image size,
@@ -93,7 +93,8 @@ def open_pipeline(model_path=None, *, drafter_ckpt=None, device: str | torch.dev
     leaves it out). ``prompts`` / ``prompt_length``: what a transformers folder is opened for
     (its target is made for a prompt length). ``with_tokenizer=False``: no pixels are needed (a
     family may leave out an image tokenizer of its own files). ``inputs``: the family's opening
-    inputs (``gpt_ckpt``, ``t5_path``, ``tokenizer_path``, ...; ``None`` values are left out).
+    inputs (LlamaGen's files, ``tokenizer_path``, ``negative_prompt``, ...; ``None`` values are left
+    out).
     Every argument is checked with a one-line error."""
     from relaxspec.models.weights import PRECISIONS
 

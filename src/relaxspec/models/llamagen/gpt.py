@@ -78,6 +78,12 @@ class GPTConfig:
         return math.isqrt(self.block_size)
 
     @property
+    def condition_length(self) -> int:
+        """The condition's slots before the image (``C``, what every target model's config
+        says): upstream's ``cls_token_num``."""
+        return self.cls_token_num
+
+    @property
     def ffn_dim(self) -> int:
         """SwiGLU width: ``int(2 * 4 * dim / 3)`` (times the optional multiplier) rounded up to
         ``multiple_of``, as upstream ``FeedForward`` computes it."""
@@ -108,6 +114,14 @@ GPT_SIZES: dict[str, dict] = {
 }
 
 
+
+def block_shape(*, dim: int, n_head: int, vocab_size: int, block_size: int, condition_length: int,
+                num_classes: int, model_type: str, multiple_of: int = 256) -> GPTConfig:
+    """A one-layer ``GPTConfig`` of LlamaGen blocks shaped for a target of any family (what an
+    EAGLE drafter of LlamaGen blocks is built from)."""
+    return GPTConfig(dim=dim, n_layer=1, n_head=n_head, vocab_size=vocab_size, block_size=block_size,
+                     cls_token_num=condition_length, num_classes=num_classes, model_type=model_type,
+                     multiple_of=multiple_of)
 def gpt_config(name: str, *, image_size: int = 256, downsample: int = 16, model_type: str = "c2i", **overrides) -> GPTConfig:
     """The config of a named LlamaGen model at an image resolution.
 

@@ -64,7 +64,7 @@ def teacher_forced(target: TargetModel, cond: torch.Tensor, tokens: torch.Tensor
     from relaxspec.decoding.target import attention_mask
 
     rows, count = tokens.shape
-    cls = target.config.cls_token_num
+    cls = target.config.condition_length
     length = cls + count
     target.setup_caches(rows, length)
     key_valid = None

@@ -54,7 +54,7 @@ from relaxspec.models.llamagen.gpt import GPTConfig, Transformer
 from relaxspec.models.llamagen.vq import VQModel
 from relaxspec.runs import folder as run_folder
 from relaxspec.training import common
-from relaxspec.training.vq import AUGMENT, load_images, to_pixels
+from relaxspec.training.llamagen.vq import AUGMENT, load_images, to_pixels
 
 STATE_VERSION = 1
 RECIPE = "gpt"
