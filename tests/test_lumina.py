@@ -115,7 +115,7 @@ def test_the_adapter_implements_the_protocols(files, opened):
     assert model_module(files["model_path"]) is lumina
     assert (target.config.block_size, target.config.grid_size, target.config.vocab_size) == (16, 4, lf.CODES)
     assert (tokenizer.config.codebook_size, tokenizer.config.downsample_factor) == (lf.CODES, 16)
-    assert cond.shape[:2] == (3, 2) and cond.shape[2] == target.config.cls_token_num
+    assert cond.shape[:2] == (3, 2) and cond.shape[2] == target.config.condition_length
     head = torch.tensor([lf.IMAGE_START_ID, 8806, 8806])  # <racm3:break>, <reserved08802> twice (64 px = 2 units)
     assert (cond[:, :, -3:] == head).all() and (cond[:, 1, :-3] == -1).all()
     assert (cond[:, 0, -4] == lf.SEPARATOR_ID).all()
