@@ -274,6 +274,13 @@ def test_image_folder_is_encoded_with_class_folders(tmp_path) -> None:
     data = encode_images(tmp_path, vq, image_size=8)  # 8 px / downsample 2 = 4x4 = TINY's grid
     assert data.tokens.shape == (3, 16) and data.labels.tolist() == [3, 3, 5]
     data.check_for(make_target())
+    # a target in memory: the family's VQ input alone encodes them (the target is not opened again)
+    save_model(vq, tmp_path / "vq")
+    config = quick(tmp_path / "run", steps=1, images=str(tmp_path), inputs={"vq_ckpt": str(tmp_path / "vq")})
+    with pytest.raises(RelaxspecError, match="give --vq-ckpt PATH"):
+        train_drafter(quick(tmp_path / "bad", steps=1, images=str(tmp_path), inputs={"t5_path": "t5"}),
+                      target=make_target())
+    assert train_drafter(config, target=make_target()).step == 1
 
 
 # ---------------------------------------------------------------------------------- bad input

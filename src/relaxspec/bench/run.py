@@ -122,7 +122,7 @@ def read_records_counted(out_dir: str | Path, expected_hash: str | None = None) 
 
 
 #: A benchmark's folder: ``settings.json`` holds its settings, ``records.jsonl`` one line per decode.
-BENCH_RUN = RunKind("bench", "a benchmark", SETTINGS_FILE, "a benchmark's settings", owned=(RECORDS_FILE,))
+BENCH_RUN = RunKind("a benchmark", SETTINGS_FILE, "a benchmark's settings", owned=(RECORDS_FILE,))
 
 
 def prepare_out_dir(out: Path, settings: dict, digest: str, overwrite: bool) -> list[dict]:
@@ -133,8 +133,9 @@ def prepare_out_dir(out: Path, settings: dict, digest: str, overwrite: bool) -> 
 
     old = open_run(out, BENCH_RUN, settings, overwrite=overwrite, digest=digest)
     records = read_records(out, digest) if old is not None else []
-    write_atomic(out / RECORDS_FILE, lambda temp: temp.write_text("".join(json.dumps(r) + "\n" for r in records)))
+    # the settings first: a crash before the records are rewritten leaves a folder that resumes
     write_json(out / SETTINGS_FILE, run_meta(settings, digest))
+    write_atomic(out / RECORDS_FILE, lambda temp: temp.write_text("".join(json.dumps(r) + "\n" for r in records)))
     return records
 
 
@@ -230,7 +231,7 @@ def _run_bench(pipeline, condition, methods, sampling, out_dir, *, seed, threads
     if len(set(labels)) != len(labels):
         raise RelaxspecError("method labels must be unique")
     out = Path(out_dir)
-    # every method checked (its sizes, its drafter) and built once, before the folder is touched
+    # every method checked once (its sizes, its drafter) before the folder is touched
     prepared = {m.label: PreparedMethod.build(m, sampling, pipeline) for m in methods}
     settings = bench_settings(methods, condition, seed, sampling, threads or torch.get_num_threads(), batch_size,
                               pipeline.image_tokens, identity if identity is not None else {"model": pipeline.fingerprint()})
@@ -248,6 +249,8 @@ def _run_bench(pipeline, condition, methods, sampling, out_dir, *, seed, threads
         stack.callback(torch.set_num_threads, torch.get_num_threads())
         if threads is not None:
             torch.set_num_threads(threads)
+        for method in prepared.values():  # their parts built once, under the run's threads, before any timing
+            method.prepared.parts()
         device = pipeline.device
 
         def conditions(index: list[int]) -> tuple[list, Condition]:
@@ -320,8 +323,8 @@ def merge_shards(out: str | Path, world: int | None = None, overwrite: bool = Fa
     open_run(out, BENCH_RUN, settings, overwrite=overwrite, digest=digest)  # this benchmark's, or refused
     order = {label: i for i, label in enumerate(m["label"] for m in settings["methods"])}
     records.sort(key=lambda record: (record["index"], order.get(record["method"], 0)))
+    write_json(out / SETTINGS_FILE, {**meta, "shards": world})  # first: a crash before the records resumes
     write_atomic(out / RECORDS_FILE, lambda temp: temp.write_text("".join(json.dumps(r) + "\n" for r in records)))
-    write_json(out / SETTINGS_FILE, {**meta, "shards": world})
     return True
 
 

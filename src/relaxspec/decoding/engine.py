@@ -202,7 +202,8 @@ def generate_speculative(model, cond, sampling: SamplingConfig, options: MethodO
     start = time.perf_counter()
     compile, record_tv, profile = options.compile, options.record_tv, options.profile
     context = BuildContext(target=model, tokenizer=vq, drafter=drafter, sampling=sampling)
-    if source is None or rule is None:  # built here: checked here (prebuilt parts were checked where built)
+    if source is None or rule is None:  # built here: checked here (prebuilt parts were checked where built:
+        # Method.build, or ImagePipeline.prepare)
         options.family.check_fits(options, context)
     source = source or options.family.source(options, context)  # what build_parts builds, either part given
     rule = rule or options.family.rule(options, context, horizon=source.max_depth)

@@ -63,7 +63,8 @@ import torch
 import torch.nn as nn
 
 from relaxspec.drafting.family import FamilyLayers, layer_spec, rope_table
-from relaxspec.models.llamagen.checkpoints import load_strict, read_state
+from relaxspec.models.llamagen.checkpoints import read_state
+from relaxspec.models.weights import load_strict
 from relaxspec.errors import RelaxspecError
 from relaxspec.models import hf
 from relaxspec.models.base import CAPTION_ROWS, TargetModel

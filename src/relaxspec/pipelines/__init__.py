@@ -8,8 +8,9 @@
 """
 
 from relaxspec.conditions import Condition
-from relaxspec.pipelines.base import UPSTREAM_SAMPLING, ImagePipeline
+from relaxspec.pipelines.base import UPSTREAM_SAMPLING, ImagePipeline, PreparedDecode
 from relaxspec.pipelines.families import OpeningInput
 from relaxspec.pipelines.open import FOLDER_PIPELINES, open_pipeline
 
-__all__ = ["Condition", "FOLDER_PIPELINES", "ImagePipeline", "OpeningInput", "UPSTREAM_SAMPLING", "open_pipeline"]
+__all__ = ["Condition", "FOLDER_PIPELINES", "ImagePipeline", "OpeningInput", "PreparedDecode", "UPSTREAM_SAMPLING",
+           "open_pipeline"]

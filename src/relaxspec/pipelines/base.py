@@ -72,13 +72,25 @@ def named_parameters(obj) -> list:
 class PreparedDecode:
     """A method ready to decode on one pipeline (:meth:`ImagePipeline.prepare`): its options,
     checked against the model once (the sizes it uses set), its sampling, and the draft source and
-    acceptance rule built once. Each part resets itself at the start of every decode, so one
-    serves a whole run (generate's batches, bench's images, tune's rounds)."""
+    acceptance rule, built once, at the first decode (:meth:`parts`; a run with nothing left to
+    decode builds nothing). Each part resets itself at the start of every decode, so one serves a
+    whole run (generate's batches, bench's images, tune's rounds)."""
 
     options: MethodOptions
     sampling: SamplingConfig
+    owner: object = None  # the pipeline that prepared it (it decodes only there)
+    context: object = None  # what the parts are built from (a methods.BuildContext; None for AR)
     source: object = None
     rule: object = None
+
+    def parts(self) -> tuple:
+        """``(source, rule)``, built the first time (``(None, None)`` for plain AR): the parts
+        :meth:`relaxspec.methods.base.Method.build` makes, the sizes checked when prepared."""
+        if self.context is not None and self.source is None:
+            family = self.options.family
+            self.source = family.source(self.options, self.context)
+            self.rule = family.rule(self.options, self.context, horizon=self.source.max_depth)
+        return self.source, self.rule
 
 
 class ImagePipeline(ABC):
@@ -242,18 +254,17 @@ class ImagePipeline(ABC):
     def prepare(self, options: MethodOptions | None = None, sampling: SamplingConfig | None = None) -> PreparedDecode:
         """``options`` (default: the model's default method) and ``sampling`` (default: the
         model's) ready to decode: the drafter checked, the sizes checked and set once
-        (:meth:`check_fits`), the draft source and acceptance rule built once."""
+        (:meth:`check_fits`); the draft source and acceptance rule are built once, at the first
+        decode (:meth:`PreparedDecode.parts`)."""
         options = options if options is not None else self.method()
         sampling = sampling if sampling is not None else self.sampling()
         self._check_drafter(options)
         self.check_fits(options)
         if options.method == "ar":
-            return PreparedDecode(options, sampling)
+            return PreparedDecode(options, sampling, owner=self)
         context = methods.BuildContext(target=self.target, tokenizer=self.tokenizer,
                                        drafter=self.drafter if options.needs_drafter else None, sampling=sampling)
-        source = options.family.source(options, context)  # the parts Method.build makes, the sizes checked above
-        rule = options.family.rule(options, context, horizon=source.max_depth)
-        return PreparedDecode(options, sampling, source, rule)
+        return PreparedDecode(options, sampling, owner=self, context=context)
 
     def _check_drafter(self, options: MethodOptions) -> None:
         if options.needs_drafter and self.drafter is None:
@@ -271,15 +282,17 @@ class ImagePipeline(ABC):
         if isinstance(options, PreparedDecode):
             if sampling is not None:
                 raise RelaxspecError("a PreparedDecode holds its sampling: give it or a sampling, not both")
+            if options.owner is not self:
+                raise RelaxspecError("this PreparedDecode was prepared by another pipeline: prepare it with this one")
             prepared = options
         else:
             prepared = self.prepare(options, sampling)
         condition = condition.to(self.device)
         chosen = prepared.options
+        source, rule = prepared.parts()
         return decode(self.target, condition.cond, prepared.sampling, chosen, generator=generator,
                       drafter=self.drafter if chosen.needs_drafter else None, vq=self.tokenizer,
-                      cond_mask=condition.mask, progress=progress, on_step=on_step, source=prepared.source,
-                      rule=prepared.rule)
+                      cond_mask=condition.mask, progress=progress, on_step=on_step, source=source, rule=rule)
 
     @torch.no_grad()
     def pixels(self, tokens: Tensor) -> np.ndarray:

@@ -59,7 +59,8 @@ class LlamaGenPipeline(ImagePipeline):
         OpeningInput("vq_model", f"named tokenizer ({_vq_names()}) or a JSON file of VQConfig fields (or upstream's "
                                  "ModelArgs) (default VQ-16)", kind="text", metavar="NAME|JSON", default="VQ-16"),
         OpeningInput("downsample", "the tokenizer's downsampling factor, for an official GPT file opened without its "
-                                   "VQ (train-drafter; default: --vq-model's, else 16)", kind="int", metavar="N"),
+                                   "VQ (train-drafter; with --vq-ckpt the VQ's own is used)", kind="int", metavar="N",
+                     default=16),
         OpeningInput("t5_path", "the local Flan-T5 folder (save_pretrained layout) that encodes a t2i model's "
                                 "prompts, as upstream LlamaGen's", needs="transformers"),
     )
@@ -94,14 +95,21 @@ class LlamaGenPipeline(ImagePipeline):
 
 
 def _downsample(inputs: dict) -> int:
-    """The tokenizer's downsampling factor for a GPT opened without its VQ: given, else the named
-    VQ model's, else upstream's 16."""
-    from relaxspec.models.llamagen.vq import VQ_CONFIGS
+    """The tokenizer's downsampling factor for a GPT opened without its VQ: given, else
+    upstream's 16."""
+    return inputs["downsample"] if inputs.get("downsample") is not None else 16
 
-    if inputs.get("downsample") is not None:
-        return inputs["downsample"]
-    named = VQ_CONFIGS.get(inputs.get("vq_model") or "VQ-16")
-    return named.downsample_factor if named is not None else 16
+
+def open_tokenizer(inputs: dict, device="cpu"):
+    """The VQ tokenizer the LlamaGen family's ``inputs`` name (``vq_ckpt``, ``vq_model``), alone:
+    for a target already in memory (train-drafter's ``images``)."""
+    from relaxspec.models.llamagen.checkpoints import load_vq
+    from relaxspec.pipelines.families import check_inputs
+
+    inputs = check_inputs(LlamaGenPipeline, inputs)
+    if inputs.get("vq_ckpt") is None:
+        raise RelaxspecError("--images are encoded by the target's VQ tokenizer: give --vq-ckpt PATH")
+    return load_vq(inputs["vq_ckpt"], inputs.get("vq_model") or "VQ-16", device=device)
 
 
 class LlamaGenC2I(LlamaGenPipeline):
@@ -189,10 +197,7 @@ def open_llamagen(gpt_ckpt, vq_ckpt, *, gpt_model: str | None = None, vq_model: 
     if vq_ckpt is None:
         raise RelaxspecError("--vq-ckpt is required with --gpt-ckpt (the tokenizer that goes with the GPT)")
     vq = load_vq(vq_ckpt, vq_model or "VQ-16", device=device)
-    if downsample is not None and downsample != vq.config.downsample_factor:
-        raise RelaxspecError(f"--downsample {downsample}: the tokenizer downsamples {vq.config.downsample_factor} times "
-                             "(leave --downsample out when giving --vq-ckpt)")
-    downsample = vq.config.downsample_factor
+    downsample = vq.config.downsample_factor  # the VQ's own (a --downsample given beside it is not read)
     if image_size is not None and image_size % downsample:
         raise RelaxspecError(f"--image-size {image_size} is not a multiple of the tokenizer's downsampling {downsample}")
     target = load_gpt(gpt_ckpt, gpt_model, image_size=image_size, downsample=downsample, precision=precision,
@@ -257,4 +262,5 @@ def _asdict(config) -> dict:
     return dataclasses.asdict(config)
 
 
-__all__ = ["DEFAULT_CLASSES", "LlamaGenC2I", "LlamaGenPipeline", "LlamaGenT2I", "llamagen_pipeline", "open_embedded", "open_llamagen", "spec_id"]
+__all__ = ["DEFAULT_CLASSES", "LlamaGenC2I", "LlamaGenPipeline", "LlamaGenT2I", "llamagen_pipeline", "open_embedded", "open_llamagen", "open_tokenizer",
+           "spec_id"]

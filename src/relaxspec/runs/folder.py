@@ -100,7 +100,6 @@ class RunKind:
     """How one command keeps its runs in a folder.
 
     Args:
-        command: the command (what the lock says holds the folder).
         what: what a refusal calls such a run (``"a run"``, ``"a benchmark"``, ``"a tuning run"``).
         meta: the file holding the run's ``settings`` and their ``settings_hash``.
         state: what a refusal calls that file when this code did not write it.
@@ -109,7 +108,6 @@ class RunKind:
         problem: what is wrong with a ``meta`` read back, beyond a settings hash (``None``: nothing).
     """
 
-    command: str
     what: str
     meta: str
     state: str

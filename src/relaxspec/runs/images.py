@@ -182,7 +182,7 @@ def _image_records_problem(meta: dict) -> str | None:
 
 
 #: An image run's folder (generate, eval's shards): ``stats.json`` holds its settings and images.
-IMAGE_RUN = RunKind("generate", "a run", STATS_FILE, "a run's record", problem=_image_records_problem)
+IMAGE_RUN = RunKind("a run", STATS_FILE, "a run's record", problem=_image_records_problem)
 
 
 def _remove_pngs(out: Path, old: dict | None) -> None:

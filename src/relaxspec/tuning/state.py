@@ -232,7 +232,7 @@ def _verdict_problem(verdict) -> str | None:
 
 
 #: A tuning run's folder: ``state.json`` holds its settings and every decision, beside what it writes.
-TUNE_RUN = RunKind("tune", "a tuning run", STATE_FILE, "a tune state",
+TUNE_RUN = RunKind("a tuning run", STATE_FILE, "a tune state",
                    owned=tuple(name for name in OWNED if name != STATE_FILE), problem=state_problem)
 
 

@@ -35,9 +35,6 @@ ADDED_FIELDS = {"law_loss": "ce", "distill_weight": 1.0, "train_depths": 1}
 #: batch of features for the backward pass, so memory grows with it; draft chains a step verifies
 #: are rarely deeper than ten, and ``--train-depths 100000`` only ran out of memory.
 MAX_UNROLLED_DEPTHS = 64
-#: A field of an older train state named as a family's opening input is that input now (``inputs``,
-#: :func:`upgrade`); this one was a field before it became an input of the same meaning.
-OLD_INPUT_DEFAULTS = {"downsample": 16}
 LAW_LOSSES = ("ce", "kl", "tv", "kl+tv")
 #: Where a run keeps the weights of its best evaluation (``out/best``).
 BEST = common.BEST
@@ -207,7 +204,7 @@ def upgrade(data: dict) -> dict:
     that never named a tokenizer saved upstream's), so ``--resume`` continues it."""
     data = dict(data)
     known = opening_inputs()
-    defaults = {**{name: declared.default for name, (declared, _) in known.items()}, **OLD_INPUT_DEFAULTS}
+    defaults = {name: declared.default for name, (declared, _) in known.items()}
     old = {name: data.pop(name) for name in known if name in data}
     inputs = {name: value for name, value in old.items() if value is not None and value != defaults.get(name)}
     if inputs or "inputs" in data:

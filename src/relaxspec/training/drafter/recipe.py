@@ -115,6 +115,17 @@ def _around(target: TargetModel, inputs: dict):
     return llamagen_pipeline(target, **inputs) if isinstance(target, Transformer) else None
 
 
+def _tokenizer_of(target: TargetModel, config: DrafterTrainConfig):
+    """The image tokenizer of a target given in memory, for ``images``: a LlamaGen target's VQ file
+    alone (its family's ``vq_ckpt``), any other's with the model ``config`` names."""
+    from relaxspec.models.llamagen.gpt import Transformer
+    from relaxspec.pipelines.llamagen import open_tokenizer
+
+    if isinstance(target, Transformer):
+        return open_tokenizer(config.inputs, target.device)
+    return _open_named(config, None, target.device).tokenizer
+
+
 def _open_named(config: DrafterTrainConfig, prompts: list[str] | None, device: torch.device | None = None):
     """The pipeline of the target ``config`` names, opened as every command opens one
     (:func:`relaxspec.pipelines.open_pipeline`: any family's files or model folder, with its
@@ -148,7 +159,7 @@ def _open(config: DrafterTrainConfig, target: TargetModel | None, dataset: Draft
     else:  # already open: only its prompts may need formatting (a LlamaGen target's, by its pipeline)
         pipeline = _around(target, config.inputs) if prompts is not None and dataset is None else None
         if config.images is not None and dataset is None:  # the tokenizer that encodes them, by the family's inputs
-            vq = _open_named(config, None, target.device).tokenizer
+            vq = _tokenizer_of(target, config)
     conditions = None
     if prompts is not None and dataset is None:
         if pipeline is None:
