@@ -128,6 +128,9 @@ class ImagePipeline(ABC):
     usage = ""
     #: What messages call a model of the family (default: :attr:`family`).
     called: str | None = None
+    #: Whether the family is a folder family, found by its folder's model type
+    #: (:class:`~relaxspec.pipelines.folders.FolderPipeline`).
+    FOLDER = False
 
     @classmethod
     @abstractmethod

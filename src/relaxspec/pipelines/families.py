@@ -147,7 +147,7 @@ def _plugin_entries() -> dict[str, list[str]]:
 
 def is_folder_family(family) -> bool:
     """Whether ``family`` is opened from a transformers folder found by its model type."""
-    return bool(getattr(family, "FOLDER", False))
+    return bool(family.FOLDER)
 
 
 def folder_entries() -> dict[str, list[str]]:

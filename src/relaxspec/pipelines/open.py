@@ -23,8 +23,8 @@ from relaxspec.devices import resolve_device
 from relaxspec.errors import RelaxspecError
 from relaxspec.pipelines.base import ImagePipeline
 from relaxspec.pipelines.families import (FOLDER_PIPELINES, Opening, all_families, check_inputs, file_families,
-                                          folder_entries, known_inputs, pipeline_class, pipeline_classes,
-                                          refuse_other)
+                                          folder_entries, is_folder_family, known_inputs, pipeline_class,
+                                          pipeline_classes, refuse_other)
 
 #: What messages call the model opened when no family is named.
 EMBEDDED = "the embedded model (class-conditional)"
@@ -81,7 +81,7 @@ def folder_sampling(model_path) -> dict:
     from relaxspec.pipelines.base import UPSTREAM_SAMPLING
 
     family = folder_pipeline_class(model_path)
-    own = importlib.import_module(family.MODEL).sampling_defaults(model_path) if getattr(family, "MODEL", "") else {}
+    own = importlib.import_module(family.MODEL).sampling_defaults(model_path) if is_folder_family(family) else {}
     return {**UPSTREAM_SAMPLING, **own}
 
 
