@@ -24,11 +24,11 @@ from relaxspec.inputs import check_at_least, check_seed, check_threads
 EMBEDDED_OUT = "bench-embedded"
 
 
-def embedded_bench_defaults(args: argparse.Namespace) -> tuple[dict, dict]:
+def embedded_bench_defaults(family) -> tuple[dict, dict]:
     """The embedded model's own presets and benchmark settings (``defaults.json``: which methods a
     plain ``relaxspec bench`` runs, on how many images) when no model is named; empty for a user's
-    model."""
-    if model_family(args) is not None:
+    model (``family``: the one the model flags name, ``None`` for the embedded model)."""
+    if family is not None:
         return {}, {}
     from relaxspec import embedded
 
@@ -167,15 +167,16 @@ def run_bench_cli(args: argparse.Namespace) -> int:
     from relaxspec.bench.report import write_report
     from relaxspec.bench.run import merge_shards, run_bench
 
+    family = model_family(args)  # the model flags checked once, before any weights load
     if args.list_methods:
-        print(list_methods(embedded_bench_defaults(args)[0]))
+        print(list_methods(embedded_bench_defaults(family)[0]))
         return 0
-    model_presets, bench_defaults = embedded_bench_defaults(args)
+    model_presets, bench_defaults = embedded_bench_defaults(family)
     if not args.no_plots and not extras.available("matplotlib"):
         raise RelaxspecError("relaxspec bench draws its plots with matplotlib, which is not installed: "
                              f"{extras.EXTRAS['matplotlib'].install}, or pass --no-plots")
     if not args.out:
-        if model_family(args) is not None:
+        if family is not None:
             raise RelaxspecError("--out DIR is required")
         args.out = EMBEDDED_OUT
     prompted = bool(args.prompt or args.prompts_file)
@@ -241,7 +242,7 @@ def run_bench_cli(args: argparse.Namespace) -> int:
         for spec in specs:
             spec.options.setdefault("profile", True)
     drafting = [s.label for s in specs if s.needs_drafter]
-    embedded = model_family(args) is None
+    embedded = family is None
     if drafting and args.drafter_ckpt is None and not embedded:
         raise RelaxspecError(f"{', '.join(drafting)} draft with an EAGLE drafter: give --drafter-ckpt (train one with "
                              "relaxspec train-drafter), or choose drafter-free --methods such as ar,sjd,scd")

@@ -107,7 +107,8 @@ QUALITY_PROMPTS = ("--within-ar-quality scores class-conditional images; for a p
 
 
 def check_inputs(args: argparse.Namespace):
-    """Everything checked before a model loads (one line each)."""
+    """Everything checked before a model loads (one line each); returns the budget and the family
+    the model flags name (``None``: the embedded model)."""
     from relaxspec.tuning.config import check_minutes
 
     budget = budget_from_args(args)
@@ -141,7 +142,7 @@ def check_inputs(args: argparse.Namespace):
             args.classifier = str(shipped.path("classifier"))
         if args.real_data is not None and not Path(args.real_data).is_file():
             raise RelaxspecError(f"--real-data {args.real_data}: no such file")
-    return budget
+    return budget, family
 
 
 def split_classes(args: argparse.Namespace, pipeline) -> tuple[list, list]:
@@ -187,9 +188,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
     from relaxspec.tuning.report import (PRESET_FILE, closest_message, describe_heldout, describe_row, interval_note,
                                          write_results)
 
-    budget = check_inputs(args)
+    budget, family = check_inputs(args)
     prompts = read_prompts(args) if (args.prompt or args.prompts_file) else []
-    family = model_family(args)
     if family is not None and family.takes == "prompts" and not prompts:
         raise RelaxspecError(NEEDS_PROMPTS)
     pipeline = open_from_args(args, prompts=prompts or None)

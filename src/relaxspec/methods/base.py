@@ -252,9 +252,14 @@ class Method:
         return options.draft in EAGLE_DRAFTS or str(options.draft).endswith(".json")
 
     def build(self, options, context: BuildContext):
-        """``(draft source, acceptance rule)`` for ``options``, from what ``context`` holds: what
-        the engine takes."""
+        """``(draft source, acceptance rule)`` for ``options``, from what ``context`` holds, its
+        sizes checked first: what the engine takes."""
         self.check_fits(options, context)
+        return self.parts(options, context)
+
+    def parts(self, options, context: BuildContext):
+        """:meth:`build` without the check (for sizes checked already,
+        :meth:`relaxspec.pipelines.ImagePipeline.prepare`)."""
         source = self.source(options, context)
         return source, self.rule(options, context, horizon=source.max_depth)
 

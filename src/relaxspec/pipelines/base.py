@@ -87,9 +87,7 @@ class PreparedDecode:
         """``(source, rule)``, built the first time (``(None, None)`` for plain AR): the parts
         :meth:`relaxspec.methods.base.Method.build` makes, the sizes checked when prepared."""
         if self.context is not None and self.source is None:
-            family = self.options.family
-            self.source = family.source(self.options, self.context)
-            self.rule = family.rule(self.options, self.context, horizon=self.source.max_depth)
+            self.source, self.rule = self.options.family.parts(self.options, self.context)
         return self.source, self.rule
 
 

@@ -119,20 +119,16 @@ def open_pipeline(model_path=None, *, drafter_ckpt=None, device: str | torch.dev
 
 def reopen_pipeline(settings: dict, *, device=None, prompts=None) -> ImagePipeline:
     """The model a run's ``settings`` (stats.json) recorded, opened again as the run opened it:
-    its folder or its family's inputs, drafter, precision and image size."""
+    its folder or its family's inputs (recorded by their names), drafter, precision and image size."""
     from relaxspec.pipelines.families import opening_inputs
 
     folder = settings.get("model_path")
-    family = choose_family(folder, {name: settings.get(name) for name, (declared, _) in opening_inputs().items()
-                                    if declared.opens and folder is None})
-    inputs = {} if family is None else {i.name: settings.get(i.name) for i in family.inputs
-                                        if not (folder is not None and i.opens)}
-    image_size = settings.get("image_size_given") if folder else settings.get("image_size")
-    if family is None:
-        image_size = None
+    inputs = {name: settings.get(name) for name, (declared, _) in opening_inputs().items()
+              if not (folder is not None and declared.opens)}  # a folder stands for its family's files
+    embedded = choose_family(folder, inputs) is None
+    image_size = None if embedded else settings.get("image_size_given") if folder else settings.get("image_size")
     return open_pipeline(folder, drafter_ckpt=settings.get("drafter_ckpt"), device=device or settings.get("device", "cpu"),
-                         precision=settings.get("precision", "fp32"), image_size=image_size,
-                         prompts=prompts, **inputs)
+                         precision=settings.get("precision", "fp32"), image_size=image_size, prompts=prompts, **inputs)
 
 
 __all__ = ["EMBEDDED", "FOLDER_PIPELINES", "all_families", "choose_family", "folder_pipeline_class", "folder_sampling",
