@@ -339,7 +339,8 @@ def test_the_compiled_drafter_step_has_no_graph_breaks(pipelines, family):
     slots = 4 + torch.arange(count).expand(rows, -1)
     mask = torch.ones(rows, count, 24, dtype=torch.bool).tril(4)
     for given in (None, mask):
-        report = torch._dynamo.explain(drafter_step)(drafter, features, tokens, slots, slots, given, greedy(family), 2)
+        sampling = greedy(family).on(features.device)  # as a compiled step reads it: numbers as tensors
+        report = torch._dynamo.explain(drafter_step)(drafter, features, tokens, slots, slots, given, sampling)
         assert report.graph_break_count == 0, report.break_reasons
         assert report.graph_count == 1
     drafter.clear_caches()

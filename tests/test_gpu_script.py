@@ -22,6 +22,7 @@ def test_the_record_is_written_after_every_item_and_keeps_going(tmp_path, capsys
     assert json.loads(path.read_text()) == {"device": "cpu"}
     assert report.item(("xl", "ar_ms"), lambda: 1.5) == 1.5
     assert json.loads(path.read_text())["xl"] == {"ar_ms": 1.5}  # on disk before the next item starts
+    assert "- xl / ar_ms: 1.5" in path.with_suffix(".md").read_text()  # and as markdown beside it
 
     def broken():
         raise RuntimeError("CUDA error: out of memory")
@@ -33,3 +34,4 @@ def test_the_record_is_written_after_every_item_and_keeps_going(tmp_path, capsys
     assert "budget left" in record["xl"]["engine"]["too long"]["skipped"]
     assert record["xl"]["ar_ms"] == 1.5
     assert "skipped xl/engine/too long" in capsys.readouterr().out
+    assert "- xl / engine / sd-chain / error: RuntimeError" in path.with_suffix(".md").read_text()

@@ -116,7 +116,7 @@ def test_compiled_steps_have_no_graph_breaks(families, family):
     explain = torch._dynamo.explain
     for count in (1, 5):
         report = explain(guided_step)(target, tokens[:, :count], positions[:, :count], positions[:, :count], None,
-                                      guided.key_valid, guided.sampling, 2)
+                                      guided.key_valid, guided.device_sampling)
         assert report.graph_break_count == 0, report.break_reasons
         assert report.graph_count == 1
 
@@ -150,29 +150,43 @@ def test_a_family_s_whole_step_is_one_graph(families, family, tmp_path, monkeypa
 @pytest.mark.parametrize("family", ["emu3"])
 def test_compiled_equals_eager(families, family, monkeypatch):
     """Compiling costs ~15-20 s per graph with inductor on a cold CPU machine: one family, Jacobi (a
-    T > 1 step) with inductor's kernels, AR (its T = 1 step's ops a subset) traced and run by
-    aot_eager."""
+    T > 1 step) and AR, both with inductor's kernels. Each gives its eager tokens, and (issue 51)
+    no graph of either -- the prefill, the step -- allocates a buffer the size of one layer's
+    keys: the cache is written and compacted in place (a ``scatter_`` into it compiled as a copy
+    of every layer's K and V, AR's steps included). (What transformers' attention allocates
+    itself is left: with grouped heads, as this Emu3's, its masked attention expands a layer's K
+    and V to every head, ``heads / kv_heads`` times their size.)"""
     import relaxspec.compiling
+
+    from helpers.compiled import allocations, generated_code
 
     target, cond, mask, _, scale, _ = families[family]
     greedy = SamplingConfig(cfg_scale=scale, temperature=0.0, top_k=0)
-    for name, given, _ in CASES[:2]:
-        monkeypatch.setattr(relaxspec.compiling, "BACKEND", "aot_eager" if name == "ar" else "inductor")
+    monkeypatch.setattr(relaxspec.compiling, "BACKEND", "inductor")
+    for name, given, _ in reversed(CASES[:2]):  # Jacobi first: AR then finds the cache at its size
         eager = decode(target, cond, greedy, methods.resolve(name, given), cond_mask=mask).tokens
-        compiled = decode(target, cond, greedy, methods.resolve(name, {**given, "compile": True}), cond_mask=mask)
+        compiled, codes = generated_code(decode, target, cond, greedy, methods.resolve(name, {**given, "compile": True}),
+                                         cond_mask=mask)
         assert torch.equal(compiled.tokens, eager), name
+        keys = target._kv.store[0][0]
+        text = target.text_config
+        grouped = keys.numel() * text.num_attention_heads // text.num_key_value_heads  # repeat_kv's expansion
+        sizes = [size for code in codes for size in allocations(code)]
+        assert codes and sizes and all(size < keys.numel() or size == grouped for size in sizes), (name, keys.shape)
 
 
 @pytest.mark.parametrize("family", ["emu3", "janus", "lumina"])
 def test_the_kv_store_only_grows(families, family):
     """A decode that needs fewer slots (AR after a speculative method, as bench alternates them)
-    runs on views of the cache the larger one made: no reallocation, the same tokens."""
+    runs on the very tensors the larger one made (issue 51: no reallocation, no view, so a compiled
+    graph sees one address), with the same tokens."""
     target, cond, mask, _, scale, _ = families[family]
     greedy = SamplingConfig(cfg_scale=scale, temperature=0.0, top_k=0)
     first = decode(target, cond, greedy, methods.resolve("sjd", {"window": 6}), cond_mask=mask).tokens
-    full = target._kv._full[0][0]
+    keys = target._kv.store[0][0]
     again = decode(target, cond, greedy, methods.resolve("ar"), cond_mask=mask).tokens
-    assert target._kv._full[0][0] is full and target._kv.store[0][0].shape[2] < full.shape[2]
+    assert target._kv.store[0][0] is keys and keys._base is None
+    assert keys.shape[2] >= 2 * (target.config.condition_length + target.config.block_size + 6) or family == "janus"
     assert torch.equal(again, first)
 
 

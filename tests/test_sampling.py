@@ -54,6 +54,20 @@ def test_top_k_top_p_against_brute_force(top_k, top_p):
         assert torch.equal(filtered[row][list(kept)], logits[row][list(kept)])
 
 
+@pytest.mark.parametrize("top_k,top_p", [(0, 0.5), (1, 1.0), (5, 1.0), (8, 0.7), (30, 0.95), (3, 0.01), (100, 1.0)])
+def test_filters_as_tensors_keep_what_the_numbers_keep(top_k, top_p):
+    """Issue 51: a decoding step reads top-k and top-p as tensors (a new value compiles nothing):
+    one sort serves both filters, and it keeps exactly the tokens the Python numbers keep (an
+    eager step's top-k alone finds its k-th value with topk). Ties with the k-th value survive."""
+    gen = torch.Generator().manual_seed(top_k + int(100 * top_p))
+    logits = (torch.randn(16, 40, generator=gen) * 2).round(decimals=1)  # rounded: ties at the k-th value
+    as_numbers = filter_logits(logits, top_k, top_p)
+    as_tensors = filter_logits(logits, torch.tensor(top_k), torch.tensor(top_p))
+    assert torch.equal(as_numbers, as_tensors)
+    config = SamplingConfig(cfg_scale=1.0, top_k=top_k, top_p=top_p)
+    assert torch.equal(process_logits(logits, config), process_logits(logits, config.on("cpu")))
+
+
 def test_top_k_keeps_ties_and_top_p_acts_after_top_k():
     logits = torch.tensor([[3.0, 1.0, 1.0, 1.0, 0.0]])
     assert torch.isfinite(filter_logits(logits, top_k=2)).sum() == 4  # ties with the 2nd value survive

@@ -85,8 +85,13 @@ class ByContent:
 
 
 _BUFFERS = PerObject(kept=8)
-#: Buffers kept per owner (the most recently asked first to stay).
-KEPT_PER_OWNER = 64
+_SIZES = PerObject(kept=8)
+#: Buffers kept per owner, and their bytes (the least recently asked go first past either): enough
+#: for every method of a run on one model (bench's nine alternate image by image, each with its
+#: loop state, random numbers and tables), so none is made again at a new address, which a captured
+#: CUDA graph would record again.
+KEPT_PER_OWNER = 1024
+KEPT_BYTES_PER_OWNER = 1 << 30
 
 
 def kept_buffer(owner: object, name: str, shape, dtype: torch.dtype, device) -> "torch.Tensor":
@@ -94,17 +99,21 @@ def kept_buffer(owner: object, name: str, shape, dtype: torch.dtype, device) -> 
     with the same ``owner`` (a model) and the same name, shape, dtype and device: a decode's state
     kept across decodes as the KV caches are, so a compiled step reads and updates it at the same
     address every time (:func:`relaxspec.compiling.fixed_addresses`). Its contents are whatever the
-    last user left: the caller sets them. An owner keeps its :data:`KEPT_PER_OWNER` most recently
-    asked buffers."""
+    last user left: the caller sets them. An owner keeps its most recently asked buffers, up to
+    :data:`KEPT_PER_OWNER` of them and :data:`KEPT_BYTES_PER_OWNER` bytes."""
     key = (name, tuple(int(s) for s in shape), dtype, str(device))
     kept = _BUFFERS.get(owner, "buffers", OrderedDict)
     if key in kept:
         kept.move_to_end(key)
         return kept[key]
-    while len(kept) >= KEPT_PER_OWNER:
-        kept.popitem(last=False)
-    kept[key] = torch.zeros(key[1], dtype=dtype, device=device)
-    return kept[key]
+    buffer = torch.zeros(key[1], dtype=dtype, device=device)
+    size = buffer.numel() * buffer.element_size()
+    held = sum(t.numel() * t.element_size() for t in kept.values())
+    while kept and (len(kept) >= KEPT_PER_OWNER or held + size > KEPT_BYTES_PER_OWNER):
+        _, dropped = kept.popitem(last=False)
+        held -= dropped.numel() * dropped.element_size()
+    kept[key] = buffer
+    return buffer
 
 
 def kept_copy(owner: object, name: str, value: "torch.Tensor") -> "torch.Tensor":
@@ -112,3 +121,13 @@ def kept_copy(owner: object, name: str, value: "torch.Tensor") -> "torch.Tensor"
     constant (row indices, a condition's key mask) at the address every earlier decode of that
     shape used, so a captured CUDA graph that reads it need not be recorded again."""
     return kept_buffer(owner, name, value.shape, value.dtype, value.device).copy_(value)
+
+
+def grown(owner: object, name: str, size: int) -> int:
+    """The largest ``size`` asked for under ``name`` for ``owner`` so far, this one included: a
+    size that only grows (a KV cache's slots). Decodes that need less -- plain AR beside a
+    speculative method's scratch slots, a chain beside a tree -- then run on the same cache, so a
+    compiled graph keeps one shape and a CUDA graph one address (issue 51)."""
+    sizes = _SIZES.get(owner, "sizes", dict)
+    sizes[name] = max(sizes.get(name, 0), int(size))
+    return sizes[name]

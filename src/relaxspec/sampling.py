@@ -79,6 +79,20 @@ class SamplingConfig:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    def on(self, device, buffer=None) -> "DeviceSampling":
+        """This config as a compiled step reads it on ``device`` (:class:`DeviceSampling`): its
+        numbers filled into ``buffer(name, dtype)`` -- 0-d tensors on ``device`` that a decoding
+        loop keeps at one address with its model -- or into new tensors."""
+        device = torch.device(device)
+        values = {"cfg_scale": self.cfg_scale, "temperature": max(self.temperature, MIN_TEMPERATURE),
+                  "top_k": int(self.top_k), "top_p": self.top_p}
+        tensors = {}
+        for name, dtype in DEVICE_FIELDS:
+            tensor = torch.empty((), dtype=dtype, device=device) if buffer is None else buffer(name, dtype)
+            tensors[name] = tensor.fill_(values[name])  # a fill: nothing is copied from the host
+        return DeviceSampling(streams=2 if self.use_cfg else 1, greedy=self.greedy, top_k_on=self.top_k > 0,
+                              top_p_on=self.top_p < 1.0, top_k_value=int(self.top_k), **tensors)
+
 
 #: The fields of :class:`SamplingConfig`, in order.
 SAMPLING_FIELDS = tuple(f.name for f in dataclass_fields(SamplingConfig))
@@ -90,44 +104,99 @@ def stream_rows(x: torch.Tensor | None, streams: int) -> torch.Tensor | None:
     return x if streams == 1 or x is None else torch.cat([x, x])
 
 
-def guide(logits: torch.Tensor, cfg_scale: float) -> torch.Tensor:
+#: The smallest temperature divided by (a temperature below it is read as this one).
+MIN_TEMPERATURE = 1e-5
+
+
+@dataclass(frozen=True, eq=False)
+class DeviceSampling:
+    """A :class:`SamplingConfig` as decoding's compiled steps read it (issue 51): what changes the
+    ops -- guidance on (``streams`` 2), the temperature applied (not when greedy), the filters on
+    (top-k or top-p) -- as Python values, and every number as a device tensor, so a new cfg
+    scale, temperature, top-k or top-p reaches a compiled step as data and compiles nothing (a
+    Python float would be a constant of the graph: one graph per value).
+
+    ``cfg_scale``, ``temperature`` (at least :data:`MIN_TEMPERATURE`), ``top_p``: float32 ``[]``;
+    ``top_k``: int64 ``[]`` (0 = off). ``top_k_value``: top-k as a Python int, which an eager step
+    reads instead (no graph to keep there, and ``topk`` finds the k-th logit several times faster
+    than the sort a compiled step does on a CPU). Made by :meth:`SamplingConfig.on`."""
+
+    streams: int
+    greedy: bool
+    top_k_on: bool
+    top_p_on: bool
+    top_k_value: int
+    cfg_scale: torch.Tensor
+    temperature: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+
+    @property
+    def use_cfg(self) -> bool:
+        return self.streams == 2
+
+    @property
+    def filtered(self) -> bool:
+        return self.top_k_on or self.top_p_on
+
+
+#: What :meth:`SamplingConfig.on` keeps its numbers in: ``(name, dtype)``.
+DEVICE_FIELDS = (("cfg_scale", torch.float32), ("temperature", torch.float32), ("top_k", torch.int64),
+                 ("top_p", torch.float32))
+
+
+def guide(logits: torch.Tensor, cfg_scale: float | torch.Tensor) -> torch.Tensor:
     """``logits [2B, ..., V]`` stacked ``[cond; uncond]`` -> guided ``[B, ..., V]``."""
     cond, uncond = logits.chunk(2, dim=0)
     return uncond + (cond - uncond) * cfg_scale
 
 
-def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
-    """Upstream ``top_k_top_p_filtering``: top-k first (ties with the k-th value survive), then
-    top-p on what is left, always keeping the most likely token. Returns a new tensor."""
-    logits = logits.clone()
-    if top_k > 0:
-        k = min(top_k, logits.shape[-1])
-        kth = torch.topk(logits, k, dim=-1).values[..., -1:]
-        logits.masked_fill_(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
-        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-        remove = cumulative > top_p
-        # Shift right so the token that crosses the threshold is kept.
-        remove[..., 1:] = remove[..., :-1].clone()
-        remove[..., 0] = False
-        logits.masked_fill_(remove.scatter(-1, order, remove), float("-inf"))
-    return logits
+def filter_logits(logits: torch.Tensor, top_k: int | torch.Tensor = 0, top_p: float | torch.Tensor = 1.0) -> torch.Tensor:
+    """Upstream ``top_k_top_p_filtering``: top-k first (ties with the k-th value survive; 0 = off),
+    then top-p on what is left (1 = off), always keeping the most likely token. Returns a new
+    tensor. ``top_k`` and ``top_p`` may be tensors (``[]``, on the logits' device): one sort of the
+    logits then serves both filters, so neither value is a shape and a new one compiles nothing;
+    top-k alone with a Python ``top_k`` finds the k-th value with ``topk`` (a partial sort)."""
+    vocab = logits.shape[-1]
+    if not isinstance(top_k, torch.Tensor) and not isinstance(top_p, torch.Tensor) and top_p >= 1.0:
+        if top_k <= 0:
+            return logits.clone()
+        kth = torch.topk(logits, min(int(top_k), vocab), dim=-1).values[..., -1:]
+        return logits.masked_fill(logits < kth, float("-inf"))
+    values, order = torch.sort(logits, descending=True, dim=-1)
+    if not isinstance(top_k, torch.Tensor):  # a decoding step's are tensors already (DeviceSampling)
+        top_k = torch.tensor(top_k, device=logits.device)
+    k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)  # off: the smallest logit is the k-th
+    kth = values.gather(-1, (k - 1).expand(*values.shape[:-1], 1))
+    values = values.masked_fill(values < kth, float("-inf"))
+    # top-p on the top-k-renormalised law; the token that crosses the threshold is kept
+    cumulative = values.softmax(dim=-1).cumsum(dim=-1)
+    if not isinstance(top_p, torch.Tensor):
+        top_p = torch.tensor(top_p, device=logits.device)
+    remove = (cumulative > top_p) & (top_p < 1.0)
+    remove = torch.cat([torch.zeros_like(remove[..., :1]), remove[..., :-1]], dim=-1)
+    values = values.masked_fill(remove, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, values)
 
 
-def process_logits(logits: torch.Tensor, config: SamplingConfig) -> torch.Tensor:
+def process_logits(logits: torch.Tensor, config: SamplingConfig | DeviceSampling) -> torch.Tensor:
     """Raw model logits -> next-token probabilities.
 
     ``logits``: ``[2B, ..., V]`` (``[cond; uncond]``) when ``config.use_cfg``, else ``[B, ..., V]``.
-    Returns fp32 probabilities ``[B, ..., V]``.
+    ``config``: a :class:`SamplingConfig` or, in a decoding step, its :class:`DeviceSampling`
+    (what the step reads as data). Returns fp32 probabilities ``[B, ..., V]``.
     """
+    if isinstance(config, SamplingConfig):
+        config = config.on(logits.device)
     logits = logits.float()
     if config.use_cfg:
         logits = guide(logits, config.cfg_scale)
-    if config.temperature > 0:
-        logits = logits / max(config.temperature, 1e-5)
-    if config.top_k > 0 or config.top_p < 1.0:
-        logits = filter_logits(logits, config.top_k, config.top_p)
+    if not config.greedy:  # greedy keeps temperature 1's laws (relaxed rules still measure them)
+        logits = logits / config.temperature
+    if config.top_p_on or (config.top_k_on and torch.compiler.is_compiling()):
+        logits = filter_logits(logits, config.top_k, config.top_p)  # as data: a new value compiles nothing
+    elif config.top_k_on:  # eager, top-k alone: the same filter, its k-th value by topk
+        logits = filter_logits(logits, config.top_k_value)
     return logits.softmax(dim=-1)
 
 

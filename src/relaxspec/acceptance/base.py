@@ -20,6 +20,8 @@ from abc import ABC, abstractmethod
 import torch
 from torch import Tensor
 
+from relaxspec.caching import kept_buffer
+
 # A proposal row whose drafted token carries at least this much mass is treated as a point mass
 # (a deterministic draft): the law of the step is then the law given that token.
 ONE_HOT_ATOL = 1e-6
@@ -84,9 +86,43 @@ class AcceptanceRule(ABC):
         """Closed-form output law ``[B, V]`` of: draw ``x ~ proposal``, test it, on rejection
         sample the residual (the draft marginalised out)."""
 
-    def prepare(self, device: torch.device) -> None:
-        """Copy whatever tables the rule keeps to ``device`` now, before a decoding loop, so no
-        step pays a host->device copy (default: nothing to copy)."""
+    def numbers(self) -> dict[str, float | tuple[float, ...]]:
+        """The rule's numbers that change no shape of its ops -- a TV budget, a bound, a weight
+        schedule -- by name (default: none). Its methods read each as a float64 device tensor
+        (:meth:`number`), never as a Python float: a Python float would be a constant of a
+        compiled step (one graph per value), a tensor is the step's data (issue 51)."""
+        return {}
+
+    def prepare(self, device: torch.device, owner: object | None = None) -> None:
+        """Put the rule's :meth:`numbers` (and whatever tables it keeps) on ``device`` now, before
+        a decoding loop, so no step pays a host->device copy and a compiled step reads them as
+        data. ``owner`` (the decode's target model): the numbers are kept with it, one tensor per
+        rule class and name refilled by every decode (:func:`relaxspec.caching.kept_buffer`), so
+        a CUDA graph that reads them replays on a new value."""
+        device = torch.device(device)
+        tensors = {}
+        for name, value in self.numbers().items():
+            values = tuple(value) if isinstance(value, (tuple, list)) else None
+            shape = () if values is None else (len(values),)
+            tensor = torch.empty(shape, dtype=torch.float64, device=device) if owner is None else \
+                kept_buffer(owner, f"{type(self).__name__}.{name}", shape, torch.float64, device)
+            if values is None:
+                tensor.fill_(float(value))
+            for index, entry in enumerate(values or ()):  # fills: nothing is copied from the host
+                tensor[index].fill_(float(entry))
+            tensors[name] = tensor
+        self._numbers = tensors
+
+    #: The numbers :meth:`prepare` put on a device, by name.
+    _numbers: dict[str, Tensor] = {}
+
+    def number(self, name: str, device: torch.device) -> Tensor:
+        """``numbers()[name]`` as a float64 tensor on ``device`` (``[]``, or ``[n]`` for a
+        schedule): :meth:`prepare`'s, or made now for a rule used outside a decoding loop."""
+        tensor = self._numbers.get(name)
+        if tensor is None or tensor.device != device:
+            tensor = torch.tensor(self.numbers()[name], dtype=torch.float64, device=device)
+        return tensor
 
     # ------------------------------------------------------------------ shared logic
     def accept_prob(self, target: Tensor, proposal: Tensor, token: Tensor, depth: Tensor | int) -> Tensor:

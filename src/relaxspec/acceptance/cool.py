@@ -24,12 +24,8 @@ import torch
 from torch import Tensor
 
 from relaxspec.acceptance.base import AcceptanceRule, as_depth, gather_at, normalise
-from relaxspec.caching import ByContent
 from relaxspec.errors import RelaxspecError
 
-
-#: Weight schedules on a device, by (weights, device): each decode builds a new rule (issue 22).
-_WEIGHT_TABLES = ByContent(kept=16)
 
 def cool_weights(delta: float, nu: float = 0.7, normalisation: str = "mean", horizon: int = 5,
                  cap: float | None = None) -> tuple[float, ...]:
@@ -108,28 +104,23 @@ class CoolRule(AcceptanceRule):
         self.normalisation = normalisation
         self.weights: tuple[float, ...] = weights
         self.horizon = len(weights)
-        self._tables: dict[torch.device, Tensor] = {}
 
     @property
     def lossless(self) -> bool:
         # With G*, a position with w <= 1 outputs the target exactly.
         return all(w <= 1.0 for w in self.weights)
 
+    def numbers(self) -> dict[str, tuple[float, ...]]:
+        """The schedule ``(w_1, ..., w_horizon)``."""
+        return {"weights": self.weights}
+
     def weight(self, depth: Tensor | int, batch: int = 1, device: torch.device | str = "cpu") -> Tensor:
         """``w_i`` (float64) for 1-based depths: a tensor of any shape keeps its shape, an int gives
         ``[batch]``. Depths past the horizon use ``w_horizon``, depths below 1 use ``w_1``."""
         if not isinstance(depth, Tensor):
             depth = as_depth(depth, batch, torch.device(device))
-        table = self._tables.get(depth.device)
-        if table is None:  # one host->device copy per schedule and device, kept across decodes
-            device = depth.device
-            table = self._tables[device] = _WEIGHT_TABLES.get(
-                (tuple(self.weights), str(device)),
-                lambda: torch.tensor(self.weights, dtype=torch.float64, device=device))
+        table = self.number("weights", depth.device)  # a device tensor: a new schedule compiles nothing
         return table[depth.long().clamp(1, self.horizon) - 1]
-
-    def prepare(self, device: torch.device) -> None:
-        self.weight(1, device=device)
 
     def _weight_for(self, target: Tensor, depth: Tensor | int) -> Tensor:
         depth = as_depth(depth, target.shape[0], target.device)

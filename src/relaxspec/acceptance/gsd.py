@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from relaxspec.acceptance.base import AcceptanceRule, gather_at, normalise
-from relaxspec.caching import PerObject
+from relaxspec.caching import PerObject, kept_copy
 from relaxspec.errors import RelaxspecError
 
 # one_step_law tests every token as a draft, [batch, chunk, 2R] at a time; this bounds batch * chunk * 2R.
@@ -74,10 +74,17 @@ class GroupRule(AcceptanceRule):
     def lossless(self) -> bool:
         return self.ranks == 0 or self.p_gap == 0 or self.distance == 0
 
-    def prepare(self, device: torch.device) -> None:
-        """Move the tables to ``device`` and build the closeness table there (once)."""
+    def numbers(self) -> dict[str, float]:
+        """The probability gap (the distance is in the closeness table, one per distance)."""
+        return {"p_gap": self.p_gap}
+
+    def prepare(self, device: torch.device, owner: object | None = None) -> None:
+        """Move the tables to ``device`` and build the closeness table there (once per distance and
+        owner of the vectors); the candidates' offsets kept with ``owner`` (one address a shape)."""
+        super().prepare(device, owner)
         self.embeddings = self.embeddings.to(device)
-        self.offsets = torch.arange(-self.ranks, max(self.ranks, 1), device=device)  # made there: no copy
+        offsets = torch.arange(-self.ranks, max(self.ranks, 1), device=device)  # made there: no copy
+        self.offsets = offsets if owner is None else kept_copy(owner, "GroupRule.offsets", offsets)
         self.close_table(device)
 
     def close_table(self, device: torch.device) -> Tensor:
@@ -117,7 +124,7 @@ class GroupRule(AcceptanceRule):
         p_x = target.gather(1, tokens)[..., None]
         near = self.close_table(target.device)[tokens[..., None], candidates]
         # x itself (offset 0) is always in; slots past either end of the ranking never are.
-        close = ((p_cand - p_x).abs() < self.p_gap) & near
+        close = ((p_cand - p_x).abs() < self.number("p_gap", target.device)) & near  # data, not a constant
         return candidates, inside & (close | (offsets == 0))
 
     @staticmethod

@@ -144,9 +144,10 @@ class LanternRule(AcceptanceRule):
         self.lam = None if lam is None else float(lam)
         self.delta_schedule = delta_schedule
         self.residual_kind: ResidualKind = residual
+        #: which bound the rule has (what changes its ops); its value is one of numbers()
+        self.bound = given[0]
         self._host_table = table  # moved to each device once (prepare), never indexed on the host
         self._tables: dict[torch.device, Tensor] = {}
-        self._schedules: dict[torch.device, Tensor] = {}
 
     # ------------------------------------------------------------------ helpers
     @property
@@ -166,10 +167,13 @@ class LanternRule(AcceptanceRule):
                                                  lambda: self._host_table.to(device))
         return self._tables[device]
 
-    def prepare(self, device: torch.device) -> None:
+    def numbers(self) -> dict[str, float | tuple[float, ...]]:
+        """The bound's value: ``delta``, ``lam`` or the ``delta_schedule``."""
+        return {self.bound: getattr(self, self.bound)}
+
+    def prepare(self, device: torch.device, owner: object | None = None) -> None:
+        super().prepare(device, owner)
         self._table(torch.device(device))
-        if self.delta_schedule is not None:
-            self._budget(torch.zeros(1, device=device), torch.ones(1, dtype=torch.long, device=device))
 
     def _check(self, target: Tensor) -> None:
         if target.dim() != 2 or target.shape[1] != self.vocab:
@@ -183,16 +187,13 @@ class LanternRule(AcceptanceRule):
         a token and ``p~(x) = 0`` (the official code would credit it its neighbours' mass and undo
         the user's top-k; docs/METHODS.md). The multiplicative bound is 0 there by itself."""
         x64 = target_at_x.double()
-        if self.lam is not None:
-            return (self.lam - 1.0) * x64
-        if self.delta is not None:
-            return torch.where(x64 > 0, self.delta, 0.0)
-        schedule = self._schedules.get(x64.device)
-        if schedule is None:  # one host->device copy per device, not one per test
-            schedule = self._schedules[x64.device] = torch.tensor(self.delta_schedule, dtype=torch.float64,
-                                                                  device=x64.device)
-        index = depth.clamp(1, len(self.delta_schedule)) - 1
-        per_row = schedule[index]
+        bound = self.number(self.bound, x64.device)  # a device tensor: a new value compiles nothing
+        if self.bound == "lam":
+            return (bound - 1.0) * x64
+        if self.bound == "delta":
+            return torch.where(x64 > 0, bound, 0.0)
+        index = depth.clamp(1, bound.shape[0]) - 1
+        per_row = bound[index]
         return torch.where(x64 > 0, per_row.view(-1, *([1] * (x64.dim() - 1))).expand_as(x64), 0.0)
 
     def _merge(self, target: Tensor, token: Tensor, depth: Tensor | int):

@@ -112,7 +112,8 @@ def measure_forward_costs(target_model, drafter=None, *, sampling: SamplingConfi
         cond = torch.zeros(1, dtype=torch.long, device=device)
     context = config.block_size // 2  # a KV cache half full: the average step of an image
     largest = max(target_sizes)
-    target = GuidedTarget(target_model, cond, sampling, scratch=largest, cond_mask=cond_mask, compile=compile)
+    target = GuidedTarget(target_model, cond, sampling, scratch=largest, cond_mask=cond_mask, compile=compile,
+                          grow=False)
     def target_call(size: int):
         first = target.cls + context
         slots = torch.arange(first, first + size, device=device)[None]

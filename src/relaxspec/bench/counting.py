@@ -286,17 +286,20 @@ def host_calls(events, steady: bool = True) -> dict:
     """What the host did in a decode profiled by ``torch.profiler`` (the profile itself, or its
     ``events()``), per step of a compiled decode: ``calls`` into compiled regions, ``ops`` (aten
     ops run outside them: eager dispatches, on a GPU kernel launches between the graphs) and
-    ``reads`` of a value, counted over the top-level events. ``steady``: from the decode's first
-    compiled call to its last, over the ``steps`` between (the eager prologue -- prefill, first
-    token, a drafter's first catch-up -- and the read-out left out); else every event, and
-    ``steps`` is left to the caller (``None``). ``names``: the aten ops counted."""
+    ``reads`` of a value, counted over the top-level events. ``steady``: from the step's first
+    call to its last (the step: the compiled region called most often; an image's first graphs --
+    the prefill, a drafter's first catch-up -- and the eager set-up around them are left out, as
+    is the read-out), over the ``steps`` between; else every event, and ``steps`` is left to the
+    caller (``None``). ``names``: the aten ops counted."""
     if hasattr(events, "profiler"):  # the profile: its raw events (:func:`top_level_events`)
         top = [name for name, _ in top_level_events(events)]
     else:
         top = [e.name for e in sorted((e for e in events if e.cpu_parent is None), key=lambda e: e.time_range.start)]
     steps = None
     if steady:
-        calls = [i for i, name in enumerate(top) if name.startswith(COMPILED_REGION)]
+        regions = [name for name in top if name.startswith(COMPILED_REGION)]
+        step = max(set(regions), key=regions.count) if regions else None
+        calls = [i for i, name in enumerate(top) if name == step]
         top = top[calls[0] : calls[-1]] if len(calls) > 1 else []
         steps = max(len(calls) - 1, 0)
     counted = {"calls": sum(name.startswith(COMPILED_REGION) for name in top),

@@ -249,8 +249,9 @@ def _run_bench(pipeline, condition, methods, sampling, out_dir, *, seed, threads
         stack.callback(torch.set_num_threads, torch.get_num_threads())
         if threads is not None:
             torch.set_num_threads(threads)
-        for method in prepared.values():  # their parts built once, under the run's threads, before any timing
-            method.prepared.parts()
+        for method in prepared.values():  # their parts built once, under the run's threads, before any timing,
+            method.prepared.parts()      # and the caches sized for them all: every graph made at one shape
+            method.prepared.reserve()
         device = pipeline.device
 
         def conditions(index: list[int]) -> tuple[list, Condition]:

@@ -3,7 +3,7 @@
 from relaxspec.methods import MethodOptions
 from relaxspec.decoding.result import DecodeResult, certified_tv
 
-__all__ = ["DecodeResult", "MethodOptions", "certified_tv", "decode"]
+__all__ = ["DecodeResult", "MethodOptions", "certified_tv", "decode", "reserve"]
 
 
 def decode(model, cond, sampling, options: MethodOptions | None = None, *, generator=None, drafter=None,
@@ -44,3 +44,26 @@ def decode(model, cond, sampling, options: MethodOptions | None = None, *, gener
 
     return generate_speculative(model, cond, sampling, options, generator=generator, drafter=drafter, vq=vq,
                                 cond_mask=cond_mask, progress=progress, on_step=on_step, source=source, rule=rule)
+
+
+def reserve(model, options: MethodOptions, source=None) -> None:
+    """Size ``model``'s KV cache (and the drafter cache of ``source``, the draft source a decode
+    of ``options`` uses; ``None`` for plain AR) for such a decode now, before any decode runs.
+    Caches only grow (:func:`relaxspec.caching.grown`), so after reserving every method a run will
+    decode (``relaxspec bench``'s, alternating image by image) each decode finds the caches at
+    their final size: every compiled graph is made once, at one shape, and reads the same
+    addresses from then on (issue 51)."""
+    from relaxspec.decoding.target import target_slots
+
+    scratch = 0
+    if options.method != "ar":
+        if options.rows > 1:
+            from relaxspec.decoding.rows import rows_layout
+            from relaxspec.methods.grid import row_plan
+
+            _, scratch, source = rows_layout(model, row_plan(options, model), source)
+        else:
+            scratch = source.max_nodes
+        if callable(getattr(source, "reserve", None)):
+            source.reserve(model.config.block_size)
+    target_slots(model, scratch)

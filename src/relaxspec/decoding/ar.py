@@ -55,12 +55,13 @@ def generate_ar(model: TargetModel, cond: torch.Tensor, sampling: SamplingConfig
     ``compile``). ``on_step(tokens, done)``: called after every token with the buffer ``[B, N]``
     and the committed counts ``[B]`` (see :func:`relaxspec.decoding.engine.generate_speculative`)."""
     start = time.perf_counter()
-    target = GuidedTarget(model, cond, sampling, cond_mask=cond_mask, compile=compile and profile, timed=profile)
+    target = GuidedTarget(model, cond, sampling, cond_mask=cond_mask, compile=compile and profile, compile_prefill=compile,
+                          timed=profile)
     batch, n, device = target.batch, target.num_tokens, target.device
     try:
-        probs, _ = target.prefill()
+        first, probs, _ = target.start(generator=generator)
         tokens = kept_buffer(model, "ar.tokens", (batch, n), torch.long, device)
-        tokens[:, 0] = sample_from(probs, generator, sampling.greedy)
+        tokens[:, 0] = first
         noise = StepNoise(device, owner=model)
         clock_slot = None if sampling.greedy else noise.reserve(probs.shape)
         noise.allocate()

@@ -35,7 +35,7 @@ from relaxspec.drafting.tree_tables import tree_attention_mask
 from relaxspec.errors import RelaxspecError
 from relaxspec.methods import BuildContext, MethodOptions
 from relaxspec.noise import UNIFORMS, VERIFY, NoiseSlot, StepNoise
-from relaxspec.sampling import SamplingConfig, sample_from
+from relaxspec.sampling import SamplingConfig
 from relaxspec.timing import Profiling
 
 
@@ -209,19 +209,18 @@ def generate_speculative(model, cond, sampling: SamplingConfig, options: MethodO
     rule = rule or options.family.rule(options, context, horizon=source.max_depth)
     greedy = sampling.greedy
     target = GuidedTarget(model, cond, sampling, cond_mask=cond_mask, scratch=source.max_nodes,
-                          compile=compile and profile, timed=profile)
+                          compile=compile and profile, compile_prefill=compile, timed=profile)
     batch, n_tok, device = target.batch, target.num_tokens, target.device
     width = source.max_nodes  # most tokens one step can commit: depth + 1 <= nodes
-    rule.prepare(device)
+    rule.prepare(device, owner=model)  # its numbers kept with the model: one address across decodes
     bar = tqdm(total=batch * n_tok, desc=options.method, disable=not progress, leave=False)
     try:
-        probs0, hidden0 = target.prefill(source.caption_rows)
-        first = sample_from(probs0, generator, greedy)
+        first, probs0, hidden0 = target.start(source.caption_rows, generator)
         noise = StepNoise(device, owner=model)
         started = time.perf_counter()
         source.start(first, probs0, hidden0[:, -1:], target.streams, n_tok, generator, greedy,
                      condition_hidden=hidden0, condition_tokens=target.condition_tokens, noise=noise,
-                     profiling=Profiling(compile) if profile else None)
+                     compile=compile, profiling=Profiling(compile) if profile else None)
         start_seconds = time.perf_counter() - started  # the draft source's time before the first step
         check_compilable(source, compile)
         uniform_slot, clock_slot = walk_noise(noise, source, batch, probs0.shape[-1], greedy)

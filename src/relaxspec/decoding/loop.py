@@ -17,6 +17,7 @@ there is no queue to keep full.
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Callable
 
 import torch
@@ -83,12 +84,21 @@ def run_steps(step: Callable[[], None], noise: StepNoise, generator: torch.Gener
     ``total`` (``start`` before the first step): per step, ``noise``'s draws from ``generator``,
     the step, one lagged read of ``done`` (:class:`LaggedCount`, :func:`read_lag`), ``on_step()``
     and the progress ``bar``'s update. Returns the steps run (with a lag, the last ones commit
-    nothing)."""
+    nothing).
+
+    The steps run past the last commit drew numbers nobody used: ``generator`` (the device's
+    default one when ``None``) is set back to its state before their draws, so a seed's
+    generator leaves a decode where a lag-free decode leaves it, and the next image drawn from it
+    is the same whatever the device's lag (issue 51)."""
     reader = LaggedCount(done.device, read_lag(done.device) if lag is None else lag)
+    drawn = _drawn_generator(generator, done.device) if reader.lag and noise.draws else None
+    states: deque = deque(maxlen=reader.lag + 1)  # the generator's state before each of the last draws
     seen, steps = start, 0
     while seen < total:
         if steps > total + reader.lag:  # every step commits a token of every unfinished image
             raise RuntimeError(f"the decoding loop ran {steps} steps for {total} tokens without finishing")
+        if drawn is not None:
+            states.append(drawn.get_state())
         noise.draw(generator)
         step()
         steps += 1
@@ -101,7 +111,19 @@ def run_steps(step: Callable[[], None], noise: StepNoise, generator: torch.Gener
         if bar is not None:
             bar.update(now - seen)
         seen = now
+    if drawn is not None and steps > reader.lag:  # the last `lag` steps committed nothing
+        drawn.set_state(states[len(states) - reader.lag])
     return steps
+
+
+def _drawn_generator(generator: torch.Generator | None, device: torch.device) -> torch.Generator:
+    """The generator ``noise.draw(generator)`` draws from on ``device``."""
+    if generator is not None:
+        return generator
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
+    return torch.default_generator
 
 
 __all__ = ["LaggedCount", "read_lag", "run_steps", "step_runner"]

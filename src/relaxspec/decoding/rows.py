@@ -59,7 +59,7 @@ from relaxspec.decoding.target import GuidedTarget
 from relaxspec.decoding.verify import verify_tree, walk_tree
 from relaxspec.methods.grid import RowPlan, grid_side
 from relaxspec.noise import NoiseSlot, StepNoise
-from relaxspec.sampling import SamplingConfig, sample_from
+from relaxspec.sampling import SamplingConfig
 from relaxspec.timing import Profiling
 
 
@@ -282,30 +282,27 @@ def generate_rows(model, cond, sampling: SamplingConfig, *, source, rule: Accept
     of the decode's own buffers, valid during the call."""
     start = time.perf_counter()
     grid = grid_side(model)
-    plan.check(grid)
-    # a row stays ``lead`` tokens behind the row above (ZipAR's window), so at most about
-    # grid / lead rows are ever open: lanes past that would only pad every forward
-    lanes, lead, greedy = min(plan.lanes, grid, -(-grid // plan.lead) + 1), plan.lead, sampling.greedy
-    if hasattr(source, "for_lanes"):  # a source with one state per image (a drafter's cache) keeps its lanes apart
-        source = source.for_lanes(lanes, grid)
+    lanes, scratch, source = rows_layout(model, plan, source)
+    lead, greedy = plan.lead, sampling.greedy
     nodes = source.max_nodes
     companions = bool(getattr(model, "row_end_companions", False))  # a target whose row ends are forced tokens
-    target = GuidedTarget(model, cond, sampling, cond_mask=cond_mask,
-                          scratch=lanes * nodes + (grid if companions else 0) + 1,
-                          compile=compile and profile, timed=profile)
+    target = GuidedTarget(model, cond, sampling, cond_mask=cond_mask, scratch=scratch,
+                          compile=compile and profile, compile_prefill=compile, timed=profile)
     batch, n_tok, device = target.batch, target.num_tokens, target.device
     virtual = batch * lanes
-    rule.prepare(device)
+    rule.prepare(device, owner=model)  # its numbers kept with the model: one address across decodes
     bar = tqdm(total=batch * n_tok, desc="rows", disable=not progress, leave=False)
     try:
-        probs0, hidden0 = target.prefill(source.caption_rows)
-        first = sample_from(probs0, generator, greedy)
+        first, probs0, hidden0 = target.start(source.caption_rows, generator)
         noise = StepNoise(device, owner=model)
         started = time.perf_counter()
-        source.start(first.repeat_interleave(lanes), probs0.repeat_interleave(lanes, 0),
-                     _lanes(hidden0[:, -1:], lanes), target.streams, n_tok, generator, greedy,
+        # every lane's first pair, kept at one address: what the source's first (compiled) forward reads
+        lane_first, lane_probs, lane_hidden = (kept_copy(model, f"rows.start.{name}", value) for name, value in (
+            ("first", first.repeat_interleave(lanes)), ("probs", probs0.repeat_interleave(lanes, 0)),
+            ("hidden", _lanes(hidden0[:, -1:], lanes))))
+        source.start(lane_first, lane_probs, lane_hidden, target.streams, n_tok, generator, greedy,
                      condition_hidden=hidden0, condition_tokens=target.condition_tokens, noise=noise,
-                     profiling=Profiling(compile) if profile else None)
+                     compile=compile, profiling=Profiling(compile) if profile else None)
         start_seconds = time.perf_counter() - started  # the draft source's time before the first step
         check_compilable(source, compile)
         uniform_slot, clock_slot = walk_noise(noise, source, virtual, probs0.shape[-1], greedy)
@@ -339,6 +336,22 @@ def generate_rows(model, cond, sampling: SamplingConfig, *, source, rule: Accept
                         drafter_forward_seconds=watched_seconds(source) if profile else None,
                         rank_tests=tests_h, rank_accepts=accepts_h,
                         tv_recorded=record_tv or rule.lossless, rows=lanes, row_lead=lead, token_step_sizes=sizes_h)
+
+
+def rows_layout(model, plan: RowPlan, source) -> tuple[int, int, object]:
+    """``(lanes, scratch, source)`` of rows in parallel on ``model`` by ``plan``: the rows open at
+    once, the target's cache slots past the image (each lane's draft nodes, a parking slot per row
+    on a row-end target, a spare slot) and the source the lanes draft with (a source whose state
+    is one per image gives its view of the lanes, ``source.for_lanes``)."""
+    grid = grid_side(model)
+    plan.check(grid)
+    # a row stays ``lead`` tokens behind the row above (ZipAR's window), so at most about
+    # grid / lead rows are ever open: lanes past that would only pad every forward
+    lanes = min(plan.lanes, grid, -(-grid // plan.lead) + 1)
+    if hasattr(source, "for_lanes"):  # a source with one state per image (a drafter's cache) keeps its lanes apart
+        source = source.for_lanes(lanes, grid)
+    companions = bool(getattr(model, "row_end_companions", False))  # a target whose row ends are forced tokens
+    return lanes, lanes * source.max_nodes + (grid if companions else 0) + 1, source
 
 
 def _rows_loop(model, target, source, rule, noise, first, grid, lanes, lead, greedy, companions, prefix_below,

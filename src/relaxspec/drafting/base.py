@@ -88,7 +88,7 @@ class DraftSource(Protocol):
     def start(self, first_tokens: torch.Tensor, first_probs: torch.Tensor, first_hidden: torch.Tensor,
               streams: int, num_tokens: int, generator: torch.Generator | None, greedy: bool, *,
               condition_hidden: torch.Tensor | None = None, condition_tokens: torch.Tensor | None = None,
-              noise: StepNoise | None = None, profiling: Profiling | None = None) -> None:
+              noise: StepNoise | None = None, compile: bool = False, profiling: Profiling | None = None) -> None:
         """Once, after the target's prefill: image token 0 ``first_tokens [B]``, the law it was
         drawn from ``first_probs [B, V]``, the hidden state that predicted it ``first_hidden
         [S*B, 1, d]``, the hidden states at every condition position ``condition_hidden
@@ -96,8 +96,10 @@ class DraftSource(Protocol):
         ``condition_tokens [S*B, C]`` (-1 where padded; else ``None``) -- what a drafter that reads
         the condition takes, as official LANTERN's do; ``num_tokens`` image tokens will be
         decoded. ``generator`` is for what ``start`` itself draws; every step's random numbers are
-        reserved on ``noise`` (a sampled source given none cannot propose). ``profiling``: profile
-        mode (time the source's model calls)."""
+        reserved on ``noise`` (a sampled source given none cannot propose). ``compile``: the decode
+        is compiled (a source that runs a model here runs it compiled too, so an image's set-up
+        costs graph calls, not eager forwards). ``profiling``: profile mode (time the source's
+        model calls)."""
 
     def propose(self, roots: torch.Tensor, root_index: torch.Tensor, greedy: bool) -> DraftTree:
         """The drafts after the last committed tokens ``roots [B]`` (image index ``root_index
@@ -176,7 +178,7 @@ class NoDrafts:
     caption_rows = "upstream"  # reads no condition
 
     def start(self, first_tokens, first_probs, first_hidden, streams, num_tokens, generator, greedy, *,
-              condition_hidden=None, condition_tokens=None, noise=None, profiling=None) -> None:
+              condition_hidden=None, condition_tokens=None, noise=None, compile=False, profiling=None) -> None:
         rows, device = first_tokens.shape[0], first_tokens.device
         self.vocab = first_probs.shape[-1]
 

@@ -62,6 +62,8 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from relaxspec.caching import kept_copy
+from relaxspec.compiling import compiled, fixed_addresses, tensors_of
 from relaxspec.drafting.family import FamilyLayers, layer_spec, rope_table
 from relaxspec.models.llamagen.checkpoints import read_state
 from relaxspec.models.weights import load_strict
@@ -305,6 +307,7 @@ class EagleDrafter(nn.Module):
             self.register_buffer("rope", rope_table(text_model, self.layers.text_config, count), persistent=False)
         self._target: tuple[TargetModel] | None = None  # a tuple so the target is not a submodule
         self._kv_store: torch.Tensor | None = None
+        self._kv_index: tuple[torch.Tensor, ...] | None = None
         self._condition_slots = 0  # cache slots the condition's pairs hold (engine slot s is slot P + s)
         self._condition_keys: torch.Tensor | None = None  # [rows, 1, P]: the cached pairs each query may see
         self._image_start: torch.Tensor | None = None  # [rows]: image pair 0's position
@@ -336,12 +339,13 @@ class EagleDrafter(nn.Module):
         return self._target[0]
 
     def setup_caches(self, rows: int, max_seq: int, condition: torch.Tensor | None = None,
-                     condition_tokens: torch.Tensor | None = None) -> None:
+                     condition_tokens: torch.Tensor | None = None, compile: bool = False) -> None:
         """Static caches for ``rows`` rows of ``max_seq`` slots, reused while the shape stays.
         A drafter that reads the condition (``condition_pairs``) also writes its pairs first from
         ``condition [rows, C, dim]``, the target's hidden states at the condition positions of
         this decode's prefill, and (a family drafter) ``condition_tokens [rows, C]``, the
-        condition's tokens; without them (timing a step) there are no pairs to see."""
+        condition's tokens (one compiled graph with ``compile``); without them (timing a step)
+        there are no pairs to see."""
         pairs = 0
         if self.config.condition_pairs and self.family == LLAMAGEN:
             pairs = self.config.condition_pairs
@@ -355,21 +359,25 @@ class EagleDrafter(nn.Module):
             self.layers.setup(rows, pairs + max_seq, dtype, device)
         self._condition_slots = pairs
         if self.config.condition_pairs:
-            self._cache_condition(rows, pairs, condition, condition_tokens)
+            self._cache_condition(rows, pairs, condition, condition_tokens, compile)
 
     def _cache_condition(self, rows: int, pairs: int, condition: torch.Tensor | None,
-                         tokens: torch.Tensor | None) -> None:
-        """Write the condition's pairs into slots ``0 .. P-1`` (each attending causally to the
-        unmasked ones), and keep which of them later queries see and where image pair 0 sits."""
+                         tokens: torch.Tensor | None, compile: bool) -> None:
+        """Write the condition's pairs into slots ``0 .. P-1`` (:func:`write_condition`), and keep
+        which of them later queries see and where image pair 0 sits (at one address across
+        decodes of a shape: a compiled step reads them)."""
         device = self.fc.weight.device
-        self._condition_keys = torch.zeros(rows, 1, pairs, dtype=torch.bool, device=device)
-        self._image_start = torch.full((rows,), pairs if self.family == LLAMAGEN else 0, device=device)
-        if condition is None:
-            return
-        h, positions, valid, start = self._condition_pairs(condition, tokens)
-        slots = torch.arange(pairs, device=device).expand(rows, -1)
-        self._layers(h, positions, slots, self._condition_mask(valid), pairs)
-        self._condition_keys, self._image_start = valid[:, None, :], start
+        keys = torch.zeros(rows, 1, pairs, dtype=torch.bool, device=device)
+        start = torch.full((rows,), pairs if self.family == LLAMAGEN else 0, device=device)
+        if condition is not None:
+            write = write_condition
+            if compile:
+                write = compiled(write_condition, device, self)
+                if device.type == "cuda":  # the cache it writes, read and written where it is by a CUDA graph
+                    fixed_addresses(tensors_of(self) + [condition, tokens])
+            keys, start = write(self, condition, tokens)
+        self._condition_keys = kept_copy(self, "condition_keys", keys)
+        self._image_start = kept_copy(self, "image_start", start)
 
     @property
     def cache_length(self) -> int:
@@ -505,6 +513,17 @@ class EagleDrafter(nn.Module):
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
+
+
+def write_condition(drafter: EagleDrafter, condition: torch.Tensor, tokens: torch.Tensor | None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The drafter's condition pairs (:meth:`EagleDrafter._condition_pairs`) written into cache
+    slots ``0 .. P-1``, each attending causally to the real ones: which pairs are real ``[R, 1, P]``
+    (what later queries see) and image pair 0's position ``[R]``. What ``--compile`` compiles."""
+    h, positions, valid, start = drafter._condition_pairs(condition, tokens)
+    slots = torch.arange(h.shape[1], device=h.device).expand(h.shape[0], -1)
+    drafter._layers(h, positions, slots, drafter._condition_mask(valid), h.shape[1])
+    return valid[:, None, :], start
 
 
 def load_drafter(path: str | Path, target: TargetModel, dtype: torch.dtype | None = None) -> EagleDrafter:

@@ -27,30 +27,39 @@ from __future__ import annotations
 
 import torch
 
-from relaxspec.caching import kept_buffer, kept_copy
-from relaxspec.compiling import compiled
+from relaxspec.caching import grown, kept_buffer, kept_copy
+from relaxspec.compiling import compiled, fixed_addresses, tensors_of
 from relaxspec.drafting.base import DraftStructure, DraftTree
 from relaxspec.drafting.eagle import EagleDrafter
 from relaxspec.drafting.tree_tables import tree_attention_mask
 from relaxspec.noise import StepNoise
-from relaxspec.sampling import SamplingConfig, process_logits, stream_rows
+from relaxspec.sampling import DeviceSampling, SamplingConfig, process_logits, stream_rows
 from relaxspec.timing import Profiling, Stopwatch
 
 
 def drafter_step(drafter: EagleDrafter, features: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
-                 slots: torch.Tensor, mask: torch.Tensor | None, sampling: SamplingConfig,
-                 streams: int) -> tuple[torch.Tensor, torch.Tensor]:
+                 slots: torch.Tensor, mask: torch.Tensor | None,
+                 sampling: DeviceSampling) -> tuple[torch.Tensor, torch.Tensor]:
     """One drafter forward on every CFG stream: ``features [S*B, M, d]``, per-image ``tokens``,
     ``positions``, ``slots`` and ``mask [B, M, cache]`` (default causal by slot) -> predicted
     features ``[S*B, M, d]`` and processed draft laws ``q [B, M, V]``. What ``--compile``
     compiles for the drafter."""
     def rows(x):
-        return stream_rows(x, streams)
+        return stream_rows(x, sampling.streams)
 
     # Padding pairs and finished rows may point past the image; their outputs are never used.
     positions = positions.clamp(max=drafter.rope.shape[0] - 1)
     feats, logits = drafter(features, rows(tokens), rows(positions), cache_slots=rows(slots), attn_mask=rows(mask))
     return feats, process_logits(logits, sampling)
+
+
+def first_pair(source: "EagleSource", hidden: torch.Tensor, tokens: torch.Tensor,
+               counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pair 0 of every row fed to the drafter (``hidden [S*B, 1, d]`` the target state that
+    predicted image token 0, ``tokens [B]`` token 0, ``counts [B]`` rows that feed it): the root's
+    draft law ``[B, V]`` and predicted feature ``[S*B, d]`` for the first proposal. What
+    ``--compile`` compiles as a drafter's first graph of an image."""
+    return source.catch_up(hidden, tokens[:, None], torch.zeros_like(tokens), counts, keep=False)
 
 
 class EagleSource:
@@ -80,22 +89,29 @@ class EagleSource:
     # -- plumbing shared by the structures ----------------------------------------------
     def start(self, first_tokens, first_probs, first_hidden, streams: int, num_tokens: int, generator,
               greedy: bool, *, condition_hidden=None, condition_tokens=None, noise: StepNoise | None = None,
-              profiling: Profiling | None = None) -> None:
+              compile: bool = False, profiling: Profiling | None = None) -> None:
         """Called once after the target's prefill: ``first_tokens [B]`` (image token 0), the law it
         was drawn from ``first_probs [B, V]``, the hidden state that predicted it ``first_hidden
         [S*B, 1, d]``, those of the whole condition ``condition_hidden [S*B, C, d]`` and, for a
         target conditioned on tokens, those tokens ``condition_tokens [S*B, C]`` (what a drafter
         that reads the condition caches first). Feeds pair 0 so the first proposal has its root
-        law; reserves the structure's random numbers on ``noise``."""
+        law (with ``compile``, the drafter's forwards here run compiled, each shape one graph);
+        reserves the structure's random numbers on ``noise``."""
         device = first_tokens.device
         self.batch, self.streams, self.num_tokens = first_tokens.shape[0], streams, num_tokens
         vocab = first_probs.shape[-1]
+        # the sampling's numbers as device tensors kept with the drafter: a new cfg scale or
+        # temperature reaches a compiled step as data (issue 51)
+        self._sampling = self.sampling.on(
+            device, lambda name, dtype: kept_buffer(self.drafter, f"sampling.{name}", (), dtype, device))
         # Row indices made once on the device: an index made on the host is a copy and a sync per step.
         # (kept at one address across decodes of a shape: a compiled step reads them)
         self._image_rows = self._keep("image_rows", torch.arange(self.batch, device=device))
         self._stream_rows = self._keep("stream_rows", torch.arange(self.batch * streams, device=device))
         cache_rows, length = self._cache_shape(num_tokens)
-        self.drafter.setup_caches(cache_rows, length, condition=condition_hidden, condition_tokens=condition_tokens)
+        length = self.reserve(num_tokens)
+        self.drafter.setup_caches(cache_rows, length, condition=condition_hidden, condition_tokens=condition_tokens,
+                                  compile=compile)
         self.cache_length = self.drafter.cache_length
         self.level_widths = self.structure.level_widths(vocab)
         self.structure.prepare(device)
@@ -103,11 +119,15 @@ class EagleSource:
         self._noise = noise
         self._clock_slots = self.structure.reserve(noise, self.batch, vocab, greedy) if noise is not None else None
         self.watch = Stopwatch(device) if profiling is not None else None
-        self._step = compiled(drafter_step, device, self.drafter) if profiling is not None and profiling.compile \
-            else drafter_step
-        counts = self._lay_out(length, device)
-        q, feats = self.catch_up(first_hidden, first_tokens[:, None], torch.zeros_like(first_tokens), counts,
-                                 keep=False)
+        each = profiling is not None and profiling.compile  # profile mode: every forward its own graph
+        self._step = compiled(drafter_step, device, self.drafter) if each else drafter_step
+        counts = self._keep("first_counts", self._lay_out(length, device))
+        first = first_pair
+        if compile and not each:  # one graph an image, which reads everything where a step will
+            first = compiled(first_pair, device, self.drafter)
+            if device.type == "cuda":
+                fixed_addresses(tensors_of(self, self.drafter) + [first_hidden, first_tokens])
+        q, feats = first(self, first_hidden, first_tokens, counts)
         self.root_q = self._keep("root_q", q)
         self.root_feature = self._keep("root_feature", feats)
 
@@ -116,10 +136,18 @@ class EagleSource:
         every decode: a compiled step reads it, and updates it in place, at one address)."""
         return kept_copy(self.drafter, f"{type(self).__name__}.{name}", value)
 
-    def _cache_shape(self, num_tokens: int) -> tuple[int, int]:
-        """The drafter cache's rows and slots: one row per row and stream, pair ``j`` in slot
-        ``j`` and a step's drafts after it."""
-        return self.batch * self.streams, num_tokens + self.structure.drafter_slots + 1
+    def reserve(self, num_tokens: int) -> int:
+        """The drafter cache's slots for images of ``num_tokens`` tokens: the most any decode with
+        this drafter has needed, this source's included (:func:`relaxspec.caching.grown`: a chain
+        beside a tree, rows beside raster, run on one cache, so their compiled steps keep one
+        address), sized now -- before a decode, :func:`relaxspec.decoding.reserve`."""
+        return grown(self.drafter, "drafter.slots", self._cache_shape(num_tokens, rows=False))
+
+    def _cache_shape(self, num_tokens: int, rows: bool = True):
+        """The drafter cache's rows and slots (slots alone with ``rows=False``): one row per row
+        and stream, pair ``j`` in slot ``j`` and a step's drafts after it."""
+        slots = num_tokens + self.structure.drafter_slots + 1
+        return (self.batch * self.streams, slots) if rows else slots
 
     def _lay_out(self, length: int, device: torch.device) -> torch.Tensor:
         """Whatever the cache's layout needs once the cache is set up (``length`` slots asked for),
@@ -139,9 +167,9 @@ class EagleSource:
         [B, M]`` ... -> predicted features ``[S*B, M, d]`` and processed draft laws ``q [B, M, V]``.
         ``mask [B, M, cache_length]`` (default: causal by slot over the whole cache)."""
         if self.watch is None:
-            return self._step(self.drafter, features, tokens, positions, slots, mask, self.sampling, self.streams)
+            return self._step(self.drafter, features, tokens, positions, slots, mask, self._sampling)
         with self.watch:
-            return self._step(self.drafter, features, tokens, positions, slots, mask, self.sampling, self.streams)
+            return self._step(self.drafter, features, tokens, positions, slots, mask, self._sampling)
 
     def node_inputs(self, root_index: torch.Tensor, ancestors: torch.Tensor,
                     nodes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -202,10 +230,11 @@ class LaneEagleSource(EagleSource):
         super().__init__(drafter, structure, sampling)
         self.lanes, self.grid = lanes, grid
 
-    def _cache_shape(self, num_tokens: int) -> tuple[int, int]:
+    def _cache_shape(self, num_tokens: int, rows: bool = True):
         """One cache row per image and stream: the image's pairs, each lane's scratch slots, a
         spill slot."""
-        return self.batch // self.lanes * self.streams, num_tokens + self.lanes * self.structure.drafter_slots + 1
+        slots = num_tokens + self.lanes * self.structure.drafter_slots + 1
+        return (self.batch // self.lanes * self.streams, slots) if rows else slots
 
     def _lay_out(self, length: int, device: torch.device) -> torch.Tensor:
         """The lanes' slots and the committed-pair bitmap; pair 0 is lane 0's (row 0's): the other

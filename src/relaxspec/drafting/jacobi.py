@@ -50,7 +50,7 @@ class JacobiSource:
 
     def start(self, first_tokens, first_probs, first_hidden, streams: int, num_tokens: int, generator,
               greedy: bool, *, condition_hidden=None, condition_tokens=None, noise: StepNoise | None = None,
-              profiling=None) -> None:
+              compile: bool = False, profiling=None) -> None:
         """Called once after the target's prefill; the first window is uniform random (drawn from
         ``generator`` here); the later windows' numbers are reserved on ``noise``."""
         self.greedy = greedy

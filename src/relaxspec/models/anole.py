@@ -146,21 +146,14 @@ class AnoleTarget(hf.RowEndTarget):
 
     def setup_caches(self, rows: int, max_seq: int, dtype: torch.dtype | None = None) -> None:
         self._kv.setup(self.text_config, rows, max_seq, dtype or self.dtype, self.device)
-        self._keys = torch.arange(max_seq, device=self.device)
+        self._keys = kept_copy(self, "keys", torch.arange(max_seq, device=self.device))  # one address a shape
         self.max_seq = max_seq
 
     def move_cache(self, src: Tensor, dst: Tensor) -> None:
         self._kv.move(src, dst)
 
     def prefill(self, cond: Tensor, positions: Tensor, cache_slots: Tensor, attn_mask: Tensor):
-        self.check_conditions(cond)  # once per decode: the host reads it here only
         ids = cond[:, 0]
-        valid = ids >= 0
-        # kept at fixed addresses across decodes of one shape: a compiled step reads them
-        self._pad = kept_copy(self, "pad", (~valid).sum(-1))
-        key_valid = torch.ones(ids.shape[0], self.max_seq, dtype=torch.bool, device=self.device)
-        key_valid[:, : ids.shape[1]] = valid
-        self._key_valid = kept_copy(self, "key_valid", key_valid)
         own = self._keys[None, None, :] == cache_slots[:, :, None]
         mask = (attn_mask & self._key_valid[:, None, :]) | own  # a padded position still sees itself
         hidden = self._kv.run(self.text_model, self.hf.get_input_embeddings()(ids.clamp(min=0)),

@@ -74,7 +74,10 @@ class TargetModel(Protocol):
         """Encode conditions ``cond`` (class ids ``[R]`` or features ``[R, C, ...]``) at
         ``positions [R, C]`` into ``cache_slots [R, C]``, attending by ``attn_mask [R, C,
         max_seq]`` (True = may attend). Returns fp32 logits ``[R, C, V]`` (the last predicts image
-        token 0) and the final hidden states ``[R, C, D]``."""
+        token 0) and the final hidden states ``[R, C, D]``. No host syncs (``--compile`` compiles
+        it): checks of the condition that read the device go in an optional
+        ``prepare_condition(cond, attn_mask)``, which decoding runs before it
+        (:func:`prepare_condition`)."""
 
     def step(self, tokens: Tensor, positions: Tensor, cache_slots: Tensor, attn_mask: Tensor) -> tuple[Tensor, Tensor]:
         """One forward over image tokens ``tokens [R, T]`` at RoPE / position ids ``positions
@@ -88,6 +91,18 @@ class TargetModel(Protocol):
 
     def head(self, hidden: Tensor) -> Tensor:
         """Final hidden states ``[.., D]`` -> fp32 logits ``[.., V]`` (the drafter's output head)."""
+
+
+def prepare_condition(model: TargetModel, cond: Tensor, attn_mask: Tensor) -> None:
+    """``model.prepare_condition(cond, attn_mask)`` where the target has one: its per-decode
+    checks and set-up of the condition rows ``cond`` it is about to encode (``attn_mask [R, C,
+    max_seq]``, what :meth:`TargetModel.prefill` will get), run eagerly before the prefill. The
+    checks may read values back to the host; the prefill may not (``--compile`` compiles it as
+    an image's first graph), so a family does its reading here (Janus and the row-end families:
+    the prompts' layout, their left padding)."""
+    method = getattr(model, "prepare_condition", None)
+    if callable(method):
+        method(cond, attn_mask)
 
 
 def condition_tokens(model: TargetModel, cond: Tensor) -> Tensor | None:

@@ -195,14 +195,16 @@ class SlotCache:
     per-row slots and returns every slot's (the mask decides what is attended). transformers'
     ``StaticCache`` cannot do this: its write position is shared by the batch."""
 
-    def __init__(self, store: list[tuple[Tensor, Tensor]], slots: Tensor):
-        self.store, self.slots = store, slots  # slots [R, T]
+    def __init__(self, store: list[tuple[Tensor, Tensor]], slots: Tensor, index: tuple[Tensor, Tensor]):
+        self.store, self.slots, self.index = store, slots, index  # slots [R, T]; index: KVStore.index
 
     def update(self, key: Tensor, value: Tensor, layer_idx: int, *args, **kwargs):
         keys, values = self.store[layer_idx]
-        index = self.slots[:, None, :, None].expand(-1, key.shape[1], -1, key.shape[3])
-        keys.scatter_(2, index, key.to(keys.dtype))
-        values.scatter_(2, index, value.to(values.dtype))
+        # index_put_ on the layer's tensors themselves: inductor writes it in place (a scatter_ into
+        # a tensor the step receives is compiled as a copy of the layer's whole K or V: issue 51)
+        at = (*self.index, self.slots[:, None, :])  # [R, H, T]
+        keys.index_put_(at, key.to(keys.dtype))
+        values.index_put_(at, value.to(values.dtype))
         return keys, values
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -213,38 +215,40 @@ class KVStore:
     """Static per-layer KV tensors ``[R, kv_heads, slots, head_dim]`` for a transformers text
     model, and the decoder-layer loop over them.
 
-    The tensors only grow: a smaller decode (bench alternates AR, with no scratch slots, and
-    speculative methods) runs on views of the first rows and slots, so no decode reallocates
-    inside its timing, and an old cache is freed before a larger one is made."""
+    Allocated at the shape asked for and kept while it is asked for again (the engine asks for
+    the most slots any decode of the model has needed: :func:`relaxspec.caching.grown`), so a
+    compiled step reads and writes the same tensors every decode; a new shape frees the old
+    tensors before it allocates. Writes and moves are ``index_put_`` on the tensors themselves,
+    which a compiled step performs in place."""
 
     def __init__(self, cache_arg: str | None = None):
-        self._full: list[tuple[Tensor, Tensor]] = []
-        self.store: list[tuple[Tensor, Tensor]] = []  # views [rows, heads, slots, head_dim]
+        self.store: list[tuple[Tensor, Tensor]] = []
+        self.index: tuple[Tensor, Tensor] | None = None  # rows [R, 1, 1], heads [1, H, 1]: with slots [R, 1, T]
         self._cache_arg = cache_arg  # the layers' cache keyword (cache_argument), found on first use if None
 
     def setup(self, text_config, rows: int, slots: int, dtype: torch.dtype, device) -> None:
         heads = text_config.num_key_value_heads or text_config.num_attention_heads
         head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
-        full = self._full[0][0] if self._full else None
-        same = full is not None and full.dtype == dtype and full.device == torch.device(device) \
-            and full.shape[1] == heads and full.shape[3] == head_dim and len(self._full) == text_config.num_hidden_layers
-        if not (same and full.shape[0] >= rows and full.shape[2] >= slots):
-            capacity = (max(rows, full.shape[0]), max(slots, full.shape[2])) if same else (rows, slots)
-            self._full = self.store = []  # freed before the new one is made
-            shape = (capacity[0], heads, capacity[1], head_dim)
-            self._full = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-                          for _ in range(text_config.num_hidden_layers)]
-        self.store = [(keys[:rows, :, :slots], values[:rows, :, :slots]) for keys, values in self._full]
+        shape = (rows, heads, slots, head_dim)
+        current = self.store[0][0] if self.store else None
+        if current is not None and tuple(current.shape) == shape and current.dtype == dtype \
+                and current.device == torch.device(device) and len(self.store) == text_config.num_hidden_layers:
+            return
+        self.store = []  # freed before the new one is made
+        self.store = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+                      for _ in range(text_config.num_hidden_layers)]
+        self.index = (torch.arange(rows, device=device).view(rows, 1, 1), torch.arange(heads, device=device).view(1, heads, 1))
 
     def clear(self) -> None:
-        self._full = self.store = []
+        self.store, self.index = [], None
 
     def move(self, src: Tensor, dst: Tensor) -> None:
-        """Copy slots ``src [R, n]`` onto ``dst [R, n]`` in every layer."""
+        """Copy slots ``src [R, n]`` onto ``dst [R, n]`` in every layer (all reads of a layer
+        before its writes, so a source slot may also be a destination)."""
+        at_src, at_dst = (*self.index, src[:, None, :]), (*self.index, dst[:, None, :])
         for keys, values in self.store:
-            for store in (keys, values):
-                source = store.gather(2, src[:, None, :, None].expand(-1, store.shape[1], -1, store.shape[3]))
-                store.scatter_(2, dst[:, None, :, None].expand(-1, store.shape[1], -1, store.shape[3]), source)
+            for tensor in (keys, values):
+                tensor.index_put_(at_dst, tensor[at_src])
 
     def run(self, text_model, hidden: Tensor, position_ids: Tensor, slots: Tensor, attn_mask: Tensor) -> Tensor:
         """The decoder layers and final norm of ``text_model`` over ``hidden [R, T, D]`` at
@@ -260,7 +264,7 @@ class KVStore:
         by ``attn_mask [R, T, slots]``: what :meth:`run` does between the rotary embedding and the
         norm, and what an EAGLE drafter built of the family's layers runs
         (:mod:`relaxspec.drafting.family`)."""
-        cache = SlotCache(self.store, slots)
+        cache = SlotCache(self.store, slots, self.index)
         if self._cache_arg is None:
             self._cache_arg = cache_argument(layers[0])
         mask = additive_mask(attn_mask, hidden.dtype)
@@ -425,18 +429,24 @@ class RowEndTarget(torch.nn.Module):
         self._kv.move(torch.cat([src, src + self.max_seq], 1), torch.cat([dst, dst + self.max_seq], 1))
         self._slot_pos.scatter_(1, dst, self._slot_pos.gather(1, src))
 
-    def prefill(self, cond: Tensor, positions: Tensor, cache_slots: Tensor, attn_mask: Tensor):
-        self.check_conditions(cond)  # once per decode: the host reads it here only
+    def prepare_condition(self, cond: Tensor, attn_mask: Tensor) -> None:
+        """Once per decode, before the prefill (the host reads the prompts here only): the
+        prompts checked, each row's left padding and which condition keys are real (kept at one
+        address across decodes of a shape: a compiled step reads them), and every slot's position
+        reset to the condition's."""
+        self.check_conditions(cond)
         ids = cond[:, 0]
         valid = ids >= 0
-        rows = ids.shape[0]
-        # kept at fixed addresses across decodes of one shape: a compiled step reads them
         self._pad = kept_copy(self, "pad", (~valid).sum(-1))
-        key_valid = torch.ones(rows, self.max_seq, dtype=torch.bool, device=self.device)
+        key_valid = torch.ones(ids.shape[0], self.max_seq, dtype=torch.bool, device=self.device)
         key_valid[:, : ids.shape[1]] = valid
         self._key_valid = kept_copy(self, "key_valid", key_valid)
-        self._slot_pos.fill_(-1)
-        self._slot_pos.scatter_(1, cache_slots, positions)
+        if self.row_end_companions:
+            self._slot_pos.fill_(-1)
+            self._slot_pos[:, : ids.shape[1]] = torch.arange(ids.shape[1], device=self.device)
+
+    def prefill(self, cond: Tensor, positions: Tensor, cache_slots: Tensor, attn_mask: Tensor):
+        ids = cond[:, 0]
         own = self._keys[None, None, :] == cache_slots[:, :, None]
         mask = (attn_mask & self._key_valid[:, None, :]) | own  # a padded position still sees itself
         mask = torch.cat([mask, torch.zeros_like(mask)], -1)  # no companions in the prompt

@@ -96,17 +96,20 @@ class JanusTarget(nn.Module):
     def move_cache(self, src: Tensor, dst: Tensor) -> None:
         self._kv.move(src, dst)
 
-    def prefill(self, cond: Tensor, positions: Tensor, cache_slots: Tensor, attn_mask: Tensor):
-        # The first image token is predicted from the begin-of-image token, which ends every
-        # image-mode prompt: with left padding it sits in the last slot (checked once per decode).
+    def prepare_condition(self, cond: Tensor, attn_mask: Tensor) -> None:
+        """Once per decode, before the prefill (the host reads the prompts here only): the
+        first image token is predicted from the begin-of-image token, which ends every image-mode
+        prompt, so with left padding it sits in the last slot; and each row's left padding, the
+        condition keys its last query may not see (kept at one address: a compiled step reads it)."""
         if cond.dim() != 2 or cond.shape[1] != self.config.condition_length:
             raise RelaxspecError(f"Janus conditions are [B, S] prompt token ids with S = {self.config.condition_length} "
                                  f"(load_janus's prompt_length), got {tuple(cond.shape)}")
         if not bool((cond[:, -1] == self.boi).all()):
             raise RelaxspecError("Janus prompts must end with the begin-of-image token and be left-padded: "
                                  "format them with relaxspec.models.janus.format_prompts")
-        # A row's left padding: the condition keys its last query may not see.
-        self._pad = kept_copy(self, "pad", (~attn_mask[:, -1, : cond.shape[1]]).sum(-1))  # a step reads it
+        self._pad = kept_copy(self, "pad", (~attn_mask[:, -1, : cond.shape[1]]).sum(-1))
+
+    def prefill(self, cond: Tensor, positions: Tensor, cache_slots: Tensor, attn_mask: Tensor):
         embeds = self.hf.get_input_embeddings()(cond)
         return self._run(embeds, positions, cache_slots, attn_mask)
 

@@ -20,7 +20,7 @@ from torch import Tensor
 
 from relaxspec import methods
 from relaxspec.conditions import Condition
-from relaxspec.decoding import DecodeResult, decode
+from relaxspec.decoding import DecodeResult, decode, reserve
 from relaxspec.errors import RelaxspecError
 from relaxspec.methods import MethodOptions
 from relaxspec.sampling import SamplingConfig
@@ -89,6 +89,12 @@ class PreparedDecode:
         if self.context is not None and self.source is None:
             self.source, self.rule = self.options.family.parts(self.options, self.context)
         return self.source, self.rule
+
+    def reserve(self) -> None:
+        """Size the model's caches for this method now (its parts built): a run that decodes
+        several methods reserves them all before its first decode, so no method's compiled graphs
+        are made at a cache size another method then grows (:func:`relaxspec.decoding.reserve`)."""
+        reserve(self.owner.target, self.options, self.parts()[0])
 
 
 class ImagePipeline(ABC):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from relaxspec.drafting.eagle import EagleDrafter
-from relaxspec.models.base import TargetModel, TeacherForcedTarget, condition_states, condition_tokens
+from relaxspec.models.base import TargetModel, TeacherForcedTarget, condition_states, condition_tokens, prepare_condition
 from relaxspec.training.drafter.config import DrafterTrainConfig
 from relaxspec.training.drafter.maths import drafter_inputs, drafter_loss, drafter_targets, unrolled_mask
 
@@ -72,8 +72,9 @@ def teacher_forced(target: TargetModel, cond: torch.Tensor, tokens: torch.Tensor
         key_valid = torch.ones(rows, length, dtype=torch.bool, device=target.device)
         key_valid[:, :cls] = cond_mask.to(target.device)
     slots = torch.arange(cls, device=target.device).expand(rows, cls)
-    first_logits, first_hidden = target.prefill(cond.to(target.device), slots, slots,
-                                                attention_mask(slots, None, key_valid, length))
+    mask = attention_mask(slots, None, key_valid, length)
+    prepare_condition(target, cond.to(target.device), mask)
+    first_logits, first_hidden = target.prefill(cond.to(target.device), slots, slots, mask)
     positions = torch.arange(cls, length - 1, device=target.device).expand(rows, count - 1)
     logits, hidden = target.step(tokens[:, :-1].to(target.device), positions, positions,
                                  attention_mask(positions, None, key_valid, length))
