@@ -1,27 +1,33 @@
 """The GPU measurements of docs/BENCHMARKS.md, in one run (``benchmarks/gpu.sh`` calls it).
 
-    python benchmarks/gpu.py --device cuda --out gpu-results
+    python benchmarks/gpu.py --device cuda --out gpu-results          # about nine minutes
 
-1. **Checks on the device**: for every method on the embedded model, greedy decoding eager and
-   compiled give the same tokens, and every lossless method gives greedy AR's tokens.
-2. **LlamaGen GPT-XL** (random weights, the official shape: 36 layers, 1280 wide, 16x16 tokens)
-   in bf16 at batch 1 with CFG: AR ms/token eager and compiled; the target forward's cost over
-   1..64 tokens; every method's step, eager and compiled: ms per step, what the host does per
-   step (calls into compiled regions, eager ops, reads), the engine's own time in profile mode,
-   and (issue 41) each compiled step in compiled AR steps; inductor's counters (CUDA graphs
-   skipped, and why).
-3. **The embedded model's speed-ups** on the device (``relaxspec bench``, eager and compiled).
-4. **The transformers families at their real shapes** (random weights; parts ``janus``, ``emu3``
-   and ``lumina``, each under ten minutes on an H100, so run them as their own calls): a
-   Janus-Pro-1B, an Emu3-Gen (8B) and a Lumina-mGPT-7B (512 px) language model in bf16 at batch 1
-   with CFG: greedy SJD == AR on the
-   device, AR ms/token eager and compiled, the target forward's cost over 1..64 tokens (what a
-   speculative step's verification costs), and per-step time and engine overhead of the drafter-
-   free methods. Random weights accept nothing beyond chance (MAL ~1): these are costs, not
-   speed-ups; the speed-ups need the real checkpoints.
+The default parts (``checks,xl``) fit one 600-second call on a lent H100 / H200, compiles included,
+in this order (each item is skipped, and says so, once the ``--budget`` would not cover it):
 
-Writes ``OUT/gpu.json`` and ``OUT/gpu.md``. ``--quick`` shrinks every part (a smoke test that
-runs on a CPU in minutes: ``python benchmarks/gpu.py --device cpu --quick --out /tmp/gpu``).
+1. **Checks on the device** (the embedded model, greedy, eight images): eager tokens of ``ar``,
+   ``sd-chain``, ``lantern`` (the model's preset), ``zipar`` and ``gsd`` (lossless ones == greedy
+   AR), then compiled == eager for ``ar`` and ``sd-chain``.
+2. **LlamaGen GPT-XL** (random weights, the official shape: 36 layers, 1280 wide, 16x16 tokens) in
+   bf16 at batch 1 with CFG, every step compiled with CUDA graphs, the caches sized for all five
+   methods first: ``ar``, ``sd-chain`` (a chain of four), ``zipar`` (rows, lead 2), ``gsd`` and
+   ``lantern`` (the embedded model's preset: a chain of six, k 64 over a random codebook, delta
+   0.5) -- ms a step and a token,
+   MAL, each step in compiled AR steps (issue 51 holds ``sd-chain`` to 1.3 at most), and what
+   each timed decode did beyond its warm-up: CUDA-graph recordings and re-recordings, cudagraph
+   skips, graphs compiled (all 0 when every address holds and no setting is a constant).
+3. The remaining compiled checks (``lantern``, ``zipar``, ``gsd`` compiled == eager), then GPT-XL
+   eager AR and the target forward's cost over 1..64 tokens.
+
+Other parts, each its own call: ``embedded`` (``relaxspec bench`` of the embedded model on the
+device, eager and compiled), ``janus``, ``emu3``, ``lumina`` (the transformers families at their
+real shapes, random weights: greedy SJD == AR, AR eager and compiled, forward costs, the
+drafter-free methods' steps).
+
+Writes ``OUT/gpu.json`` and ``OUT/gpu.md`` after every item, so a run cut short keeps what it
+measured. ``--quick`` shrinks every part (GPT-B at 64 px, two images; with ``--device cpu`` the
+graphs are traced by aot_eager): a smoke test of this script that runs on a CPU in minutes,
+``python benchmarks/gpu.py --device cpu --quick --out /tmp/gpu``.
 """
 
 from __future__ import annotations
@@ -33,38 +39,35 @@ import sys
 import time
 import traceback
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
+import relaxspec.compiling
 from relaxspec import embedded
 from relaxspec.bench.cost import measure_forward_costs
 from relaxspec.bench.counting import host_calls
-from relaxspec.decoding import MethodOptions, decode
+from relaxspec.decoding import MethodOptions, decode, reserve
 from relaxspec.drafting.eagle import EagleDrafter
+from relaxspec.methods import BuildContext
 from relaxspec.models.llamagen.gpt import Transformer, gpt_config
 from relaxspec.sampling import SamplingConfig
 
+#: What gpu.py decodes (the embedded model's names mean its presets, as generate reads them).
 METHODS = {
     "ar": dict(method="ar"),
     "sd-chain": dict(method="sd", draft="chain", depth=4),
     # the embedded model's default method with its own preset (defaults.json), as generate uses it
-    "lantern (embedded default)": {"method": "lantern", **embedded.defaults()["presets"]["lantern"]},
-    "lantern++ (57 nodes)": dict(method="lantern++", tree="lantern57", k=64),
-    "cool": dict(method="cool", draft="chain", depth=4),
-    "eagle2": dict(method="eagle2"),
-    "sjd": dict(method="sjd"),
-    "scd": dict(method="scd"),
+    "lantern": {"method": "lantern", **embedded.defaults()["presets"]["lantern"]},
+    "zipar": dict(method="zipar", row_lead=2),  # rows in parallel (not the model's law)
     "gsd": dict(method="gsd"),  # reads the target's token embeddings: runs on the random XL too
-    "zipar lead 2": dict(method="zipar", row_lead=2),  # rows in parallel (not the model's law)
-    "pjd": dict(method="pjd"),
-    # every open row drafts an EAGLE chain over one drafter cache per image
-    "sd-chain rows lead 2": dict(method="sd", draft="chain", depth=3, rows=4096, row_lead=2),
-    # every open row grows EAGLE-2's dynamic tree (a wide forward: where a GPU should pay)
-    "eagle2 rows lead 2": dict(method="eagle2", rows=4096, row_lead=2),
 }
-#: The order compiled checks and compiled step costs go in when the budget may run out.
-COMPILED_FIRST = ("ar", "lantern (embedded default)", "zipar lead 2", "sd-chain", "sd-chain rows lead 2", "eagle2")
-LOSSLESS = ("sd-chain", "eagle2", "sjd", "scd")
+#: On GPT-XL, in the order measured (LANTERN, whose step graph is the largest to compile, last):
+#: the embedded model's LANTERN preset (a chain of six, k 64 over a random codebook, delta 0.5).
+XL_METHODS = {name: METHODS[name] for name in ("ar", "sd-chain", "zipar", "gsd", "lantern")}
+LOSSLESS = ("sd-chain",)
+#: The compiled checks made before GPT-XL (the rest after it, as the budget allows).
+CHECKED_FIRST = ("ar", "sd-chain")
 
 
 def sync(device: torch.device) -> None:
@@ -81,10 +84,10 @@ def timed(fn, device):
 
 
 class Report:
-    """The run's results, written to ``path`` after every item, so a run stopped at a time limit
-    keeps what it measured. ``budget`` seconds in all: an item that would start with less than its
-    ``need`` left is recorded as skipped; an item that raises is recorded with its error and the
-    run goes on (a lease on a GPU has no second try)."""
+    """The run's results, written to ``path`` (JSON) and beside it as markdown (``.md``) after every
+    item, so a run stopped at a time limit keeps what it measured. ``budget`` seconds in all: an
+    item that would start with less than its ``need`` left is recorded as skipped; an item that
+    raises is recorded with its error and the run goes on (a lease on a GPU has no second try)."""
 
     def __init__(self, path: Path, budget: float, head: dict):
         self.path, self.deadline, self.data = path, time.perf_counter() + budget, dict(head)
@@ -115,11 +118,71 @@ class Report:
 
     def save(self) -> None:
         self.path.write_text(json.dumps(self.data, indent=1, default=str))
+        self.path.with_suffix(".md").write_text(markdown(self.data))
+
+
+def markdown(data: dict) -> str:
+    """The record as markdown: the head's fields, then one line per measured value (nested keys
+    joined by ' / '), numbers rounded."""
+    lines = ["# GPU run", ""]
+
+    def walk(prefix: str, value) -> None:
+        if isinstance(value, dict) and value:
+            for key, inner in value.items():
+                walk(f"{prefix} / {key}" if prefix else str(key), inner)
+        else:
+            shown = f"{value:.4g}" if isinstance(value, float) else str(value)
+            lines.append(f"- {prefix}: {shown}")
+
+    walk("", data)
+    return "\n".join(lines) + "\n"
+
+
+class GraphCounts:
+    """What compiling did, read before and after an item: the graphs dynamo made (``graphs``), the
+    CUDA graphs recorded (``recordings``), recorded again for a function recorded before
+    (``rerecordings``: an address moved) and the graphs inductor ran without CUDA graphs
+    (``cudagraph_skips``). The recordings are counted by wrapping the CUDA-graph tree manager's
+    ``record_function`` (a torch internal: ``None`` where this torch has none)."""
+
+    def __init__(self):
+        self.recorded: list = []
+        try:
+            from torch._inductor import cudagraph_trees
+
+            manager = cudagraph_trees.CUDAGraphTreeManager
+            real = manager.record_function
+
+            def record_function(tree, new_inputs, function_id, *args, **kwargs):
+                self.recorded.append(function_id)
+                return real(tree, new_inputs, function_id, *args, **kwargs)
+
+            manager.record_function = record_function
+            self.hooked = True
+        except (ImportError, AttributeError):
+            self.hooked = False
+
+    def read(self) -> dict:
+        from torch._dynamo.utils import counters
+
+        rerecorded = len(self.recorded) - len(set(self.recorded))
+        return {"graphs": counters["stats"]["unique_graphs"],
+                "recordings": len(self.recorded) if self.hooked else None,
+                "rerecordings": rerecorded if self.hooked else None,
+                "cudagraph_skips": counters["inductor"]["cudagraph_skips"]}
+
+    @staticmethod
+    def since(before: dict, after: dict) -> dict:
+        return {key: None if after[key] is None else after[key] - before[key] for key in after}
+
+
+def embedded_parts(device: torch.device):
+    return embedded.load(device=device)
 
 
 def eager_checks(device: torch.device, images: int, methods: dict) -> tuple[dict, dict]:
     """Greedy tokens of every method, eager: lossless methods == greedy AR."""
-    target, vq, drafter = embedded.load(device=device)
+    target, vq, drafter = embedded_parts(device)
     sampling = SamplingConfig(cfg_scale=4.0, temperature=0.0)
     cond = torch.arange(images, device=device)
     tokens = {name: decode(target, cond, sampling, MethodOptions(**options), drafter=drafter, vq=vq).tokens
@@ -129,14 +192,19 @@ def eager_checks(device: torch.device, images: int, methods: dict) -> tuple[dict
     return results, tokens
 
 
-def compiled_check(device: torch.device, images: int, options: dict, eager) -> dict:
-    """One method's greedy tokens compiled == its eager tokens, and the compiled run's time."""
-    target, vq, drafter = embedded.load(device=device)
+def compiled_check(device: torch.device, images: int, options: dict, eager, counts: GraphCounts) -> dict:
+    """One method's greedy tokens compiled == its eager tokens (the first compiled call, which
+    compiles), and a second compiled call's compiling (none expected)."""
+    target, vq, drafter = embedded_parts(device)
     sampling = SamplingConfig(cfg_scale=4.0, temperature=0.0)
     cond = torch.arange(images, device=device)
-    fast, seconds = timed(lambda: decode(target, cond, sampling, MethodOptions(**options, compile=True),
-                                         drafter=drafter, vq=vq).tokens, device)
-    return {"compiled_equals_eager": bool(torch.equal(eager, fast)), "first_call_seconds": seconds}
+    run = lambda: decode(target, cond, sampling, MethodOptions(**options, compile=True), drafter=drafter,  # noqa: E731
+                         vq=vq).tokens
+    fast, seconds = timed(run, device)
+    before = counts.read()
+    again = run()
+    return {"compiled_equals_eager": bool(torch.equal(eager, fast)) and bool(torch.equal(eager, again)),
+            "first_call_seconds": seconds, "second_call": GraphCounts.since(before, counts.read())}
 
 
 def xl_model(device: torch.device, quick: bool):
@@ -145,8 +213,10 @@ def xl_model(device: torch.device, quick: bool):
     torch.manual_seed(0)
     model = Transformer(config).to(device=device, dtype=dtype).eval()
     drafter = EagleDrafter.for_target(model).to(device=device, dtype=dtype).eval()
-    return model, drafter, {"model": "GPT-B (quick)" if quick else "GPT-XL", "dtype": str(dtype),
-                            "tokens": config.block_size}
+    codebook = torch.randn(config.vocab_size, 8, generator=torch.Generator().manual_seed(0))
+    vq = SimpleNamespace(raw_codebook=codebook, codebook=torch.nn.functional.normalize(codebook, dim=1))
+    return model, drafter, vq, {"model": "GPT-B (quick)" if quick else "GPT-XL", "dtype": str(dtype),
+                                "tokens": config.block_size}
 
 
 def xl_ar(model, device: torch.device, compile: bool) -> float:
@@ -160,58 +230,70 @@ def xl_ar(model, device: torch.device, compile: bool) -> float:
     return 1000 * sorted(times)[1] / model.config.block_size
 
 
-def step_cost(model, cond, sampling, options: dict, device: torch.device, *, compile: bool, drafter=None,
-              cond_mask=None) -> dict:
-    """One method: ms per token and per step, MAL, and what the host did per steady step (calls
-    into compiled regions, eager aten ops, value reads: :func:`relaxspec.bench.counting.host_calls`);
-    one untimed decode first (warm-up, compilation). The engine's own time per step comes from a
-    profile-mode decode (``profile=True``: the forwards timed apart, each its own graph when
-    compiled, so that decode is slower than the timed one)."""
-    opts = MethodOptions(**options, compile=compile)
-    run = lambda seed, o=opts: decode(model, cond, sampling, o, drafter=drafter, cond_mask=cond_mask,  # noqa: E731
-                                      generator=torch.Generator(device=device).manual_seed(seed))
-    run(0)
-    result, wall = timed(lambda: run(1), device)
+def prepared_parts(model, drafter, vq, sampling, wanted: dict, device: torch.device) -> dict:
+    """Each method's options and parts (source, rule), built once, with the caches sized for them
+    all (:func:`relaxspec.decoding.reserve`: every graph is then made at its final shape)."""
+    parts = {}
+    for name, fields in wanted.items():
+        options = MethodOptions(**fields, compile=True)
+        context = BuildContext(target=model, tokenizer=vq, drafter=drafter if options.needs_drafter else None,
+                               sampling=sampling)
+        if options.method != "ar":
+            options.family.check_fits(options, context)
+            options.family.use_effective(options, context)
+        source, rule = (None, None) if options.method == "ar" else options.family.parts(options, context)
+        reserve(model, options, source)
+        parts[name] = (options, source, rule)
+    return parts
+
+
+def xl_compiled(model, drafter, vq, cond, sampling, prepared: tuple, device: torch.device, counts: GraphCounts,
+                ar_ms: float | None) -> dict:
+    """One method on GPT-XL, compiled: a warm-up decode (it compiles), then two timed decodes
+    (the median time), their MAL and what they compiled or recorded (nothing, when every address
+    holds); the step in compiled AR steps when AR's time per token is known."""
+    options, source, rule = prepared
+
+    def run(seed):
+        return decode(model, cond, sampling, options, drafter=drafter if options.needs_drafter else None, vq=vq,
+                      source=source, rule=rule, generator=torch.Generator(device=device).manual_seed(seed))
+
+    _, warmup = timed(lambda: run(0), device)
+    before = counts.read()
+    results = [timed(lambda s=seed: run(s), device) for seed in (1, 2)]
+    after = counts.read()
+    wall = sorted(seconds for _, seconds in results)[0]
+    result = results[0][0]
     steps = int(result.target_forwards[0])
-    tokens = model.config.block_size
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        run(2)
-    host = host_calls(prof)
-    per_step = max(host["steps"] or 0, 1)
-    profiled = run(3, MethodOptions(**options, compile=compile, profile=True))
-    return {"ms_per_token": 1000 * wall / tokens, "ms_per_step": 1000 * wall / steps,
-            "mal": float(result.mean_accepted_length[0]),
-            "host_per_step": {key: host[key] / per_step for key in ("calls", "ops", "reads")},
-            "profiled_engine_ms_per_step": 1000 * profiled.overhead_seconds / int(profiled.target_forwards[0])}
+    out = {"warmup_seconds": warmup, "ms_per_token": 1000 * wall / model.config.block_size,
+           "ms_per_step": 1000 * wall / steps, "mal": float(result.mean_accepted_length[0]),
+           "timed_decodes": GraphCounts.since(before, after)}
+    if ar_ms:
+        out["step_in_ar_steps"] = out["ms_per_step"] / ar_ms
+    return out
 
 
-def in_ar_steps(xl: dict) -> dict:
-    """Each compiled method's step in compiled AR steps (its ms per step / compiled AR's ms per
-    token): what issue 41 holds ``sd-chain`` to (at most 1.3)."""
-    ar = xl.get("ar_ms_per_token_compiled")
-    if not isinstance(ar, float):
-        return {"skipped": "no compiled AR time"}
-    return {name.removesuffix(" compiled"): cost["ms_per_step"] / ar for name, cost in xl.get("engine", {}).items()
-            if name.endswith(" compiled") and isinstance(cost, dict) and "ms_per_step" in cost}
-
-
-def cudagraph_skips() -> dict:
-    """Why inductor ran graphs without CUDA graphs, if it did (a graph that updates a tensor not
-    marked as kept in place, ...): its counters."""
-    from torch._dynamo.utils import counters
-
-    return dict(counters["inductor"]) if "inductor" in counters else {}
-
-
-def step_costs(model, cond, sampling, wanted: dict, label: str, device: torch.device, *, drafter=None,
-               cond_mask=None) -> dict:
-    """:func:`step_cost` of each method of ``wanted``, eager and compiled."""
+def step_costs(model, cond, sampling, wanted: dict, label: str, device: torch.device, *, cond_mask=None) -> dict:
+    """Each method of ``wanted``, eager and compiled: ms per token and per step, MAL, and what the
+    host did per steady step (calls into compiled regions, eager aten ops, value reads:
+    :func:`relaxspec.bench.counting.host_calls`), after an untimed warm-up decode."""
     costs = {}
     for name, options in wanted.items():
         for compile in (False, True):
+            opts = MethodOptions(**options, compile=compile)
+            run = lambda seed, o=opts: decode(model, cond, sampling, o, cond_mask=cond_mask,  # noqa: E731
+                                              generator=torch.Generator(device=device).manual_seed(seed))
+            run(0)
+            result, wall = timed(lambda: run(1), device)
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                run(2)
+            host = host_calls(prof)
+            per_step = max(host["steps"] or 0, 1)
+            steps = int(result.target_forwards[0])
             key = name + (" compiled" if compile else "")
-            costs[key] = step_cost(model, cond, sampling, options, device, compile=compile, drafter=drafter,
-                                   cond_mask=cond_mask)
+            costs[key] = {"ms_per_token": 1000 * wall / model.config.block_size, "ms_per_step": 1000 * wall / steps,
+                          "mal": float(result.mean_accepted_length[0]),
+                          "host_per_step": {k: host[k] / per_step for k in ("calls", "ops", "reads")}}
             print(f"{label} {key}: {costs[key]}", flush=True)
     return costs
 
@@ -364,70 +446,74 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--out", default="gpu-results")
     parser.add_argument("--quick", action="store_true", help="small sizes: a smoke test of this script")
-    parser.add_argument("--parts", default="checks,xl,embedded",
-                        help="comma-separated subset of checks, xl, embedded, janus, emu3, lumina (default: the first "
-                             "three; run janus, emu3 and lumina as their own calls)")
-    parser.add_argument("--budget", type=float, default=3600.0,
-                        help="seconds for the whole run: items that would start past it are recorded as skipped "
-                             "(eager checks and costs come first, then compilation, then bench)")
+    parser.add_argument("--parts", default="checks,xl",
+                        help="comma-separated subset of checks, xl, embedded, janus, emu3, lumina (default: checks,xl, "
+                             "what fits one 600-second call; run the others as their own calls)")
+    parser.add_argument("--budget", type=float, default=540.0,
+                        help="seconds for the whole run: items that would start past it are recorded as skipped")
     args = parser.parse_args()
     device = torch.device(args.device)
+    if args.quick and device.type == "cpu":
+        relaxspec.compiling.BACKEND = "aot_eager"  # traced as on the GPU, run by aten: minutes, not hours
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     parts = set(args.parts.split(","))
-    name = "gpu.json" if parts <= {"checks", "xl", "embedded"} else f"gpu-{'-'.join(sorted(parts))}.json"
+    name = "gpu.json" if parts <= {"checks", "xl"} else f"gpu-{'-'.join(sorted(parts))}.json"
     report = Report(out / name, args.budget,
                     {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-                     "torch": torch.__version__, "budget_seconds": args.budget})
+                     "torch": torch.__version__, "budget_seconds": args.budget, "backend": relaxspec.compiling.BACKEND})
+    counts = GraphCounts()
     images = 2 if args.quick else 8
     tokens: dict = {}
-    compiled_order = [*COMPILED_FIRST, *(n for n in METHODS if n not in COMPILED_FIRST)]
 
     def eager():
         results, got = eager_checks(device, images, METHODS)
         tokens.update(got)
         return results
 
+    def checks(names, need):
+        for method in names:
+            if method in tokens:
+                report.item(("checks", "compiled", method),
+                            lambda m=method: compiled_check(device, images, METHODS[m], tokens[m], counts), need=need)
+
     if "checks" in parts:
-        report.item(("checks", "eager"), eager)
-    xl = None
+        report.item(("checks", "eager"), eager, need=20)
+        checks(CHECKED_FIRST, 60)
     made: dict = {}
 
     def make_xl():  # built inside an item: running out of memory there is recorded, and the run goes on
-        made["model"], made["drafter"], head = xl_model(device, args.quick)
+        made["model"], made["drafter"], made["vq"], head = xl_model(device, args.quick)
         return head
 
-    if "xl" in parts and "error" not in report.item(("xl", "model"), make_xl):
-        model, drafter = made["model"], made["drafter"]
+    xl = "xl" in parts and "error" not in (report.item(("xl", "model"), make_xl, need=60) or {"error": 1})
+    if xl:
+        model, drafter, vq = made["model"], made["drafter"], made["vq"]
         sampling = SamplingConfig(cfg_scale=4.0, temperature=1.0, top_k=0)
         cond = torch.zeros(1, dtype=torch.long, device=device)
-        xl = (model, drafter, sampling, cond)
-        report.item(("xl", "ar_ms_per_token_eager"), lambda: xl_ar(model, device, False), need=20)
+
+        def prepare_xl():
+            made["parts"] = prepared_parts(model, drafter, vq, sampling, XL_METHODS, device)
+            return sorted(made["parts"])
+
+        report.item(("xl", "prepared"), prepare_xl, need=30)
+        ar_ms = None
+        for method in XL_METHODS:
+            if method not in made.get("parts", {}):
+                continue
+            value = report.item(("xl", "compiled", method), lambda m=method: xl_compiled(
+                model, drafter, vq, cond, sampling, made["parts"][m], device, counts, ar_ms), need=90)
+            if method == "ar" and isinstance(value, dict) and "ms_per_token" in value:
+                ar_ms = value["ms_per_token"]  # AR's step commits one token: its ms per step
+        report.item(("xl", "compile_counts"), counts.read)
+    if "checks" in parts:
+        checks([m for m in METHODS if m not in CHECKED_FIRST], 60)
+    if xl:
+        report.item(("xl", "ar_ms_per_token_eager"), lambda: xl_ar(model, device, False), need=30)
         sizes = (1, 2, 4, 8, 16) if args.quick else (1, 2, 4, 8, 16, 32, 48, 64)
         report.item(("xl", "target_forward_ms"), lambda: {
             int(k): 1000 * v for k, v in measure_forward_costs(model, sampling=sampling, target_sizes=sizes,
-                                                               reps=5 if args.quick else 21).target.items()}, need=20)
-        # the embedded model's codebook defines LANTERN's neighbours; the random XL has none
-        for method, options in METHODS.items():
-            if not method.startswith("lantern"):
-                report.item(("xl", "engine", method), lambda o=options: step_cost(
-                    model, cond, sampling, o, device, compile=False, drafter=drafter), need=20)
-    if "checks" in parts and tokens:
-        for method in compiled_order:
-            report.item(("checks", "compiled", method),
-                        lambda m=method: compiled_check(device, images, METHODS[m], tokens[m]), need=45)
-    if xl is not None:
-        model, drafter, sampling, cond = xl
-        report.item(("xl", "ar_ms_per_token_compiled"), lambda: xl_ar(model, device, True), need=90)
-        report.item(("xl", "target_forward_ms_compiled"), lambda: {  # what verifying a tree costs under CUDA graphs
-            int(k): 1000 * v for k, v in measure_forward_costs(model, sampling=sampling, target_sizes=(1, 4, 8, 16, 32),
-                                                               reps=11, compile=True).target.items()}, need=90)
-        for method in compiled_order:
-            if method != "ar" and not method.startswith("lantern"):
-                report.item(("xl", "engine", method + " compiled"), lambda m=method: step_cost(
-                    model, cond, sampling, METHODS[m], device, compile=True, drafter=drafter), need=60)
-        report.item(("xl", "step_in_ar_steps"), lambda: in_ar_steps(report.data.get("xl", {})))
-        report.item(("xl", "inductor_counters"), cudagraph_skips)
+                                                               reps=5 if args.quick else 21).target.items()}, need=30)
     if "embedded" in parts:
         count = 4 if args.quick else 12
         methods = "ar,sd,eagle2,lantern,lantern++,cool,sjd,gsd,zipar"
@@ -439,7 +525,7 @@ def main() -> None:
     for family in ("janus", "emu3", "lumina"):
         if family in parts:
             report.item((family,), lambda f=family: family_costs(f, device, args.quick), need=60)
-    print(f"wrote {report.path}")
+    print(f"wrote {report.path} and {report.path.with_suffix('.md')}")
 
 
 if __name__ == "__main__":

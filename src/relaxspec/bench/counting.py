@@ -272,7 +272,8 @@ def top_level_events(prof) -> list[tuple[str, int]]:
     decode whose compiled graph runs op by op)."""
     from torch.autograd import DeviceType
 
-    raw = sorted(((e.start_thread_id(), e.start_ns(), -e.end_ns(), e.name())
+    # (start + duration: torch before 2.5 has no end_ns)
+    raw = sorted(((e.start_thread_id(), e.start_ns(), -(e.start_ns() + e.duration_ns()), e.name())
                   for e in prof.profiler.kineto_results.events() if e.device_type() == DeviceType.CPU))
     top, thread, end = [], None, 0
     for tid, start, neg_end, name in raw:
@@ -297,12 +298,29 @@ def host_calls(events, steady: bool = True) -> dict:
         top = [e.name for e in sorted((e for e in events if e.cpu_parent is None), key=lambda e: e.time_range.start)]
     steps = None
     if steady:
-        regions = [name for name in top if name.startswith(COMPILED_REGION)]
-        step = max(set(regions), key=regions.count) if regions else None
-        calls = [i for i, name in enumerate(top) if name == step]
+        calls = _step_calls(top)
         top = top[calls[0] : calls[-1]] if len(calls) > 1 else []
         steps = max(len(calls) - 1, 0)
     counted = {"calls": sum(name.startswith(COMPILED_REGION) for name in top),
                "ops": sum(name.startswith("aten::") for name in top),
                "reads": sum(name in VALUE_READS for name in top)}
     return {**counted, "steps": steps, "names": sorted({name for name in top if name.startswith("aten::")})}
+
+
+def _step_calls(top: list[str]) -> list[int]:
+    """Where in ``top`` (top-level event names) the step's compiled calls are. The profiler names
+    a call by its graph's frame (``Torch-Compiled Region: 3/0``): the step's is the name called
+    most often. Torch before 2.5 names every call alike; there the steps are the calls after the
+    last gap of eager ops much longer than a step's gap (an image's set-up between its first
+    graphs and its first step), the median gap being a step's."""
+    calls = [i for i, name in enumerate(top) if name.startswith(COMPILED_REGION)]
+    names = [top[i] for i in calls]
+    if len(set(names)) > 1:
+        step = max(set(names), key=names.count)
+        return [i for i in calls if top[i] == step]
+    gaps = [b - a for a, b in zip(calls, calls[1:])]
+    if len(gaps) < 3:
+        return calls
+    usual = sorted(gaps)[len(gaps) // 2]
+    long = [index for index, gap in enumerate(gaps) if gap > 3 * usual + 4]
+    return calls[long[-1] + 1 :] if long else calls
