@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The compile tests under another torch (issue 51: the GPU machines lent here run 2.11, users run
-# 2.4 and later):   bash benchmarks/torch_version.sh VERSION [PYTEST ARGS...]
+# The compile tests under another torch (issue 51: the GPU machines lent here run 2.11; pyproject's
+# floor, 2.6, is the oldest that passes them):   bash benchmarks/torch_version.sh VERSION [PYTEST ARGS...]
 # Makes .venvs/torch-VERSION once (TORCH_VENVS=DIR puts it elsewhere): torch==VERSION from PyPI (its
 # Linux builds carry CUDA libraries, gigabytes, and run on a CPU too) and what the tests need, then
 # this checkout installed into it without its dependencies (that torch stays), and runs the compile

@@ -108,7 +108,7 @@ def stream_rows(x: torch.Tensor | None, streams: int) -> torch.Tensor | None:
 MIN_TEMPERATURE = 1e-5
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(eq=False)  # not frozen: torch 2.5-2.6 guard on every field of a frozen dataclass
 class DeviceSampling:
     """A :class:`SamplingConfig` as decoding's compiled steps read it (issue 51): what changes the
     ops -- guidance on (``streams`` 2), the temperature applied (not when greedy), the filters on
