@@ -3,7 +3,7 @@
 # packages it comes with (nothing is downloaded; no test extra needed):
 #     bash benchmarks/gpu.sh [OUT] [PARTS]     (default OUT: gpu-results, PARTS: checks,xl)
 # The default fits one 600-second call, compiles included: benchmarks/gpu.py's checks on the device
-# (greedy eager and compiled tokens) and GPT-XL's compiled steps (ar, sd-chain, lantern, zipar, gsd:
+# (greedy eager and compiled tokens) and GPT-XL's compiled steps (ar, sd-chain, zipar, gsd, lantern:
 # ms a step, MAL, the step in compiled AR steps, CUDA-graph recordings / re-recordings / skips and
 # graphs compiled), written to OUT/gpu.json and OUT/gpu.md after every item, so a cut run still
 # reports. GPU_BUDGET=SECONDS (default 540) bounds it: items past it are recorded as skipped.

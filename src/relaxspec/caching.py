@@ -11,6 +11,7 @@ a lookup checks that the object found is the very one asked about.
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections import OrderedDict
 from typing import Any, Callable, Hashable
@@ -131,3 +132,20 @@ def grown(owner: object, name: str, size: int) -> int:
     sizes = _SIZES.get(owner, "sizes", dict)
     sizes[name] = max(sizes.get(name, 0), int(size))
     return sizes[name]
+
+
+_decode_locks: "weakref.WeakKeyDictionary[object, threading.RLock]" = weakref.WeakKeyDictionary()
+_decode_locks_guard = threading.Lock()
+
+
+def decode_lock(model: object) -> threading.RLock:
+    """The lock a decode on ``model`` holds while it runs (issue 52): the decoding state kept with
+    a model -- its KV cache, the loop's buffers and noise slots (:func:`kept_buffer`) -- serves
+    one decode at a time, so a second decode on the same model, from another thread, waits for
+    the first instead of writing into its state. Re-entrant (a decode's callback may decode);
+    dropped with the model."""
+    with _decode_locks_guard:
+        lock = _decode_locks.get(model)
+        if lock is None:
+            lock = _decode_locks[model] = threading.RLock()
+        return lock

@@ -1,5 +1,6 @@
 """Decoding: plain AR sampling, tree verification and the speculative engine."""
 
+from relaxspec.caching import decode_lock
 from relaxspec.methods import MethodOptions
 from relaxspec.decoding.result import DecodeResult, certified_tv
 
@@ -22,7 +23,13 @@ def decode(model, cond, sampling, options: MethodOptions | None = None, *, gener
     and acceptance rule built once for many decodes (``relaxspec bench``), in place of what
     ``options`` would build.
     """
-    options = options or MethodOptions()
+    with decode_lock(model):  # one decode at a time on a model: its decoding state is kept with it
+        return _decode(model, cond, sampling, options or MethodOptions(), generator=generator, drafter=drafter,
+                       vq=vq, cond_mask=cond_mask, progress=progress, on_step=on_step, source=source, rule=rule)
+
+
+def _decode(model, cond, sampling, options: MethodOptions, *, generator, drafter, vq, cond_mask, progress, on_step,
+            source, rule) -> DecodeResult:
     if options.method == "ar":
         from relaxspec.decoding.ar import generate_ar
 
@@ -55,15 +62,16 @@ def reserve(model, options: MethodOptions, source=None) -> None:
     addresses from then on (issue 51)."""
     from relaxspec.decoding.target import target_slots
 
-    scratch = 0
-    if options.method != "ar":
-        if options.rows > 1:
-            from relaxspec.decoding.rows import rows_layout
-            from relaxspec.methods.grid import row_plan
+    with decode_lock(model):  # not while another thread decodes on the model
+        scratch = 0
+        if options.method != "ar":
+            if options.rows > 1:
+                from relaxspec.decoding.rows import rows_layout
+                from relaxspec.methods.grid import row_plan
 
-            _, scratch, source = rows_layout(model, row_plan(options, model), source)
-        else:
-            scratch = source.max_nodes
-        if callable(getattr(source, "reserve", None)):
-            source.reserve(model.config.block_size)
-    target_slots(model, scratch)
+                _, scratch, source = rows_layout(model, row_plan(options, model), source)
+            else:
+                scratch = source.max_nodes
+            if callable(getattr(source, "reserve", None)):
+                source.reserve(model.config.block_size)
+        target_slots(model, scratch)
