@@ -200,9 +200,13 @@ def process_logits(logits: torch.Tensor, config: SamplingConfig | DeviceSampling
     return logits.softmax(dim=-1)
 
 
-def exponential_clocks(shape, generator: torch.Generator | None = None, device=None) -> torch.Tensor:
+def exponential_clocks(shape, generator: torch.Generator | None = None, device=None,
+                       out: torch.Tensor | None = None) -> torch.Tensor:
     """I.i.d. ``Exp(1)`` fp32 ``shape`` from ``generator``, floored at the smallest normal float
-    (never 0): the randomness of :func:`race_keys`, drawable ahead of the ops that use it."""
+    (never 0): the randomness of :func:`race_keys`, drawable ahead of the ops that use it. ``out``
+    (fp32 ``shape``): drawn into it, in place (a buffer a compiled graph reads at one address)."""
+    if out is not None:
+        return out.exponential_(generator=generator).clamp_(min=torch.finfo(torch.float32).tiny)
     clocks = torch.empty(shape, dtype=torch.float32, device=device).exponential_(generator=generator)
     return clocks.clamp(min=torch.finfo(torch.float32).tiny)
 

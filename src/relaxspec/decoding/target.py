@@ -21,8 +21,8 @@ from relaxspec.compiling import compiled, fixed_addresses, tensors_of
 from relaxspec.errors import RelaxspecError
 from relaxspec.timing import Stopwatch
 from relaxspec.models.base import TargetModel, condition_states, condition_tokens, prepare_condition
-from relaxspec.sampling import (DeviceSampling, SamplingConfig, process_logits, sample_from,
-                                stream_rows)
+from relaxspec.sampling import (DeviceSampling, SamplingConfig, exponential_clocks, process_logits,
+                                sample_from, stream_rows)
 
 
 def attention_mask(slots: torch.Tensor, mask: torch.Tensor | None, key_valid: torch.Tensor | None,
@@ -163,7 +163,7 @@ class GuidedTarget:
         prepare_condition(self.model, self.cond, attention_mask(self._slots, None, self.key_valid, self.max_seq))
         clocks = self._clocks
         if clocks is not None:  # drawn as sample_from would draw them, into a buffer the graph reads at one address
-            clocks.exponential_(generator=generator).clamp_(min=torch.finfo(torch.float32).tiny)
+            exponential_clocks(clocks.shape, generator, out=clocks)
         with self.watch or contextlib.nullcontext():
             out = self._prefill(self.model, self.cond, self._slots, self.key_valid, self.device_sampling, caption_rows,
                                 clocks)
