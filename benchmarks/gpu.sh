@@ -31,7 +31,8 @@ if [ "$PARTS" = "tune" ]; then
     python - "$XL" "$GPT" "$SIZE" <<'PY'
 import sys, torch
 from relaxspec.drafting.eagle import EagleDrafter
-from relaxspec.models.llamagen.checkpoints import load_gpt, save_model
+from relaxspec.models.llamagen.checkpoints import load_gpt
+from relaxspec.models.weights import save_model
 folder, name, size = sys.argv[1], sys.argv[2], int(sys.argv[3])
 target = load_gpt(f"{folder}/gpt.pt", name, image_size=size)
 torch.manual_seed(0)

@@ -143,7 +143,8 @@ def tiny_c2i_models(tiny_ckpts, tmp_path_factory) -> dict:
     loaded as users do: ``target``, ``vq``, ``drafter``, ``drafter_dir``, ``files`` and the CLI
     ``args`` of the files (without the drafter)."""
     from relaxspec.drafting.eagle import EagleDrafter, load_drafter
-    from relaxspec.models.llamagen.checkpoints import load_gpt, load_vq, save_model
+    from relaxspec.models.llamagen.checkpoints import load_gpt, load_vq
+    from relaxspec.models.weights import save_model
 
     files = tiny_ckpts["c2i"]
     vq = load_vq(files["vq"], files["vq_json"])

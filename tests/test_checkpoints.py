@@ -11,7 +11,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from relaxspec.models.llamagen.checkpoints import describe, infer_gpt_fields, load_gpt, load_vq, read_state, save_model
+from relaxspec.models.llamagen.checkpoints import describe, infer_gpt_fields, load_gpt, load_vq
+from relaxspec.models.weights import read_state, save_model
 from relaxspec.errors import RelaxspecError
 from relaxspec.models.llamagen.gpt import rope_table_2d
 from relaxspec.models.llamagen.vq import VQ_CONFIGS, VQModel

@@ -16,7 +16,8 @@ import pytest
 import torch
 from PIL import Image
 
-from relaxspec.models.llamagen.checkpoints import load_gpt, load_vq, read_state
+from relaxspec.models.llamagen.checkpoints import load_gpt, load_vq
+from relaxspec.models.weights import read_state
 from relaxspec.cli import main
 from relaxspec.sampling import batch_seed
 from relaxspec.decoding import decode

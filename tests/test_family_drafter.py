@@ -240,7 +240,7 @@ def test_llamagen_drafters_still_load_and_serve(pipelines, tmp_path):
     model's shipped drafter, whose config reads back as its file has it."""
     from relaxspec import embedded
     from relaxspec.drafting.eagle import LLAMAGEN, EagleDrafter, load_drafter
-    from relaxspec.models.llamagen.checkpoints import save_model
+    from relaxspec.models.weights import save_model
     from relaxspec.models.llamagen.gpt import TransformerBlock
 
     pipeline = pipelines["emu3"]
@@ -266,7 +266,7 @@ def test_mismatched_drafters_are_refused(pipelines, tmp_path):
     """One line each: a drafter for another family, for a LlamaGen target, for another grid, of
     a layer class the family lacks, or a family built for a target not of it."""
     from relaxspec.drafting.eagle import EagleDrafter, load_drafter
-    from relaxspec.models.llamagen.checkpoints import save_model
+    from relaxspec.models.weights import save_model
     from relaxspec.models.llamagen.gpt import GPTConfig, Transformer
 
     def refused(call, message):
@@ -298,7 +298,7 @@ def test_a_family_run_resumes_exactly_and_warm_starts_only_from_its_family(pipel
     """The train state records the drafter it trains, so a resumed run rebuilds it and ends
     where an uninterrupted one does; --init-from a LlamaGen-block drafter is refused."""
     from relaxspec.drafting.eagle import LLAMAGEN, EagleDrafter
-    from relaxspec.models.llamagen.checkpoints import save_model
+    from relaxspec.models.weights import save_model
     from relaxspec.training.drafter import DrafterDataset, DrafterTrainConfig, train_drafter
 
     pipeline = pipelines["janus"]

@@ -67,10 +67,10 @@ def test_the_first_guided_law_equals_official_lanterns(golden):
 def test_the_folder_maps_onto_upstream_names_and_back(tmp_path):
     from safetensors.torch import load_file
 
-    from relaxspec.models.llamagen.checkpoints import read_state
+    from relaxspec.models.llamagen.checkpoints import read_llamagen_state
     from relaxspec.models.llamagen.hf_layout import from_upstream
 
-    loaded = read_state(FOLDER)
+    loaded = read_llamagen_state(FOLDER)
     assert loaded.layout == "lantern" and loaded.kind == "gpt"
     assert loaded.config["model_type"] == "t2i" and loaded.config["cls_token_num"] == 120
     hf = load_file(str(FOLDER / "model.safetensors"))
@@ -88,7 +88,8 @@ def test_greedy_exact_sd_with_a_drafter_equals_greedy_ar(captions, tiny_ckpts, t
     """The folder's target drafts like any LlamaGen target: exact SD, greedy, with a (random)
     EAGLE drafter built for it commits AR's tokens."""
     from relaxspec.drafting.eagle import EagleDrafter
-    from relaxspec.models.llamagen.checkpoints import load_gpt, save_model
+    from relaxspec.models.llamagen.checkpoints import load_gpt
+    from relaxspec.models.weights import save_model
 
     torch.manual_seed(0)
     save_model(EagleDrafter.for_target(load_gpt(FOLDER)), tmp_path / "drafter", kind="drafter")

@@ -17,7 +17,7 @@ from helpers.engine import peaked_target
 from safetensors.torch import load_file
 
 from relaxspec.cli import main
-from relaxspec.models.llamagen.checkpoints import save_model
+from relaxspec.models.weights import save_model
 from relaxspec.models.llamagen.gpt import GPTConfig
 from relaxspec.sampling import SamplingConfig
 from relaxspec.training.drafter import SELF_SAMPLES, TRAIN_STATE, sample_from_target

@@ -9,7 +9,7 @@ import torch
 
 from helpers.engine import peaked_target
 from relaxspec.cli.train import add_train_drafter_parser, run_train_drafter
-from relaxspec.models.llamagen.checkpoints import save_model
+from relaxspec.models.weights import save_model
 from relaxspec.drafting.eagle import EagleDrafter, load_drafter
 from relaxspec.errors import RelaxspecError
 from relaxspec.models.llamagen.gpt import GPTConfig, Transformer

@@ -13,7 +13,8 @@ from safetensors.torch import load_file
 from helpers.data import build_fake_dataset
 
 from relaxspec.cli.train import add_train_gpt_parser
-from relaxspec.models.llamagen.checkpoints import load_gpt, save_model
+from relaxspec.models.llamagen.checkpoints import load_gpt
+from relaxspec.models.weights import save_model
 from relaxspec.errors import RelaxspecError
 from relaxspec.models.llamagen.vq import VQConfig, VQModel
 from relaxspec.runs.folder import TRAIN_STATE

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from relaxspec.bench.cost import ForwardCosts, measure_forward_costs
-from relaxspec.models.llamagen.checkpoints import save_model
+from relaxspec.models.weights import save_model
 from relaxspec.cli import main
 from relaxspec.drafting.eagle import EagleDrafter
 from relaxspec.drafting.trees import TreeSpec, best_tree_for_cost, build_tree, expected_accept_length

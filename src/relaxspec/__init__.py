@@ -28,7 +28,7 @@ _EXPORTS = {
     "verify_tree": "relaxspec.decoding.verify",
     "load_gpt": "relaxspec.models.llamagen.checkpoints",
     "load_vq": "relaxspec.models.llamagen.checkpoints",
-    "save_model": "relaxspec.models.llamagen.checkpoints",
+    "save_model": "relaxspec.models.weights",
     "load_drafter": "relaxspec.drafting.eagle",
     "Transformer": "relaxspec.models.llamagen.gpt",
     "GPTConfig": "relaxspec.models.llamagen.gpt",

@@ -57,7 +57,7 @@ class PaletteTokenizer(torch.nn.Module):
 
 def make_folder(folder: Path, seed: int = 0) -> Path:
     """A random-weight Palette folder."""
-    from relaxspec.models.llamagen.checkpoints import save_model
+    from relaxspec.models.weights import save_model
     from relaxspec.models.llamagen.gpt import GPTConfig, Transformer
 
     torch.manual_seed(seed)

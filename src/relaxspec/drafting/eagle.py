@@ -65,7 +65,7 @@ import torch.nn as nn
 from relaxspec.caching import kept_copy
 from relaxspec.compiling import compiled, fixed_addresses, tensors_of
 from relaxspec.drafting.family import FamilyLayers, layer_spec, rope_table
-from relaxspec.models.llamagen.checkpoints import read_state
+from relaxspec.models.weights import read_state
 from relaxspec.models.weights import load_strict
 from relaxspec.errors import RelaxspecError
 from relaxspec.models import hf

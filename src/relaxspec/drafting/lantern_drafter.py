@@ -73,7 +73,7 @@ from relaxspec.errors import RelaxspecError, shown
 from relaxspec.files import read_json
 from relaxspec.models import hf
 from relaxspec.models.base import TargetModel
-from relaxspec.models.llamagen.checkpoints import read_state
+from relaxspec.models.weights import read_state
 from relaxspec.models.llamagen.gpt import GPTConfig
 from relaxspec.models.llamagen.hf_layout import BLOCK, QKV_PROJ, SKIPPED, blocks_to_upstream, safetensors_keys
 

@@ -15,7 +15,7 @@ augmentation by small random translations (replicate padding, then a random crop
 flips, AdamW with linear warm-up and cosine decay, label smoothing, top-1 / top-5 on the
 validation split after every epoch. Seeded: the same config and data give the same weights on
 the same machine. Saved in our format (``model.safetensors`` + ``config.json``, kind
-"classifier") with :func:`relaxspec.models.llamagen.checkpoints.save_model`; :func:`load_classifier` reads it.
+"classifier") with :func:`relaxspec.models.weights.save_model`; :func:`load_classifier` reads it.
 
 Data: a folder with ``train.npz`` and ``val.npz``, each holding ``images`` (uint8
 ``[n, H, W, 3]``) and ``labels`` (int ``[n]``), as ``relaxspec data`` writes them, read into the
@@ -42,7 +42,7 @@ from safetensors.torch import load_file
 from torch import nn
 from tqdm.auto import tqdm
 
-from relaxspec.models.llamagen.checkpoints import load_strict, save_model
+from relaxspec.models.weights import load_strict, save_model
 from relaxspec.data.emoji import ImageSet, check_image_set, flippable, load_data, load_split
 from relaxspec.data.emoji import augment as data_augment
 from relaxspec.errors import RelaxspecError

@@ -128,7 +128,7 @@ def weights_path() -> str:
 @functools.lru_cache(maxsize=4)
 def load_efficientnet_lite0(device: str = "cpu") -> EfficientNetLite0:
     """The ImageNet-trained EfficientNet-Lite0 (eval mode), loaded once per device."""
-    from relaxspec.models.llamagen.checkpoints import load_strict, read_state
+    from relaxspec.models.weights import load_strict, read_state
 
     path = weights_path()
     model = EfficientNetLite0()

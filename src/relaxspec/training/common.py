@@ -33,7 +33,7 @@ from typing import Callable, Iterable
 import torch
 from tqdm.auto import tqdm
 
-from relaxspec.models.llamagen.checkpoints import save_model
+from relaxspec.models.weights import save_model
 from relaxspec.errors import RelaxspecError
 
 METRICS = "metrics.jsonl"

@@ -1,9 +1,7 @@
-"""Loading and saving weights, safely.
-
-Official LlamaGen files (REFERENCE §2.3) are pickles: they are only ever read with
-``torch.load(..., weights_only=True)``, which refuses anything but tensors and plain containers;
-a file that would need more is refused with a message that says so, never loaded unsafely.
-Our own format is ``model.safetensors`` + ``config.json`` in one folder.
+"""Loading LlamaGen's checkpoints: official files (whose configs are a named size or a JSON file,
+the head count not being in the weights), relaxspec's folders of a GPT or VQ, and official
+LANTERN's HF-Llama folders. Reading files safely, strict loading and saving are every family's
+(:mod:`relaxspec.models.weights`).
 """
 
 from __future__ import annotations
@@ -11,102 +9,21 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import pickle
 import re
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from relaxspec.errors import RelaxspecError
-from relaxspec.models.weights import FORMAT_VERSION, PRECISIONS, load_safetensors, load_strict, save_folder  # noqa: F401
+from relaxspec.models.weights import PRECISIONS, LoadedState, load_strict, read_state
 from relaxspec.models.llamagen.gpt import GPT_SIZES, GPTConfig, Transformer, gpt_config
+from relaxspec.models.llamagen.hf_layout import is_lantern_folder, read_lantern_folder
 from relaxspec.models.llamagen.vq import VQ_CONFIGS, VQConfig, VQModel
 
 #: Keys some official files carry that are derived buffers, not weights.
 IGNORED_KEY = re.compile(r"(^|\.)(freqs_cis|kv_cache\..*|k_cache|v_cache)$")
-CONTAINER_KEYS = ("model", "module", "state_dict")
 #: Layouts that carry their config (our folders, official LANTERN's HF-Llama folders).
 CONFIGURED = ("relaxspec", "lantern")
-
-
-@dataclass
-class LoadedState:
-    """A state dict and how it was stored (``layout``: "model", "module", "state_dict", "raw",
-    "safetensors", "relaxspec", or "lantern": official LANTERN's HF-Llama folder of a LlamaGen
-    model, read back under upstream names). The last two carry their config."""
-
-    state_dict: dict[str, torch.Tensor]
-    layout: str
-    config: dict | None = None  # our own format carries its config
-    kind: str | None = None
-    meta: dict | None = None  # the whole config.json of our format (class names, provenance)
-
-
-def _unpickling_error(path: Path, err: Exception, zip_file: bool) -> RelaxspecError:
-    """Say why ``weights_only=True`` rejected a file: it holds objects that only code execution
-    could build (refused), or its bytes are no PyTorch checkpoint at all. A zip-format
-    ``torch.save`` file whose pickle is rejected is always the first case."""
-    text = re.sub(r"\x1b\[[0-9;]*m", "", str(err))
-    found = re.search(r"GLOBAL (\S+)", text)
-    detail = re.search(r"WeightsUnpickler error:\s*(.+?)\s*(?:\n\n|$)", text, re.S)
-    reason = " ".join((detail.group(1) if detail else text.splitlines()[0]).split())
-    if found or zip_file:
-        what = f"the file holds {found.group(1)}, which" if found else f"its pickle ({reason}) is something that"
-        return RelaxspecError(
-            f"{path}: refusing to load: {what} only an unsafe unpickling (one that can run arbitrary code) "
-            f"could build. Save only the weights (torch.save(model.state_dict(), ...)) or convert the file "
-            f"to safetensors."
-        )
-    return RelaxspecError(f"{path}: not a PyTorch checkpoint that can be loaded safely ({reason})")
-
-
-def _torch_load(path: Path) -> object:
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except pickle.UnpicklingError as err:
-        raise _unpickling_error(path, err, zip_file=True) from None
-    except RuntimeError as err:
-        if "mmap" in str(err) or "zip" in str(err).lower():
-            try:  # legacy (non-zip) torch.save files cannot be memory-mapped
-                return torch.load(path, map_location="cpu", weights_only=True)
-            except pickle.UnpicklingError as err2:
-                raise _unpickling_error(path, err2, zip_file=False) from None
-            except Exception as err2:  # noqa: BLE001 - any failure here means "not a checkpoint"
-                raise RelaxspecError(f"{path}: not a readable PyTorch checkpoint ({type(err2).__name__}: {err2})") from None
-        raise RelaxspecError(f"{path}: not a readable PyTorch checkpoint ({err})") from None
-    except Exception as err:  # noqa: BLE001
-        raise RelaxspecError(f"{path}: not a readable PyTorch checkpoint ({type(err).__name__}: {err})") from None
-
-
-ZIP_MAGIC = b"PK\x03\x04"  # torch.save's default format since torch 1.6
-PICKLE_PROTO = b"\x80"  # the PROTO opcode every pickle of protocol >= 2 (legacy torch.save) starts with
-
-
-def _looks_like_safetensors(head: bytes, size: int) -> bool:
-    """safetensors: an 8-byte little-endian header length, then the JSON header."""
-    return len(head) > 9 and 0 < int.from_bytes(head[:8], "little") <= size - 8 and head[8:9] == b"{"
-
-
-def _what_it_is(head: bytes) -> str:
-    """A few words on what a file that no loader recognises is, from its first bytes."""
-    text = None
-    for cut in range(4):  # the sample may end inside a multi-byte character
-        try:
-            text = head[: len(head) - cut].decode("utf-8")
-            break
-        except UnicodeDecodeError:
-            continue
-    if text is not None and all(c.isprintable() or c in "\t\r\n" for c in text):
-        start = " ".join(text.split())[:32]
-        return f"it is a text file (starting {start!r})" if start else "it is a text file (blank)"
-    return f"its bytes (starting {head[:4].hex(' ')}) are no known format"
-
-
-def _is_state_dict(obj: object) -> bool:
-    return isinstance(obj, dict) and len(obj) > 0 and all(
-        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in obj.items()
-    )
 
 
 def is_gpt_folder(path: str | Path) -> bool:
@@ -119,53 +36,13 @@ def is_gpt_folder(path: str | Path) -> bool:
     return isinstance(meta, dict) and meta.get("kind") == "gpt" and "config" in meta
 
 
-def read_state(path: str | Path) -> LoadedState:
-    """Read weights from an official ``.pt``/``.pth``, a ``.safetensors`` file, or one of our
-    folders, without building a model."""
-    path = Path(path)
-    if not path.exists():
-        raise RelaxspecError(f"{path}: no such file or folder")
-    if path.is_dir():
-        from relaxspec.models.llamagen.hf_layout import is_lantern_folder, read_lantern_folder
-
-        if is_lantern_folder(path):  # official LANTERN's HF-Llama layout of a LlamaGen model
-            state, fields, config = read_lantern_folder(path)
-            return LoadedState(state, "lantern", fields, "gpt", {"lantern_config": config})
-        config_file, weights = path / "config.json", path / "model.safetensors"
-        if not config_file.is_file() or not weights.is_file():
-            raise RelaxspecError(f"{path}: a relaxspec model folder needs config.json and model.safetensors")
-        try:
-            meta = json.loads(config_file.read_text())
-        except (OSError, json.JSONDecodeError) as err:
-            raise RelaxspecError(f"{config_file}: unreadable config ({err})") from None
-        if not isinstance(meta, dict) or "kind" not in meta or "config" not in meta:
-            raise RelaxspecError(f"{config_file}: not a relaxspec config (needs 'kind' and 'config')")
-        state = load_safetensors(weights)
-        return LoadedState(state, "relaxspec", meta["config"], meta["kind"], meta)
-    if not path.is_file():
-        raise RelaxspecError(f"{path}: not a regular file")
-    try:
-        with open(path, "rb") as handle:
-            head = handle.read(512)
-    except OSError as err:
-        raise RelaxspecError(f"{path}: cannot read ({err.strerror})") from None
-    if path.suffix == ".safetensors" or _looks_like_safetensors(head, path.stat().st_size):
-        return LoadedState(load_safetensors(path), "safetensors")
-    if not head:
-        raise RelaxspecError(f"{path}: the file is empty")
-    if not (head.startswith(ZIP_MAGIC) or head[:1] == PICKLE_PROTO):
-        raise RelaxspecError(f"{path}: not a readable checkpoint: {_what_it_is(head)}, not a PyTorch file (a zip "
-                             "archive or a pickle), a .safetensors file or a relaxspec model folder")
-    obj = _torch_load(path)
-    if isinstance(obj, dict):
-        for key in CONTAINER_KEYS:
-            if key in obj and _is_state_dict(obj[key]):
-                return LoadedState(dict(obj[key]), key)
-        if _is_state_dict(obj):
-            return LoadedState(dict(obj), "raw")
-    raise RelaxspecError(
-        f"{path}: no state dict found (expected a dict of tensors, or one under one of the keys {CONTAINER_KEYS})"
-    )
+def read_llamagen_state(path: str | Path) -> LoadedState:
+    """:func:`relaxspec.models.weights.read_state`, and official LANTERN's HF-Llama folders of a
+    LlamaGen model (layout "lantern"), read back under upstream names with their GPT config."""
+    if is_lantern_folder(path):
+        state, fields, config = read_lantern_folder(path)
+        return LoadedState(state, "lantern", fields, "gpt", {"lantern_config": config})
+    return read_state(path)
 
 
 def strip_ignored(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -223,7 +100,7 @@ def resolve_gpt_model(spec: str | None, ckpt: str, image_size: int, downsample: 
                              f"{side}x{side} grid ({side * downsample} px)")
     derived = ("model_type", "vocab_size", "num_classes", "caption_dim", "cls_token_num")
     if any(key not in fields for key in derived):
-        state = read_state(ckpt)
+        state = read_llamagen_state(ckpt)
         if state.layout not in CONFIGURED:
             inferred = infer_gpt_fields(state.state_dict)
             for key in derived:
@@ -336,7 +213,7 @@ def load_gpt(path: str | Path, model_name: str | None = None, *, image_size: int
         raise RelaxspecError(f"unknown precision {precision!r}; choose one of {', '.join(PRECISIONS)}")
     if config is None and model_name is not None and model_name not in GPT_SIZES:
         model_name, config = resolve_gpt_model(model_name, str(path), image_size or 256, downsample)
-    loaded = read_state(path)
+    loaded = read_llamagen_state(path)
     if loaded.layout in CONFIGURED:
         if loaded.kind != "gpt":
             raise RelaxspecError(f"{path}: this is a {loaded.kind!r} model, not a GPT")
@@ -391,7 +268,7 @@ def load_vq(path: str | Path, model_name: str | None = "VQ-16", *, device: str |
     GroupNorm group count, like the GPT head count, is not in the weights)."""
     if config is None and model_name is not None and model_name not in VQ_CONFIGS:
         model_name, config = resolve_vq_model(model_name)
-    loaded = read_state(path)
+    loaded = read_llamagen_state(path)
     if loaded.layout in CONFIGURED:
         if loaded.kind != "vq":
             raise RelaxspecError(f"{path}: this is a {loaded.kind!r} model, not a VQ tokenizer")
@@ -415,25 +292,9 @@ def load_vq(path: str | Path, model_name: str | None = "VQ-16", *, device: str |
     return model.to(device).eval()
 
 
-# ------------------------------------------------------------------------------------------
-# Our format
-# ------------------------------------------------------------------------------------------
-
-
-def save_model(model: torch.nn.Module, folder: str | Path, *, kind: str | None = None,
-               dtype: torch.dtype | None = None, extra: dict | None = None) -> Path:
-    """Write ``model.safetensors`` + ``config.json`` (kind "gpt", "vq", or given:
-    :func:`relaxspec.models.weights.save_folder`)."""
-    if kind is None:
-        kind = "gpt" if isinstance(model, Transformer) else "vq" if isinstance(model, VQModel) else None
-    if kind is None:
-        raise ValueError("save_model needs kind= for this module")
-    return save_folder(model, folder, kind=kind, dtype=dtype, extra=extra)
-
-
 def describe(path: str | Path, model_name: str | None = None) -> dict:
     """What ``relaxspec info`` prints: layout, inferred config, parameter count."""
-    loaded = read_state(path)
+    loaded = read_llamagen_state(path)
     state = strip_ignored(loaded.state_dict)
     params = sum(v.numel() for k, v in state.items() if k not in ("quantize.codebook_used",) and v.is_floating_point())
     info: dict = {"path": str(path), "layout": loaded.layout, "tensors": len(state), "parameters": params}

@@ -386,6 +386,8 @@ class Transformer(nn.Module):
     image token ``k``.
     """
 
+    checkpoint_kind = "gpt"  # config.json's "kind" when saved (relaxspec.models.weights.save_model)
+
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.config = config

@@ -314,6 +314,8 @@ class VQModel(nn.Module):
     ``post_quant_conv``) so official state dicts load strictly.
     """
 
+    checkpoint_kind = "vq"  # config.json's "kind" when saved (relaxspec.models.weights.save_model)
+
     def __init__(self, config: VQConfig | None = None) -> None:
         super().__init__()
         self.config = config if config is not None else VQConfig()

@@ -45,7 +45,8 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from relaxspec.models.llamagen.checkpoints import load_gpt, load_strict, load_vq, read_state, save_model
+from relaxspec.models.llamagen.checkpoints import load_gpt, load_vq
+from relaxspec.models.weights import load_strict, read_state, save_model
 from relaxspec.data.emoji import ImageSet, augment, load_classes
 from relaxspec.devices import resolve_device
 from relaxspec.errors import RelaxspecError

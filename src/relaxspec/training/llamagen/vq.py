@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from relaxspec.models.llamagen.checkpoints import load_strict, save_model
+from relaxspec.models.weights import load_strict, save_model
 from relaxspec.data.emoji import ImageSet, augment, load_split
 from relaxspec.devices import resolve_device
 from relaxspec.errors import RelaxspecError
