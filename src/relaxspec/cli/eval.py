@@ -130,14 +130,16 @@ def _write_captions(path: Path, features: np.ndarray, mask: np.ndarray | None) -
 def generate_shard(args: argparse.Namespace, gen: argparse.Namespace, rank: int, world: int, local: int) -> Path:
     """Generate this rank's slice into its shard folder: the pipeline the options name, the
     shard's conditions, and :func:`relaxspec.runs.images.write_image_run` (resumable)."""
-    from relaxspec.cli.imagerun import prepare, run_settings
-    from relaxspec.pipelines.llamagen import DEFAULT_CLASSES
+    from relaxspec.cli.imagerun import open_run, prepare, run_settings
     from relaxspec.runs.images import summary, write_image_run
 
     out = Path(gen.out)
     folder = shard_dir(out, rank, world)
     folder.mkdir(parents=True, exist_ok=True)
     repeat = args.images_per_class
+    if world > 1 and gen.device == "cuda":
+        gen.device = f"cuda:{local}"
+    pipeline, started = None, None
     if gen.prompt or gen.prompts_file:
         from relaxspec.cli.options import read_prompts
 
@@ -155,8 +157,17 @@ def generate_shard(args: argparse.Namespace, gen: argparse.Namespace, rank: int,
         count = len(mine)
     else:
         # ids or names as given: generate checks them (relaxspec.conditions.class_ids) in each shard
-        given = gen.classes if gen.classes is not None else DEFAULT_CLASSES
-        classes = [c.strip() for c in given.split(",") if c.strip() for _ in range(repeat)]
+        given = gen.classes
+        if given is None:  # the opened model's demo classes (upstream's for an ImageNet LlamaGen, the embedded model's)
+            started = time.perf_counter()  # the load time counts from here
+            pipeline = open_run(gen)
+            if pipeline.takes != "classes":
+                raise RelaxspecError(f"this is a text-to-image model ({pipeline.family}): {pipeline.conditions_hint()}")
+            given = pipeline.default_classes
+            if given is None:
+                raise RelaxspecError("give --classes (this model has no demo classes)")
+        given = given.split(",") if isinstance(given, str) else [str(c) for c in given]
+        classes = [c.strip() for c in given if c.strip() for _ in range(repeat)]
         if not classes:
             raise RelaxspecError("no classes given")
         mine = [classes[i] for i in shard_range(len(classes), rank, world)]
@@ -167,10 +178,9 @@ def generate_shard(args: argparse.Namespace, gen: argparse.Namespace, rank: int,
         return folder
     gen.out = str(folder)
     gen.seed = gen.seed * world + rank
-    if world > 1 and gen.device == "cuda":
-        gen.device = f"cuda:{local}"
-    started = time.perf_counter()
-    pipeline, condition, prepared = prepare(gen)
+    if started is None:
+        started = time.perf_counter()
+    pipeline, condition, prepared = prepare(gen, pipeline)
     stats = write_image_run(pipeline, condition, prepared, folder, run_settings(gen, pipeline, prepared, condition),
                             seed=gen.seed, batch_size=gen.batch_size, overwrite=gen.overwrite,
                             progress=not gen.no_progress, grid_max=gen.grid_max, upscale_by=gen.upscale,

@@ -15,7 +15,6 @@ from relaxspec.conditions import Condition
 from relaxspec.errors import RelaxspecError
 from relaxspec.files import load_caption_features
 from relaxspec.inputs import check_at_least, check_seed, check_threads, check_upscale
-from relaxspec.pipelines.llamagen import DEFAULT_CLASSES
 from relaxspec.runs.images import image_settings
 
 
@@ -29,8 +28,8 @@ def add_image_run_options(parser: argparse.ArgumentParser) -> None:
     cond = parser.add_argument_group("conditions")
     cond.add_argument("--classes", metavar="IDS|NAMES",
                       help=f"comma-separated class ids for a c2i model, or class names when the model names its "
-                           f"classes (the embedded model: e.g. animal-mammal,food-fruit) (default: upstream's demo "
-                           f"list {DEFAULT_CLASSES}, or the embedded model's demo classes)")
+                           f"classes (the embedded model: e.g. animal-mammal,food-fruit) (default: the model's demo "
+                           f"classes: upstream LlamaGen's demo list for an ImageNet model, the embedded model's own)")
     cond.add_argument("--caption-features", metavar="PATH",
                       help="t2i: .npy of caption features [N, tokens, dim] (T5, left-padded), or .npz with "
                            "'features' and optional 'mask'")
@@ -188,16 +187,23 @@ def run_settings(args: argparse.Namespace, pipeline, prepared, condition: Condit
     return settings
 
 
-def prepare(args: argparse.Namespace):
+def open_run(args: argparse.Namespace, prompts: list[str] | None = None):
+    """The pipeline an image run's options name (with its ``--preset``), the options checked
+    first (:func:`check_inputs`)."""
+    if prompts is None:
+        prompts, _ = check_inputs(args)
+    pipeline = open_from_args(args, prompts=prompts or None)
+    return with_preset(pipeline, args.preset) if args.preset is not None else pipeline
+
+
+def prepare(args: argparse.Namespace, pipeline=None):
     """``(pipeline, condition, prepared)`` from an image run's options, each checked (the inputs
     before any weights load; the method's sizes once, by
-    :meth:`~relaxspec.pipelines.ImagePipeline.prepare`, which builds what it decodes with)."""
+    :meth:`~relaxspec.pipelines.ImagePipeline.prepare`, which builds what it decodes with).
+    ``pipeline``: the one :func:`open_run` opened for these options already."""
     prompts, options = check_inputs(args)
-    pipeline = open_from_args(args, prompts=prompts or None)
-    if args.preset is not None:
-        from relaxspec.pipelines.presets import with_preset
-
-        pipeline = with_preset(pipeline, args.preset)
+    if pipeline is None:
+        pipeline = open_run(args, prompts)
     sampling = pipeline.sampling(cfg_scale=args.cfg_scale, temperature=args.temperature, top_k=args.top_k,
                                  top_p=args.top_p)
     if args.drafter_ckpt is not None and not options.needs_drafter and args.preset is None:
@@ -212,4 +218,4 @@ def prepare(args: argparse.Namespace):
 
 
 __all__ = ["add_image_run_options", "add_setting_flags", "check_inputs", "command_condition", "given_settings",
-           "prepare", "preset_option", "run_settings"]
+           "open_run", "prepare", "preset_option", "run_settings"]
