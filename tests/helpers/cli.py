@@ -13,6 +13,18 @@ def run(argv, capsys) -> str:
     return err
 
 
+def outcome(argv, capsys) -> tuple[int, str, str]:
+    """Run ``relaxspec ARGV``: its exit code, stdout and stderr."""
+    code = main([str(a) for a in argv])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def generate_args(ckpts, out, *extra) -> list:
+    """``relaxspec generate`` on the tiny files ``ckpts`` (a ``tiny_ckpts`` entry) into ``out``."""
+    return ["generate", *ckpts["args"], "--out", out, "--no-progress", *extra]
+
+
 def refused(argv, capsys) -> str:
     """Run ``relaxspec ARGV``; it must exit 2 with one stderr line, which is returned."""
     assert main([str(a) for a in argv]) == 2
