@@ -20,7 +20,7 @@ from relaxspec.models.llamagen.vq import VQConfig, to_uint8
 from relaxspec.pipelines import ImagePipeline
 from relaxspec.sampling import SamplingConfig
 
-from helpers.cli import generate_args
+from helpers.cli import assert_one_line_error, generate_args
 from helpers.cli import outcome as run
 
 

@@ -23,7 +23,7 @@ from relaxspec.models.llamagen.vq import VQConfig, VQModel
 from relaxspec.errors import RelaxspecError
 
 from conftest import TINY_VQ
-from helpers.cli import generate_args
+from helpers.cli import assert_one_line_error, generate_args
 from helpers.cli import outcome as run
 
 
@@ -118,14 +118,6 @@ T2I_ERRORS = {
     "caption not an array": (lambda a, f: a + ["--caption-features", f["text"]], "not a .npy"),
     "caption missing": (lambda a, f: a + ["--caption-features", f["folder"] / "nope.npy"], "no such file"),
 }
-
-
-def assert_one_line_error(code, stdout, err, expected):
-    assert code == 2, (stdout, err)
-    lines = err.strip().splitlines()
-    assert len(lines) == 1, err
-    assert lines[0].startswith("relaxspec: error: ") and "Traceback" not in err
-    assert expected in lines[0], lines[0]
 
 
 @pytest.mark.parametrize("case", list(ERRORS))

@@ -25,6 +25,15 @@ def generate_args(ckpts, out, *extra) -> list:
     return ["generate", *ckpts["args"], "--out", out, "--no-progress", *extra]
 
 
+def assert_one_line_error(code, stdout, err, expected):
+    """What :func:`outcome` returned is exit code 2 and one ``relaxspec: error:`` line naming ``expected``."""
+    assert code == 2, (stdout, err)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("relaxspec: error: ") and "Traceback" not in err
+    assert expected in lines[0], lines[0]
+
+
 def refused(argv, capsys) -> str:
     """Run ``relaxspec ARGV``; it must exit 2 with one stderr line, which is returned."""
     assert main([str(a) for a in argv]) == 2
