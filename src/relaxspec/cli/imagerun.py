@@ -15,6 +15,7 @@ from relaxspec.conditions import Condition
 from relaxspec.errors import RelaxspecError
 from relaxspec.files import load_caption_features
 from relaxspec.inputs import check_at_least, check_seed, check_threads, check_upscale
+from relaxspec.pipelines.presets import with_preset
 from relaxspec.runs.images import image_settings
 
 
