@@ -23,6 +23,8 @@ from relaxspec.pipelines.families import opening_inputs
 from relaxspec.pipelines.llamagen import llamagen_pipeline
 from relaxspec.pipelines.open import choose_family
 from relaxspec.sampling import SamplingConfig, batch_seed
+from relaxspec.models.llamagen.gpt import Transformer
+from relaxspec.models.llamagen.vq import VQModel
 
 __all__ = ["Generation", "UPSTREAM_SAMPLING", "generate", "pipeline_of"]
 
@@ -48,8 +50,6 @@ def pipeline_of(model: tuple | ImagePipeline, **inputs) -> ImagePipeline:
     if not isinstance(model, (tuple, list)) or len(model) != 3:
         raise RelaxspecError("model must be (target, vq, drafter) or a pipeline; drafter may be None")
     target, vq, drafter = model
-    from relaxspec.models.llamagen.gpt import Transformer
-    from relaxspec.models.llamagen.vq import VQModel
 
     if not isinstance(target, Transformer) or not isinstance(vq, VQModel) or \
             (drafter is not None and not isinstance(drafter, torch.nn.Module)):

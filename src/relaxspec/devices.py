@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import platform
+
 import torch
 
 from relaxspec.errors import RelaxspecError
@@ -27,8 +29,6 @@ def machine_identity(device: torch.device | str = "cpu") -> dict:
     """What kind of machine ``device`` is, for a timing result that only holds there (a tuned
     preset): the device type and its name (the CPU model from ``/proc/cpuinfo``, or CUDA's
     device name), and the torch build. Threads are a setting of the run, not of the machine."""
-    import platform
-
     device = torch.device(device)
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)

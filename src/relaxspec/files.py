@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from PIL import Image
 
 from relaxspec.errors import RelaxspecError, shown
 
@@ -133,16 +134,12 @@ def write_json(path: Path, data: dict) -> None:
 
 def write_png(path: Path, pixels: np.ndarray) -> None:
     """``pixels [H, W, 3]`` uint8."""
-    from PIL import Image
-
     write_atomic(path, lambda temp: Image.fromarray(pixels).save(temp, format="PNG"))
 
 
 def png_is_whole(path: Path) -> bool:
     """Whether ``path`` is a PNG read to its end without error (a file cut short by a crash or a
     full disk is not: a resumed run draws that image again)."""
-    from PIL import Image
-
     try:
         with Image.open(path) as image:
             image.load()
@@ -172,8 +169,6 @@ def write_grid(out: Path, files: list[str], padding: int = 2, name: str = GRID_F
     (like torchvision's save_image); cells nobody fills show the background. A grid wider or
     taller than ``max_side`` pixels takes every n-th pixel of each image (nearest neighbour), so
     large upscaled images never make a grid too large to write."""
-    from PIL import Image
-
     if not files:
         return
     images = []

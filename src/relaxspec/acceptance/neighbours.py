@@ -18,8 +18,11 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+import numpy as np
+from safetensors.torch import load_file, save_file
 
 from relaxspec.errors import RelaxspecError
+from relaxspec.files import NUMPY_MAGIC, missing_file
 
 Geometry = Literal["raw", "normalised"]
 # Distances are computed for this many (row, code) pairs at a time: 4M float64 = 32 MiB, so the
@@ -110,10 +113,6 @@ def load_neighbour_file(path: str | os.PathLike, vocab: int, k: int) -> Tensor:
     than :func:`neighbour_table` orders them (exact distances, ties by code id); the file lets a
     run use the very order the published numbers were measured with. Read memory-mapped, only the
     first ``k`` columns; pickled (object) arrays are refused, never loaded."""
-    import numpy as np
-
-    from relaxspec.files import NUMPY_MAGIC, missing_file
-
     path = Path(path)
     where = f"--neighbours {path}"
     if missing_file(path):
@@ -166,8 +165,6 @@ def cached_neighbour_table(
     The hash covers the codebook's bytes and the geometry; a cached table of width ``>= k`` is
     reused by slicing (tables are prefix-consistent, see :func:`neighbour_table`).
     """
-    from safetensors.torch import load_file, save_file
-
     _vectors(codebook, geometry)  # validate before touching the disk
     _check_k(k, codebook.shape[0])
     key = codebook_key(codebook, geometry)

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.autograd import DeviceType
 
 SYNC_CALLS = frozenset({
     "item", "tolist", "__bool__", "__int__", "__float__", "__index__", "__complex__", "numpy", "cpu",
@@ -270,8 +271,6 @@ def top_level_events(prof) -> list[tuple[str, int]]:
     of its thread encloses, in time order, read from the profiler's raw results: what
     ``prof.events()`` marks ``cpu_parent is None``, without building its tree (seconds for a
     decode whose compiled graph runs op by op)."""
-    from torch.autograd import DeviceType
-
     # (start + duration: torch before 2.5 has no end_ns)
     raw = sorted(((e.start_thread_id(), e.start_ns(), -(e.start_ns() + e.duration_ns()), e.name())
                   for e in prof.profiler.kineto_results.events() if e.device_type() == DeviceType.CPU))

@@ -39,6 +39,8 @@ from relaxspec.errors import RelaxspecError
 from relaxspec.pipelines.base import PreparedDecode
 from relaxspec.runs.folder import RunKind, hold_folder, open_run, run_meta, settings_hash
 from relaxspec.sampling import SamplingConfig, batch_seed
+from relaxspec.files import write_atomic, write_json
+from relaxspec.runs.shards import SHARD, shard_folders
 
 RECORDS_FILE, SETTINGS_FILE = "records.jsonl", "settings.json"
 #: Generators for warm-up decodes (never recorded) are seeded from here, away from any real image.
@@ -129,8 +131,6 @@ def prepare_out_dir(out: Path, settings: dict, digest: str, overwrite: bool) -> 
     """Open ``out`` for the benchmark of ``settings`` (:func:`relaxspec.runs.folder.open_run`);
     return the records of the same benchmark there and rewrite ``records.jsonl`` with exactly them
     (dropping a torn last line before appending)."""
-    from relaxspec.files import write_atomic, write_json
-
     old = open_run(out, BENCH_RUN, settings, overwrite=overwrite, digest=digest)
     records = read_records(out, digest) if old is not None else []
     # the settings first: a crash before the records are rewritten leaves a folder that resumes
@@ -296,9 +296,6 @@ def merge_shards(out: str | Path, world: int | None = None, overwrite: bool = Fa
     True; else False (another process is still running). ``world``: the process count (default: the
     shards' own). Shards of different settings, or a folder holding another benchmark, are refused
     in one line."""
-    from relaxspec.files import write_atomic, write_json
-    from relaxspec.runs.shards import SHARD, shard_folders
-
     out = Path(out)
     folders = shard_folders(out)  # one world size (a folder mixing them is refused)
     if not folders:

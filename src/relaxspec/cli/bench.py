@@ -11,13 +11,17 @@ import argparse
 import sys
 from pathlib import Path
 
-from relaxspec.bench.config import BASELINE, DEFAULT_METHODS, expand_methods, parse_methods
+import torch
+
+from relaxspec.bench.config import BASELINE, DEFAULT_METHODS, expand_methods, parse_methods, MethodSpec, check_spec
 from relaxspec.cli.options import add_model_options, model_family, open_from_args, read_prompts
 from relaxspec.runs.shards import distributed, shard_dir, shard_folders, shard_range
 from relaxspec.conditions import class_ids
 from relaxspec.errors import RelaxspecError, shown
-from relaxspec import extras
+from relaxspec import extras, embedded, methods
 from relaxspec.inputs import check_at_least, check_seed, check_threads
+from relaxspec.bench.report import load_real_images, write_report, SUMMARY_MD, markdown_table
+from relaxspec.files import file_identity
 
 
 #: Where a benchmark of the embedded model goes when no --out is given.
@@ -30,7 +34,6 @@ def embedded_bench_defaults(family) -> tuple[dict, dict]:
     model (``family``: the one the model flags name, ``None`` for the embedded model)."""
     if family is not None:
         return {}, {}
-    from relaxspec import embedded
 
     defaults = embedded.defaults()
     return defaults.get("presets", {}), defaults.get("bench", {})
@@ -117,8 +120,6 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def list_methods(model_presets: dict | None = None) -> str:
-    from relaxspec import methods
-
     lines = [f"{name:12s} {preset.description}" for name, (_, preset) in methods.presets().items()]
     lines.append("aliases: " + ", ".join(f"{a} = {n}" for a, n in methods.registry.spellings().items()))
     for name, fields in (model_presets or {}).items():
@@ -133,8 +134,6 @@ TUNED = "tuned"
 def preset_spec(preset: dict):
     """The bench method a preset file stands for: its method with its settings as the model's
     preset of that name, labelled :data:`TUNED`."""
-    from relaxspec.bench.config import MethodSpec, check_spec
-
     fields = dict(preset["method"])
     name = fields.pop("method")
     spec = MethodSpec(label=TUNED, options={"method": name}, family=TUNED, preset=fields,
@@ -153,8 +152,6 @@ def _positive(args: argparse.Namespace, *names: str) -> None:
 def check_quality_inputs(classifier, real_data: str, classes: list[int], num_classes: int) -> None:
     """The classifier covers the model's classes and ``real_data`` is a readable image set with
     images of the benchmarked classes (:func:`relaxspec.bench.report.load_real_images`)."""
-    from relaxspec.bench.report import load_real_images
-
     if classifier.config.num_classes < num_classes:
         raise RelaxspecError(f"--classifier knows {classifier.config.num_classes} classes but the model has "
                              f"{num_classes}: it is not this model's classifier")
@@ -162,9 +159,6 @@ def check_quality_inputs(classifier, real_data: str, classes: list[int], num_cla
 
 
 def run_bench_cli(args: argparse.Namespace) -> int:
-    import torch
-
-    from relaxspec.bench.report import write_report
     from relaxspec.bench.run import merge_shards, run_bench
 
     family = model_family(args)  # the model flags checked once, before any weights load
@@ -214,12 +208,9 @@ def run_bench_cli(args: argparse.Namespace) -> int:
         vq = None
         if classifier is not None:
             vq = open_from_args(args, with_drafter=False).tokenizer
-            from relaxspec.bench.report import load_real_images
 
             load_real_images(args.real_data)  # checked before any image is decoded
         return _report(write_report, args.out, vq, classifier, args, progress)
-
-    from relaxspec.files import file_identity
 
     preset = None
     if args.preset is not None:
@@ -321,8 +312,6 @@ def bench_images(args: argparse.Namespace, pipeline, prompts: list[str], classif
 
 
 def _report(write_report, out: str, vq, classifier, args: argparse.Namespace, progress: bool) -> int:
-    from relaxspec.bench.report import SUMMARY_MD, markdown_table
-
     result = write_report(out, vq=vq, classifier=classifier, real_data=args.real_data, n_boot=args.n_boot,
                           plots=not args.no_plots, progress=progress, baseline=args.baseline)
     print(markdown_table(result["rows"], result["baseline"]), end="")

@@ -16,6 +16,7 @@ from relaxspec.errors import RelaxspecError, shown
 from relaxspec.extras import require
 from relaxspec.inputs import check_threads
 from relaxspec.pipelines.folders import DEFAULT_PROMPT_TOKENS
+from relaxspec.demo.race import DemoModel
 
 
 def add_demo_parser(subparsers) -> argparse.ArgumentParser:
@@ -47,8 +48,6 @@ DEFAULT_PROMPT = "a red fox in the snow"
 def load_demo_model(args: argparse.Namespace):
     """The pipeline ``args`` name (as every command opens it), with the method and class or
     prompt the page starts with."""
-    from relaxspec.demo.race import DemoModel
-
     family = model_family(args)
     embedded = family is None
     if embedded and args.prompt is not None:

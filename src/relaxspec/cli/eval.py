@@ -53,12 +53,16 @@ import time
 from pathlib import Path
 
 import numpy as np
+from PIL import Image
+import torch
 
 from relaxspec.errors import RelaxspecError
 from relaxspec.runs.shards import SHARD, distributed, shard_dir, shard_folders, shard_range
-from relaxspec.cli.options import require_extras
+from relaxspec.cli.options import require_extras, Parser, read_prompts
 from relaxspec.extras import require
 from relaxspec.files import load_caption_features, read_json, write_atomic, write_json
+from relaxspec.cli.imagerun import add_image_run_options
+from relaxspec.runs.images import summary, write_image_run
 
 SCORES_FILE = "eval.json"
 INCEPTION_FILE = "inception-2015-12-05.pt"
@@ -103,9 +107,6 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
 
 def parse_generate_args(argv: list[str]) -> argparse.Namespace:
     """``relaxspec generate``'s options (:func:`relaxspec.cli.imagerun.add_image_run_options`)."""
-    from relaxspec.cli.imagerun import add_image_run_options
-    from relaxspec.cli.options import Parser
-
     argv = argv[1:] if argv and argv[0] == "--" else argv
     if not argv:
         raise RelaxspecError("give relaxspec generate's options after '--' (at least the models and --out DIR)")
@@ -131,7 +132,6 @@ def generate_shard(args: argparse.Namespace, gen: argparse.Namespace, rank: int,
     """Generate this rank's slice into its shard folder: the pipeline the options name, the
     shard's conditions, and :func:`relaxspec.runs.images.write_image_run` (resumable)."""
     from relaxspec.cli.imagerun import open_run, prepare, run_settings
-    from relaxspec.runs.images import summary, write_image_run
 
     out = Path(gen.out)
     folder = shard_dir(out, rank, world)
@@ -141,8 +141,6 @@ def generate_shard(args: argparse.Namespace, gen: argparse.Namespace, rank: int,
         gen.device = f"cuda:{local}"
     pipeline, started = None, None
     if gen.prompt or gen.prompts_file:
-        from relaxspec.cli.options import read_prompts
-
         prompts = [p for p in read_prompts(gen) for _ in range(repeat)]
         mine = [prompts[i] for i in shard_range(len(prompts), rank, world)]
         gen.prompt, gen.prompts_file = mine, None  # the shard's prompts, in order (stats.json records them)
@@ -226,8 +224,6 @@ def crop_resize(size: int):
     """``image [H, W, 3] uint8 -> [size, size, 3]``: the centre square of the long edge, then a
     LANCZOS resize, as official LANTERN's evaluation prepares both generated and reference images
     (``--eval_res``; COCO's photos are not square)."""
-    from PIL import Image
-
     def transform(image: np.ndarray) -> np.ndarray:
         picture = Image.fromarray(np.asarray(image))
         side = min(picture.size)
@@ -249,7 +245,6 @@ def clean_fid(files: list[Path], reference: str, mode: str = "clean", device: st
     except ImportError:
         raise RelaxspecError("--fid-ref needs clean-fid (pip install clean-fid; it pulls in torchvision). "
                              "Without it, use --classifier/--real-data for the offline scores") from None
-    import torch
 
     if not Path(reference).is_dir():
         raise RelaxspecError(f"--fid-ref {reference}: no such folder")
@@ -309,8 +304,6 @@ def score(args: argparse.Namespace, out: Path, device: str = "cpu", progress: bo
 def eval_prompts(args: argparse.Namespace, gen: argparse.Namespace) -> None:
     """The run's prompts read now (a bad prompts file is refused before any shard is written) and
     ``--num-prompts`` applied: ``gen.prompt`` becomes the run's first N prompts, in order."""
-    from relaxspec.cli.options import read_prompts
-
     if gen.prompts_file:
         read_prompts(gen)
     if args.num_prompts is not None:

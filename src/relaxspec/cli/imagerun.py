@@ -15,8 +15,9 @@ from relaxspec.conditions import Condition
 from relaxspec.errors import RelaxspecError
 from relaxspec.files import load_caption_features
 from relaxspec.inputs import check_at_least, check_seed, check_threads, check_upscale
-from relaxspec.pipelines.presets import with_preset
 from relaxspec.runs.images import image_settings
+from relaxspec.pipelines.presets import read_preset, with_preset
+from relaxspec.pipelines.families import opening_inputs
 
 
 def add_image_run_options(parser: argparse.ArgumentParser) -> None:
@@ -159,7 +160,6 @@ def preset_option(args: argparse.Namespace) -> dict | None:
     ``--method`` is refused beside it."""
     if getattr(args, "preset", None) is None:
         return None
-    from relaxspec.pipelines.presets import read_preset
 
     if getattr(args, "method", None) is not None:
         raise RelaxspecError("--preset names the method: leave out --method (setting flags still apply over it)")
@@ -169,8 +169,6 @@ def preset_option(args: argparse.Namespace) -> dict | None:
 def run_settings(args: argparse.Namespace, pipeline, prepared, condition: Condition) -> dict:
     """The run's settings (:func:`relaxspec.runs.images.image_settings`) with the files the options
     named (caption features, prompts file) and what reopens its model."""
-    from relaxspec.pipelines.families import opening_inputs
-
     declared = opening_inputs()
     files = {"caption_features": args.caption_features, "caption_mask": args.caption_mask,
              "prompts_file": args.prompts_file,

@@ -11,6 +11,10 @@ from relaxspec.devices import resolve_device
 from relaxspec.errors import RelaxspecError
 from relaxspec import extras
 from relaxspec.files import read_prompts_file
+from relaxspec.models.weights import PRECISIONS
+from relaxspec.pipelines.families import all_families, opening_inputs, takers_text
+from relaxspec.pipelines.open import choose_family
+from relaxspec.pipelines import open_pipeline
 
 
 class UsageError(Exception):
@@ -30,8 +34,6 @@ def add_model_options(group, *, drafter_help: str | None) -> None:
     each family's opening inputs (LlamaGen's ``--gpt-ckpt``, ``--vq-ckpt``, ...), the drafter
     (``drafter_help``; ``None``: the command declares it elsewhere), image size, precision and
     device."""
-    from relaxspec.models.weights import PRECISIONS
-
     add_model_path(group)
     add_family_inputs(group)
     if drafter_help is not None:
@@ -45,8 +47,6 @@ def add_model_options(group, *, drafter_help: str | None) -> None:
 
 def add_model_path(group) -> None:
     """``--model-path``: a transformers folder of any registered family."""
-    from relaxspec.pipelines.families import all_families
-
     names = ", ".join(dict.fromkeys(f.family for f in all_families() if f.opened_with == "--model-path"))
     group.add_argument("--model-path", metavar="DIR", help=f"a model folder: a transformers folder (save_pretrained "
                                                            f"layout, safetensors) of a supported family: {names}; or a "
@@ -58,8 +58,6 @@ def add_family_inputs(group, option=None) -> None:
     """One flag per opening input a model family declares (``--t5-path``, ``--tokenizer-path``,
     ``--negative-prompt``, a plugin family's), its help naming the families that take it.
     ``option``: an :class:`Options` to add them through (a recipe's config defaults)."""
-    from relaxspec.pipelines.families import opening_inputs, takers_text
-
     for declared, takers in opening_inputs().values():
         text = f"{takers_text(takers)}: {declared.help}"
         kind = {"type": int} if declared.kind == "int" else {}
@@ -71,8 +69,6 @@ def add_family_inputs(group, option=None) -> None:
 
 def family_inputs(args: argparse.Namespace) -> dict:
     """The family opening inputs the command line gives (name -> value)."""
-    from relaxspec.pipelines.families import opening_inputs
-
     return {name: getattr(args, name) for name in opening_inputs() if getattr(args, name, None) is not None}
 
 
@@ -85,8 +81,6 @@ def require_extras(args: argparse.Namespace) -> None:
     """The optional packages the given model flags need (``--model-path`` transformers, each
     family input what it declares), checked before a command does any work (``main`` calls it for
     every command)."""
-    from relaxspec.pipelines.families import opening_inputs
-
     if getattr(args, "model_path", None) is not None:
         extras.require("transformers", "--model-path")
     for name, (declared, _) in opening_inputs().items():
@@ -105,8 +99,6 @@ def int_list(text: str) -> tuple[int, ...]:
 def model_family(args: argparse.Namespace):
     """The family the model flags name (``None``: the embedded model), their inputs checked
     against it before any weights load (:func:`relaxspec.pipelines.open.choose_family`)."""
-    from relaxspec.pipelines.open import choose_family
-
     return choose_family(getattr(args, "model_path", None), family_inputs(args))
 
 
@@ -114,8 +106,6 @@ def open_from_args(args: argparse.Namespace, *, prompts: list[str] | None = None
                    with_drafter: bool = True, with_tokenizer: bool = True):
     """The pipeline the model flags name (:func:`relaxspec.pipelines.open_pipeline`): the one way
     every command opens a model."""
-    from relaxspec.pipelines import open_pipeline
-
     return open_pipeline(getattr(args, "model_path", None), drafter_ckpt=args.drafter_ckpt, device=args.device,
                          precision=args.precision, image_size=args.image_size, prompts=prompts,
                          prompt_length=prompt_length, with_drafter=with_drafter, with_tokenizer=with_tokenizer,

@@ -11,17 +11,20 @@ from pathlib import Path
 import torch
 
 from relaxspec.models.llamagen.checkpoints import describe
-from relaxspec.models.llamagen.files import TEST_PRESETS, describe_lines
+from relaxspec.models.llamagen.files import TEST_PRESETS, describe_lines, write_test_checkpoints
 from relaxspec.cli.options import device_option
 from relaxspec.decoding.result import add_counts
-from relaxspec.pipelines.open import reopen_pipeline
-from relaxspec.pipelines.families import opening_inputs
+from relaxspec.pipelines.open import reopen_pipeline, folder_pipeline_class
+from relaxspec.pipelines.families import opening_inputs, folder_entries, pipeline_class, file_families, all_families
 from relaxspec.files import read_json
 from relaxspec.inputs import check_threads
 from relaxspec.errors import RelaxspecError
 from relaxspec.models.llamagen.gpt import GPT_SIZES
 from relaxspec.models.llamagen.vq import VQ_CONFIGS
 from relaxspec.sampling import SamplingConfig
+from relaxspec.drafting.trees import build_tree, expected_accept_length, best_tree_for_cost
+from relaxspec.bench.cost import measure_forward_costs
+from relaxspec import embedded
 
 #: ``relaxspec info embedded`` describes the shipped model (unless a file of that name is there).
 EMBEDDED = "embedded"
@@ -77,8 +80,6 @@ def add_make_test_checkpoints_parser(subparsers) -> None:
 
 
 def cmd_build_tree(args: argparse.Namespace) -> int:
-    from relaxspec.drafting.trees import build_tree, expected_accept_length
-
     tests = accepts = None
     for path in args.stats:
         data = read_json(path)
@@ -113,9 +114,6 @@ def cmd_build_tree(args: argparse.Namespace) -> int:
 def _tree_for_this_machine(args: argparse.Namespace, rates: torch.Tensor):
     """``--budget auto``: time the stats' own target and drafter here, then pick the tree size
     with the most expected tokens per second. Returns the tree, the costs and the whole curve."""
-    from relaxspec.bench.cost import measure_forward_costs
-    from relaxspec.drafting.trees import best_tree_for_cost
-
     settings = read_json(args.stats[0]).get("settings") or {}
     named = settings.get("model_path") or any(settings.get(name) for name, (declared, _) in opening_inputs().items()
                                                if declared.opens)
@@ -153,9 +151,6 @@ T5_USE = "a text encoder: give it as --t5-path to encode --prompt for LlamaGen t
 def transformers_use(model_type: str, path: Path | None = None) -> str:
     """What relaxspec does with a folder of ``model_type`` (the pipelines say it for theirs; the
     folder ``path`` tells families that share a model type apart)."""
-    from relaxspec.pipelines.families import folder_entries, pipeline_class
-    from relaxspec.pipelines.open import folder_pipeline_class
-
     if model_type == "t5":
         return T5_USE
     if model_type in folder_entries():
@@ -166,8 +161,6 @@ def transformers_use(model_type: str, path: Path | None = None) -> str:
 def transformers_folder(path: Path) -> dict | None:
     """What a save_pretrained folder is (``None`` if ``path`` is not one): its model type,
     architectures, weight files, and what relaxspec can do with it."""
-    from relaxspec.pipelines.families import file_families
-
     config_file = path / "config.json"
     if not path.is_dir() or not config_file.is_file() or any(f.claims_folder(path) for f in file_families()):
         return None  # a file family's folder (LANTERN's LlamaGen layout): described as its checkpoint
@@ -187,8 +180,6 @@ def transformers_folder(path: Path) -> dict | None:
 
 def families_record() -> list[dict]:
     """Every registered family: how a model of it is opened, what it draws from, its own inputs."""
-    from relaxspec.pipelines.families import all_families, folder_entries
-
     types = {entry: model_type for model_type, entries in folder_entries().items() for entry in entries}
     records = []
     for family in all_families():
@@ -233,8 +224,6 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 def _info_embedded(args: argparse.Namespace) -> int:
     """``relaxspec info embedded``: every shipped part, the defaults and where the model card is."""
-    from relaxspec import embedded
-
     parts = {part: describe(folder) for part, folder in embedded.PARTS.items() if embedded.available(part)}
     if not parts:
         raise RelaxspecError("the embedded model is not in this installation")
@@ -261,8 +250,6 @@ def _info_embedded(args: argparse.Namespace) -> int:
 
 
 def cmd_make_test_checkpoints(args: argparse.Namespace) -> int:
-    from relaxspec.models.llamagen.files import write_test_checkpoints
-
     print(write_test_checkpoints(args.out, preset=args.preset, gpt_size=args.gpt_size, vq_size=args.vq_size,
                                  model_type=args.model_type, image_size=args.image_size, seed=args.seed))
     return 0

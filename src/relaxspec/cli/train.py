@@ -25,12 +25,11 @@ from relaxspec.data.emoji import INSTALL_COMMAND, PACKAGE, VERSION, build_emoji_
 from relaxspec import extras
 from relaxspec.errors import RelaxspecError
 from relaxspec.evaluation.classifier import ClassifierTrainConfig, save_classifier, train_classifier
-from relaxspec.training.drafter import DrafterTrainConfig, train_drafter
-from relaxspec.training.drafter import read_train_state as read_drafter_state
-from relaxspec.training.llamagen.gpt import GPTTrainConfig, train_gpt
-from relaxspec.training.llamagen.gpt import read_train_state as read_gpt_state
-from relaxspec.training.llamagen.vq import VQTrainConfig, train_vq
-from relaxspec.training.llamagen.vq import read_train_state as read_vq_state
+from relaxspec.training.drafter import DrafterTrainConfig, train_drafter, read_train_state as read_drafter_state
+from relaxspec.training.llamagen.gpt import GPTTrainConfig, train_gpt, read_train_state as read_gpt_state
+from relaxspec.training.llamagen.vq import VQTrainConfig, train_vq, read_train_state as read_vq_state
+from relaxspec.runs.shards import distributed
+from relaxspec.training.distributed import alike
 
 
 def class_ids(text: str) -> list[int]:
@@ -246,9 +245,6 @@ def run_train_drafter(args: argparse.Namespace) -> int:
     """Entry point of ``relaxspec train-drafter``; raises :class:`RelaxspecError` on bad input.
     Under torchrun every process runs it; rank 0 says what they all would (settings) and prints
     the result."""
-    from relaxspec.runs.shards import distributed
-    from relaxspec.training.distributed import alike
-
     rank = distributed()[0]
     with alike(rank):
         config, resume = _drafter_config(args)

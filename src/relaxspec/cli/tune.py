@@ -17,6 +17,9 @@ from relaxspec import extras
 from relaxspec.errors import RelaxspecError
 from relaxspec.inputs import check_at_least, check_seed, check_threads
 from relaxspec.runs.folder import hold_folder
+from relaxspec.tuning import Budget, TuneConfig, Tuner
+from relaxspec.tuning.config import check_minutes
+from relaxspec.tuning.report import PRESET_FILE, closest_message, describe_heldout, describe_row, interval_note, write_results
 
 #: Where tuning the embedded model writes when no --out is given.
 EMBEDDED_OUT = "tune-embedded"
@@ -90,8 +93,6 @@ def add_tune_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def budget_from_args(args: argparse.Namespace):
-    from relaxspec.tuning import Budget
-
     if args.lossless:
         return Budget("lossless")
     if args.max_tv_per_token is not None:
@@ -109,8 +110,6 @@ QUALITY_PROMPTS = ("--within-ar-quality scores class-conditional images; for a p
 def check_inputs(args: argparse.Namespace):
     """Everything checked before a model loads (one line each); returns the budget and the family
     the model flags name (``None``: the embedded model)."""
-    from relaxspec.tuning.config import check_minutes
-
     budget = budget_from_args(args)
     check_minutes(args.minutes)
     check_threads(args.threads)
@@ -184,10 +183,6 @@ def split_classes(args: argparse.Namespace, pipeline) -> tuple[list, list]:
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
-    from relaxspec.tuning import TuneConfig, Tuner
-    from relaxspec.tuning.report import (PRESET_FILE, closest_message, describe_heldout, describe_row, interval_note,
-                                         write_results)
-
     budget, family = check_inputs(args)
     prompts = read_prompts(args) if (args.prompt or args.prompts_file) else []
     if family is not None and family.takes == "prompts" and not prompts:

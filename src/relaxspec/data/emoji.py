@@ -39,8 +39,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 from tqdm.auto import tqdm
+from PIL import Image, UnidentifiedImageError
 
 from relaxspec.errors import RelaxspecError
+from relaxspec.files import load_array
+from relaxspec.conditions import class_ids
 
 if TYPE_CHECKING:
     import torch
@@ -168,8 +171,6 @@ def split_by_base(emoji: list[EmojiImage], classes: list[str], val_fraction: flo
 
 def load_image(path: str | Path, size: int) -> np.ndarray:
     """An emoji PNG composited on white and resized (LANCZOS) -> ``uint8 [size, size, 3]``."""
-    from PIL import Image, UnidentifiedImageError
-
     try:
         with Image.open(path) as image:
             rgba = image.convert("RGBA")
@@ -307,7 +308,6 @@ class ImageSet:
             if self.class_names is None:
                 return np.ones(len(self.labels), dtype=bool)
             return flippable(list(self.class_names))[self.labels]
-        import torch
 
         if self.class_names is None:
             return torch.ones(len(self.labels), dtype=torch.bool)
@@ -315,8 +315,6 @@ class ImageSet:
 
     def tensors(self) -> ImageSet:
         """The same set with ``images`` and ``labels`` as torch tensors (no copy)."""
-        import torch
-
         return replace(self, images=torch.as_tensor(self.images), labels=torch.as_tensor(self.labels))
 
 
@@ -347,8 +345,6 @@ def load_split(source: str | Path, split: str | None = None) -> ImageSet:
     Class names come from the ``classes.json`` beside the file when there is one (see
     :func:`load_classes`), else from its ``class_names`` array. Validated by
     :func:`check_image_set`."""
-    from relaxspec.files import load_array  # imports torch: not at module level
-
     path = Path(source) if split is None else Path(source) / f"{split}.npz"
     if not path.is_file():
         raise RelaxspecError(f"{path}: no such file; build the data set with `relaxspec data --out {path.parent}`")
@@ -400,8 +396,6 @@ def load_classes(path: str | Path | None = None) -> list[str]:
 def resolve_classes(spec: str | list, names: list[str]) -> list[int]:
     """Class ids for a comma-separated list of class names or ids (``"animal-mammal, 3"``):
     :func:`relaxspec.conditions.class_ids`, the one class check, over these names."""
-    from relaxspec.conditions import class_ids
-
     return class_ids(spec, len(names), names)
 
 
@@ -441,8 +435,6 @@ def augment(images, may_flip, generator, max_shift: int = 2, *, padding: str = "
     then ``B`` flip coins. With ``draw_unused`` they are drawn whatever the settings (3 ``B`` draws
     per call); without it the shifts are not drawn when ``max_shift`` is 0, nor the coins when
     ``may_flip`` is ``False``. Each recipe passes the convention its seeded runs were made with."""
-    import torch
-
     if padding not in PADDINGS:
         raise RelaxspecError(f"padding must be one of {', '.join(PADDINGS)}, got {padding!r}")
     if shift_order not in ("xy", "yx"):

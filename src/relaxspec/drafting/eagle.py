@@ -65,13 +65,13 @@ import torch.nn as nn
 from relaxspec.caching import kept_copy
 from relaxspec.compiling import compiled, fixed_addresses, tensors_of
 from relaxspec.drafting.family import FamilyLayers, layer_spec, rope_table
-from relaxspec.models.weights import read_state
-from relaxspec.models.weights import load_strict
+from relaxspec.models.weights import read_state, load_strict
 from relaxspec.errors import RelaxspecError
 from relaxspec.models import hf
 from relaxspec.models.base import CAPTION_ROWS, TargetModel
 from relaxspec.models.llamagen.gpt import (GPTConfig, TransformerBlock, block_shape, allocate_kv_store, release_kv_store,
                                   rope_table_2d, run_blocks)
+from relaxspec.drafting.lantern_drafter import is_eagle_folder, read_lantern_drafter
 
 
 #: The family of drafters built of LlamaGen blocks (and of every drafter file without a family).
@@ -534,8 +534,6 @@ def load_drafter(path: str | Path, target: TargetModel, dtype: torch.dtype | Non
     family or shape of target is refused. Official LANTERN's drafter folders, LlamaGen's and
     Anole's (a transformers ``config.json`` and ``pytorch_model.bin`` or ``model.safetensors``),
     are read by :func:`relaxspec.drafting.lantern_drafter.read_lantern_drafter`."""
-    from relaxspec.drafting.lantern_drafter import is_eagle_folder, read_lantern_drafter
-
     if is_eagle_folder(path):
         fields, state, weights = read_lantern_drafter(path, target)
         drafter = EagleDrafter(DrafterConfig(**fields), target)

@@ -76,6 +76,7 @@ from relaxspec.models.base import TargetModel
 from relaxspec.models.weights import read_state
 from relaxspec.models.llamagen.gpt import GPTConfig
 from relaxspec.models.llamagen.hf_layout import BLOCK, QKV_PROJ, SKIPPED, blocks_to_upstream, safetensors_keys
+from relaxspec.models.anole import AnoleTarget
 
 #: input_type -> image tokens, as official LANTERN's drafter hard-codes them (cnets_llamagen.py:566-573).
 GRIDS = {"t2i": 256, "t2i2": 1024}
@@ -139,8 +140,6 @@ def check_family(config: dict, where: str) -> str:
 
 
 def _is_anole(target: TargetModel) -> bool:
-    from relaxspec.models.anole import AnoleTarget
-
     return isinstance(target, AnoleTarget)
 
 

@@ -11,6 +11,8 @@ import json
 from pathlib import Path
 
 from relaxspec.errors import RelaxspecError
+from relaxspec.models.llamagen.checkpoints import load_gpt, load_vq
+from relaxspec.drafting.eagle import load_drafter
 
 ROOT = Path(__file__).resolve().parent
 PARTS = {"gpt": ROOT / "gpt", "vq": ROOT / "vq", "drafter": ROOT / "drafter", "classifier": ROOT / "classifier"}
@@ -45,9 +47,6 @@ def defaults() -> dict:
 
 def load(device="cpu", precision: str = "fp32", with_drafter: bool = True):
     """``(target, vq, drafter)``; the drafter is ``None`` if not shipped or not asked for."""
-    from relaxspec.models.llamagen.checkpoints import load_gpt, load_vq
-    from relaxspec.drafting.eagle import load_drafter
-
     target = load_gpt(path("gpt"), precision=precision, device=device)
     vq = load_vq(path("vq"), device=device)
     drafter = load_drafter(path("drafter"), target) if with_drafter and available("drafter") else None

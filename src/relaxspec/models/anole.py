@@ -37,6 +37,7 @@ from pathlib import Path
 
 import torch
 from torch import Tensor
+from safetensors import safe_open
 
 from relaxspec.caching import kept_copy
 from relaxspec.errors import RelaxspecError
@@ -195,7 +196,6 @@ def weight_names(path) -> list[str]:
             return list(json.loads(index.read_text())["weight_map"])
         except (ValueError, KeyError, TypeError, UnicodeDecodeError):
             raise RelaxspecError(f"{index}: not a safetensors index (a weight_map)") from None
-    from safetensors import safe_open
 
     names = []
     for file in sorted(folder.glob("*.safetensors")):
@@ -256,8 +256,6 @@ def read_anole_config(path) -> tuple[dict, VQGANConfig]:
 def load_vq(path, config: VQGANConfig, *, device="cpu") -> ChameleonVQGAN:
     """The VQ model's quantizer, ``post_quant_conv`` and decoder from the folder's safetensors
     (``model.vqmodel.*``), in fp32 on ``device`` (the official code decodes in fp32)."""
-    from safetensors import safe_open
-
     state = {}
     for file in lumina.safetensors_files(Path(path)):
         with safe_open(str(file), framework="pt") as opened:

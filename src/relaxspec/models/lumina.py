@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 from torch import Tensor
+from safetensors import safe_open
 
 from relaxspec.errors import RelaxspecError, shown
 from relaxspec.files import read_json
@@ -273,7 +274,6 @@ def load_chameleon(path, *, device="cpu", dtype=torch.float32, aside: tuple[str,
     ``aside`` are left in the files, as if absent (Anole's VQ model, which
     :mod:`relaxspec.models.anole` reads itself)."""
     transformers = hf.transformers_module(NAME)
-    from safetensors import safe_open
 
     folder = Path(path)
     read_chameleon_config(folder)

@@ -5,6 +5,7 @@ docs/models/anole.md). A Chameleon folder is Anole's when its weights hold the V
 Lumina-mGPT's share the model type and have none."""
 
 from relaxspec.pipelines.folders import FolderPipeline
+from relaxspec.models.anole import is_anole_folder, to_uint8
 
 
 class AnolePipeline(FolderPipeline):
@@ -14,12 +15,8 @@ class AnolePipeline(FolderPipeline):
 
     @staticmethod
     def claims(path) -> bool:
-        from relaxspec.models.anole import is_anole_folder
-
         return is_anole_folder(path)
 
     def to_uint8(self, decoded):
         """Pixels as the official code converts them (:func:`relaxspec.models.anole.to_uint8`)."""
-        from relaxspec.models.anole import to_uint8
-
         return to_uint8(decoded).cpu().numpy()

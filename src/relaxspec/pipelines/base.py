@@ -17,6 +17,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 from torch import Tensor
+from PIL import Image
 
 from relaxspec import methods
 from relaxspec.conditions import Condition
@@ -24,6 +25,7 @@ from relaxspec.decoding import DecodeResult, decode, reserve
 from relaxspec.errors import RelaxspecError
 from relaxspec.methods import MethodOptions
 from relaxspec.sampling import SamplingConfig
+from relaxspec.models.weights import to_uint8 as saving_rule
 
 #: Elements sampled (evenly strided) from each weight tensor for a fingerprint.
 FINGERPRINT_ELEMENTS = 4096
@@ -34,8 +36,6 @@ UPSTREAM_SAMPLING = {"cfg_scale": 4.0, "temperature": 1.0, "top_k": 2000, "top_p
 
 def to_uint8(pixels: Tensor) -> np.ndarray:
     """``[B, 3, H, W]`` in ``[-1, 1]`` -> uint8 ``[B, H, W, 3]``, rounded as LlamaGen saves images."""
-    from relaxspec.models.weights import to_uint8 as saving_rule
-
     return saving_rule(pixels).cpu().numpy()
 
 
@@ -314,8 +314,6 @@ class ImagePipeline(ABC):
 
     def images(self, tokens: Tensor, upscale: int = 1) -> list:
         """Image tokens ``[B, N]`` -> PIL images, each enlarged ``upscale`` times (nearest neighbour)."""
-        from PIL import Image
-
         images = [Image.fromarray(p) for p in self.pixels(tokens)]
         if upscale > 1:
             images = [im.resize((im.width * upscale, im.height * upscale), Image.NEAREST) for im in images]

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from importlib.metadata import entry_points
 
 from relaxspec.errors import RelaxspecError
+from relaxspec import methods
 
 #: The entry-point group through which installed packages add families.
 ENTRY_POINT_GROUP = "relaxspec.families"
@@ -194,7 +195,6 @@ def _usable(entry: str):
         _warn(f"the model family {entry} (a relaxspec.families entry point) does not load "
               f"({type(err).__name__}: {err}); it is skipped")
         return None
-    from relaxspec import methods
 
     taken = sorted({i.name for i in family.inputs} & (RESERVED | set(methods.settings())))
     if taken:

@@ -13,6 +13,8 @@ from relaxspec.conditions import Condition, check_prompts
 from relaxspec.errors import RelaxspecError
 from relaxspec.pipelines.base import ImagePipeline
 from relaxspec.pipelines.families import check_inputs
+from relaxspec.drafting.eagle import load_drafter
+from relaxspec.models.weights import PRECISIONS
 
 #: Prompt tokens a folder is opened for when no prompts are given yet (the demo, a notebook):
 #: any prompt up to this length then decodes; padding is masked and does not change the law.
@@ -69,9 +71,6 @@ def open_folder(pipeline_class: type[FolderPipeline], path, *, prompts=None, pro
     of up to ``prompt_length`` tokens, :data:`DEFAULT_PROMPT_TOKENS` by default). ``inputs``: the
     family's own opening inputs (``pipeline_class.inputs``), passed to its model module's
     ``open_folder`` by name."""
-    from relaxspec.drafting.eagle import load_drafter
-    from relaxspec.models.weights import PRECISIONS
-
     inputs = check_inputs(pipeline_class, inputs)
     module = importlib.import_module(pipeline_class.MODEL)
     if prompts is None:

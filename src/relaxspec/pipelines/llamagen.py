@@ -5,12 +5,20 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+import dataclasses
 import torch
 
 from relaxspec.conditions import Condition, check_prompts, class_condition
 from relaxspec.errors import RelaxspecError
 from relaxspec.pipelines.base import ImagePipeline
-from relaxspec.pipelines.families import OpeningInput
+from relaxspec.pipelines.families import OpeningInput, check_inputs, refuse_other
+from relaxspec.models.llamagen.gpt import GPT_SIZES
+from relaxspec.models.llamagen.vq import VQ_CONFIGS
+from relaxspec.models.llamagen.checkpoints import load_vq, load_gpt, is_gpt_folder
+from relaxspec.drafting.eagle import load_drafter
+from relaxspec import embedded
+from relaxspec.models.llamagen.hf_layout import is_lantern_folder
+from relaxspec.models.llamagen.prompts import encode_prompts
 
 #: Upstream LlamaGen's c2i demo classes (sample_c2i.py), for a model that names none of its own.
 DEFAULT_CLASSES = "207,360,387,974,88,979,417,279"
@@ -18,21 +26,14 @@ DEFAULT_CLASSES = "207,360,387,974,88,979,417,279"
 
 def spec_id(spec: str | None) -> str | None:
     """A model name as given, a JSON config file as its resolved path (what a run records)."""
-    from relaxspec.models.llamagen.gpt import GPT_SIZES
-    from relaxspec.models.llamagen.vq import VQ_CONFIGS
-
     return str(Path(spec).resolve()) if spec and spec not in GPT_SIZES and spec not in VQ_CONFIGS else spec
 
 
 def _gpt_sizes() -> str:
-    from relaxspec.models.llamagen.gpt import GPT_SIZES
-
     return ", ".join(GPT_SIZES)
 
 
 def _vq_names() -> str:
-    from relaxspec.models.llamagen.vq import VQ_CONFIGS
-
     return ", ".join(VQ_CONFIGS)
 
 
@@ -68,15 +69,10 @@ class LlamaGenPipeline(ImagePipeline):
     @classmethod
     def claims_folder(cls, path) -> bool:
         """relaxspec's own GPT folders and official LANTERN's LlamaGen folders."""
-        from relaxspec.models.llamagen.checkpoints import is_gpt_folder
-        from relaxspec.models.llamagen.hf_layout import is_lantern_folder
-
         return is_lantern_folder(path) or is_gpt_folder(path)
 
     @classmethod
     def open(cls, opening, inputs: dict) -> ImagePipeline:
-        from relaxspec.models.llamagen.checkpoints import load_gpt
-
         inputs = dict(inputs)
         gpt = inputs.pop("gpt_ckpt", None)
         if opening.model_path is not None:
@@ -103,9 +99,6 @@ def _downsample(inputs: dict) -> int:
 def open_tokenizer(inputs: dict, device="cpu"):
     """The VQ tokenizer the LlamaGen family's ``inputs`` name (``vq_ckpt``, ``vq_model``), alone:
     for a target already in memory (train-drafter's ``images``)."""
-    from relaxspec.models.llamagen.checkpoints import load_vq
-    from relaxspec.pipelines.families import check_inputs
-
     inputs = check_inputs(LlamaGenPipeline, inputs)
     if inputs.get("vq_ckpt") is None:
         raise RelaxspecError("--images are encoded by the target's VQ tokenizer: give --vq-ckpt PATH")
@@ -146,8 +139,6 @@ class LlamaGenT2I(LlamaGenPipeline):
 
     def encode(self, prompts: list[str]) -> Condition:
         """Prompts -> left-padded T5 features and mask (:mod:`relaxspec.models.llamagen.prompts`)."""
-        from relaxspec.models.llamagen.prompts import encode_prompts
-
         if not self.t5_path:
             raise RelaxspecError("encoding prompts needs --t5-path DIR / t5_path (a local Flan-T5 folder, as upstream "
                                  "LlamaGen uses), or give precomputed --caption-features")
@@ -191,9 +182,6 @@ def open_llamagen(gpt_ckpt, vq_ckpt, *, gpt_model: str | None = None, vq_model: 
                   image_size: int | None = None, sampling: dict | None = None, presets: dict | None = None,
                   default_method: str = "ar", default_classes=None, family: str | None = None) -> ImagePipeline:
     """A LlamaGen checkpoint pair (official files or relaxspec folders) as its pipeline."""
-    from relaxspec.drafting.eagle import load_drafter
-    from relaxspec.models.llamagen.checkpoints import load_gpt, load_vq
-
     if vq_ckpt is None:
         raise RelaxspecError("--vq-ckpt is required with --gpt-ckpt (the tokenizer that goes with the GPT)")
     vq = load_vq(vq_ckpt, vq_model or "VQ-16", device=device)
@@ -229,8 +217,6 @@ def llamagen_pipeline(target, vq=None, drafter=None, **inputs) -> ImagePipeline:
     """The pipeline around a LlamaGen target already in memory (with its VQ and drafter, either may
     be ``None``: one without a VQ formats conditions and paints nothing), its family's ``inputs``
     (a t2i target's ``t5_path``) checked as :func:`~relaxspec.pipelines.open_pipeline` checks them."""
-    from relaxspec.pipelines.families import check_inputs, refuse_other
-
     inputs = check_inputs(LlamaGenPipeline, inputs)
     for name in inputs:
         if name != "t5_path":
@@ -245,8 +231,6 @@ def llamagen_pipeline(target, vq=None, drafter=None, **inputs) -> ImagePipeline:
 def open_embedded(*, drafter_ckpt=None, device="cpu", precision: str = "fp32", with_drafter: bool = True):
     """The embedded emoji model (a LlamaGen c2i pipeline) with its shipped drafter, sampling
     defaults, tuned presets, default method and demo classes (``embedded/defaults.json``)."""
-    from relaxspec import embedded
-
     defaults = embedded.defaults()
     if drafter_ckpt is None and with_drafter and embedded.available("drafter"):
         drafter_ckpt = embedded.path("drafter")
@@ -257,8 +241,6 @@ def open_embedded(*, drafter_ckpt=None, device="cpu", precision: str = "fp32", w
 
 
 def _asdict(config) -> dict:
-    import dataclasses
-
     return dataclasses.asdict(config)
 
 

@@ -5,6 +5,7 @@ template, forced new lines, pixels as the official code converts them
 
 from relaxspec.pipelines.families import OpeningInput
 from relaxspec.pipelines.folders import FolderPipeline
+from relaxspec.models.lumina import to_uint8
 
 
 class LuminaPipeline(FolderPipeline):
@@ -16,6 +17,4 @@ class LuminaPipeline(FolderPipeline):
 
     def to_uint8(self, decoded):
         """Pixels as the official code converts them (:func:`relaxspec.models.lumina.to_uint8`)."""
-        from relaxspec.models.lumina import to_uint8
-
         return to_uint8(decoded).cpu().numpy()

@@ -21,10 +21,13 @@ import torch
 
 from relaxspec.devices import resolve_device
 from relaxspec.errors import RelaxspecError
-from relaxspec.pipelines.base import ImagePipeline
+from relaxspec.pipelines.base import ImagePipeline, UPSTREAM_SAMPLING
 from relaxspec.pipelines.families import (FOLDER_PIPELINES, Opening, all_families, check_inputs, file_families,
                                           folder_entries, is_folder_family, known_inputs, pipeline_class,
                                           pipeline_classes, refuse_other)
+from relaxspec.models.hf import read_config
+from relaxspec.models.weights import PRECISIONS
+from relaxspec.pipelines.families import opening_inputs
 
 #: What messages call the model opened when no family is named.
 EMBEDDED = "the embedded model (class-conditional)"
@@ -33,8 +36,6 @@ EMBEDDED = "the embedded model (class-conditional)"
 def folder_pipeline_class(model_path):
     """The family of a model folder: a file family that claims it, else the one its
     ``model_type`` names (one-line errors)."""
-    from relaxspec.models.hf import read_config
-
     for family in file_families():
         if family.claims_folder(model_path):
             return family
@@ -78,8 +79,6 @@ def folder_sampling(model_path) -> dict:
     """A model folder's sampling defaults (its ``generation_config.json``, else its family's
     documented recipe, over upstream LlamaGen's), without loading the weights; ``{}`` beyond
     upstream's for a file family's folder (its pipeline brings its own)."""
-    from relaxspec.pipelines.base import UPSTREAM_SAMPLING
-
     family = folder_pipeline_class(model_path)
     own = importlib.import_module(family.MODEL).sampling_defaults(model_path) if is_folder_family(family) else {}
     return {**UPSTREAM_SAMPLING, **own}
@@ -96,8 +95,6 @@ def open_pipeline(model_path=None, *, drafter_ckpt=None, device: str | torch.dev
     inputs (LlamaGen's files, ``tokenizer_path``, ``negative_prompt``, ...; ``None`` values are left
     out).
     Every argument is checked with a one-line error."""
-    from relaxspec.models.weights import PRECISIONS
-
     if precision not in PRECISIONS:
         raise RelaxspecError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
     if image_size is not None and (isinstance(image_size, bool) or not isinstance(image_size, int) or image_size < 1):
@@ -120,8 +117,6 @@ def open_pipeline(model_path=None, *, drafter_ckpt=None, device: str | torch.dev
 def reopen_pipeline(settings: dict, *, device=None, prompts=None) -> ImagePipeline:
     """The model a run's ``settings`` (stats.json) recorded, opened again as the run opened it:
     its folder or its family's inputs (recorded by their names), drafter, precision and image size."""
-    from relaxspec.pipelines.families import opening_inputs
-
     folder = settings.get("model_path")
     inputs = {name: settings.get(name) for name, (declared, _) in opening_inputs().items()
               if not (folder is not None and declared.opens)}  # a folder stands for its family's files

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+import torch
+
 from relaxspec import __version__
 from relaxspec.errors import RelaxspecError
 from relaxspec.files import read_json
@@ -188,8 +190,6 @@ TRAIN_STATE = "train_state.pt"
 def save_train_state(out, state: dict) -> None:
     """``torch.save(state, out/train_state.pt)`` atomically. ``state`` must hold only what
     ``weights_only=True`` loads (tensors, numbers, strings, lists, dicts)."""
-    import torch
-
     path = Path(out) / TRAIN_STATE
     temp = path.with_name(TRAIN_STATE + ".tmp")
     torch.save(state, temp)
@@ -199,8 +199,6 @@ def save_train_state(out, state: dict) -> None:
 def read_train_state(out, version: int, what: str) -> dict:
     """``out/train_state.pt``, loaded with ``weights_only=True``; ``what`` names the recipe in the
     error for a file of another recipe or version."""
-    import torch
-
     path = Path(out) / TRAIN_STATE
     if not path.is_file():
         raise RelaxspecError(f"{path}: no training state to resume from")

@@ -29,6 +29,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
+import dataclasses
 
 import torch
 from tqdm.auto import tqdm
@@ -300,16 +301,12 @@ class RecipeConfig:
     what = "training"
 
     def to_dict(self) -> dict:
-        import dataclasses
-
         return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, data: dict):
         unknown = sorted(set(data) - set(cls.__dataclass_fields__))
         if unknown:
-            from relaxspec.errors import RelaxspecError
-
             raise RelaxspecError(f"unknown {cls.what} fields: {', '.join(unknown)}")
         return cls(**data)
 
@@ -325,8 +322,6 @@ def need_finite(config) -> None:
 def need(ok: bool, message: str) -> None:
     """Config validation: raise the user-facing error ``message`` unless ``ok``."""
     if not ok:
-        from relaxspec.errors import RelaxspecError
-
         raise RelaxspecError(message)
 
 

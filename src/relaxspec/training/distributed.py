@@ -21,6 +21,8 @@ import os
 import signal
 import sys
 from dataclasses import dataclass
+import socket
+import time
 
 import torch
 
@@ -159,9 +161,6 @@ def _rendezvous(rank: int, world: int):
 
 def _wait_for_port(host: str, port: int, seconds: float) -> None:
     """Until ``host:port`` takes a connection (the run's store is up), for at most ``seconds``."""
-    import socket
-    import time
-
     deadline = time.monotonic() + seconds
     while True:
         try:
@@ -175,8 +174,6 @@ def _wait_for_port(host: str, port: int, seconds: float) -> None:
 
 def _wait_for_count(store, key: str, count: int, seconds: float, waiting: str) -> None:
     """Until ``key`` counts ``count``; ``waiting`` is said once the wait passes a few seconds."""
-    import time
-
     started = time.monotonic()
     said = False
     while store.add(key, 0) < count:

@@ -25,6 +25,7 @@ from relaxspec.files import write_atomic, write_json
 from relaxspec.pipelines.presets import preset_record
 from relaxspec.bench.report import MIN_INTERVAL_PAIRS
 from relaxspec.tuning.config import MIN_QUALITY_IMAGES, round_up
+from relaxspec.tuning.budget import within
 
 PRESET_FILE, REPORT_FILE, FRONTIER_FILE, TABLE_FILE = "tune.json", "report.md", "frontier.png", "settings.csv"
 COLUMNS = ("label", "method", "family", "tree", "relaxed", "compile", "pairs", "speedup", "speedup_lo", "speedup_hi", "seconds",
@@ -228,7 +229,6 @@ def markdown(rows: list[dict], result: dict, tuner, preset: dict | None) -> str:
         lines += ["", f"Use it: `relaxspec generate --preset {Path(tuner.out) / PRESET_FILE} ...` "
                   "(also bench, demo, relaxspec.generate(preset=...))", ""]
     lines += ["| setting | speed-up vs AR [95% CI] | pairs | MAL | TV / token | within budget |", "|---|---|---|---|---|---|"]
-    from relaxspec.tuning.budget import within
 
     for row in rows:
         if row["label"] == "ar":

@@ -64,6 +64,7 @@ from relaxspec.tuning.candidates import (LEGACY_PROBE_TREE, PROBE_RULES, PROBE_T
 from relaxspec.tuning.config import (MAX_MINUTES, MAX_PLAN_IMAGES, MIN_QUALITY_IMAGES, TuneConfig, check_minutes,
                                      round_up)
 from relaxspec.tuning.state import STATE_FILE, costs_problem, open_state, probes_problem, read_owned
+from relaxspec.bench.cost import measure_forward_costs, ForwardCosts
 
 #: Shares of the budget kept for the held-out measurement and for the quality test.
 HELDOUT_SHARE, QUALITY_SHARE = 0.15, 0.2
@@ -158,7 +159,6 @@ class Tuner:
         path = self.out / "costs.json"
         if path.exists():
             return read_owned(self.out, "costs.json", costs_problem)
-        from relaxspec.bench.cost import measure_forward_costs
 
         self.say("timing the target and drafter forwards (the cost curve)")
         cond = mask = None
@@ -225,8 +225,6 @@ class Tuner:
                 if rule not in probes or probes[rule].get("tree", LEGACY_PROBE_TREE) != PROBE_TREES[rule]]
 
     def trees(self, costs: dict) -> dict:
-        from relaxspec.bench.cost import ForwardCosts
-
         path = self.out / "probe.json"
         probes = read_owned(self.out, "probe.json", probes_problem) if path.exists() else {}
         rules = self.probe_rules()

@@ -20,6 +20,7 @@ from relaxspec.bench.report.statistics import summarize
 from relaxspec.bench.run import RECORDS_FILE, SETTINGS_FILE, read_records_counted
 from relaxspec.errors import RelaxspecError, shown
 from relaxspec.methods.grid import ROWS_SEEN
+from relaxspec.files import write_atomic, write_json
 
 SUMMARY_JSON, SUMMARY_CSV, SUMMARY_MD = "summary.json", "summary.csv", "summary.md"
 QUALITY_KEYS = ("class_accuracy", "fid_like", "precision", "recall", "class_accuracy_diff_vs_ar", "fid_like_diff_vs_ar")
@@ -182,8 +183,6 @@ def write_report(out_dir: str | Path, *, vq=None, classifier=None, real_data: st
     """Summarise the benchmark in ``out_dir`` and write every output; returns ``{"rows", "files",
     "notes"}``. Quality needs ``vq`` (to decode the tokens), ``classifier`` and ``real_data``.
     ``baseline``: the label speed-ups are measured against (default: the run's, plain AR)."""
-    from relaxspec.files import write_atomic, write_json
-
     out = Path(out_dir)
     settings, records, skipped = load_bench_counted(out)
     methods = settings.get("methods", [])

@@ -11,10 +11,16 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from tqdm.auto import tqdm
+from PIL import Image
 
 from relaxspec.bench.config import BASELINE
 from relaxspec.bench.report.statistics import bootstrap
 from relaxspec.errors import RelaxspecError
+from relaxspec.files import write_atomic, write_png
+from relaxspec.models.weights import to_uint8
+from relaxspec.evaluation.classifier import load_split
+from relaxspec.evaluation.metrics import QualityReference
 
 IMAGES_DIR = "images"
 FID_LIKE_NOTE = ("FID-like = Fréchet distance on our classifier's features (relaxspec.evaluation), NOT comparable "
@@ -32,11 +38,6 @@ def ensure_images(out_dir: str | Path, records: Sequence[dict], vq, *, batch_siz
     runs: only missing files are decoded). ``images/SETTINGS_HASH`` names the benchmark the
     images belong to; after ``--overwrite`` with other settings every image is decoded again.
     Returns the files per method label, by image index."""
-    from tqdm.auto import tqdm
-
-    from relaxspec.files import write_atomic, write_png
-    from relaxspec.models.weights import to_uint8
-
     out = Path(out_dir) / IMAGES_DIR
     marker = out / "SETTINGS_HASH"
     digest = str(records[0].get("settings_hash")) if records else ""
@@ -66,8 +67,6 @@ def ensure_images(out_dir: str | Path, records: Sequence[dict], vq, *, batch_siz
 
 def read_pngs(paths: Sequence[Path]) -> np.ndarray:
     """uint8 ``[n, H, W, 3]``."""
-    from PIL import Image
-
     images = []
     for path in paths:
         with Image.open(path) as image:
@@ -78,8 +77,6 @@ def read_pngs(paths: Sequence[Path]) -> np.ndarray:
 def load_real_images(path: str | Path, classes: Sequence[int] | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Held-out real images (an ``.npz`` with ``images`` uint8 ``[n, H, W, 3]`` and ``labels``),
     restricted to ``classes`` (the benchmarked ones) when given."""
-    from relaxspec.evaluation.classifier import load_split
-
     data = load_split(path)
     images, labels = data.images, data.labels
     if classes is not None:
@@ -98,8 +95,6 @@ def quality_metrics(fake: dict[str, tuple[np.ndarray, np.ndarray]], classifier, 
     images both decoded, resampled pairwise by image). ``fake[label] = (uint8 images [n, H, W, 3],
     conditioning classes [n])``; ``indices[label]`` the image index of each row (default
     ``0 .. n-1``)."""
-    from relaxspec.evaluation.metrics import QualityReference
-
     reference = QualityReference(classifier, real_images, k=k)
     fid = reference.fid
     per_method: dict[str, dict] = {}

@@ -20,9 +20,12 @@ import re
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
+from safetensors import safe_open
 
 from relaxspec.errors import RelaxspecError, shown
 from relaxspec.files import read_json
+from relaxspec.models.llamagen.gpt import GPTConfig
 
 #: A LlamaGen block's tensors under HF-Llama names -> upstream's (both within ``layers.N.``); q, k
 #: and v (:data:`QKV_PROJ`) stack into ``attention.wqkv.weight``. LANTERN's targets and drafters
@@ -98,9 +101,6 @@ def gpt_fields(config: dict, where: str) -> dict:
 def read_lantern_folder(path) -> tuple[dict[str, torch.Tensor], dict, dict]:
     """``(state dict under upstream LlamaGen names, GPTConfig fields, config.json)`` of a
     LANTERN-layout folder; the weights must fill the network exactly (checked when loaded)."""
-    from relaxspec.models.llamagen.gpt import GPTConfig
-    from safetensors.torch import load_file
-
     folder = Path(path)
     where = str(folder)
     if is_drafter_folder(folder):
@@ -199,8 +199,6 @@ def from_upstream(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def safetensors_keys(path) -> list[str]:
     """The tensor names of a safetensors file, read from its header (``[]`` for a file that is not
     one: the readers that load it say what is wrong)."""
-    from safetensors import safe_open
-
     try:
         with safe_open(str(path), framework="pt") as handle:
             return list(handle.keys())

@@ -16,6 +16,8 @@ from relaxspec.models.weights import PRECISIONS
 from relaxspec.pipelines.families import known_inputs, opening_inputs
 from relaxspec.sampling import SamplingConfig
 from relaxspec.training import common
+from relaxspec.errors import RelaxspecError
+from relaxspec.pipelines.open import folder_pipeline_class
 
 #: The format of ``train_state.pt`` (checked when it is read back).
 STATE_VERSION = 1
@@ -188,9 +190,6 @@ def _prompted_folder(path) -> bool:
     """Whether the model folder ``path`` is of a family that draws prompts (a transformers
     folder: it trains on its own samples of prompts); a folder that cannot be read counts as one
     (opening it says why)."""
-    from relaxspec.errors import RelaxspecError
-    from relaxspec.pipelines.open import folder_pipeline_class
-
     try:
         return folder_pipeline_class(path).takes == "prompts"
     except RelaxspecError:

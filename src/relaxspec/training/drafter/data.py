@@ -13,6 +13,7 @@ from typing import Callable
 import numpy as np
 import torch
 from tqdm.auto import tqdm
+from PIL import Image, UnidentifiedImageError
 
 from relaxspec.errors import RelaxspecError
 from relaxspec.models.base import TargetModel, TeacherForcedTarget
@@ -20,6 +21,7 @@ from relaxspec.models.llamagen.vq import VQModel
 from relaxspec.sampling import SamplingConfig
 from relaxspec.training import common
 from relaxspec.training.drafter.config import SELF_SAMPLES, DrafterTrainConfig
+from relaxspec.training.drafter.cache import SampleCache
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 
@@ -200,7 +202,6 @@ def sample_prompts(target: TargetModel, cond: torch.Tensor, cond_mask: torch.Ten
     interrupted one stopped. With ``shard`` this process draws its share of the batches; every
     process returns all of them (the cache is how they meet, so it is required)."""
     from relaxspec.decoding.ar import generate_ar
-    from relaxspec.training.drafter.cache import SampleCache
 
     shard = shard or Shard()
     if shard.world > 1 and cache is None:
@@ -248,8 +249,6 @@ def sample_prompts(target: TargetModel, cond: torch.Tensor, cond_mask: torch.Ten
 def center_crop(image, size: int) -> np.ndarray:
     """Upstream's (ADM) ``center_crop_arr``: box-halve while large, bicubic-resize the short side
     to ``size``, crop the centre. -> ``uint8 [size, size, 3]``."""
-    from PIL import Image
-
     while min(*image.size) >= 2 * size:
         image = image.resize(tuple(x // 2 for x in image.size), resample=Image.BOX)
     scale = size / min(*image.size)
@@ -292,8 +291,6 @@ def list_images(folder: str | Path, label: int | None = None) -> tuple[list[Path
 def encode_images(folder: str | Path, vq: VQModel, image_size: int, *, label: int | None = None,
                   batch_size: int = 16, progress: bool = False) -> DrafterDataset:
     """Encode every image under ``folder`` (center-cropped to ``image_size``) with ``vq``."""
-    from PIL import Image, UnidentifiedImageError
-
     files, labels = list_images(folder, label)
     device = next(vq.parameters()).device
     chunks = []

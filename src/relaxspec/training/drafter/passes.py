@@ -9,6 +9,7 @@ from relaxspec.drafting.eagle import EagleDrafter
 from relaxspec.models.base import TargetModel, TeacherForcedTarget, condition_states, condition_tokens, prepare_condition
 from relaxspec.training.drafter.config import DrafterTrainConfig
 from relaxspec.training.drafter.maths import drafter_inputs, drafter_loss, drafter_targets, unrolled_mask
+from relaxspec.decoding.target import attention_mask
 
 
 @torch.no_grad()
@@ -61,8 +62,6 @@ def teacher_forced(target: TargetModel, cond: torch.Tensor, tokens: torch.Tensor
     ``with_condition``: also the prefill's hidden states at every condition position ``[R, C, D]``
     (what decoding hands a drafter that reads the condition; padded caption positions as
     ``caption_rows`` says, :func:`relaxspec.models.base.condition_states`)."""
-    from relaxspec.decoding.target import attention_mask
-
     rows, count = tokens.shape
     cls = target.config.condition_length
     length = cls + count

@@ -47,6 +47,11 @@ from relaxspec.training.drafter.config import BEST, PREPARING, STATE_VERSION, Dr
 from relaxspec.training.drafter.data import DrafterDataset, Shard, build_dataset
 from relaxspec.training.drafter.maths import chain_mal
 from relaxspec.training.drafter.passes import batch_loss
+from relaxspec.files import read_prompts_file
+from relaxspec.models.llamagen.gpt import Transformer
+from relaxspec.pipelines.llamagen import llamagen_pipeline, open_tokenizer
+from relaxspec.pipelines import open_pipeline
+from relaxspec.pipelines.open import choose_family
 
 
 @torch.no_grad()
@@ -98,8 +103,6 @@ class DrafterTrainResult:
 
 def _read_prompts(config: DrafterTrainConfig) -> list[str]:
     """The self-samples' prompts (``prompts_file``, blank lines skipped)."""
-    from relaxspec.files import read_prompts_file
-
     prompts = read_prompts_file(config.prompts_file)
     if not prompts:
         raise RelaxspecError(f"--prompts-file {config.prompts_file}: no prompts in the file")
@@ -109,18 +112,12 @@ def _read_prompts(config: DrafterTrainConfig) -> list[str]:
 def _around(target: TargetModel, inputs: dict):
     """The pipeline of a LlamaGen target given in memory: it formats conditions (a t2i one's
     prompts with its ``t5_path``) and paints nothing. ``None`` for a target of another kind."""
-    from relaxspec.models.llamagen.gpt import Transformer
-    from relaxspec.pipelines.llamagen import llamagen_pipeline
-
     return llamagen_pipeline(target, **inputs) if isinstance(target, Transformer) else None
 
 
 def _tokenizer_of(target: TargetModel, config: DrafterTrainConfig):
     """The image tokenizer of a target given in memory, for ``images``: a LlamaGen target's VQ file
     alone (its family's ``vq_ckpt``), any other's with the model ``config`` names."""
-    from relaxspec.models.llamagen.gpt import Transformer
-    from relaxspec.pipelines.llamagen import open_tokenizer
-
     if isinstance(target, Transformer):
         return open_tokenizer(config.inputs, target.device)
     return _open_named(config, None, target.device).tokenizer
@@ -131,9 +128,6 @@ def _open_named(config: DrafterTrainConfig, prompts: list[str] | None, device: t
     (:func:`relaxspec.pipelines.open_pipeline`: any family's files or model folder, with its
     ``config.inputs``); its image tokenizer only where ``images`` needs it (a family may leave out
     one of its own files then)."""
-    from relaxspec.pipelines import open_pipeline
-    from relaxspec.pipelines.open import choose_family
-
     device = device or resolve_device(config.device)
     if choose_family(config.model_path, config.inputs) is None:
         from relaxspec.pipelines.families import file_families
