@@ -18,7 +18,8 @@ from pathlib import Path
 import torch
 
 from relaxspec import embedded
-from relaxspec.decoding import MethodOptions, decode
+from relaxspec.decoding import decode
+from relaxspec.methods import MethodOptions
 from relaxspec.sampling import SamplingConfig
 
 from checkout import counting_attr

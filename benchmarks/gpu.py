@@ -47,7 +47,8 @@ import relaxspec.compiling
 from relaxspec import embedded
 from relaxspec.bench.cost import measure_forward_costs
 from relaxspec.bench.counting import host_calls
-from relaxspec.decoding import MethodOptions, decode, reserve
+from relaxspec.decoding import decode, reserve
+from relaxspec.methods import MethodOptions
 from relaxspec.drafting.eagle import EagleDrafter
 from relaxspec.methods import BuildContext
 from relaxspec.models.llamagen.gpt import Transformer, gpt_config

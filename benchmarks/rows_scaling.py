@@ -20,7 +20,8 @@ import time
 
 import torch
 
-from relaxspec.decoding import MethodOptions, decode
+from relaxspec.decoding import decode
+from relaxspec.methods import MethodOptions
 from relaxspec.models.llamagen.gpt import GPTConfig, Transformer
 from relaxspec.sampling import SamplingConfig
 

@@ -20,7 +20,8 @@ import time
 import torch
 
 from relaxspec import embedded
-from relaxspec.decoding import MethodOptions, decode
+from relaxspec.decoding import decode
+from relaxspec.methods import MethodOptions
 from relaxspec.sampling import SamplingConfig
 
 

@@ -21,16 +21,17 @@ import time
 
 import torch
 
-import relaxspec.decoding.engine as engine
+import relaxspec.decoding.steps as steps
 from relaxspec import embedded
-from relaxspec.decoding import MethodOptions, decode
+from relaxspec.decoding import decode
+from relaxspec.methods import MethodOptions
 from relaxspec.decoding.target import GuidedTarget
 from relaxspec.sampling import SamplingConfig
 
 
 def timed_sections(spent: collections.Counter) -> None:
     """Time verify_tree and the KV moves into ``spent`` (seconds), wrapping them where the engine calls them."""
-    verify = engine.verify_tree
+    verify = steps.verify_tree
 
     def timed_verify(*args, **kwargs):
         start = time.perf_counter()
@@ -38,7 +39,7 @@ def timed_sections(spent: collections.Counter) -> None:
         spent["verify"] += time.perf_counter() - start
         return out
 
-    engine.verify_tree = timed_verify
+    steps.verify_tree = timed_verify
     move = GuidedTarget.move_cache
 
     def timed_move(self, *args):

@@ -33,7 +33,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from relaxspec import embedded
-from relaxspec.decoding import MethodOptions, decode
+from relaxspec.decoding import decode
+from relaxspec.methods import MethodOptions
 from relaxspec.sampling import SamplingConfig
 
 from checkout import counting_attr

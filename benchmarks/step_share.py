@@ -31,7 +31,8 @@ from pathlib import Path
 import torch
 
 from relaxspec import embedded
-from relaxspec.decoding import MethodOptions, decode
+from relaxspec.decoding import decode
+from relaxspec.methods import MethodOptions
 from relaxspec.errors import RelaxspecError
 from relaxspec.methods import resolve
 from relaxspec.sampling import SamplingConfig

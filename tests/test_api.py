@@ -10,7 +10,7 @@ from PIL import Image
 
 import relaxspec
 from relaxspec.cli import main
-from relaxspec.decoding import MethodOptions
+from relaxspec.methods import MethodOptions
 from relaxspec.errors import RelaxspecError
 
 CLASSES = "heart,animal-mammal,time"

@@ -135,7 +135,7 @@ def test_generate_t2i(tiny_ckpts, tmp_path, capsys):
 
 
 def test_sjd_method_runs_through_the_cli(tiny_ckpts, tmp_path, capsys):
-    pytest.importorskip("relaxspec.decoding.engine")
+    pytest.importorskip("relaxspec.decoding.raster")
     code, _, err = run(generate_args(tiny_ckpts["c2i"], tmp_path / "out", "--classes", "1", "--method", "sjd",
                                      "--window", "4", "--temperature", "0"), capsys)
     assert code == 0, err

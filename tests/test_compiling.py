@@ -174,7 +174,8 @@ def test_a_compiled_decode_packs_the_target_and_the_drafter(monkeypatch):
     them over: after a compiled decode both multiply by packed weights, and the tokens are eager's.
     (Packed under either backend; aot_eager here, inductor's kernels in tests/test_fast_engine.py.)"""
     import relaxspec.compiling
-    from relaxspec.decoding import MethodOptions, decode
+    from relaxspec.decoding import decode
+    from relaxspec.methods import MethodOptions
 
     monkeypatch.setattr(relaxspec.compiling, "BACKEND", "aot_eager")
     from relaxspec.sampling import SamplingConfig

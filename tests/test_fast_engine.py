@@ -23,7 +23,8 @@ import relaxspec.compiling
 import relaxspec.decoding.loop
 from relaxspec.acceptance import LanternRule
 from relaxspec.bench.counting import StepCounter, host_calls, is_sync
-from relaxspec.decoding import MethodOptions, decode
+from relaxspec.decoding import decode
+from relaxspec.methods import MethodOptions
 from relaxspec.errors import RelaxspecError
 from relaxspec.sampling import SamplingConfig
 from helpers.compiled import generated_code, largest_allocation

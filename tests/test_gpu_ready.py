@@ -13,7 +13,8 @@ import torch
 import relaxspec.compiling
 import relaxspec.decoding.loop
 from relaxspec.bench.counting import top_level_events
-from relaxspec.decoding import MethodOptions, decode, reserve
+from relaxspec.decoding import decode, reserve
+from relaxspec.methods import MethodOptions
 from relaxspec.methods import BuildContext
 from relaxspec.models import hf
 from relaxspec.models.llamagen.gpt import kv_index, move_kv

@@ -15,7 +15,9 @@ import relaxspec
 from relaxspec.acceptance import LanternRule, neighbour_table
 from relaxspec.acceptance.neighbours import load_neighbour_file
 from relaxspec.cli import main
+from relaxspec.decoding import decode
 from relaxspec.errors import RelaxspecError
+from relaxspec.pipelines import open_pipeline
 
 
 def official_style_table(codebook: torch.Tensor) -> np.ndarray:
@@ -72,16 +74,13 @@ def test_a_decode_with_the_file_is_the_decode_with_that_table(official_file, tmp
     other = tmp_path / "reordered.npy"
     np.save(other, reordered)
     with_other = relaxspec.generate("heart,time", "lantern", seed=3, sampling=sampling, neighbours=str(other))
-    from relaxspec.decoding.engine import generate_speculative
-    from relaxspec.pipelines import open_pipeline
-
     pipeline = open_pipeline()
     options = pipeline.method("lantern")
     rule = LanternRule(torch.from_numpy(reordered[:, :64].astype(np.int64)), 64, delta=options.delta)
     condition = pipeline.conditions(classes="heart,time")
-    by_hand = generate_speculative(pipeline.target, condition.cond, pipeline.sampling(sampling), options,
-                                   vq=pipeline.tokenizer, drafter=pipeline.drafter, rule=rule,
-                                   generator=torch.Generator().manual_seed(relaxspec.sampling.batch_seed(3, 0)))
+    by_hand = decode(pipeline.target, condition.cond, pipeline.sampling(sampling), options,
+                     vq=pipeline.tokenizer, drafter=pipeline.drafter, rule=rule,
+                     generator=torch.Generator().manual_seed(relaxspec.sampling.batch_seed(3, 0)))
     assert torch.equal(with_other.result.tokens, by_hand.tokens)
     assert not torch.equal(with_other.result.tokens, computed.result.tokens)
 

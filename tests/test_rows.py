@@ -14,7 +14,7 @@ from helpers.rows_reference import reference_rows
 
 from relaxspec.acceptance.exact import ExactRule
 from relaxspec.decoding.ar import generate_ar
-from relaxspec.decoding.rows import generate_rows, row_causal_mask
+from relaxspec.decoding.rows import Rows, generate_rows, row_causal_mask
 from relaxspec.drafting.base import NoDrafts
 from relaxspec.drafting.dynamic_tree import DynamicTree
 from relaxspec.drafting.eagle_source import EagleSource
@@ -22,7 +22,6 @@ from relaxspec.drafting.jacobi import JacobiSource
 from relaxspec.drafting.static_tree import StaticTree
 from relaxspec.drafting.trees import TreeSpec
 from relaxspec.errors import RelaxspecError
-from relaxspec.methods.grid import RowPlan
 from relaxspec.models.llamagen.gpt import GPTConfig
 from relaxspec.sampling import SamplingConfig
 
@@ -45,7 +44,7 @@ def test_rows_that_never_overlap_are_plain_decoding(target, source, prefix_below
     greedy AR token for token (PJD's acceptance too: its only open row is the top one)."""
     cond = torch.tensor([1, 4])
     result = generate_rows(target, cond, GREEDY, source=source(), rule=ExactRule(),
-                           plan=RowPlan(lanes, lead, prefix_below))
+                           plan=Rows(lanes, lead, prefix_below))
     assert torch.equal(result.tokens, generate_ar(target, cond, GREEDY).tokens)
 
 
@@ -56,7 +55,7 @@ def test_open_rows_decode_the_slow_reference_s_tokens(target, lanes, lead) -> No
     row above's input seen in the same forward, a new row's first input at the slot before it),
     the lanes capping the rows open; one forward per step decides a token of every open row."""
     cond = torch.tensor([1, 4])
-    result = generate_rows(target, cond, GREEDY, source=NoDrafts(), rule=ExactRule(), plan=RowPlan(lanes, lead))
+    result = generate_rows(target, cond, GREEDY, source=NoDrafts(), rule=ExactRule(), plan=Rows(lanes, lead))
     assert torch.equal(result.tokens, reference_rows(target, cond, GREEDY, lanes, lead))
     assert (result.target_forwards < 25).all()
     assert sum(result.accept_lengths[0]) == 25
@@ -84,7 +83,7 @@ def test_zipar_gives_official_llamagen_zipar_s_tokens(embedded_target) -> None:
     assert generate_ar(embedded_target, cond, greedy).tokens.tolist() == golden["ar"]
     for window in golden["windows"]:
         result = generate_rows(embedded_target, cond, greedy, source=NoDrafts(), rule=ExactRule(),
-                               plan=RowPlan(64, window))
+                               plan=Rows(64, window))
         assert result.tokens.tolist() == golden["masked"][str(window)], window
 
 
@@ -132,7 +131,7 @@ def test_lumina_rows_give_official_lumina_mgpt_zipar_s_tokens(tmp_path) -> None:
         assert ar == golden["ar"][str(scale)]
         for window in golden["windows"]:
             tokens = generate_rows(target, condition.cond, greedy, source=NoDrafts(), rule=ExactRule(),
-                                   plan=RowPlan(4, window - 1), cond_mask=condition.mask).tokens.tolist()
+                                   plan=Rows(4, window - 1), cond_mask=condition.mask).tokens.tolist()
             want = golden["zipar"] if scale == 1.0 else golden["rules_lumina_uncond"]
             assert tokens == want[str(scale)][str(window)], (scale, window)
 
@@ -169,7 +168,7 @@ def test_the_row_causal_mask_against_a_per_node_reference() -> None:
 def test_sampled_rows_commit_every_token_in_fewer_forwards(target) -> None:
     sampling = SamplingConfig(cfg_scale=2.0, temperature=1.0, top_k=0)
     result = generate_rows(target, torch.tensor([1, 2, 3]), sampling, source=JacobiSource(3), rule=ExactRule(),
-                           plan=RowPlan(3, 2), generator=torch.Generator().manual_seed(0))
+                           plan=Rows(3, 2), generator=torch.Generator().manual_seed(0))
     assert result.tokens.shape == (3, 25) and (result.tokens >= 0).all() and (result.tokens < 64).all()
     assert (result.target_forwards < 25).all()
     assert all(sum(lengths) == 25 for lengths in result.accept_lengths)
@@ -180,7 +179,7 @@ def test_pjd_s_acceptance_commits_a_lower_row_s_prefix_and_keeps_likelier_drafts
     drafts that position again), and an old draft survives a redraw, with its old law, where
     p_new / p_old > 0.5 of it; sampled, every token is committed in fewer forwards than tokens."""
     sampling = SamplingConfig(cfg_scale=2.0, temperature=1.0, top_k=0)
-    cond, plan = torch.tensor([1, 2, 3]), RowPlan(5, 2, prefix_below=True)
+    cond, plan = torch.tensor([1, 2, 3]), Rows(5, 2, prefix_below=True)
     result = generate_rows(target, cond, sampling, source=JacobiSource(3, keep_likelier=True), rule=ExactRule(),
                            plan=plan, generator=torch.Generator().manual_seed(0))
     assert all(sum(lengths) == 25 for lengths in result.accept_lengths) and (result.target_forwards < 25).all()
@@ -209,9 +208,9 @@ def test_pjd_s_acceptance_commits_a_lower_row_s_prefix_and_keeps_likelier_drafts
 
 
 @pytest.mark.parametrize("plan, message", [
-    (RowPlan(2, 0), "row lead must lie in \\[1, 5\\]"),
-    (RowPlan(2, 6), "row lead must lie in \\[1, 5\\]"),
-    (RowPlan(0, 1), "rows must be at least 1"),
+    (Rows(2, 0), "row lead must lie in \\[1, 5\\]"),
+    (Rows(2, 6), "row lead must lie in \\[1, 5\\]"),
+    (Rows(0, 1), "rows must be at least 1"),
 ])
 def test_bad_row_settings_are_one_line(target, plan, message) -> None:
     with pytest.raises(RelaxspecError, match=message):
@@ -248,7 +247,7 @@ def test_a_model_without_a_grid_is_refused() -> None:
     model = SimpleNamespace(config=SimpleNamespace(grid_size=4, block_size=15))
     assert grid_side(model) is None and grid_side(peaked_target(GRID4, 0)) == 4
     with pytest.raises(RelaxspecError, match="square grid"):
-        generate_rows(model, torch.tensor([1]), GREEDY, source=NoDrafts(), rule=ExactRule(), plan=RowPlan(2, 1))
+        generate_rows(model, torch.tensor([1]), GREEDY, source=NoDrafts(), rule=ExactRule(), plan=Rows(2, 1))
 
 
 def _family(name: str, root):
@@ -289,10 +288,10 @@ def test_every_family_paints_rows_in_parallel(tmp_path, family) -> None:
     cond, mask = condition.cond, condition.mask
     ar = generate_ar(target, cond, GREEDY, cond_mask=mask).tokens
     grid = target.config.grid_size
-    one = generate_rows(target, cond, GREEDY, source=JacobiSource(2), rule=ExactRule(), plan=RowPlan(2, grid),
+    one = generate_rows(target, cond, GREEDY, source=JacobiSource(2), rule=ExactRule(), plan=Rows(2, grid),
                         cond_mask=mask)
     assert torch.equal(one.tokens, ar)
-    several = generate_rows(target, cond, GREEDY, source=NoDrafts(), rule=ExactRule(), plan=RowPlan(3, 1),
+    several = generate_rows(target, cond, GREEDY, source=NoDrafts(), rule=ExactRule(), plan=Rows(3, 1),
                             cond_mask=mask)
     assert torch.equal(several.tokens, reference_rows(target, cond, GREEDY, 3, 1, cond_mask=mask))
     assert (several.target_forwards < grid * grid).all()
@@ -344,7 +343,7 @@ def test_every_acceptance_rule_verifies_the_rows(method) -> None:
     rule = build_rule(MethodOptions(method, **given), pipeline.tokenizer, horizon=3, target=pipeline.target)
     assert not rule.lossless
     result = generate_rows(pipeline.target, torch.tensor([3, 7]), sampling, source=JacobiSource(3), rule=rule,
-                           plan=RowPlan(4, 2), generator=torch.Generator().manual_seed(0))
+                           plan=Rows(4, 2), generator=torch.Generator().manual_seed(0))
     assert result.tokens.shape == (2, 64) and ((result.tokens >= 0) & (result.tokens < 1024)).all()
     assert (result.target_forwards < 64).all() and result.tv_recorded and (result.step_tv >= 0).all()
     assert result.rows == 4 and result.row_lead == 2
@@ -414,7 +413,7 @@ def test_every_row_drafts_with_the_eagle_drafter_and_exact_greedy_stays_the_rows
     drafter's cache and the target's keys kept apart per lane; overlapping rows commit every token
     once."""
     cond = torch.tensor([1, 4])
-    drafted = generate_rows(target, cond, GREEDY, source=tree(target), rule=ExactRule(), plan=RowPlan(lanes, lead))
+    drafted = generate_rows(target, cond, GREEDY, source=tree(target), rule=ExactRule(), plan=Rows(lanes, lead))
     if lanes == 1 or lead == 5:
         assert torch.equal(drafted.tokens, generate_ar(target, cond, GREEDY).tokens)
     assert drafted.tokens.shape == (2, 25) and all(sum(lengths) == 25 for lengths in drafted.accept_lengths)
@@ -457,7 +456,8 @@ def test_each_row_s_drafter_sees_what_the_raster_drafter_sees() -> None:
     whole row) accept the drafter's first guess about as often as raster decoding does (0.57 to
     0.54 here); a drafter reading the wrong pairs (every pair written three slots off) accepts
     0.46 of them, so the bound below tells the two apart."""
-    from relaxspec.decoding import MethodOptions, decode
+    from relaxspec.decoding import decode
+    from relaxspec.methods import MethodOptions
     from relaxspec.pipelines import open_pipeline
 
     pipeline = open_pipeline()
@@ -477,7 +477,8 @@ def test_each_row_s_drafter_sees_what_the_raster_drafter_sees() -> None:
 def test_relaxed_rules_verify_each_row_s_eagle_chain(method) -> None:
     """LANTERN and COOL-SD verify every open row's EAGLE chain on the embedded model (its trained
     drafter), with their TV record, in fewer forwards than ZipAR's plain rows."""
-    from relaxspec.decoding import MethodOptions, decode
+    from relaxspec.decoding import decode
+    from relaxspec.methods import MethodOptions
     from relaxspec.pipelines import open_pipeline
 
     pipeline = open_pipeline()

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from relaxspec.decoding import MethodOptions, decode
+from relaxspec.decoding import decode
+from relaxspec.methods import MethodOptions
 from relaxspec.errors import RelaxspecError
 from relaxspec.sampling import SamplingConfig, filter_logits, guide, process_logits, sample_from
 

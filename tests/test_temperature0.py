@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.engine import verify_fields
 
 from relaxspec.acceptance import CoolRule, ExactRule, LanternRule, cool_weights
-from relaxspec.decoding.verify import verify_tree
 
 
 def tensor(rows) -> torch.Tensor:
@@ -46,9 +46,9 @@ def test_cool_weight_below_one_is_greedy_ar():
     assert not rule.greedy_accept(p, torch.tensor([1]), 1).item()
     assert rule.greedy_correction(p, torch.tensor([1]), 1).item() == 0
     after = tensor([[0.1, 0.2, 0.7]])
-    result = verify_tree(rule, **one_level_tree(p, [0], after), greedy=True)
+    result = verify_fields(rule, **one_level_tree(p, [0], after), greedy=True)
     assert result.committed[0].tolist() == [0, 2]  # the draft, then the bonus argmax of the child
-    result = verify_tree(rule, **one_level_tree(p, [1], after), greedy=True)
+    result = verify_fields(rule, **one_level_tree(p, [1], after), greedy=True)
     assert result.committed[0].tolist() == [0, -1]  # rejected; the correction is p's argmax
 
 
@@ -60,7 +60,7 @@ def test_greedy_siblings_are_tested_against_the_parents_own_p():
     nbrs = torch.tensor([[1, 2, 3, 4], [0, 2, 3, 4], [1, 3, 0, 4], [0, 1, 2, 4], [0, 1, 2, 3]])
     rule = LanternRule(nbrs, k=4, delta=0.1)
     child = tensor([[0.0, 0.0, 0.0, 0.0, 1.0], [1.0, 0.0, 0.0, 0.0, 0.0]])
-    result = verify_tree(rule, **one_level_tree(p, [1, 2], child), greedy=True)
+    result = verify_fields(rule, **one_level_tree(p, [1, 2], child), greedy=True)
     assert result.committed[0].tolist() == [0, -1]
     assert result.num_accepted.item() == 0 and result.tests.item() == 2
 
@@ -97,7 +97,7 @@ def test_a_draft_of_zero_relaxed_probability_is_never_accepted(rule):
     gen = torch.Generator().manual_seed(0)
     tree = one_level_tree(p, [0], proposals=q.view(1, 1, 3).expand(1, 2, 3).clone())
     batched = {key: value.expand(200, *value.shape[1:]).contiguous() for key, value in tree.items()}
-    result = verify_tree(rule, **batched, generator=gen)
+    result = verify_fields(rule, **batched, generator=gen)
     assert result.num_accepted.sum().item() == 0
     assert bool((result.committed[:, 0] != 0).all())  # the residual never holds token 0 either
     # a draft the proposal gave no mass but the target does is still accepted (enumerating
@@ -137,7 +137,7 @@ def test_capped_schedule_rejects_a_mean_above_the_cap():
 def test_anneal_option_builds_the_capped_schedule(monkeypatch, tmp_path):
     from types import SimpleNamespace
 
-    from relaxspec.decoding import MethodOptions
+    from relaxspec.methods import MethodOptions
     from relaxspec.methods import build_rule
 
     monkeypatch.setenv("RELAXSPEC_CACHE", str(tmp_path))
@@ -176,11 +176,11 @@ def test_greedy_tv_record_counts_departures_from_greedy_ar():
     nbrs = torch.tensor([[1, 2], [2, 0], [1, 0]])
     rule = LanternRule(nbrs, k=2, delta=0.3)  # p~(1) = .35 + .25 beats .40: a departure
     child = tensor([[0.2, 0.3, 0.5], [0.2, 0.3, 0.5]])
-    result = verify_tree(rule, **one_level_tree(p, [1], child[:1]), greedy=True)
+    result = verify_fields(rule, **one_level_tree(p, [1], child[:1]), greedy=True)
     assert result.committed[0].tolist() == [1, 2] and result.step_tv[0].tolist() == [1.0, 0.0]
-    result = verify_tree(rule, **one_level_tree(p, [0], child[:1]), greedy=True)  # the argmax itself
+    result = verify_fields(rule, **one_level_tree(p, [0], child[:1]), greedy=True)  # the argmax itself
     assert result.committed[0].tolist() == [0, 2] and result.step_tv[0].tolist() == [0.0, 0.0]
-    result = verify_tree(rule, **one_level_tree(p, [1], child[:1]), greedy=True, record_tv=False)
+    result = verify_fields(rule, **one_level_tree(p, [1], child[:1]), greedy=True, record_tv=False)
     assert result.step_tv.abs().sum() == 0
 
 
@@ -279,7 +279,7 @@ def build_greedy_rule(spec, nbrs: torch.Tensor):
 @pytest.mark.parametrize("tree", list(TREES))
 @pytest.mark.parametrize("name", list(GREEDY_SPECS))
 def test_greedy_walk_matches_the_definition(name, tree):
-    """Batched ``verify_tree(greedy=True)`` against the node-by-node definition on 600 random
+    """Batched ``verify_fields(greedy=True)`` against the node-by-node definition on 600 random
     trees with siblings: coarse probabilities (multiples of 1/16, exact in binary: many exact ties
     and zeros), drafts that repeat among siblings, every rule (binary-exact COOL weights). Committed tokens, departures (the TV record) and the
     number of tests must agree row for row."""
@@ -296,7 +296,7 @@ def test_greedy_walk_matches_the_definition(name, tree):
     tokens = torch.where(torch.rand(batch, nodes, generator=gen) < 0.4, argmax_parent, tokens)
     spec = GREEDY_SPECS[name]
     rule = build_greedy_rule(spec, nbrs)
-    result = verify_tree(rule, targets, tokens, torch.tensor(parents).expand(batch, -1),
+    result = verify_fields(rule, targets, tokens, torch.tensor(parents).expand(batch, -1),
                          torch.nn.functional.one_hot(tokens, vocab).float(), torch.tensor(depths).expand(batch, -1),
                          torch.ones(batch, nodes, dtype=torch.bool), greedy=True)
     nbr_lists = nbrs.tolist()

@@ -9,7 +9,8 @@ import threading
 
 import torch
 
-from relaxspec.decoding import MethodOptions, decode
+from relaxspec.decoding import decode
+from relaxspec.methods import MethodOptions
 from relaxspec.sampling import SamplingConfig
 from helpers.engine import fake_vq, markov_pair
 

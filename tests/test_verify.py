@@ -15,10 +15,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from helpers.engine import verify_fields
 from scipy import stats
 
 from relaxspec.acceptance import CoolRule, ExactRule, LanternRule, neighbour_table, one_hot
-from relaxspec.decoding.verify import VerifyResult, children_table, verify_tree
+from relaxspec.decoding.verify import VerifyResult, children_table
 from relaxspec.drafting.siblings import sample_siblings, topk_siblings
 
 V = 5
@@ -176,7 +177,7 @@ def test_chi_square_power():
 def test_exact_rule_preserves_the_model_law(shape, mode):
     gen = torch.Generator().manual_seed({"tree": 1, "chain": 2}[shape] * 10 + (mode == "topk"))
     tree = build_tree(shape, mode, gen)
-    result = verify_tree(ExactRule(), **tree, generator=gen)
+    result = verify_fields(ExactRule(), **tree, generator=gen)
     assert torch.all(result.step_tv == 0)
     # structural sanity of the result
     assert result.path.shape == (B, {"tree": 3, "chain": 4}[shape])
@@ -194,7 +195,7 @@ def test_wrong_residual_is_detected(monkeypatch):
     """The same machinery rejects a walk whose residual forgets to subtract the proposal."""
     monkeypatch.setattr(ExactRule, "residual", lambda self, target, proposal, token, depth=1: target.clone())
     gen = torch.Generator().manual_seed(3)
-    result = verify_tree(ExactRule(), **build_tree("tree", "sampled", gen), generator=gen)
+    result = verify_fields(ExactRule(), **build_tree("tree", "sampled", gen), generator=gen)
     assert chi_square_pvalue(result.committed[:, 0], P[0][0].double().numpy()) < ALPHA
 
 
@@ -219,7 +220,7 @@ def test_relaxed_rule_one_level_gives_one_step_law(name, mode):
     rule = RELAXED[name]
     gen = torch.Generator().manual_seed(5 + (mode == "topk"))
     tree = build_tree("single", mode, gen)
-    result = verify_tree(rule, **tree, generator=gen)
+    result = verify_fields(rule, **tree, generator=gen)
     target = P[0][:1]
     proposal = tree["proposals"][:1, 1]
     law = rule.one_step_law(target, proposal, 1)[0].double().numpy()
@@ -235,7 +236,7 @@ def test_relaxed_rule_two_siblings(name):
     rule = RELAXED[name]
     gen = torch.Generator().manual_seed(8)
     tree = build_tree("tree", "sampled", gen)
-    result = verify_tree(rule, **tree, generator=gen)
+    result = verify_fields(rule, **tree, generator=gen)
     target, q = P[0][:1].double(), Q[0][:1].double()
     law = torch.zeros(1, V, dtype=torch.float64)
     for x in range(V):
@@ -258,7 +259,7 @@ def test_step_tv_record_matches_rule():
     gen = torch.Generator().manual_seed(9)
     tree = build_tree("tree", "sampled", gen, batch=batch)
     tree["proposals"][: batch // 2, 3] = one_hot(tree["tokens"][: batch // 2, 3], V)  # mix in point masses
-    result = verify_tree(rule, **tree, generator=gen)
+    result = verify_fields(rule, **tree, generator=gen)
     tp, tok, prop, val, dep = (tree[k] for k in ("target_probs", "tokens", "proposals", "valid", "depth"))
     children = {0: [1, 2], 1: [3, 4], 2: [], 3: [], 4: []}
     for b in range(batch):
@@ -289,7 +290,7 @@ def test_greedy_follows_argmax(mode, shape):
     batch = 3000
     gen = torch.Generator().manual_seed(10)
     tree = build_tree(shape, mode, gen, batch=batch)
-    result = verify_tree(ExactRule(), **tree, greedy=True, generator=gen)
+    result = verify_fields(ExactRule(), **tree, greedy=True, generator=gen)
     g1 = int(P[0][0].argmax())
     g2 = int(P[1][g1].argmax())
     g3 = int(P[2][g1 * V + g2].argmax())
@@ -306,7 +307,7 @@ def test_greedy_follows_argmax(mode, shape):
         assert int(greedy[n]) not in options
     assert result.num_accepted.float().mean() > 0.2
     # greedy is deterministic: no randomness used
-    again = verify_tree(ExactRule(), **tree, greedy=True, generator=torch.Generator().manual_seed(99))
+    again = verify_fields(ExactRule(), **tree, greedy=True, generator=torch.Generator().manual_seed(99))
     assert torch.equal(again.committed, result.committed)
 
 
@@ -324,7 +325,7 @@ def test_invalid_siblings_are_never_tested():
         depth=torch.tensor([[0, 1, 1, 1]]),
         valid=torch.cat([torch.ones(1, 1, dtype=torch.bool), valid], 1),
     )
-    result = verify_tree(ExactRule(), **tree, generator=torch.Generator().manual_seed(0))
+    result = verify_fields(ExactRule(), **tree, generator=torch.Generator().manual_seed(0))
     assert result.tests.item() == 1
 
 

@@ -24,7 +24,7 @@ _EXPORTS = {
     "DecodeResult": "relaxspec.decoding.result",
     "decode": "relaxspec.decoding",
     "generate_ar": "relaxspec.decoding.ar",
-    "generate_speculative": "relaxspec.decoding.engine",
+    "DecodePlan": "relaxspec.decoding",
     "verify_tree": "relaxspec.decoding.verify",
     "load_gpt": "relaxspec.models.llamagen.checkpoints",
     "load_vq": "relaxspec.models.llamagen.checkpoints",

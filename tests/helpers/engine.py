@@ -7,6 +7,8 @@ from types import SimpleNamespace
 
 import torch
 
+from relaxspec.decoding.verify import VerifyResult, verify_tree
+from relaxspec.drafting.base import DraftTree
 from relaxspec.drafting.eagle import EagleDrafter
 from relaxspec.models.llamagen.gpt import GPTConfig, Transformer
 
@@ -107,3 +109,8 @@ def explicit_chain(drafter: EagleDrafter, features: torch.Tensor, tokens: torch.
         in_features = torch.cat([in_features, guess[:, -1:]], dim=1)
         in_tokens = torch.cat([in_tokens, tokens[:, next_pair : next_pair + 1]], dim=1)
     return logits[:, -1]
+
+
+def verify_fields(rule, target_probs, tokens, parents, proposals, depth, valid, **options) -> VerifyResult:
+    """:func:`verify_tree` on a tree given as its fields (the tests' trees are dicts of them)."""
+    return verify_tree(rule, DraftTree(tokens, parents, depth, proposals, valid), target_probs, **options)

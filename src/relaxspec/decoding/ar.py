@@ -1,85 +1,91 @@
-"""Plain autoregressive sampling, token for token as upstream LlamaGen's ``generate``."""
+"""Plain autoregressive sampling, token for token as upstream LlamaGen's ``generate``: the ``ar``
+schedule (one target forward a token, no drafts) and :func:`generate_ar`."""
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
-from tqdm.auto import tqdm
 
 from relaxspec.caching import kept_buffer
-from relaxspec.decoding.loop import step_runner
+from relaxspec.decoding.driver import drive
+from relaxspec.decoding.plan import DecodePlan, Layout, Schedule, State, register
 from relaxspec.decoding.result import DecodeResult
-from relaxspec.decoding.target import GuidedTarget
+from relaxspec.decoding.steps import Loop, WalkSlots
 from relaxspec.models.base import TargetModel
-from relaxspec.noise import NoiseSlot, StepNoise
 from relaxspec.sampling import SamplingConfig, sample_from
 
 
 @dataclass(eq=False)
-class ARLoop:
-    """What one AR step reads and updates: the ``tokens [B, N]`` decoded so far and ``next``
-    ``[1]``, the index of the token the step decides (both updated in place)."""
+class ARState(State):
+    """What an AR step updates: the ``tokens [B, N]`` decoded so far and ``n [B]``, the tokens
+    committed (the index of the token the step decides)."""
 
-    target: GuidedTarget
-    noise: StepNoise
-    clock_slot: NoiseSlot | None
-    tokens: torch.Tensor
-    next: torch.Tensor
+    n: torch.Tensor
 
 
-def ar_step(loop: ARLoop) -> None:
+def ar_step(loop: Loop) -> None:
     """One target forward on the last token and the next token drawn (the exponential race on the
     step's clocks, or the argmax): one compiled graph with ``compile``."""
-    batch, target = loop.tokens.shape[0], loop.target
-    index = loop.next.expand(batch)[:, None]  # [B, 1]
+    parts, state = loop.parts, loop.state
+    target, index = parts.target, state.n[:, None]  # [B, 1]
     slots = target.cls + index - 1  # the last token's slot = its position
-    probs, _ = target.forward(loop.tokens.gather(1, index - 1), slots, slots)
-    clocks = None if loop.clock_slot is None else loop.noise.read(loop.clock_slot)
-    token = sample_from(probs[:, 0], greedy=loop.clock_slot is None, clocks=clocks)
-    loop.tokens.scatter_(1, index, token[:, None])
-    loop.next.add_(1)
+    probs, _ = target.forward(state.tokens.gather(1, index - 1), slots, slots)
+    clocks = None if parts.slots.clocks is None else parts.noise.read(parts.slots.clocks)
+    token = sample_from(probs[:, 0], greedy=clocks is None, clocks=clocks)
+    state.tokens.scatter_(1, index, token[:, None])
+    state.n.add_(1)
+
+
+@register
+@dataclass(frozen=True)
+class AR(Schedule):
+    """One token a target forward, drawn by the exponential race on clocks drawn before the step
+    (the same numbers as drawing them in it) or the argmax: the baseline, MAL 1.0."""
+
+    name = "ar"
+    drafts = False
+    step = staticmethod(ar_step)
+
+    def layout(self, model, source) -> Layout:
+        return Layout(None, 0)
+
+    def reserve(self, noise, layout: Layout, batch: int, vocab: int, greedy: bool) -> WalkSlots:
+        return WalkSlots(clocks=None if greedy else noise.reserve((batch, vocab)))
+
+    def state(self, model, layout: Layout, target, first: torch.Tensor) -> ARState:
+        batch, device = first.shape[0], first.device
+        tokens = kept_buffer(model, "ar.tokens", (batch, target.num_tokens), torch.long, device)
+        tokens[:, 0] = first
+        return ARState(tokens, kept_buffer(model, "ar.n", (batch,), torch.long, device).fill_(1))
+
+    def fixed_steps(self, num_tokens: int) -> int:
+        return num_tokens - 1
+
+    def progress(self, state: ARState, num_tokens: int):
+        return state.tokens, state.n
+
+    def read_out(self, loop: Loop):
+        return (loop.state.tokens,)
+
+    def result(self, host, loop: Loop) -> dict:
+        (tokens,) = host
+        batch, n = tokens.shape
+        return dict(tokens=tokens, target_forwards=torch.full((batch,), n),
+                    drafter_forwards=torch.zeros(batch, dtype=torch.long), step_tv=torch.zeros(batch, n),
+                    accept_lengths=[[1] * n for _ in range(batch)])
 
 
 @torch.no_grad()
 def generate_ar(model: TargetModel, cond: torch.Tensor, sampling: SamplingConfig, *,
                 generator: torch.Generator | None = None, cond_mask: torch.Tensor | None = None,
                 progress: bool = False, compile: bool = False, profile: bool = False, on_step=None) -> DecodeResult:
-    """Sample ``[B, N]`` image tokens one target forward at a time (the baseline, MAL 1.0).
+    """Sample ``[B, N]`` image tokens one target forward at a time (the baseline, MAL 1.0):
+    :func:`relaxspec.decoding.driver.drive` with the ``ar`` schedule. ``compile=True`` runs each
+    step -- the forward, the draw, the write -- as one compiled graph: the compiled AR baseline;
+    ``profile`` times the forwards (each its own graph with ``compile``)."""
+    return drive(model, cond, sampling, DecodePlan(AR(), compile=compile, profile=profile, label="ar"),
+                 generator=generator, cond_mask=cond_mask, progress=progress, on_step=on_step)
 
-    No step reads anything back from the device (tokens are drawn by the exponential race, its
-    clocks drawn before the step from ``generator``: the same numbers as drawing them in it);
-    ``compile=True`` runs each step -- the forward, the draw, the write -- as one compiled graph:
-    the compiled AR baseline. ``profile`` times the forwards (each its own graph with
-    ``compile``). ``on_step(tokens, done)``: called after every token with the buffer ``[B, N]``
-    and the committed counts ``[B]`` (see :func:`relaxspec.decoding.engine.generate_speculative`)."""
-    start = time.perf_counter()
-    target = GuidedTarget(model, cond, sampling, cond_mask=cond_mask, compile=compile and profile, compile_prefill=compile,
-                          timed=profile)
-    batch, n, device = target.batch, target.num_tokens, target.device
-    try:
-        first, probs, _ = target.start(generator=generator)
-        tokens = kept_buffer(model, "ar.tokens", (batch, n), torch.long, device)
-        tokens[:, 0] = first
-        noise = StepNoise(device, owner=model)
-        clock_slot = None if sampling.greedy else noise.reserve(probs.shape)
-        noise.allocate()
-        loop = ARLoop(target, noise, clock_slot, tokens, kept_buffer(model, "ar.next", (1,), torch.long, device).fill_(1))
-        step = step_runner(ar_step, loop, device, (model,), compile=compile, profile=profile)
-        if on_step is not None:
-            on_step(tokens, torch.ones(batch, dtype=torch.long))
-        for k in tqdm(range(1, n), desc="ar", disable=not progress, leave=False):
-            noise.draw(generator)
-            step()
-            if on_step is not None:
-                on_step(tokens, torch.full((batch,), k + 1, dtype=torch.long))
-        tokens = tokens.cpu().clone()
-    finally:
-        target.close()
-    forwards = torch.full((batch,), n)
-    return DecodeResult(tokens=tokens, target_forwards=forwards, drafter_forwards=torch.zeros(batch, dtype=torch.long),
-                        step_tv=torch.zeros(batch, n), accept_lengths=[[1] * n for _ in range(batch)],
-                        seconds=time.perf_counter() - start,
-                        target_forward_seconds=target.watch.seconds if profile else None,
-                        drafter_forward_seconds=0.0 if profile else None, drafter_seconds=0.0 if profile else None)
+
+__all__ = ["AR", "ARState", "ar_step", "generate_ar"]

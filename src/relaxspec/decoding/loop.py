@@ -2,10 +2,11 @@
 CUDA-graph replay on a GPU -- with its random numbers drawn just before it, and a lagged,
 non-blocking read of how far the decode has got, which ends the loop and moves the progress bar.
 
-A loop (:mod:`relaxspec.decoding.engine`, :mod:`relaxspec.decoding.rows`,
-:mod:`relaxspec.decoding.ar`) keeps everything a step changes -- tokens, counts, records, a draft
-source's state, the KV caches -- in tensors it updates in place, and writes a step as a function
-of one object holding them (``step(loop)``). :func:`step_runner` compiles that function as one
+A decode (:mod:`relaxspec.decoding.driver`, with the step of its schedule:
+:mod:`relaxspec.decoding.raster`, :mod:`relaxspec.decoding.rows`, :mod:`relaxspec.decoding.ar`)
+keeps everything a step changes -- tokens, counts, records, a draft source's state, the KV caches
+-- in tensors it updates in place, and writes a step as a function of one record holding them
+(``step(loop)``, :class:`relaxspec.decoding.steps.Loop`). :func:`step_runner` compiles that function as one
 graph (``fullgraph=True``, static shapes; CUDA graphs on a GPU) or, in profile mode, leaves it
 eager so its parts can be timed apart (each compiled on its own). :func:`run_steps` then calls,
 per step: the draws of :class:`relaxspec.noise.StepNoise` (one op per run of one kind of
@@ -68,19 +69,20 @@ def step_runner(step: Callable, loop: object, device: torch.device, modules, *, 
                 profile: bool) -> Callable[[], None]:
     """``step(loop)`` as a call of no arguments: compiled as one graph when ``compile`` and not
     ``profile`` (``modules``: the models it runs, packed on the CPU as :func:`compiled` does;
-    everything ``loop`` holds is marked to keep its address on a GPU), eager otherwise."""
+    the tensors ``loop.tensors()`` lists and the modules' are marked to keep their address on a
+    GPU), eager otherwise."""
     if not compile or profile:
         return lambda: step(loop)
     graph = compiled(step, device, *modules)
     if torch.device(device).type == "cuda":  # (what a CUDA graph records; nothing to do elsewhere)
-        fixed_addresses(tensors_of(loop, *modules))
+        fixed_addresses(loop.tensors() + tensors_of(*modules))
     return lambda: graph(loop)
 
 
-def run_steps(step: Callable[[], None], noise: StepNoise, generator: torch.Generator | None, done: torch.Tensor,
-              total: int, *, start: int, on_step: Callable[[], None] | None = None, bar=None,
-              lag: int | None = None) -> int:
-    """Run ``step`` until the committed count ``done`` (a device scalar the step updates) reaches
+def run_steps(step: Callable[[], None], noise: StepNoise, generator: torch.Generator | None,
+              done: torch.Tensor | None, total: int, *, start: int, on_step: Callable[[], None] | None = None, bar=None,
+              lag: int | None = None, steps: int | None = None) -> int:
+    """Run ``step`` ``steps`` times when that is known ahead (plain AR: nothing is read), else until the committed count ``done`` (a device scalar the step updates) reaches
     ``total`` (``start`` before the first step): per step, ``noise``'s draws from ``generator``,
     the step, one lagged read of ``done`` (:class:`LaggedCount`, :func:`read_lag`), ``on_step()``
     and the progress ``bar``'s update. Returns the steps run (with a lag, the last ones commit
@@ -90,6 +92,15 @@ def run_steps(step: Callable[[], None], noise: StepNoise, generator: torch.Gener
     default one when ``None``) is set back to its state before their draws, so a seed's
     generator leaves a decode where a lag-free decode leaves it, and the next image drawn from it
     is the same whatever the device's lag (issue 51)."""
+    if steps is not None:
+        for _ in range(steps):
+            noise.draw(generator)
+            step()
+            if on_step is not None:
+                on_step()
+            if bar is not None:
+                bar.update(start)  # every step commits a token of every image
+        return steps
     reader = LaggedCount(done.device, read_lag(done.device) if lag is None else lag)
     drawn = _drawn_generator(generator, done.device) if reader.lag and noise.draws else None
     states: deque = deque(maxlen=reader.lag + 1)  # the generator's state before each of the last draws

@@ -42,381 +42,407 @@ the rows above as zero keys. On row-end targets it is the rules of Lumina-mGPT-Z
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
-from tqdm.auto import tqdm
 
-from relaxspec.acceptance import AcceptanceRule
-from relaxspec.caching import kept_buffer, kept_copy
-from relaxspec.compiling import compiled
-from relaxspec.decoding.engine import add_rank_counts, check_compilable, rank_count_shape, walk_noise
-from relaxspec.decoding.loop import run_steps, step_runner
-from relaxspec.decoding.result import DecodeResult, read_once, watched_seconds
-from relaxspec.decoding.target import GuidedTarget
-from relaxspec.decoding.verify import verify_tree, walk_tree
-from relaxspec.methods.grid import RowPlan, grid_side
-from relaxspec.noise import NoiseSlot, StepNoise
+from relaxspec.caching import kept_copy
+from relaxspec.decoding.driver import drive
+from relaxspec.decoding.plan import DecodePlan, Layout, Schedule, register
+from relaxspec.decoding.result import DecodeResult
+from relaxspec.decoding.row_ends import row_ends
+from relaxspec.decoding.steps import DraftState, Loop, kept_state, rank_count_shape, reserve_walk
+from relaxspec.drafting.base import DraftTree
+from relaxspec.errors import RelaxspecError
 from relaxspec.sampling import SamplingConfig
-from relaxspec.timing import Profiling
+
+
+def grid_side(model) -> int | None:
+    """The side of ``model``'s square token grid, ``None`` when its image is not one."""
+    config = model.config
+    side = getattr(config, "grid_size", None)
+    if not isinstance(side, int) or side * side != config.block_size:
+        return None
+    return side
 
 
 @dataclass(eq=False)
-class RowsLoop:
-    """What one step of rows in parallel reads and updates (:func:`rows_step`).
+class RowTables:
+    """What rows in parallel read and never change, per shape: ``grid`` tokens a row, ``lanes``
+    rows open at most, ``nodes`` per lane's tree, ``cls`` condition slots; ``raster_of_slot
+    [max_seq]`` (a slot's raster index, -1 off the image), ``scratch [L, T]`` (each lane's node
+    slots), ``offsets [T + 1]``, ``row_ends [grid]`` (the rows' last tokens' grid slots),
+    ``slot_ids [max_seq]``, the ``spare`` and first ``parking`` slot, the row-end strategy ``ends``
+    (:mod:`relaxspec.decoding.row_ends`) and its tables."""
 
-    The parts as :class:`relaxspec.decoding.engine.RasterLoop`'s; ``grid`` tokens a row, ``lanes``
-    rows open at most, a row opening once the row above has ``lead``. The state, updated in place:
-    ``tokens``, ``step_tv``, ``step_sizes`` and ``committed`` ``[B, N + 1]`` (the token, its record,
-    how many tokens its step committed, whether it is committed; column ``N`` a spill),
-    ``fill [B, grid + 1]`` (tokens committed per row, and a spill row), ``cached [B, max_seq]``
-    (slots holding keys), ``lane_row [B, lanes]`` (the row each lane paints next), ``steps [B]``,
-    ``per_step [B, N + 2]`` (tokens each step committed), ``iteration [1]``, the sibling counts
-    and ``done`` (tokens committed in all)."""
-
-    target: GuidedTarget
-    source: object
-    rule: AcceptanceRule
-    noise: StepNoise
-    walk: Callable
-    greedy: bool
-    record_tv: bool
     grid: int
     lanes: int
-    lead: int
-    tokens: torch.Tensor
-    step_tv: torch.Tensor
+    nodes: int
+    cls: int
+    spare: int
+    parking: int
+    ends: object
+    raster_of_slot: torch.Tensor
+    scratch: torch.Tensor
+    offsets: torch.Tensor
+    row_ends: torch.Tensor
+    slot_ids: torch.Tensor
+    row_end_raster: torch.Tensor | None = None
+    lane_eye: torch.Tensor | None = None
+
+
+@dataclass(eq=False)
+class RowsState(DraftState):
+    """The state of rows in parallel, updated in place: ``tokens``, ``step_tv``, ``step_sizes`` and
+    ``committed`` ``[B, N + 1]`` (the token, its record, how many tokens its step committed, whether
+    it is committed; column ``N`` a spill), ``fill [B, grid + 1]`` (tokens committed per row, and a
+    spill row), ``cached [B, max_seq]`` (slots whose keys are seen, real or auxiliary), ``real [B,
+    max_seq]`` (slots holding their own token's keys), ``lane_row [B, lanes]`` (the row each lane
+    paints next), ``per_step [B, N + 2]`` (tokens each step committed), ``iteration [1]``;
+    ``row_end_kept`` on a row-end target; and the shape's ``tables``."""
+
     step_sizes: torch.Tensor
     committed: torch.Tensor
     fill: torch.Tensor
     cached: torch.Tensor
+    real: torch.Tensor
     lane_row: torch.Tensor
-    steps: torch.Tensor
     per_step: torch.Tensor
     iteration: torch.Tensor
-    rank_tests: torch.Tensor | None
-    rank_accepts: torch.Tensor | None
-    done: torch.Tensor
-    raster_of_slot: torch.Tensor
-    scratch: torch.Tensor
-    offsets: torch.Tensor
-    real: torch.Tensor
-    row_ends: torch.Tensor
-    slot_ids: torch.Tensor
-    spare: int
-    companions: bool = False
-    prefix_below: bool = False
+    tables: RowTables
     row_end_kept: torch.Tensor | None = None
-    row_end_raster: torch.Tensor | None = None
-    parking: int = 0
-    lane_eye: torch.Tensor | None = None
-    uniform_slot: NoiseSlot | None = None
-    clock_slot: NoiseSlot | None = None
-    generator: torch.Generator | None = None
-    profiling: bool = False
-    drafter_seconds: float = 0.0
+
+    def tensors(self) -> list[torch.Tensor]:
+        tables = self.tables
+        return super().tensors() + [t for t in (tables.raster_of_slot, tables.scratch, tables.offsets, tables.row_ends,
+                                                tables.slot_ids, tables.row_end_raster, tables.lane_eye)
+                                    if t is not None]
 
 
-def rows_step(loop: RowsLoop) -> None:
+@dataclass(eq=False)
+class OpenLanes:
+    """This step's lanes, ``[B, L]``: the ``row`` each paints (``grid`` = finished), its ``fill``,
+    the row ``above``'s, whether the lane is ``active``, the raster index ``next_at`` of its next
+    token, whether its root is a ``stand_in`` (a new row's first step while the row above is open)
+    and, on a row-end target, ``hidden_root`` (a root nothing sees); and the roots ``[B * L]`` and
+    their raster indices ``root_index [B * L]``."""
+
+    row: torch.Tensor
+    fill: torch.Tensor
+    above: torch.Tensor
+    active: torch.Tensor
+    next_at: torch.Tensor
+    stand_in: torch.Tensor
+    hidden_root: torch.Tensor
+    roots: torch.Tensor
+    root_index: torch.Tensor
+
+
+@dataclass(eq=False)
+class Tail:
+    """The last token of a row finished the step before, forwarded at its grid slot (its keys are
+    real from then on) unless a lane's root is that token this step: its ``row``, raster index
+    ``at``, whether it goes (``on``), its ``slot`` (the spare slot when not) and ``hot [B,
+    max_seq]`` (that slot)."""
+
+    row: torch.Tensor
+    at: torch.Tensor
+    on: torch.Tensor
+    slot: torch.Tensor
+    hot: torch.Tensor
+
+
+def rows_step(loop: Loop) -> None:
     """One step of every open row of every image: each lane's tree, one target forward over all of
-    them and the last token of a row finished the step before, the walk, the commits out of raster
-    order, the keys moved to their grid slots, the source's catch-up. A fixed sequence of ops that
-    reads nothing back: what ``compile`` compiles as one graph."""
-    target, source, grid, lanes, lead = loop.target, loop.source, loop.grid, loop.lanes, loop.lead
-    tokens, fill, cached, real = loop.tokens, loop.fill, loop.cached, loop.real
-    batch, n_tok, cls = tokens.shape[0], grid * grid, target.cls
-    nodes, virtual = source.max_nodes, tokens.shape[0] * lanes
-    row = loop.lane_row.clamp(max=grid)  # [B, L]; grid = finished
-    f = fill.gather(1, row)
+    them and the tail, the walk, the commits out of raster order, the keys moved to their grid
+    slots, the source's catch-up. A fixed sequence of ops that reads nothing back: what
+    ``compile`` compiles as one graph."""
+    parts, state, schedule = loop.parts, loop.state, loop.schedule
+    tables = state.tables
+    lanes = open_lanes(state, schedule.lead)
+    tail = tail_of(state, lanes)
+    tree = parts.source.propose(lanes.roots, lanes.root_index, parts.greedy)
+    tokens, positions, slots, mask, companions, valid = forward_inputs(state, lanes, tail, tree, schedule.lead)
+    probs, hidden = parts.target.forward(tokens, positions, slots, mask, companions)
+    count_nodes = tables.lanes * tables.nodes
+    probs, hidden = probs[:, :count_nodes], hidden[:, :count_nodes]
+    keep_tail(state, tail)
+    virtual = lanes.roots.shape[0]
+    probs = probs.reshape(virtual, tables.nodes, -1)
+    result = parts.verify(DraftTree(tree.tokens, tree.parents, tree.depth, tree.proposals, valid.view(virtual, -1),
+                                    tree.ancestors, children=tree.children, level_widths=tree.level_widths,
+                                    point_mass=tree.point_mass), probs)
+    count, write_at = commit(state, lanes, result, schedule.prefix_below)
+    move_keys(parts.target, state, lanes, result)
+    parts.source.update(result.committed, result.path, count.view(-1), lanes.root_index, probs,
+                        _lanes_hidden(hidden, tables.lanes, tables.nodes))
+    advance(state, lanes, count, write_at)
+
+
+def open_lanes(state: RowsState, lead: int) -> OpenLanes:
+    """Which lanes paint this step and from which root. Row ``r + 1`` opens once row ``r`` has
+    ``lead`` tokens (LlamaGen-ZipAR opens row 1 only once row 0 is complete: its new rows start
+    from a token of the row two above; Lumina-mGPT-ZipAR at the lead). The root is the lane's last
+    token; a row's first step while the row above is open: at the slot before the row, the latest
+    token of the row two above (LlamaGen-ZipAR's auxiliary token), or on a row-end target a token
+    nothing sees (its row-end companion is the root: the real end of line before the row, as
+    Lumina-mGPT-ZipAR feeds it; the row above's latest token here)."""
+    tables, fill = state.tables, state.fill
+    grid, ends = tables.grid, tables.ends
+    row = state.lane_row.clamp(max=grid)  # [B, L]; grid = finished
+    filled = fill.gather(1, row)
     above = torch.where(row == 0, grid, fill.gather(1, (row - 1).clamp(min=0)))  # the row above's tokens
-    # row r + 1 opens once row r has ``lead`` tokens; LlamaGen-ZipAR opens row 1 only once row 0 is
-    # complete (its new rows start from a token of the row two above), Lumina-mGPT-ZipAR at the lead
-    opened = (above == grid) | ((above >= lead) & (row >= (0 if loop.companions else 2)))
-    active = (row < grid) & opened & (f < grid)
-    k = row.clamp(max=grid - 1) * grid + f.clamp(max=grid - 1)  # raster index of the lane's next token
-    # the root: the lane's last token; a row's first step while the row above is open: at the slot
-    # before the row, the latest token of the row two above (LlamaGen-ZipAR's auxiliary token), or
-    # on a row-end target a token nothing sees (its row-end companion is the root: the real end
-    # of line before the row, as Lumina-mGPT-ZipAR feeds it; the row above's latest token here)
-    stand_in = (f == 0) & (above < grid)
-    hidden_root = stand_in & loop.companions
-    stand_row = (row - 1 if loop.companions else row - 2).clamp(min=0)
-    root_at = torch.where(stand_in, stand_row * grid + (fill.gather(1, stand_row) - 1).clamp(min=0), k - 1)
-    roots = tokens.gather(1, root_at.clamp(min=0)).reshape(virtual)
-    root_index = (k - 1).reshape(virtual)
-    # the tail: the last token of a row finished the step before, forwarded at its grid slot (its
-    # keys are real from now on), unless a lane's root is that token this step
-    ends = loop.row_ends  # [grid] grid slots of the rows' last tokens
-    pending = (fill[:, :grid] == grid) & ~real[:, ends]
+    opened = (above == grid) | ((above >= lead) & (row >= ends.first_row_at_lead))
+    active = (row < grid) & opened & (filled < grid)
+    next_at = row.clamp(max=grid - 1) * grid + filled.clamp(max=grid - 1)  # raster index of the lane's next token
+    stand_in = (filled == 0) & (above < grid)
+    stand_row = ends.stand_row(row).clamp(min=0)
+    root_at = torch.where(stand_in, stand_row * grid + (fill.gather(1, stand_row) - 1).clamp(min=0), next_at - 1)
+    return OpenLanes(row, filled, above, active, next_at, stand_in, stand_in & ends.hides_root,
+                     state.tokens.gather(1, root_at.clamp(min=0)).reshape(-1), (next_at - 1).reshape(-1))
+
+
+def tail_of(state: RowsState, lanes: OpenLanes) -> Tail:
+    """The first row finished but whose last token's keys are not yet real."""
+    tables = state.tables
+    grid, cls, ends = tables.grid, tables.cls, tables.row_ends
+    pending = (state.fill[:, :grid] == grid) & ~state.real[:, ends]
     # the first pending row (a min, not an argmax: inductor's CPU argmax of an all-false row gave -1)
-    tail_row = torch.where(pending, (ends - cls) // grid, grid).amin(1).clamp(max=grid - 1)
-    tail_at = tail_row * grid + grid - 1
-    tail_on = pending.any(1) & ~(active & ~stand_in & (f == 0) & (k - 1 == tail_at[:, None])).any(1)
-    tail_slot = torch.where(tail_on, cls + tail_at, loop.spare)
-    if loop.profiling:
-        started = time.perf_counter()
-    tree = source.propose(roots, root_index, loop.greedy)
-    if loop.profiling:
-        loop.drafter_seconds += time.perf_counter() - started
-    depth = tree.depth.view(batch, lanes, nodes)
-    # drafts a step may commit: within the row, and ``lead`` behind the row above until it is complete
-    room = torch.where(above >= grid, grid - 1 - f, torch.minimum(grid - 1 - f, above - lead - f))[:, :, None]
-    valid = tree.valid.view(batch, lanes, nodes) & (depth <= room) & active[:, :, None]
-    raster = (k - 1)[:, :, None] + depth  # each node's token's raster index
-    positions = torch.cat([cls + raster.clamp(max=n_tok - 1).reshape(batch, -1), (cls + tail_at)[:, None]], 1)
-    slots = torch.cat([loop.scratch.expand(batch, lanes, nodes).reshape(batch, -1), tail_slot[:, None]], 1)
-    mask = row_causal_mask(cached, loop.raster_of_slot, raster, tree.ancestors.view(batch, lanes, nodes, nodes),
-                           loop.scratch, cls, n_tok).view(batch, lanes, nodes, -1)
-    # every forwarded token the official code writes before attending: the tail at its grid slot and
-    # the other lanes' roots; a node sees those earlier in raster order (other lanes' drafts: never)
-    root_seen = active[:, None, None, :] & ((k - 1)[:, None, None, :] < raster[..., None])  # [B, L, T, L]
-    mask[..., loop.scratch[:, 0]] |= root_seen
-    mask[..., loop.scratch[:, 0]] &= ~hidden_root[:, None, None, :]
-    tail_hot = loop.slot_ids[None, :] == tail_slot[:, None]  # [B, S]
-    mask |= (tail_on[:, None, None] & (tail_at[:, None, None] < raster))[..., None] & tail_hot[:, None, None, :]
-    tail_mask = cached & ((loop.raster_of_slot < tail_at[:, None]) | (loop.raster_of_slot < 0))
+    row = torch.where(pending, (ends - cls) // grid, grid).amin(1).clamp(max=grid - 1)
+    at = row * grid + grid - 1
+    rooted = lanes.active & ~lanes.stand_in & (lanes.fill == 0) & (lanes.next_at - 1 == at[:, None])
+    on = pending.any(1) & ~rooted.any(1)
+    slot = torch.where(on, cls + at, tables.spare)
+    return Tail(row, at, on, slot, tables.slot_ids[None, :] == slot[:, None])
+
+
+def forward_inputs(state: RowsState, lanes: OpenLanes, tail: Tail, tree, lead: int):
+    """``(tokens, positions, slots, mask, companions, valid)`` of the forward: every lane's tree
+    ``[B, L * T]`` at grid positions in its scratch slots, then the tail; ``valid [B, L, T]``, the
+    drafts a step may commit: within the row, and ``lead`` behind the row above until it is
+    complete."""
+    tables = state.tables
+    batch, grid, cls, n_tok = state.tokens.shape[0], tables.grid, tables.cls, tables.grid * tables.grid
+    depth = tree.depth.reshape(batch, tables.lanes, tables.nodes)
+    filled, above = lanes.fill, lanes.above
+    room = torch.where(above >= grid, grid - 1 - filled, torch.minimum(grid - 1 - filled, above - lead - filled))
+    valid = tree.valid.reshape(depth.shape) & (depth <= room[:, :, None]) & lanes.active[:, :, None]
+    raster = (lanes.next_at - 1)[:, :, None] + depth  # each node's token's raster index
+    positions = torch.cat([cls + raster.clamp(max=n_tok - 1).reshape(batch, -1), (cls + tail.at)[:, None]], 1)
+    slots = torch.cat([tables.scratch.expand(depth.shape).reshape(batch, -1), tail.slot[:, None]], 1)
+    tokens = torch.cat([tree.tokens.reshape(batch, -1), state.tokens.gather(1, tail.at[:, None])], 1)
+    mask = forward_mask(state, lanes, tail, raster, tree.ancestors.reshape(*depth.shape, tables.nodes))
+    return tokens, positions, slots, mask, tables.ends.forward_mask(state, lanes, raster, tail), valid
+
+
+def forward_mask(state: RowsState, lanes: OpenLanes, tail: Tail, raster: torch.Tensor,
+                 ancestors: torch.Tensor) -> torch.Tensor:
+    """``[B, L * T + 1, max_seq]``: the row-causal mask (:func:`row_causal_mask`), and every
+    forwarded token the official code writes before attending: the tail at its grid slot and the
+    other lanes' roots; a node sees those earlier in raster order (other lanes' drafts: never)."""
+    tables = state.tables
+    batch, lanes_n, nodes = raster.shape
+    cls, n_tok, first = tables.cls, tables.grid * tables.grid, tables.scratch[:, 0]
+    mask = row_causal_mask(state.cached, tables.raster_of_slot, raster, ancestors, tables.scratch, cls,
+                           n_tok).view(batch, lanes_n, nodes, -1)
+    mask[..., first] |= lanes.active[:, None, None, :] & ((lanes.next_at - 1)[:, None, None, :] < raster[..., None])
+    mask[..., first] &= ~lanes.hidden_root[:, None, None, :]
+    mask |= (tail.on[:, None, None] & (tail.at[:, None, None] < raster))[..., None] & tail.hot[:, None, None, :]
+    tail_mask = state.cached & ((tables.raster_of_slot < tail.at[:, None]) | (tables.raster_of_slot < 0))
     tail_mask[:, cls + n_tok :] = False
-    tail_mask |= tail_hot
-    mask = torch.cat([mask.view(batch, lanes * nodes, -1), tail_mask[:, None, :]], 1)
-    companions = None
-    if loop.companions:  # the row ends kept, each seen from the next row on; a row's first root's by its own lane
-        companions = loop.row_end_kept[:, None, None, :] & (loop.row_end_raster < raster[..., None])
-        companions[..., loop.scratch[:, 0]] |= (f == 0)[:, None, None, :] & loop.lane_eye[None, :, None, :]
-        tail_companions = loop.row_end_kept & (loop.row_end_raster < tail_at[:, None])
-        companions = torch.cat([companions.view(batch, lanes * nodes, -1), tail_companions[:, None, :]], 1)
-    tree_tokens = tree.tokens.view(batch, lanes * nodes)
-    probs, hidden = target.forward(torch.cat([tree_tokens, tokens.gather(1, tail_at[:, None])], 1), positions, slots,
-                                   mask, companions)
-    probs, hidden = probs[:, : lanes * nodes], hidden[:, : lanes * nodes]
-    written = tail_hot & tail_on[:, None]
-    real |= written
-    cached |= written
-    if loop.companions:  # the tail's row end, unless the row below kept one when it opened
-        parked = loop.row_end_kept.gather(1, (loop.parking + tail_row)[:, None])
-        loop.row_end_kept |= written & ~parked
-    noise = loop.noise
-    result = verify_tree(loop.rule, probs.reshape(virtual, nodes, -1), tree.tokens, tree.parents, tree.proposals,
-                         tree.depth, valid.view(virtual, nodes), greedy=loop.greedy, generator=loop.generator,
-                         record_tv=loop.record_tv, children=tree.children, level_widths=tree.level_widths,
-                         point_mass=tree.point_mass, check=False, walk=loop.walk,
-                         uniforms=noise.read(loop.uniform_slot) if loop.uniform_slot is not None else None,
-                         clocks=noise.read(loop.clock_slot) if loop.clock_slot is not None else None)
-    accepted = result.num_accepted.view(batch, lanes)
-    if loop.prefix_below:  # a row below the top open one commits its accepted drafts only (PJD's code)
-        top = row == torch.where(active, row, grid).min(1, keepdim=True).values
-        count = torch.where(active, accepted + top.long(), torch.zeros_like(accepted))
+    tail_mask |= tail.hot
+    return torch.cat([mask.view(batch, lanes_n * nodes, -1), tail_mask[:, None, :]], 1)
+
+
+def keep_tail(state: RowsState, tail: Tail) -> None:
+    """The tail's keys are written at its grid slot: real and seen from now on."""
+    written = tail.hot & tail.on[:, None]
+    state.real |= written
+    state.cached |= written
+    state.tables.ends.tail_written(state, written, tail.row)
+
+
+def commit(state: RowsState, lanes: OpenLanes, result, prefix_below: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Raster ``next_at .. next_at + count - 1`` of each lane (the rest to the spill column), with
+    their TV records: ``(count [B, L], write_at [B, L * W])``. With ``prefix_below`` a row below the
+    top open one commits its accepted drafts only (PJD's code)."""
+    batch, n_tok = state.tokens.shape[0], state.tables.grid ** 2
+    accepted = result.num_accepted.view(batch, -1)
+    if prefix_below:
+        top = lanes.row == torch.where(lanes.active, lanes.row, state.tables.grid).min(1, keepdim=True).values
+        count = torch.where(lanes.active, accepted + top.long(), torch.zeros_like(accepted))
     else:
-        count = torch.where(active, accepted + 1, torch.zeros_like(accepted))
-    add_rank_counts(loop, result)
-    # commit: raster k .. k + count - 1 of each lane (the rest to the spill column)
-    span = result.committed.shape[1]
-    offsets = loop.offsets[:span]
+        count = torch.where(lanes.active, accepted + 1, torch.zeros_like(accepted))
+    state.add_rank_counts(result)
+    offsets = state.tables.offsets[: result.committed.shape[1]]
     keep = offsets[None, None, :] < count[:, :, None]
-    write_at = torch.where(keep, k[:, :, None] + offsets, n_tok).view(batch, -1)
-    tokens.scatter_(1, write_at, result.committed.clamp(min=0).view(batch, -1))
-    loop.step_tv.scatter_(1, write_at, result.step_tv.to(loop.step_tv.dtype).view(batch, -1))
-    # keys: the root and the accepted nodes move to their grid slots (a root whose slot already
-    # holds its real keys keeps them; an auxiliary root's keys stay at the slot before its row,
-    # seen by the rows below until the row above's last token replaces them); other entries copy a
-    # lane's own scratch slot onto itself, so no two entries write one slot
-    path = result.path.view(batch, lanes, span)
-    moving = (path >= 0) & (offsets < (accepted + 1)[:, :, None]) & active[:, :, None]
-    root_slot = cls + (k - 1).clamp(min=0)
-    moving[:, :, 0] &= ~real.gather(1, root_slot)
-    source_slot = loop.scratch.expand(batch, -1, -1).gather(2, path.clamp(min=0))
-    grid_slot = cls + (k - 1)[:, :, None] + offsets
-    idle = loop.scratch[None, :, :span].expand(batch, -1, -1) if span <= nodes else \
-        loop.scratch[None, :, -1:].expand(batch, lanes, span)
-    if loop.companions:  # a hidden root's keys go to the parking slot of the row above: its row end is kept there
-        grid_slot[:, :, 0] = torch.where(hidden_root, loop.parking + (row - 1).clamp(min=0), grid_slot[:, :, 0])
-    src = torch.where(moving, source_slot, idle)
-    dst = torch.where(moving, grid_slot, idle)
+    write_at = torch.where(keep, lanes.next_at[:, :, None] + offsets, n_tok).view(batch, -1)
+    state.tokens.scatter_(1, write_at, result.committed.clamp(min=0).view(batch, -1))
+    state.step_tv.scatter_(1, write_at, result.step_tv.to(state.step_tv.dtype).view(batch, -1))
+    return count, write_at
+
+
+def move_keys(target, state: RowsState, lanes: OpenLanes, result) -> None:
+    """The root and the accepted nodes' keys move to their grid slots (a root whose slot already
+    holds its real keys keeps them; an auxiliary root's keys stay at the slot before its row, seen
+    by the rows below until the row above's last token replaces them); other entries copy a lane's
+    own scratch slot onto itself, so no two entries write one slot."""
+    tables = state.tables
+    batch, span, cls, nodes = state.tokens.shape[0], result.path.shape[1], tables.cls, tables.nodes
+    offsets = tables.offsets[:span]
+    path = result.path.view(batch, tables.lanes, span)
+    moving = (path >= 0) & (offsets < (result.num_accepted.view(batch, -1) + 1)[:, :, None]) & lanes.active[:, :, None]
+    moving[:, :, 0] &= ~state.real.gather(1, cls + (lanes.next_at - 1).clamp(min=0))
+    source_slot = tables.scratch.expand(batch, -1, -1).gather(2, path.clamp(min=0))
+    grid_slot = cls + (lanes.next_at - 1)[:, :, None] + offsets
+    idle = tables.scratch[None, :, :span].expand(batch, -1, -1) if span <= nodes else \
+        tables.scratch[None, :, -1:].expand(batch, tables.lanes, span)
+    tables.ends.land_roots(grid_slot, lanes, tables)
+    src, dst = torch.where(moving, source_slot, idle), torch.where(moving, grid_slot, idle)
     target.move_cache(src.view(batch, -1), dst.view(batch, -1))
-    is_real = moving.clone()
-    is_real[:, :, 0] &= ~stand_in
-    seen_now = moving.clone()
-    seen_now[:, :, 0] &= ~hidden_root
-    cached.scatter_(1, dst.view(batch, -1), seen_now.view(batch, -1) | cached.gather(1, dst.view(batch, -1)))
-    real.scatter_(1, dst.view(batch, -1), is_real.view(batch, -1) | real.gather(1, dst.view(batch, -1)))
-    if loop.companions:  # row ends kept: a hidden root's (parked), a token's landing at a row end unless one is parked
-        row_of = ((dst - cls).clamp(min=0, max=n_tok - 1) // grid).view(batch, -1)
-        at_end = ((dst - cls) % grid == grid - 1).view(batch, -1) & (dst < cls + n_tok).view(batch, -1)
-        parked = loop.row_end_kept.gather(1, loop.parking + row_of)
-        keep_end = moving.view(batch, -1) & ((at_end & ~parked) | (dst >= loop.parking).view(batch, -1))
-        loop.row_end_kept.scatter_(1, dst.view(batch, -1), keep_end | loop.row_end_kept.gather(1, dst.view(batch, -1)))
-    if loop.profiling:
-        started = time.perf_counter()
-    source.update(result.committed, result.path, count.view(-1), root_index, probs.reshape(virtual, nodes, -1),
-                  _lanes_hidden(hidden, lanes, nodes))
-    if loop.profiling:
-        loop.drafter_seconds += time.perf_counter() - started
-    fill.scatter_add_(1, row, count)
+    is_real, seen_now = moving.clone(), moving.clone()
+    is_real[:, :, 0] &= ~lanes.stand_in
+    seen_now[:, :, 0] &= ~lanes.hidden_root
+    flat = dst.view(batch, -1)
+    state.cached.scatter_(1, flat, seen_now.view(batch, -1) | state.cached.gather(1, flat))
+    state.real.scatter_(1, flat, is_real.view(batch, -1) | state.real.gather(1, flat))
+    tables.ends.after_move(state, moving, dst)
+
+
+def advance(state: RowsState, lanes: OpenLanes, count: torch.Tensor, write_at: torch.Tensor) -> None:
+    """Rows' fill, lanes moving to their next row, and the step's counters."""
+    tables = state.tables
+    batch, grid, n_tok = state.tokens.shape[0], tables.grid, tables.grid ** 2
+    fill = state.fill
+    fill.scatter_add_(1, lanes.row, count)
     fill[:, grid] = 0
-    loop.lane_row.copy_(torch.where(active & (fill.gather(1, row) >= grid), loop.lane_row + lanes, loop.lane_row))
+    finished = lanes.active & (fill.gather(1, lanes.row) >= grid)
+    state.lane_row.copy_(torch.where(finished, state.lane_row + tables.lanes, state.lane_row))
     committed_now = count.sum(1)
-    width = loop.per_step.shape[1]
-    loop.per_step.scatter_(1, loop.iteration.clamp(max=width - 1).expand(batch)[:, None], committed_now[:, None])
-    loop.iteration.add_(1)
-    loop.step_sizes.scatter_(1, write_at, committed_now[:, None].expand(-1, lanes * span))
-    loop.committed.scatter_(1, write_at, True)
-    loop.committed[:, n_tok] = False
-    loop.steps.add_((committed_now > 0).long())
-    loop.done.copy_(fill[:, :grid].sum())
+    width = state.per_step.shape[1]
+    state.per_step.scatter_(1, state.iteration.clamp(max=width - 1).expand(batch)[:, None], committed_now[:, None])
+    state.iteration.add_(1)
+    state.step_sizes.scatter_(1, write_at, committed_now[:, None].expand(-1, write_at.shape[1]))
+    state.committed.scatter_(1, write_at, True)
+    state.committed[:, n_tok] = False
+    state.steps.add_((committed_now > 0).long())
+    state.done.copy_(fill[:, :grid].sum())
 
 
-@torch.no_grad()
-def generate_rows(model, cond, sampling: SamplingConfig, *, source, rule: AcceptanceRule, plan: RowPlan,
-                  generator: torch.Generator | None = None, cond_mask=None, record_tv: bool = True,
-                  compile: bool = False, profile: bool = False, progress: bool = False, on_step=None) -> DecodeResult:
-    """Generate ``[B, N]`` tokens with ``plan.lanes`` rows open at once; ``source`` drafts for
-    every lane (a source of ``B * lanes`` rows, lane ``l`` of image ``b`` being row ``b * lanes +
-    l``; a source whose state is one per image, as a drafter's cache, gives its own view of the
-    lanes by ``source.for_lanes(lanes, grid)``), ``rule`` accepts. Every step is one target
-    forward and one lagged read of how many tokens are done (:mod:`relaxspec.decoding.loop`);
-    ``compile`` runs every step as one compiled graph (their shapes are static), ``profile``
-    times the forwards apart.
-    ``on_step(tokens, committed)``: called after every step with the buffer ``[B, N]`` and which
-    of its tokens are committed ``[B, N]`` (bool: commits land out of raster order here): views
-    of the decode's own buffers, valid during the call."""
-    start = time.perf_counter()
-    grid = grid_side(model)
-    lanes, scratch, source = rows_layout(model, plan, source)
-    lead, greedy = plan.lead, sampling.greedy
-    nodes = source.max_nodes
-    companions = bool(getattr(model, "row_end_companions", False))  # a target whose row ends are forced tokens
-    target = GuidedTarget(model, cond, sampling, cond_mask=cond_mask, scratch=scratch,
-                          compile=compile and profile, compile_prefill=compile, timed=profile)
-    batch, n_tok, device = target.batch, target.num_tokens, target.device
-    virtual = batch * lanes
-    rule.prepare(device, owner=model)  # its numbers kept with the model: one address across decodes
-    bar = tqdm(total=batch * n_tok, desc="rows", disable=not progress, leave=False)
-    try:
-        first, probs0, hidden0 = target.start(source.caption_rows, generator)
-        noise = StepNoise(device, owner=model)
-        started = time.perf_counter()
-        # every lane's first pair, kept at one address: what the source's first (compiled) forward reads
-        lane_first, lane_probs, lane_hidden = (kept_copy(model, f"rows.start.{name}", value) for name, value in (
-            ("first", first.repeat_interleave(lanes)), ("probs", probs0.repeat_interleave(lanes, 0)),
-            ("hidden", _lanes(hidden0[:, -1:], lanes))))
-        source.start(lane_first, lane_probs, lane_hidden, target.streams, n_tok, generator, greedy,
-                     condition_hidden=hidden0, condition_tokens=target.condition_tokens, noise=noise,
-                     compile=compile, profiling=Profiling(compile) if profile else None)
-        start_seconds = time.perf_counter() - started  # the draft source's time before the first step
-        check_compilable(source, compile)
-        uniform_slot, clock_slot = walk_noise(noise, source, virtual, probs0.shape[-1], greedy)
-        noise.allocate()
-        loop = _rows_loop(model, target, source, rule, noise, first, grid, lanes, lead, greedy, companions,
-                          plan.prefix_below, record_tv and not rule.lossless, uniform_slot, clock_slot, generator,
-                          compile, profile)
-        loop.drafter_seconds = start_seconds
-        bar.update(batch)
-        tokens_view, committed_view = loop.tokens[:, :n_tok], loop.committed[:, :n_tok]
-        if on_step is not None:
-            on_step(tokens_view, committed_view)
-        step = step_runner(rows_step, loop, device, (model, *source.models), compile=compile, profile=profile)
-        run_steps(step, noise, generator, loop.done, batch * n_tok, start=batch, bar=bar,
-                  on_step=None if on_step is None else (lambda: on_step(tokens_view, committed_view)))
-    finally:
-        bar.close()
-        target.close()
-        source.close()
-    if loop.rank_tests is None:
-        loop.rank_tests = loop.rank_accepts = torch.zeros(max(source.max_depth, 1), 1, dtype=torch.long, device=device)
-    tokens_h, steps_h, per_step_h, tv_h, tests_h, accepts_h, sizes_h = read_once(
-        tokens_view, loop.steps, loop.per_step, loop.step_tv[:, :n_tok], loop.rank_tests, loop.rank_accepts,
-        loop.step_sizes[:, :n_tok])
-    accept_lengths = [[1] + [count for count in image if count > 0] for image in per_step_h.tolist()]
-    return DecodeResult(tokens=tokens_h, target_forwards=steps_h + 1,
-                        drafter_forwards=steps_h * source.forwards_per_step, step_tv=tv_h, accept_lengths=accept_lengths,
-                        seconds=time.perf_counter() - start,
-                        drafter_seconds=loop.drafter_seconds if profile else None,
-                        target_forward_seconds=target.watch.seconds if profile else None,
-                        drafter_forward_seconds=watched_seconds(source) if profile else None,
-                        rank_tests=tests_h, rank_accepts=accepts_h,
-                        tv_recorded=record_tv or rule.lossless, rows=lanes, row_lead=lead, token_step_sizes=sizes_h)
+@register
+@dataclass(frozen=True)
+class Rows(Schedule):
+    """Rows in parallel: ``lanes`` rows open at once at most (more than the grid has: all of
+    them); a row opens once the row above has ``lead`` tokens; ``prefix_below``: an open row below
+    the top one commits its accepted drafts only (PJD's code), not also a bonus or residual token."""
+
+    name = "rows"
+    step = staticmethod(rows_step)
+    lanes: int = 2
+    lead: int = 1
+    prefix_below: bool = False
+
+    def check(self, grid: int | None) -> None:
+        """One line for settings the model's grid cannot take (``grid``: its side, ``None`` without one)."""
+        if grid is None:
+            raise RelaxspecError("rows in parallel need a model whose image tokens lie on a square grid")
+        if self.lanes < 1:
+            raise RelaxspecError(f"rows must be at least 1, got {self.lanes}")
+        if not 1 <= self.lead <= grid:
+            raise RelaxspecError(f"row lead must lie in [1, {grid}] (the grid is {grid} tokens wide), got {self.lead}")
+
+    def layout(self, model, source) -> Layout:
+        """The rows open at once, the target's cache slots past the image (each lane's draft
+        nodes, a parking slot per row on a row-end target, a spare slot) and the source the lanes
+        draft with (a source whose state is one per image gives its view of the lanes,
+        ``source.for_lanes``)."""
+        grid = grid_side(model)
+        self.check(grid)
+        # a row stays ``lead`` tokens behind the row above (ZipAR's window), so at most about
+        # grid / lead rows are ever open: lanes past that would only pad every forward
+        lanes = min(self.lanes, grid, -(-grid // self.lead) + 1)
+        if hasattr(source, "for_lanes"):  # a source with one state per image (a drafter's cache) keeps its lanes apart
+            source = source.for_lanes(lanes, grid)
+        return Layout(source, lanes * source.max_nodes + row_ends(model, grid).extra_slots + 1, lanes)
+
+    def start_source(self, model, layout: Layout, first, probs, hidden, start) -> None:
+        """Every lane's first pair, kept at one address: what the source's first (compiled) forward reads."""
+        lanes = layout.lanes
+        start(*(kept_copy(model, f"rows.start.{name}", value) for name, value in (
+            ("first", first.repeat_interleave(lanes)), ("probs", probs.repeat_interleave(lanes, 0)),
+            ("hidden", hidden[:, -1:].repeat_interleave(lanes, 0)))))
+
+    def reserve(self, noise, layout: Layout, batch: int, vocab: int, greedy: bool):
+        return reserve_walk(noise, layout.source, batch * layout.lanes, vocab, greedy)
+
+    def state(self, model, layout: Layout, target, first: torch.Tensor) -> RowsState:
+        """The state, kept with the model across decodes of one shape, set to a decode's start:
+        token 0 committed in every image, every lane on its first row."""
+        tables = _tables(model, layout, target)
+        batch, device, n_tok, cls = first.shape[0], first.device, target.num_tokens, target.cls
+        kept = kept_state(model, "rows", device)
+        tokens = kept("tokens", (batch, n_tok + 1))  # column n_tok: a spill
+        tokens[:, 0] = first
+        counts = rank_count_shape(layout.source.level_widths)
+        state = RowsState(
+            tokens=tokens, step_tv=kept("step_tv", (batch, n_tok + 1), torch.float32), steps=kept("steps", (batch,)),
+            done=kept("done", ()).fill_(batch), rank_tests=None if counts is None else kept("rank_tests", counts),
+            rank_accepts=None if counts is None else kept("rank_accepts", counts),
+            step_sizes=kept("step_sizes", (batch, n_tok + 1)).fill_(1),
+            committed=kept("committed", (batch, n_tok + 1), torch.bool), fill=kept("fill", (batch, tables.grid + 1)),
+            cached=kept("cached", (batch, target.max_seq), torch.bool),
+            real=kept("real", (batch, target.max_seq), torch.bool), lane_row=kept("lane_row", (batch, tables.lanes)),
+            per_step=kept("per_step", (batch, n_tok + 2)), iteration=kept("iteration", (1,)), tables=tables,
+            **tables.ends.state(kept, target))
+        state.committed[:, 0] = True
+        state.fill[:, 0] = 1
+        state.cached[:, :cls] = True
+        state.real[:, :cls] = True
+        state.lane_row.copy_(torch.arange(tables.lanes, device=device).expand(batch, -1))
+        return state
+
+    def progress(self, state: RowsState, num_tokens: int):
+        return state.tokens[:, :num_tokens], state.committed[:, :num_tokens]
+
+    def read_out(self, loop: Loop):
+        state, n_tok = loop.state, loop.num_tokens
+        return (state.tokens[:, :n_tok], state.steps, state.per_step, state.step_tv[:, :n_tok],
+                *state.rank_tables(loop.parts.source), state.step_sizes[:, :n_tok])
+
+    def result(self, host, loop: Loop) -> dict:
+        tokens, steps, per_step, step_tv, rank_tests, rank_accepts, sizes = host
+        accept_lengths = [[1] + [count for count in image if count > 0] for image in per_step.tolist()]
+        return dict(tokens=tokens, target_forwards=steps + 1,
+                    drafter_forwards=steps * loop.parts.source.forwards_per_step, step_tv=step_tv,
+                    accept_lengths=accept_lengths, rank_tests=rank_tests, rank_accepts=rank_accepts,
+                    tv_recorded=loop.parts.tv_recorded, rows=loop.state.tables.lanes, row_lead=self.lead,
+                    token_step_sizes=sizes)
 
 
-def rows_layout(model, plan: RowPlan, source) -> tuple[int, int, object]:
-    """``(lanes, scratch, source)`` of rows in parallel on ``model`` by ``plan``: the rows open at
-    once, the target's cache slots past the image (each lane's draft nodes, a parking slot per row
-    on a row-end target, a spare slot) and the source the lanes draft with (a source whose state
-    is one per image gives its view of the lanes, ``source.for_lanes``)."""
-    grid = grid_side(model)
-    plan.check(grid)
-    # a row stays ``lead`` tokens behind the row above (ZipAR's window), so at most about
-    # grid / lead rows are ever open: lanes past that would only pad every forward
-    lanes = min(plan.lanes, grid, -(-grid // plan.lead) + 1)
-    if hasattr(source, "for_lanes"):  # a source with one state per image (a drafter's cache) keeps its lanes apart
-        source = source.for_lanes(lanes, grid)
-    companions = bool(getattr(model, "row_end_companions", False))  # a target whose row ends are forced tokens
-    return lanes, lanes * source.max_nodes + (grid if companions else 0) + 1, source
-
-
-def _rows_loop(model, target, source, rule, noise, first, grid, lanes, lead, greedy, companions, prefix_below,
-               record_tv, uniform_slot, clock_slot, generator, compile, profile) -> RowsLoop:
-    """The loop's tensors, kept with the model across decodes of one shape, set to a decode's
-    start: token 0 committed in every image, every lane on its first row. On a row-end target
-    (``companions``) also: which slots' row-end companions are kept (``row_end_kept``), the raster
-    index each one follows, and a parking slot per row past the scratch slots, where the row end
-    a new row started from is kept before the row above is complete."""
-    batch, device, cls, n_tok = first.shape[0], first.device, target.cls, grid * grid
-    nodes = source.max_nodes
-
-    def kept(name, shape, dtype=torch.long):
-        return kept_buffer(model, f"rows.{name}", shape, dtype, device).zero_()
-
-    tokens = kept("tokens", (batch, n_tok + 1))  # column n_tok: a spill
-    tokens[:, 0] = first
-    committed = kept("committed", (batch, n_tok + 1), torch.bool)
-    committed[:, 0] = True
-    fill = kept("fill", (batch, grid + 1))  # tokens committed per row (+ a spill row)
-    fill[:, 0] = 1
-    cached = kept("cached", (batch, target.max_seq), torch.bool)  # slots whose keys are seen (real or auxiliary)
-    cached[:, :cls] = True
-    real = kept("real", (batch, target.max_seq), torch.bool)  # slots holding their own token's keys
-    real[:, :cls] = True
-    lane_row = kept("lane_row", (batch, lanes))
-    lane_row.copy_(torch.arange(lanes, device=device).expand(batch, lanes))  # the row each lane paints next
-    raster_of_slot = kept("raster_of_slot", (target.max_seq,)).fill_(-1)
+def _tables(model, layout: Layout, target) -> RowTables:
+    """The shape's constant tables, kept with the model."""
+    grid, lanes, nodes, cls = grid_side(model), layout.lanes, layout.source.max_nodes, target.cls
+    device, n_tok, max_seq = target.device, grid * grid, target.max_seq
+    ends = row_ends(model, grid)
+    raster_of_slot = torch.full((max_seq,), -1, dtype=torch.long, device=device)
     raster_of_slot[cls : cls + n_tok] = torch.arange(n_tok, device=device)
     lane_ids, node_ids = torch.arange(lanes, device=device), torch.arange(nodes, device=device)
-    counts = rank_count_shape(source.level_widths)
-    return RowsLoop(
-        target=target, source=source, rule=rule, noise=noise,
-        walk=compiled(walk_tree, device) if compile and profile else walk_tree, greedy=greedy, record_tv=record_tv,
-        grid=grid, lanes=lanes, lead=lead, tokens=tokens, step_tv=kept("step_tv", (batch, n_tok + 1), torch.float32),
-        step_sizes=kept("step_sizes", (batch, n_tok + 1)).fill_(1), committed=committed, fill=fill, cached=cached,
-        lane_row=lane_row, steps=kept("steps", (batch,)), per_step=kept("per_step", (batch, n_tok + 2)),
-        iteration=kept("iteration", (1,)),
-        rank_tests=None if counts is None else kept("rank_tests", counts),
-        rank_accepts=None if counts is None else kept("rank_accepts", counts),
-        done=kept("done", ()).fill_(batch), raster_of_slot=raster_of_slot, real=real,
-        row_ends=kept_copy(model, "rows.row_ends", cls + torch.arange(grid, device=device) * grid + grid - 1),
-        slot_ids=kept_copy(model, "rows.slot_ids", torch.arange(target.max_seq, device=device)),
-        spare=target.max_seq - 1, companions=companions, prefix_below=prefix_below, parking=cls + n_tok + lanes * nodes,
-        row_end_kept=kept("row_end_kept", (batch, target.max_seq), torch.bool) if companions else None,
-        row_end_raster=kept_copy(model, "rows.row_end_raster", _row_end_raster(target.max_seq, cls, grid, lanes * nodes).to(device))
-        if companions else None,
-        lane_eye=kept_copy(model, "rows.lane_eye", torch.eye(lanes, dtype=torch.bool, device=device)) if companions else None,
-        scratch=kept_copy(model, "rows.scratch", cls + n_tok + lane_ids[:, None] * nodes + node_ids[None, :]),  # [L, T]
-        offsets=kept_copy(model, "rows.offsets", torch.arange(nodes + 1, device=device)),  # a path and its bonus
-        uniform_slot=uniform_slot, clock_slot=clock_slot, generator=generator, profiling=profile)
 
+    def kept(name, value):
+        return kept_copy(model, f"rows.{name}", value)
 
-def _row_end_raster(max_seq: int, cls: int, grid: int, scratch: int) -> torch.Tensor:
-    """``[max_seq]``: the raster index a slot's row-end companion follows (a grid slot's own, a
-    parking slot's row's last; ``grid * grid`` elsewhere: never seen)."""
-    n_tok = grid * grid
-    raster = torch.full((max_seq,), n_tok, dtype=torch.long)
-    raster[cls : cls + n_tok] = torch.arange(n_tok)
-    raster[cls + n_tok + scratch : cls + n_tok + scratch + grid] = torch.arange(grid) * grid + grid - 1
-    return raster
+    return RowTables(
+        grid=grid, lanes=lanes, nodes=nodes, cls=cls, spare=max_seq - 1, parking=cls + n_tok + lanes * nodes,
+        ends=ends, raster_of_slot=kept("raster_of_slot", raster_of_slot),
+        scratch=kept("scratch", cls + n_tok + lane_ids[:, None] * nodes + node_ids[None, :]),  # [L, T]
+        offsets=kept("offsets", torch.arange(nodes + 1, device=device)),  # a path and its bonus
+        row_ends=kept("row_ends", cls + torch.arange(grid, device=device) * grid + grid - 1),
+        slot_ids=kept("slot_ids", torch.arange(max_seq, device=device)),
+        **ends.tables(kept, target, grid, lanes, nodes))
 
 
 def row_causal_mask(cached: torch.Tensor, raster_of_slot: torch.Tensor, raster: torch.Tensor, ancestors: torch.Tensor,
-                scratch: torch.Tensor, cls: int, n_tok: int) -> torch.Tensor:
+                    scratch: torch.Tensor, cls: int, n_tok: int) -> torch.Tensor:
     """``[B, L * T, max_seq]``: lane ``l``'s node ``i`` (its token at raster index ``raster[b, l, i]``)
     may attend the condition, every cached image key earlier in raster order, and its ancestors
     (itself included) among its own lane's scratch slots."""
@@ -431,15 +457,26 @@ def row_causal_mask(cached: torch.Tensor, raster_of_slot: torch.Tensor, raster: 
     return (seen | own).view(batch, lanes * nodes, max_seq)
 
 
-def _lanes(hidden: torch.Tensor, lanes: int) -> torch.Tensor:
-    """``[S*B, ...]`` -> ``[S*B*L, ...]``: each image's rows repeated for its lanes (stream-major)."""
-    return hidden.repeat_interleave(lanes, 0)
-
-
 def _lanes_hidden(hidden: torch.Tensor, lanes: int, nodes: int) -> torch.Tensor:
     """``[S*B, L*T, d]`` -> ``[S*B*L, T, d]`` (stream-major, lane ``l`` of image ``b`` at ``b * L + l``)."""
     rows, _, dim = hidden.shape
     return hidden.reshape(rows, lanes, nodes, dim).reshape(rows * lanes, nodes, dim)
 
 
-__all__ = ["generate_rows", "row_causal_mask"]
+@torch.no_grad()
+def generate_rows(model, cond, sampling: SamplingConfig, *, source, rule, plan: Rows,
+                  generator: torch.Generator | None = None, cond_mask=None, record_tv: bool = True,
+                  compile: bool = False, profile: bool = False, progress: bool = False, on_step=None) -> DecodeResult:
+    """Generate ``[B, N]`` tokens with ``plan.lanes`` rows open at once (the :class:`Rows`
+    schedule ``plan``); ``source`` drafts for every lane (a source of ``B * lanes`` rows, lane
+    ``l`` of image ``b`` being row ``b * lanes + l``; a source whose state is one per image, as a
+    drafter's cache, gives its own view of the lanes by ``source.for_lanes(lanes, grid)``), ``rule``
+    accepts. ``on_step(tokens, committed)``: called after every step with the buffer ``[B, N]`` and
+    which of its tokens are committed ``[B, N]`` (bool: commits land out of raster order here)."""
+    return drive(model, cond, sampling, DecodePlan(plan, source, rule, compile=compile, profile=profile,
+                                                   record_tv=record_tv, label="rows"),
+                 generator=generator, cond_mask=cond_mask, progress=progress, on_step=on_step)
+
+
+__all__ = ["OpenLanes", "Rows", "RowsState", "RowTables", "Tail", "generate_rows", "grid_side", "row_causal_mask",
+           "rows_step"]

@@ -28,10 +28,11 @@ import torch
 from torch import Tensor
 
 from relaxspec.acceptance.base import AcceptanceRule
+from relaxspec.drafting.base import DraftTree
 from relaxspec.drafting.tree_tables import children_table
 from relaxspec.sampling import exponential_clocks, sample_from
 
-__all__ = ["VerifyResult", "children_table", "verify_tree", "walk_tests", "walk_tree"]
+__all__ = ["VerifyResult", "WalkNoise", "children_table", "verify_tree", "walk_tests", "walk_tree"]
 
 
 @dataclass
@@ -87,78 +88,65 @@ def _check_tree(target_probs: Tensor, tokens: Tensor, parents: Tensor, proposals
             raise ValueError("verify_tree: every parent index must be in [0, child index)")
 
 
-def verify_tree(
-    rule: AcceptanceRule,
-    target_probs: Tensor,
-    tokens: Tensor,
-    parents: Tensor,
-    proposals: Tensor,
-    depth: Tensor,
-    valid: Tensor,
-    greedy: bool = False,
-    generator: torch.Generator | None = None,
-    record_tv: bool = True,
-    *,
-    children: Tensor | None = None,
-    level_widths: tuple[int, ...] | None = None,
-    point_mass: bool | None = None,
-    check: bool = True,
-    walk=None,
-    uniforms: Tensor | None = None,
-    clocks: Tensor | None = None,
-) -> VerifyResult:
+@dataclass(eq=False)
+class WalkNoise:
+    """One walk's random numbers, drawn ahead (a decoding step's :class:`relaxspec.noise.StepNoise`):
+    ``uniforms [sum(level_widths), B]`` float64, one per sibling test in walk order, and
+    exponential ``clocks [B, V]`` for the bonus draw."""
+
+    uniforms: Tensor
+    clocks: Tensor
+
+
+def verify_tree(rule: AcceptanceRule, tree: DraftTree, target_probs: Tensor, *, greedy: bool = False,
+                generator: torch.Generator | None = None, record_tv: bool = True, noise: WalkNoise | None = None,
+                check: bool = True, walk=None) -> VerifyResult:
     """Walk a batch of draft trees and pick the accepted path and the next token.
 
     Args:
         rule: the acceptance rule.
+        tree: the drafts (:class:`relaxspec.drafting.base.DraftTree`; its ``ancestors`` are not
+            read): ``tokens [B, T]`` (node 0, the root, is ignored), ``parents [B, T]`` (-1 for the
+            root, ``parents[:, i] < i``), ``depth [B, T]`` 1-based draft position (root 0, passed
+            to the rule), ``proposals [B, T, V]`` the law each node's token was drawn from
+            (one-hot for deterministic drafts), ``valid [B, T]`` (False for placeholder nodes,
+            never tested); and, when the source knows it, its static structure: ``children [B or
+            1, T, C]`` each node's children in sibling order (-1 padded; invalid ones are
+            skipped), ``level_widths[d]`` the most children of any node at depth ``d`` (one entry
+            per level that holds drafts) and ``point_mass`` (every proposal one-hot). With all
+            three the walk has a fixed number of batched ops and never reads the device; without,
+            they are read from the tensors.
         target_probs: ``[B, T, V]`` the target's distribution at every node (of its children).
-        tokens: ``[B, T]`` int64 drafted token per node (node 0, the root, is ignored).
-        parents: ``[B, T]`` parent index, -1 for the root, ``parents[:, i] < i``.
-        proposals: ``[B, T, V]`` the law each node's token was drawn from (one-hot for
-            deterministic drafts).
-        depth: ``[B, T]`` 1-based draft position (root 0), passed to the rule.
-        valid: ``[B, T]`` False for placeholder nodes, which are never tested.
         greedy: temperature 0: ``rule.greedy_accept`` of every sibling against its parent's own
-            target, the correction / bonus ``rule.greedy_correction`` (the argmax).
-        generator: source of all randomness (acceptance uniforms and the bonus draw).
+            target, the correction / bonus ``rule.greedy_correction`` (the argmax); deterministic.
+        generator: where ``noise`` is drawn from when not given.
         record_tv: compute ``step_tv`` (costs one ``rule.step_tv`` per test; off -> zeros). In
             greedy mode the record of a committed token is 1 where it differs from its node
             target's argmax (a departure from greedy AR) and 0 elsewhere.
-        children, level_widths, point_mass: the tree's static structure, when the caller knows
-            it (:class:`relaxspec.drafting.base.DraftTree` carries it): ``children [B or 1,
-            T, C]`` node ids of each node's children in sibling order (-1 padded; invalid ones
-            are skipped), ``level_widths[d]`` the most children of any node at depth ``d`` (its
-            length is the number of levels that hold drafts), ``point_mass`` whether every
-            proposal is one-hot. With all three the walk has a fixed number of batched ops and
-            never reads the device; without, they are read from the tensors.
+        noise: the walk's random numbers (:class:`WalkNoise`); when not given (and not greedy)
+            they are drawn here from ``generator``, uniforms then clocks.
         check: validate the shapes and parent indices (host syncs; the engine builds its trees
             valid and skips it).
         walk: the function that walks (default :func:`walk_tree`; profile mode passes it compiled).
-        uniforms, clocks: the step's random numbers, drawn ahead (a decoding step's
-            :class:`relaxspec.noise.StepNoise`): ``uniforms [sum(level_widths), B]`` float64, one per
-            sibling test in walk order, and exponential ``clocks [B, V]`` for the bonus draw; when not
-            given (and not greedy) they are drawn here from ``generator``, in that order.
-
-    Greedy mode ignores ``proposals`` and ``generator``: it is deterministic.
     """
     batch, nodes, vocab = target_probs.shape
     if check:
-        _check_tree(target_probs, tokens, parents, proposals)
-    valid = valid.to(torch.bool)
+        _check_tree(target_probs, tree.tokens, tree.parents, tree.proposals)
+    valid = tree.valid.to(torch.bool)
     valid = torch.cat([torch.zeros_like(valid[:, :1]), valid[:, 1:]], dim=1)  # the root is never tested
-    if children is None:
-        children = children_table(parents, valid)
+    children = tree.children if tree.children is not None else children_table(tree.parents, valid)
+    level_widths = tree.level_widths
     if level_widths is None:
-        level_widths = (children.shape[2],) * _tree_levels(parents, valid)
+        level_widths = (children.shape[2],) * _tree_levels(tree.parents, valid)
+    walked = DraftTree(tree.tokens, tree.parents, tree.depth, tree.proposals, valid, tree.ancestors,
+                       children=children, level_widths=level_widths, point_mass=tree.point_mass)
     if greedy:
-        uniforms = clocks = None
-    elif uniforms is None:  # all of the step's randomness in two draws, ahead of the walk
-        uniforms = torch.rand(walk_tests(level_widths), batch, generator=generator, device=target_probs.device,
-                              dtype=torch.float64)
-        clocks = exponential_clocks((batch, vocab), generator, target_probs.device)
-    return VerifyResult(*(walk or walk_tree)(rule, target_probs, tokens, proposals, depth, valid, children, uniforms,
-                                             clocks, level_widths=level_widths, greedy=greedy, record_tv=record_tv,
-                                             point_mass=point_mass))
+        noise = None
+    elif noise is None:  # all of the step's randomness in two draws, ahead of the walk
+        noise = WalkNoise(torch.rand(walk_tests(level_widths), batch, generator=generator, device=target_probs.device,
+                                     dtype=torch.float64),
+                          exponential_clocks((batch, vocab), generator, target_probs.device))
+    return VerifyResult(*(walk or walk_tree)(rule, walked, target_probs, noise, greedy=greedy, record_tv=record_tv))
 
 
 def walk_tests(level_widths: tuple[int, ...]) -> int:
@@ -203,115 +191,149 @@ def _greedy_reach(rule: AcceptanceRule, target_probs: Tensor, tokens: Tensor, de
     return accepted, rank
 
 
-def walk_tree(rule: AcceptanceRule, target_probs: Tensor, tokens: Tensor, proposals: Tensor, depth: Tensor,
-              valid: Tensor, children: Tensor, uniforms: Tensor | None, clocks: Tensor | None, *,
-              level_widths: tuple[int, ...], greedy: bool, record_tv: bool,
-              point_mass: bool | None) -> tuple[Tensor, ...]:
-    """The walk of :func:`verify_tree` as a pure function of tensors: ``valid`` with the root
-    cleared, ``uniforms [tests, B]`` (one per sibling test, in walk order) and exponential
-    ``clocks [B, V]`` for the bonus draw (both None when greedy). A fixed sequence of ops for
-    given static arguments -- what ``--compile`` compiles. Returns the fields of
-    :class:`VerifyResult` in order."""
-    batch = target_probs.shape[0]
-    device = target_probs.device
-    rows = torch.arange(batch, device=device)
-    children = children.expand(batch, -1, -1)
-    levels, width = len(level_widths), children.shape[2]
-
-    no = torch.zeros(batch, dtype=torch.bool, device=device)
-    zero_tv = torch.zeros(batch, dtype=target_probs.dtype, device=device)
-    current = torch.zeros(batch, dtype=torch.long, device=device)
+def walk_tree(rule: AcceptanceRule, tree: DraftTree, target_probs: Tensor, noise: WalkNoise | None, *,
+              greedy: bool, record_tv: bool) -> tuple[Tensor, ...]:
+    """The walk of :func:`verify_tree` as a pure function of records: ``tree`` with the root's
+    ``valid`` cleared and its ``children`` and ``level_widths`` given, ``noise`` the step's numbers
+    (``None`` when greedy). A fixed sequence of ops for given static arguments -- what
+    ``--compile`` compiles. Returns the fields of :class:`VerifyResult` in order."""
+    walk = _Walk(tree, target_probs)
     if greedy:
-        # Every node's test depends only on its parent's own target (REFERENCE §4), so all are made
-        # at once; LANTERN's greedy rule then commits the longest accepted path (ties: the first in
-        # sibling rank order), which a walk can only follow knowing how deep each child's accepted
-        # subtree reaches.
-        node_ok, reach = _greedy_reach(rule, target_probs, tokens, depth, valid, children, levels)
-    target = target_probs[:, 0]
-    walking = torch.ones(batch, dtype=torch.bool, device=device)
-    final_target = target  # the residual each row's bonus token is drawn from
-    path_cols, committed_cols, tv_cols, tested, accepted = [current], [], [], [], []
+        _greedy_levels(rule, tree, target_probs, walk, record_tv)
+        next_token = rule.greedy_correction(walk.final_target)
+    else:
+        _sampled_levels(rule, tree, walk, noise.uniforms, record_tv)
+        next_token = sample_from(walk.final_target, clocks=noise.clocks)
+    return walk.result(next_token, len(tree.level_widths))
+
+
+class _Walk:
+    """The walk's running state over a batch, level by level: the node each row stands on, the
+    target it tests against, whether it is still walking, and the columns of the result."""
+
+    def __init__(self, tree: DraftTree, target_probs: Tensor):
+        batch, device = target_probs.shape[0], target_probs.device
+        self.tree, self.target_probs = tree, target_probs
+        self.rows = torch.arange(batch, device=device)
+        self.children = tree.children.expand(batch, -1, -1)
+        self.width = self.children.shape[2]
+        self.no = torch.zeros(batch, dtype=torch.bool, device=device)
+        self.zero_tv = torch.zeros(batch, dtype=target_probs.dtype, device=device)
+        self.current = torch.zeros(batch, dtype=torch.long, device=device)
+        self.target = target_probs[:, 0]
+        self.walking = torch.ones(batch, dtype=torch.bool, device=device)
+        self.final_target = self.target  # the residual each row's bonus token is drawn from
+        self.path_cols, self.committed_cols, self.tv_cols = [self.current], [], []
+        self.tested: list[Tensor] = []
+        self.accepted: list[Tensor] = []
+
+    def kids(self):
+        """The current node's children ``[B, C]``, whether each is a valid test, their tokens and
+        depths: everything a level's tests read, gathered once."""
+        tree = self.tree
+        kids = self.children[self.rows, self.current]
+        safe = kids.clamp(min=0)
+        return kids, (kids >= 0) & tree.valid.gather(1, safe), tree.tokens.gather(1, safe), tree.depth.gather(1, safe)
+
+    def test(self, testing: Tensor, accept: Tensor) -> None:
+        self.tested.append(testing)
+        self.accepted.append(accept)
+
+    def pad(self, level_width: int) -> None:
+        self.tested.extend([self.no] * (self.width - level_width))
+        self.accepted.extend([self.no] * (self.width - level_width))
+
+    def moved_token(self, next_node: Tensor) -> Tensor:
+        return self.tree.tokens.gather(1, next_node[:, None]).squeeze(1)
+
+    def advance(self, moved: Tensor, next_node: Tensor, moved_token: Tensor, level_tv: Tensor) -> None:
+        """The level's outcome: rows that moved stand on ``next_node`` and test against its target;
+        the others stop, their bonus drawn from their current target."""
+        self.tv_cols.append(level_tv)
+        self.final_target = torch.where((self.walking & ~moved).unsqueeze(1), self.target, self.final_target)
+        self.walking = self.walking & moved
+        self.current = next_node
+        self.path_cols.append(torch.where(moved, next_node, torch.full_like(next_node, -1)))
+        self.committed_cols.append(torch.where(moved, moved_token, torch.full_like(next_node, -1)))
+        self.target = torch.where(moved.unsqueeze(1), self.target_probs[self.rows, next_node], self.target)
+
+    def result(self, next_token: Tensor, levels: int) -> tuple[Tensor, ...]:
+        current, width = self.current, self.width
+        num_accepted = (torch.stack(self.committed_cols, 1) >= 0).sum(1) if levels else torch.zeros_like(current)
+        committed = torch.stack(self.committed_cols + [torch.full_like(current, -1)], 1)
+        committed = committed.scatter(1, num_accepted.unsqueeze(1), next_token.unsqueeze(1))
+        step_tv = torch.stack(self.tv_cols + [self.zero_tv], 1)
+        if levels:
+            batch = current.shape[0]
+            counts = torch.stack([torch.stack(self.tested), torch.stack(self.accepted)]).view(2, levels, width, batch)
+            summed = counts.sum(3)
+            rank_tests, rank_accepts = summed[0], summed[1]
+            tests = torch.stack(self.tested).sum(0)
+        else:
+            rank_tests = rank_accepts = torch.zeros(1, width, dtype=torch.long, device=current.device)
+            tests = torch.zeros_like(current)
+        return (torch.stack(self.path_cols, 1), num_accepted, next_token, step_tv, tests, committed, rank_tests,
+                rank_accepts)
+
+
+def _sampled_levels(rule: AcceptanceRule, tree: DraftTree, walk: _Walk, uniforms: Tensor, record_tv: bool) -> None:
+    """Recursive rejection sampling, level by level: the children of the current node are tested
+    in sibling order, each rejection turning the target into the rule's residual, against which
+    the next sibling is tested (and the bonus drawn, after the last)."""
     test_index = 0
-
-    for level, level_width in enumerate(level_widths):
-        moved = no
-        next_node = current
-        level_tv = zero_tv
-        kids = children[rows, current]  # [B, C] the current node's children
-        safe_kids = kids.clamp(min=0)
-        # Everything the level's tests read, gathered once: [B, C] (and [B, C, V]).
-        kid_ok = (kids >= 0) & valid.gather(1, safe_kids)
-        kid_tokens = tokens.gather(1, safe_kids)
-        kid_depths = depth.gather(1, safe_kids)
-        if not greedy:
-            kid_proposals = proposals.gather(1, safe_kids[:, :level_width, None].expand(-1, -1, proposals.shape[2]))
-        if greedy:
-            kid_pass, kid_reach = node_ok.gather(1, safe_kids), reach.gather(1, safe_kids)
-            best = torch.full_like(current, -1)
+    for level_width in tree.level_widths:
+        moved, next_node, level_tv = walk.no, walk.current, walk.zero_tv
+        kids, kid_ok, kid_tokens, kid_depths = walk.kids()
+        safe = kids.clamp(min=0)[:, :level_width, None]
+        kid_proposals = tree.proposals.gather(1, safe.expand(-1, -1, tree.proposals.shape[2]))
         for rank in range(level_width):
-            child = kids[:, rank]
-            testing = walking & kid_ok[:, rank] & (~moved if not greedy else walking)
-            token = kid_tokens[:, rank]
-            node_depth = kid_depths[:, rank]
-            if greedy:
-                accept = kid_pass[:, rank]
-            else:
-                proposal = kid_proposals[:, rank]
-                alpha = rule.accept_prob(target, proposal, token, node_depth)
-                accept = uniforms[test_index] < alpha.double()  # P(U < alpha) = alpha for U ~ U[0, 1)
-                test_index += 1
-                if record_tv:
-                    tv = rule.step_tv(target, proposal, token, node_depth, point_mass=point_mass)
-                    level_tv = level_tv + torch.where(testing, tv.to(level_tv.dtype), zero_tv)
+            testing = walk.walking & kid_ok[:, rank] & ~moved
+            token, node_depth, proposal = kid_tokens[:, rank], kid_depths[:, rank], kid_proposals[:, rank]
+            target = walk.target
+            alpha = rule.accept_prob(target, proposal, token, node_depth)
+            accept = uniforms[test_index] < alpha.double()  # P(U < alpha) = alpha for U ~ U[0, 1)
+            test_index += 1
+            if record_tv:
+                tv = rule.step_tv(target, proposal, token, node_depth, point_mass=tree.point_mass)
+                level_tv = level_tv + torch.where(testing, tv.to(level_tv.dtype), walk.zero_tv)
             accept = accept & testing
-            tested.append(testing)
-            accepted.append(accept)
-            if not greedy:
-                # A rejected sibling turns the target into the residual the next sibling is
-                # tested against (and the bonus is drawn from, if it was the last one). Greedy:
-                # every sibling is tested against the parent's own target (LANTERN's
-                # definition, REFERENCE §4) and the correction is that target's argmax, so there
-                # is no residual at all.
-                residual = rule.residual(target, proposal, token, node_depth)
-                target = torch.where((testing & ~accept).unsqueeze(1), residual.to(target.dtype), target)
-            if greedy:  # the sibling whose accepted path reaches deepest (then the earlier leaf)
-                better = accept & (kid_reach[:, rank] > best)
-                best = torch.where(better, kid_reach[:, rank], best)
-                next_node = torch.where(better, child, next_node)
-            else:
-                next_node = torch.where(accept, child, next_node)
+            walk.test(testing, accept)
+            residual = rule.residual(target, proposal, token, node_depth)
+            walk.target = torch.where((testing & ~accept).unsqueeze(1), residual.to(target.dtype), target)
+            next_node = torch.where(accept, kids[:, rank], next_node)
             moved = moved | accept
-        tested.extend([no] * (width - level_width))
-        accepted.extend([no] * (width - level_width))
+        walk.pad(level_width)
+        walk.advance(moved, next_node, walk.moved_token(next_node), level_tv)
+    walk.final_target = torch.where(walk.walking.unsqueeze(1), walk.target, walk.final_target)  # a deepest node
 
-        moved_token = tokens.gather(1, next_node[:, None]).squeeze(1)
-        if greedy and record_tv:
-            # At temperature 0 the model's token is the node target's argmax: a committed draft
-            # that is not departs from greedy AR (TV 1 between the two point masses); the
-            # correction never does. So an image's sum counts its departures (docs/METHODS.md).
-            level_tv = (moved & (moved_token != rule.greedy_correction(target))).to(level_tv.dtype)
-        tv_cols.append(level_tv)
-        final_target = torch.where((walking & ~moved).unsqueeze(1), target, final_target)
-        walking = walking & moved
-        current = next_node
-        path_cols.append(torch.where(moved, current, torch.full_like(current, -1)))
-        committed_cols.append(torch.where(moved, moved_token, torch.full_like(current, -1)))
-        target = torch.where(moved.unsqueeze(1), target_probs[rows, current], target)
-    final_target = torch.where(walking.unsqueeze(1), target, final_target)  # accepted a deepest node
 
-    num_accepted = (torch.stack(committed_cols, 1) >= 0).sum(1) if levels else torch.zeros_like(current)
-    if greedy:
-        next_token = rule.greedy_correction(final_target)
-    else:
-        next_token = sample_from(final_target, clocks=clocks)
-    committed = torch.stack(committed_cols + [torch.full_like(current, -1)], 1)
-    committed = committed.scatter(1, num_accepted.unsqueeze(1), next_token.unsqueeze(1))
-    step_tv = torch.stack(tv_cols + [zero_tv], 1)
-    if levels:
-        counts = torch.stack([torch.stack(tested), torch.stack(accepted)]).view(2, levels, width, batch).sum(3)
-        rank_tests, rank_accepts = counts[0], counts[1]
-        tests = torch.stack(tested).sum(0)
-    else:
-        rank_tests = rank_accepts = torch.zeros(1, width, dtype=torch.long, device=device)
-        tests = torch.zeros_like(current)
-    return (torch.stack(path_cols, 1), num_accepted, next_token, step_tv, tests, committed, rank_tests, rank_accepts)
+def _greedy_levels(rule: AcceptanceRule, tree: DraftTree, target_probs: Tensor, walk: _Walk, record_tv: bool) -> None:
+    """Temperature 0 (REFERENCE §4): every sibling is tested against its parent's own target with
+    ``rule.greedy_accept`` and there is no residual; LANTERN's greedy rule then commits the
+    longest accepted path (ties: the first in sibling rank order), which a walk can only follow
+    knowing how deep each child's accepted subtree reaches."""
+    node_ok, reach = _greedy_reach(rule, target_probs, tree.tokens, tree.depth, tree.valid, walk.children,
+                                   len(tree.level_widths))
+    for level_width in tree.level_widths:
+        moved, next_node = walk.no, walk.current
+        kids, kid_ok, _, _ = walk.kids()
+        safe = kids.clamp(min=0)
+        kid_pass, kid_reach = node_ok.gather(1, safe), reach.gather(1, safe)
+        best = torch.full_like(walk.current, -1)
+        for rank in range(level_width):
+            testing = walk.walking & kid_ok[:, rank]
+            accept = kid_pass[:, rank] & testing
+            walk.test(testing, accept)
+            better = accept & (kid_reach[:, rank] > best)  # the sibling whose accepted path reaches deepest
+            best = torch.where(better, kid_reach[:, rank], best)
+            next_node = torch.where(better, kids[:, rank], next_node)
+            moved = moved | accept
+        walk.pad(level_width)
+        moved_token = walk.moved_token(next_node)
+        # At temperature 0 the model's token is the node target's argmax: a committed draft that is
+        # not departs from greedy AR (TV 1 between the two point masses); the correction never does.
+        # So an image's sum counts its departures (docs/METHODS.md).
+        level_tv = (moved & (moved_token != rule.greedy_correction(walk.target))).to(walk.zero_tv.dtype) \
+            if record_tv else walk.zero_tv
+        walk.advance(moved, next_node, moved_token, level_tv)
+    walk.final_target = torch.where(walk.walking.unsqueeze(1), walk.target, walk.final_target)

@@ -28,7 +28,8 @@ class DraftTree:
 
     ``tokens`` (node 0 = root), ``parents`` (-1 for the root, parent < child), ``depth`` (root 0),
     ``proposals [B, T, V]`` the law each token was drawn from, ``valid`` (False = never test),
-    ``ancestors [B, T, T]`` node i may attend to node j (self included).
+    ``ancestors [B, T, T]`` node i may attend to node j (self included; what the target's mask
+    is built from, ``None`` for a tree only verified).
     """
 
     tokens: torch.Tensor
@@ -36,7 +37,7 @@ class DraftTree:
     depth: torch.Tensor
     proposals: torch.Tensor
     valid: torch.Tensor
-    ancestors: torch.Tensor
+    ancestors: torch.Tensor | None = None
     #: Static structure (optional; a source that knows it lets the walk run without host syncs):
     #: ``children [B or 1, T, C]`` each node's children in sibling order (-1 padded),
     #: ``level_widths[d]`` the most children of a node at depth ``d`` (one entry per level that

@@ -16,10 +16,19 @@ The draft structures are shared by every method that drafts:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, make_dataclass
+from functools import cached_property
 from typing import Any, ClassVar
 
+from relaxspec.acceptance import ExactRule
+from relaxspec.decoding import AR, DecodePlan, Raster, Schedule
+from relaxspec.drafting.dynamic_tree import DynamicTree
+from relaxspec.drafting.eagle_source import EagleSource
+from relaxspec.drafting.jacobi import JacobiSource
+from relaxspec.drafting.static_tree import StaticTree
+from relaxspec.drafting.trees import TreeSpec, load_tree
 from relaxspec.errors import RelaxspecError
+from relaxspec.methods.grid import grid_side, row_plan
 
 #: Draft structures that use the EAGLE drafter, and the drafter-free one.
 EAGLE_DRAFTS = ("chain", "static", "dynamic")
@@ -95,6 +104,16 @@ SHARED_SETTINGS = (DRAFT, DEPTH, TREE, SIBLINGS, DYNAMIC_TOP_K, TOTAL_TOKENS, WI
                    ROW_LEAD)
 
 
+def settings_dataclass(name: str, settings: tuple[Setting, ...]) -> type:
+    """A small dataclass of ``settings`` (each field typed and defaulted as its :class:`Setting`
+    says): the record one group of settings is kept in."""
+    return make_dataclass(name, [(s.name, s.kind | None, field(default=s.default)) for s in settings])
+
+
+#: The settings every method shares (draft structures, compilation, the TV record, rows).
+SharedSettings = settings_dataclass("SharedSettings", SHARED_SETTINGS)
+
+
 @dataclass(frozen=True)
 class Preset:
     """A named setting of a method: ``fields`` over the method's defaults.
@@ -147,6 +166,11 @@ class Method:
     exclusive: ClassVar[dict[str, tuple[str, ...]]] = {}
     presets: ClassVar[dict[str, Preset]] = {}
     rows_only: ClassVar[bool] = False  # drafts nothing, decodes rows in parallel (ZipAR)
+
+    @cached_property
+    def settings_type(self) -> type:
+        """The dataclass of this method's own settings (``LanternSettings``: ``k``, ``delta``, ...)."""
+        return settings_dataclass(f"{type(self).__name__}Settings", self.settings)
 
     def prefix_below(self, options) -> bool:
         """Whether an open row below the top one commits its accepted drafts only (PJD's code),
@@ -232,8 +256,6 @@ class Method:
         with a note): more open rows than the grid and the lead can keep open. Override to add a
         method's own, and call this."""
         if options.rows > 1 and context.target is not None:
-            from relaxspec.methods.grid import grid_side, row_plan
-
             plan, grid = row_plan(options, context.target), grid_side(context.target)
             most = min(grid, -(-grid // plan.lead) + 1)  # a row stays the lead behind the row above
             if options.rows > most:
@@ -243,13 +265,33 @@ class Method:
     def _check_rows(self, options, context: BuildContext) -> None:
         """Rows in parallel: a model with a square grid, a lead within the row, and drafts that every
         row can have (a Jacobi window, any tree of the EAGLE drafter, or none)."""
-        from relaxspec.methods.grid import row_plan
-
         if context.target is not None:
             row_plan(options, context.target)
 
     def needs_drafter(self, options) -> bool:
         return options.draft in EAGLE_DRAFTS or str(options.draft).endswith(".json")
+
+    def schedule(self, options, model) -> Schedule:
+        """How this method's steps cover the image on ``model``: plain AR for a method that drafts
+        nothing in raster order, rows in parallel with ``rows`` above 1, else raster order."""
+        if not self.drafts and not self.rows_only:
+            return AR()
+        return row_plan(options, model) if options.rows > 1 else Raster()
+
+    def plan(self, options, context: BuildContext, source=None, rule=None) -> DecodePlan:
+        """The :class:`~relaxspec.decoding.DecodePlan` of ``options`` on ``context``: the schedule
+        and the parts (:meth:`build`; ``source`` / ``rule`` given are used as they are, and when
+        both are, sizes were checked where they were built)."""
+        schedule = self.schedule(options, context.target)
+        flags = dict(compile=options.compile, profile=options.profile)
+        if not schedule.drafts:
+            return DecodePlan(schedule, label=self.name, **flags)
+        if source is None or rule is None:
+            self.check_fits(options, context)
+        source = source or self.source(options, context)
+        rule = rule or self.rule(options, context, horizon=source.max_depth)
+        return DecodePlan(schedule, source, rule, record_tv=options.record_tv,
+                          label="rows" if options.rows > 1 else self.name, **flags)
 
     def build(self, options, context: BuildContext):
         """``(draft source, acceptance rule)`` for ``options``, from what ``context`` holds, its
@@ -270,17 +312,12 @@ class Method:
     def rule(self, options, context: BuildContext, horizon: int = 5):
         """The acceptance rule (:class:`relaxspec.acceptance.AcceptanceRule`); ``horizon``: the
         deepest draft the source proposes."""
-        from relaxspec.acceptance import ExactRule
-
         return ExactRule()
 
 
 def draft_source(method: Method, options, drafter, sampling, coupled: bool = False):
     """The shared draft structures: an EAGLE source over a chain / static / dynamic tree, or the
     Jacobi window (``coupled``: SCD's maximally coupled redraws)."""
-    from relaxspec.drafting.eagle_source import EagleSource
-    from relaxspec.drafting.jacobi import JacobiSource
-
     if options.draft == JACOBI:
         return JacobiSource(options.window, coupled=coupled)
     if drafter is None:
@@ -291,10 +328,6 @@ def draft_source(method: Method, options, drafter, sampling, coupled: bool = Fal
 def draft_structure(options):
     """The EAGLE draft structure ``options`` describe: EAGLE-2's dynamic tree, or a static tree (a
     chain, a shipped tree or a JSON tree file), each checked against its size bounds."""
-    from relaxspec.drafting.dynamic_tree import DynamicTree
-    from relaxspec.drafting.static_tree import StaticTree
-    from relaxspec.drafting.trees import TreeSpec, load_tree
-
     if options.draft == "dynamic":
         return DynamicTree(options.dynamic_top_k, options.depth, options.total_tokens)
     spec = TreeSpec.chain(options.depth) if options.draft == "chain" else load_tree(

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from relaxspec.acceptance import CoolRule
 from relaxspec.errors import RelaxspecError
 from relaxspec.methods.base import Method, Preset, Setting
 
@@ -28,8 +29,6 @@ class Cool(Method):
             raise RelaxspecError(f"COOL-SD delta must be > 0, got {options.cool_delta}")
 
     def rule(self, options, context, horizon: int = 5):
-        from relaxspec.acceptance import CoolRule
-
         return CoolRule(delta=options.cool_delta, nu=options.nu, normalisation=options.normalisation, horizon=horizon)
 
 

@@ -5,6 +5,7 @@ acceptance over a group of near-equivalent tokens built around each draft
 
 from __future__ import annotations
 
+from relaxspec.acceptance.gsd import GroupRule
 from relaxspec.errors import RelaxspecError
 from relaxspec.methods.base import EAGLE_DRAFTS, JACOBI, Method, Preset, Setting
 
@@ -37,8 +38,6 @@ class GSD(Method):
                                  f"most {vocab - 1} ranks lie below a draft")
 
     def rule(self, options, context, horizon: int = 5):
-        from relaxspec.acceptance.gsd import GroupRule
-
         vq, target = context.tokenizer, context.target
         if options.group_latent == "codebook":
             if vq is None:

@@ -7,6 +7,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from relaxspec.caching import PerObject
+from relaxspec.acceptance import LanternRule, cached_neighbour_table, cool_weights
+from relaxspec.acceptance.neighbours import default_cache_dir, load_neighbour_file
+from relaxspec.files import file_identity, missing_file
 from relaxspec.errors import RelaxspecError
 from relaxspec.methods.base import Method, Preset, Setting
 from relaxspec.methods.cool import NORMALISATION, NU
@@ -98,10 +101,6 @@ class Lantern(Method):
     def table(self, options, vq):
         """The ``[V, k]`` neighbour table of ``vq``'s codebook this run uses (computed, or the
         ``neighbours`` file), kept per live tokenizer; and ``k`` (at most the codebook size - 1)."""
-        from relaxspec.acceptance import cached_neighbour_table
-        from relaxspec.acceptance.neighbours import default_cache_dir, load_neighbour_file
-        from relaxspec.files import file_identity, missing_file
-
         raw = vq.raw_codebook
         k = min(options.k, raw.shape[0] - 1)
         if options.neighbours is not None:  # the user's table (LANTERN's file): read once per file and tokenizer
@@ -118,8 +117,6 @@ class Lantern(Method):
         return _NEIGHBOURS.get(vq, (options.geometry, k, tuple(raw.shape), raw._version), computed), k
 
     def rule(self, options, context, horizon: int = 5):
-        from relaxspec.acceptance import LanternRule, cool_weights
-
         vq = context.tokenizer
         if vq is None:
             raise RelaxspecError("LANTERN needs the VQ tokenizer (its codebook defines the latent neighbours)")

@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+from dataclasses import asdict, replace
+
 from relaxspec.errors import RelaxspecError
+from relaxspec.drafting.trees import load_tree
 from relaxspec.methods import registry
+from relaxspec.methods.base import SHARED_SETTINGS, STRUCTURE_FIELDS, BuildContext, SharedSettings
 
 
 class MethodOptions:
-    """A method and every setting it can be told (the settings are declared by the method
-    families in :mod:`relaxspec.methods`; ``MethodOptions.settings()`` lists them).
+    """A method and every setting it can be told: the settings every method shares
+    (:attr:`shared`, a :class:`~relaxspec.methods.base.SharedSettings`) and the method's own
+    (:attr:`own`, the small dataclass its family declares, :attr:`Method.settings_type`), each
+    read and set as an attribute (``options.delta``); another method's setting is refused at
+    construction. ``MethodOptions.settings()`` lists every method's.
 
     ``MethodOptions("lantern", delta=0.2)``: ``method`` is a method or preset name (``"ar"``,
     ``"sd"``, ``"eagle2"``, ``"lantern"``, ``"lantern++"``, ``"cool"``, ``"sjd"``, ``"scd"``, ...);
@@ -41,7 +48,8 @@ class MethodOptions:
     def _build(self, name: str, layers: list[dict]) -> None:
         method, key, preset = registry.lookup(name)
         known = registry.settings()
-        values = {s.name: s.default for s in known.values()}
+        values = {s.name: s.default for s in (*SHARED_SETTINGS, *method.settings)}  # what this method has
+        foreign: list[str] = []  # another method's settings: refused once the method's own are resolved
         for layer in [preset.fields, *layers]:
             unknown = sorted(set(layer) - set(known) - {"method"})
             if unknown:
@@ -51,19 +59,28 @@ class MethodOptions:
             for field, value in layer.items():
                 if field == "method":
                     continue
+                if field not in values:
+                    foreign.append(field)
+                    continue
                 values[field] = value
                 for other in method.exclusive.get(field, ()):
                     if other not in layer:
                         values[other] = known[other].default
-        object.__setattr__(self, "_values", values)
+        for field, value in values.items():
+            known[field].check(value)
+        object.__setattr__(self, "shared", SharedSettings(**{s.name: values[s.name] for s in SHARED_SETTINGS}))
+        object.__setattr__(self, "own", method.settings_type(**{s.name: values[s.name] for s in method.settings}))
         object.__setattr__(self, "method", method.name)
         object.__setattr__(self, "family", method)
         object.__setattr__(self, "notes", ())
         # the fields of the last layer (what the user gave): a value a run cannot use is noted then
         object.__setattr__(self, "given", frozenset(layers[-1]) - {"method"} if layers else frozenset())
-        for field, value in values.items():
-            known[field].check(value)
         method.resolve(self)
+        if foreign:
+            field = sorted(foreign)[0]
+            owners = [m.name for m in registry.methods().values() if any(s.name == field for s in m.settings)]
+            raise RelaxspecError(f"{known[field].cli_flag} is not used by {method.where(self)} (it is a setting of "
+                                 f"--method {' / '.join(owners)})")
 
     @staticmethod
     def _check_preset(method, key: str, preset, layer: dict) -> None:
@@ -77,8 +94,6 @@ class MethodOptions:
                                          f"use --method {method.name}")
                 # The way to say it otherwise: the family, the other value, and what else the
                 # name implies beyond its draft structure (LANTERN++'s multiplicative lam).
-                from relaxspec.methods.base import STRUCTURE_FIELDS
-
                 structural = {"draft", *(f for fields in STRUCTURE_FIELDS.values() for f in fields)}
                 rest = "".join(f" {registry.settings()[f].cli_flag} {v}" for f, v in preset.fields.items()
                                if f not in structural and f != field)
@@ -86,21 +101,33 @@ class MethodOptions:
                                      f"value use --method {method.name} {setting.cli_flag} {value}{rest}")
 
     # ------------------------------------------------------------------ attribute access
+    def _holder(self, name: str):
+        """The settings record holding ``name``: the shared one or the method's own."""
+        for part in ("shared", "own"):
+            holder = self.__dict__.get(part)
+            if holder is not None and name in holder.__dataclass_fields__:
+                return holder
+        method = self.__dict__.get("method")
+        raise AttributeError(f"MethodOptions has no setting {name!r}" + (f" for --method {method}" if method else ""))
+
     def __getattr__(self, name: str):
-        values = self.__dict__.get("_values")
-        if values is not None and name in values:
-            return values[name]
-        raise AttributeError(f"MethodOptions has no setting {name!r}")
+        return getattr(self._holder(name), name)
 
     def __setattr__(self, name: str, value) -> None:
-        if name not in self._values:
-            raise AttributeError(f"MethodOptions has no setting {name!r}")
+        holder = self._holder(name)
         registry.settings()[name].check(value)
-        self._values[name] = value
+        setattr(holder, name, value)
+
+    @property
+    def _values(self) -> dict:
+        """Every setting of this method, shared ones first, in the registry's order."""
+        merged = {**asdict(self.shared), **asdict(self.own)}
+        return {name: merged[name] for name in registry.settings() if name in merged}
 
     def __copy__(self) -> "MethodOptions":
         copy = MethodOptions.__new__(MethodOptions)
-        object.__setattr__(copy, "_values", dict(self._values))
+        object.__setattr__(copy, "shared", replace(self.shared))
+        object.__setattr__(copy, "own", replace(self.own))
         object.__setattr__(copy, "method", self.method)
         object.__setattr__(copy, "family", self.family)
         object.__setattr__(copy, "notes", self.notes)
@@ -137,14 +164,22 @@ class MethodOptions:
         user set (``--tree`` without ``--draft static``, ``--lam`` with ``ar``, ...)."""
         unused = sorted(set(given) - self.used_fields() - {"method"} - ({"rows"} if self.family.takes_rows else set()))
         if unused:
-            from relaxspec.methods.base import STRUCTURE_FIELDS
-
             users = [d for d, fields in STRUCTURE_FIELDS.items() if unused[0] in fields and d in self.family.drafts]
             hint = f" (it belongs to --draft {' / '.join(users)})" if users and len(self.family.drafts) > 1 else ""
             if unused[0] == "row_lead" and self.family.takes_rows and self.rows < 2:
                 hint = " without --rows: it sets rows in parallel (add --rows R, R >= 2)"
             flag = registry.settings()[unused[0]].cli_flag
             raise RelaxspecError(f"{flag} is not used by {self.family.where(self)}{hint}")
+
+    def plan(self, *, target=None, tokenizer=None, drafter=None, sampling=None, source=None, rule=None):
+        """The :class:`~relaxspec.decoding.DecodePlan` these settings decode with on ``target``
+        (:meth:`Method.plan`; what :func:`relaxspec.decoding.decode` asks for)."""
+        return self.family.plan(self, BuildContext(target=target, tokenizer=tokenizer, drafter=drafter,
+                                                   sampling=sampling), source, rule)
+
+    def schedule(self, model):
+        """How these settings' steps cover the image on ``model`` (:meth:`Method.schedule`)."""
+        return self.family.schedule(self, model)
 
     @property
     def needs_drafter(self) -> bool:
@@ -174,8 +209,6 @@ class MethodOptions:
 def tree_shape(name: str) -> str:
     """A static tree's shape in words (``a chain of 6``, ``25 nodes, depth 5``), or ``?`` when
     it cannot be read."""
-    from relaxspec.drafting.trees import load_tree
-
     try:
         spec = load_tree(name)
     except RelaxspecError:

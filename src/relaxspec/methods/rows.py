@@ -7,6 +7,8 @@ Any other method drafting with a Jacobi window takes ``--rows`` too. Neither is 
 
 from __future__ import annotations
 
+from relaxspec.drafting.base import NoDrafts
+from relaxspec.drafting.jacobi import JacobiSource
 from relaxspec.errors import RelaxspecError
 from relaxspec.methods.base import JACOBI, Method, Preset, Setting
 
@@ -33,8 +35,6 @@ class ZipAR(Method):
             raise RelaxspecError("--method zipar paints rows in parallel: --rows must be at least 2")
 
     def source(self, options, context):
-        from relaxspec.drafting.base import NoDrafts
-
         return NoDrafts()
 
 
@@ -65,8 +65,6 @@ class PJD(Method):
         return options.pjd_acceptance == "official"
 
     def source(self, options, context):
-        from relaxspec.drafting.jacobi import JacobiSource
-
         return JacobiSource(options.window, keep_likelier=options.pjd_acceptance == "official")
 
     def resolve(self, options) -> None:
