@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from relaxspec.bench import run as bench_run
+from relaxspec.cli import bench as cli_bench
 from relaxspec.cli.bench import add_bench_parser
 from relaxspec.bench.config import DEFAULT_METHODS, expand_methods, parse_methods
 from relaxspec.cli.eval import add_eval_parser
@@ -418,7 +419,7 @@ def test_quality_inputs_are_checked_before_any_decoding(models, tmp_path, monkey
     def no_decoding(*args, **kwargs):
         raise AssertionError("decoding started before the quality inputs were checked")
 
-    monkeypatch.setattr(bench_run, "run_bench", no_decoding)
+    monkeypatch.setattr(cli_bench, "run_bench", no_decoding)  # what the command calls
     junk, other = tmp_path / "junk.npz", tmp_path / "other.npz"
     junk.write_bytes(b"not an array file")
     np.savez(other, images=np.zeros((2, 16, 16, 3), np.uint8), labels=np.array([7, 8]))

@@ -305,7 +305,7 @@ def test_interrupted_self_samples_resume_and_prompts_stay_fixed(emu3_folder, tmp
     import numpy as np
 
     from relaxspec.cli import main
-    from relaxspec.decoding import ar as ar_module
+    from relaxspec.training.drafter import data as ar_module  # where the sampler looks generate_ar up
     from relaxspec.training.drafter import SELF_SAMPLES
 
     folder, _ = emu3_folder

@@ -139,7 +139,7 @@ def test_self_samples_drawn_by_four_processes_are_one_process_s_cache(tmp_path) 
     """Batch b is fixed by the run, not by who draws it: four processes (threads meeting at a
     barrier) draw the same samples as one, into a cache one process then reads without drawing;
     a cache of the older single-file format (rows drawn in order) is read as its batches."""
-    from relaxspec.decoding import ar as ar_module
+    from relaxspec.training.drafter import data as ar_module  # where the sampler looks generate_ar up
 
     target = peaked_target(TINY, 0)
     draw = dict(classes=[1, 2, 3], sampling=SamplingConfig(cfg_scale=2.0), seed=5, batch_size=3)

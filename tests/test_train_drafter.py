@@ -387,7 +387,7 @@ def test_resume_continues_a_run_stopped_while_drawing_self_samples(tmp_path, tar
     """The self-samples are drawn (and cached batch by batch) before training: --resume alone
     continues a run stopped there, with its recipe, drawing only the batches it had not."""
     from relaxspec.cli import main
-    from relaxspec.decoding import ar as ar_module
+    from relaxspec.training.drafter import data as ar_module  # where the sampler looks generate_ar up
     from relaxspec.training.drafter import SELF_SAMPLES
 
     save_model(target, tmp_path / "target")

@@ -25,6 +25,7 @@ from relaxspec.pipelines.open import choose_family
 from relaxspec.sampling import SamplingConfig, batch_seed
 from relaxspec.models.llamagen.gpt import Transformer
 from relaxspec.models.llamagen.vq import VQModel
+from relaxspec.pipelines.presets import with_preset
 
 __all__ = ["Generation", "UPSTREAM_SAMPLING", "generate", "pipeline_of"]
 
@@ -127,8 +128,6 @@ def generate(classes: str | Sequence[int | str] | None = None, method: str | Met
             else:
                 pipeline = pipeline_of(model, **inputs)
     if preset is not None:
-        from relaxspec.pipelines.presets import with_preset
-
         pipeline = with_preset(pipeline, preset)
     condition = pipeline.conditions(classes=classes, prompts=None if prompts is None else list(prompts))
     options = pipeline.method(method, method_fields)

@@ -22,6 +22,9 @@ from relaxspec import extras, embedded, methods
 from relaxspec.inputs import check_at_least, check_seed, check_threads
 from relaxspec.bench.report import load_real_images, write_report, SUMMARY_MD, markdown_table
 from relaxspec.files import file_identity
+from relaxspec.devices import machine_identity, machine_kind
+from relaxspec.pipelines.presets import read_preset, with_preset
+from relaxspec.bench.run import merge_shards, run_bench
 
 
 #: Where a benchmark of the embedded model goes when no --out is given.
@@ -159,8 +162,6 @@ def check_quality_inputs(classifier, real_data: str, classes: list[int], num_cla
 
 
 def run_bench_cli(args: argparse.Namespace) -> int:
-    from relaxspec.bench.run import merge_shards, run_bench
-
     family = model_family(args)  # the model flags checked once, before any weights load
     if args.list_methods:
         print(list_methods(embedded_bench_defaults(family)[0]))
@@ -195,7 +196,7 @@ def run_bench_cli(args: argparse.Namespace) -> int:
         if not Path(args.real_data).is_file():
             raise RelaxspecError(f"--real-data {args.real_data}: no such file")
         try:
-            from relaxspec.evaluation.classifier import load_classifier
+            from relaxspec.evaluation.classifier import load_classifier  # the optional evaluation extra
         except ImportError as err:
             raise RelaxspecError(f"--classifier needs relaxspec.evaluation, which is not importable ({err})") from None
         classifier = load_classifier(args.classifier)
@@ -214,8 +215,6 @@ def run_bench_cli(args: argparse.Namespace) -> int:
 
     preset = None
     if args.preset is not None:
-        from relaxspec.pipelines.presets import read_preset
-
         preset = read_preset(args.preset)
         if args.methods is None:
             args.methods = BASELINE
@@ -245,8 +244,6 @@ def run_bench_cli(args: argparse.Namespace) -> int:
     pipeline = open_from_args(args, prompts=prompts or None, with_drafter=bool(drafting))
     args.drafter_ckpt = drafter_ckpt
     if preset is not None:
-        from relaxspec.pipelines.presets import with_preset
-
         pipeline = with_preset(pipeline, preset)
     if drafting and pipeline.drafter is None:
         raise RelaxspecError(f"{', '.join(drafting)} draft with an EAGLE drafter and this model has none: give "
@@ -270,8 +267,6 @@ def run_bench_cli(args: argparse.Namespace) -> int:
     if world == 1:
         run_bench(pipeline, images, specs, sampling, args.out, **run)
     else:  # this rank's slice of the batches, timed here; the last rank to finish merges and reports
-        from relaxspec.devices import machine_identity, machine_kind
-
         folder = shard_dir(Path(args.out), rank, world)
         part = shard_range(-(-len(images) // args.batch_size), rank, world)
         run_bench(pipeline, images, specs, sampling, folder, part=part,

@@ -17,6 +17,7 @@ from relaxspec.extras import require
 from relaxspec.inputs import check_threads
 from relaxspec.pipelines.folders import DEFAULT_PROMPT_TOKENS
 from relaxspec.demo.race import DemoModel
+from relaxspec.pipelines.presets import read_preset, with_preset
 
 
 def add_demo_parser(subparsers) -> argparse.ArgumentParser:
@@ -55,8 +56,6 @@ def load_demo_model(args: argparse.Namespace):
                              "(the page picks a class)")
     preset = None
     if getattr(args, "preset", None) is not None:
-        from relaxspec.pipelines.presets import read_preset
-
         preset = read_preset(args.preset)  # checked before any weights load
         if args.threads is None and preset.get("threads"):
             args.threads = int(preset["threads"])
@@ -77,8 +76,6 @@ def load_demo_model(args: argparse.Namespace):
             raise RelaxspecError(f"--prompt goes with a text-to-image model; this {pipeline.family} model is "
                                  "class-conditional (the page picks a class)")
     if preset is not None:
-        from relaxspec.pipelines.presets import with_preset
-
         pipeline = with_preset(pipeline, preset)
     has_drafter = pipeline.drafter is not None
     if pipeline.default_method not in (None, "ar"):

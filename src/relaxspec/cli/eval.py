@@ -61,8 +61,10 @@ from relaxspec.runs.shards import SHARD, distributed, shard_dir, shard_folders, 
 from relaxspec.cli.options import require_extras, Parser, read_prompts
 from relaxspec.extras import require
 from relaxspec.files import load_caption_features, read_json, write_atomic, write_json
-from relaxspec.cli.imagerun import add_image_run_options
+from relaxspec.cli.imagerun import add_image_run_options, open_run, prepare, run_settings
 from relaxspec.runs.images import summary, write_image_run
+from relaxspec.bench.report import FID_LIKE_NOTE, load_real_images, quality_metrics, read_pngs
+from relaxspec.evaluation.classifier import load_classifier
 
 SCORES_FILE = "eval.json"
 INCEPTION_FILE = "inception-2015-12-05.pt"
@@ -131,8 +133,6 @@ def _write_captions(path: Path, features: np.ndarray, mask: np.ndarray | None) -
 def generate_shard(args: argparse.Namespace, gen: argparse.Namespace, rank: int, world: int, local: int) -> Path:
     """Generate this rank's slice into its shard folder: the pipeline the options name, the
     shard's conditions, and :func:`relaxspec.runs.images.write_image_run` (resumable)."""
-    from relaxspec.cli.imagerun import open_run, prepare, run_settings
-
     out = Path(gen.out)
     folder = shard_dir(out, rank, world)
     folder.mkdir(parents=True, exist_ok=True)
@@ -275,9 +275,6 @@ def score(args: argparse.Namespace, out: Path, device: str = "cpu", progress: bo
                          "eval_res": args.eval_res,
                          "feature_network": "clean-fid Inception-v3 (inception-2015-12-05)"}
     if args.classifier:
-        from relaxspec.bench.report import FID_LIKE_NOTE, load_real_images, quality_metrics, read_pngs
-        from relaxspec.evaluation.classifier import load_classifier
-
         if any(label is None for label in labels):
             raise RelaxspecError("--classifier scores class-conditional images (these were generated from captions "
                                  "or prompts)")

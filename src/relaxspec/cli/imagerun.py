@@ -18,6 +18,7 @@ from relaxspec.inputs import check_at_least, check_seed, check_threads, check_up
 from relaxspec.runs.images import image_settings
 from relaxspec.pipelines.presets import read_preset, with_preset
 from relaxspec.pipelines.families import opening_inputs
+from relaxspec import embedded as shipped
 
 
 def add_image_run_options(parser: argparse.ArgumentParser) -> None:
@@ -145,8 +146,6 @@ def check_inputs(args: argparse.Namespace) -> tuple[list[str], object]:
         fields = dict(preset["method"])
         options = methods.resolve(fields.pop("method"), given_settings(args), {preset["method"]["method"]: fields})
     elif embedded:
-        from relaxspec import embedded as shipped
-
         early = shipped.defaults()
         options = methods.resolve(args.method or early.get("method", {}).get("method", "ar"), given_settings(args),
                                   early.get("presets"))

@@ -30,6 +30,8 @@ from relaxspec.training.llamagen.gpt import GPTTrainConfig, train_gpt, read_trai
 from relaxspec.training.llamagen.vq import VQTrainConfig, train_vq, read_train_state as read_vq_state
 from relaxspec.runs.shards import distributed
 from relaxspec.training.distributed import alike
+from relaxspec.pipelines.families import is_folder_family
+from relaxspec.pipelines.open import folder_pipeline_class, folder_sampling
 
 
 def class_ids(text: str) -> list[int]:
@@ -272,9 +274,6 @@ def _drafter_config(args: argparse.Namespace) -> tuple[DrafterTrainConfig, bool]
     if "classes" in args:  # each --classes word may itself be a comma list
         args.classes = [c for word in args.classes for c in word]
     if getattr(args, "model_path", None) is not None and not getattr(args, "resume", False):
-        from relaxspec.pipelines.families import is_folder_family
-        from relaxspec.pipelines.open import folder_pipeline_class, folder_sampling
-
         defaults = folder_sampling(args.model_path) if is_folder_family(folder_pipeline_class(args.model_path)) else {}
         for key, value in defaults.items():  # self-samples drawn as generate draws them
             if getattr(args, key, None) is None:

@@ -11,6 +11,8 @@ import shlex
 import sys
 from pathlib import Path
 
+import numpy as np
+
 from relaxspec.cli.options import add_model_options, model_family, open_from_args, read_prompts
 from relaxspec.conditions import class_ids
 from relaxspec import extras
@@ -20,6 +22,9 @@ from relaxspec.runs.folder import hold_folder
 from relaxspec.tuning import Budget, TuneConfig, Tuner
 from relaxspec.tuning.config import check_minutes
 from relaxspec.tuning.report import PRESET_FILE, closest_message, describe_heldout, describe_row, interval_note, write_results
+from relaxspec import embedded as shipped
+from relaxspec.bench.report import load_real_images
+from relaxspec.evaluation.classifier import load_classifier
 
 #: Where tuning the embedded model writes when no --out is given.
 EMBEDDED_OUT = "tune-embedded"
@@ -133,8 +138,6 @@ def check_inputs(args: argparse.Namespace):
             if not embedded:
                 raise RelaxspecError("--within-ar-quality needs --classifier DIR (relaxspec train-classifier) for this "
                                      "model")
-            from relaxspec import embedded as shipped
-
             if not shipped.available("classifier"):
                 raise RelaxspecError("--within-ar-quality needs --classifier DIR: the embedded classifier is not in "
                                      "this installation")
@@ -201,11 +204,6 @@ def cmd_tune(args: argparse.Namespace) -> int:
         if pipeline.takes != "classes":
             raise RelaxspecError("--within-ar-quality scores class-conditional images; for a prompt model use "
                                  "--lossless or --max-tv-per-token")
-        import numpy as np
-
-        from relaxspec.bench.report import load_real_images
-        from relaxspec.evaluation.classifier import load_classifier
-
         classifier = load_classifier(args.classifier)
         if classifier.config.num_classes < pipeline.target.config.num_classes:
             raise RelaxspecError(f"--classifier knows {classifier.config.num_classes} classes but the model has "

@@ -35,18 +35,15 @@ import subprocess
 import zipfile
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
-from tqdm.auto import tqdm
+import torch
 from PIL import Image, UnidentifiedImageError
+from tqdm.auto import tqdm
 
 from relaxspec.errors import RelaxspecError
 from relaxspec.files import load_array
 from relaxspec.conditions import class_ids
-
-if TYPE_CHECKING:
-    import torch
 
 PACKAGE = "emoji-datasource-google"
 VERSION = "16.0.0"

@@ -28,6 +28,7 @@ from relaxspec.pipelines.families import (FOLDER_PIPELINES, Opening, all_familie
 from relaxspec.models.hf import read_config
 from relaxspec.models.weights import PRECISIONS
 from relaxspec.pipelines.families import opening_inputs
+from relaxspec.pipelines.llamagen import open_embedded
 
 #: What messages call the model opened when no family is named.
 EMBEDDED = "the embedded model (class-conditional)"
@@ -108,8 +109,6 @@ def open_pipeline(model_path=None, *, drafter_ckpt=None, device: str | torch.dev
     if family is None:
         if image_size is not None:
             raise RelaxspecError("--image-size: the embedded model's image size is fixed (32 px)")
-        from relaxspec.pipelines.llamagen import open_embedded
-
         return open_embedded(drafter_ckpt=drafter_ckpt, device=device, precision=precision, with_drafter=with_drafter)
     return family.open(opening, known_inputs(inputs))
 

@@ -18,6 +18,7 @@ from relaxspec import methods
 from relaxspec.bench.config import MethodSpec, format_value
 from relaxspec.drafting.trees import TreeSpec, best_tree_for_cost, expected_accept_length
 from relaxspec.methods.rows import ALL_ROWS
+from relaxspec.drafting.trees import build_tree
 
 #: The acceptance rules the probe measures: exact; LANTERN at a middle relaxation, whose trees serve
 #: the milder relaxed settings (``delta`` up to 0.3, LANTERN++, COOL-SD); and LANTERN at the grid's
@@ -106,7 +107,6 @@ def candidate_trees(rates, step_seconds, ar_seconds: float, max_nodes: int = 48)
         wide = [row for row in curve if row["nodes"] >= 2 * len(best.paths)]
         if wide:
             row = max(wide, key=lambda r: r["tokens_per_second"])
-            from relaxspec.drafting.trees import build_tree
 
             spec = build_tree(rates, row["nodes"])
             chosen.setdefault(spec.paths, (f"wide{row['nodes']}", spec))

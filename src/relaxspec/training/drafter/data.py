@@ -15,6 +15,7 @@ import torch
 from tqdm.auto import tqdm
 from PIL import Image, UnidentifiedImageError
 
+from relaxspec.decoding.ar import generate_ar
 from relaxspec.errors import RelaxspecError
 from relaxspec.models.base import TargetModel, TeacherForcedTarget
 from relaxspec.models.llamagen.vq import VQModel
@@ -201,8 +202,6 @@ def sample_prompts(target: TargetModel, cond: torch.Tensor, cond_mask: torch.Ten
     run of the same conditions and settings, on any number of processes, picks up where an
     interrupted one stopped. With ``shard`` this process draws its share of the batches; every
     process returns all of them (the cache is how they meet, so it is required)."""
-    from relaxspec.decoding.ar import generate_ar
-
     shard = shard or Shard()
     if shard.world > 1 and cache is None:
         raise RelaxspecError("self-samples drawn by several processes meet in their cache: give cache")

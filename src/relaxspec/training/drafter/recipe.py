@@ -52,6 +52,7 @@ from relaxspec.models.llamagen.gpt import Transformer
 from relaxspec.pipelines.llamagen import llamagen_pipeline, open_tokenizer
 from relaxspec.pipelines import open_pipeline
 from relaxspec.pipelines.open import choose_family
+from relaxspec.pipelines.families import file_families
 
 
 @torch.no_grad()
@@ -130,8 +131,6 @@ def _open_named(config: DrafterTrainConfig, prompts: list[str] | None, device: t
     one of its own files then)."""
     device = device or resolve_device(config.device)
     if choose_family(config.model_path, config.inputs) is None:
-        from relaxspec.pipelines.families import file_families
-
         named = " or ".join(["--model-path DIR"] + [f"{f.opened_with} ({f.family})" for f in file_families()])
         raise RelaxspecError(f"no target: give {named}")
     return open_pipeline(config.model_path, device=device, precision=config.precision, image_size=config.image_size,
