@@ -46,13 +46,14 @@ def drive(model, cond: torch.Tensor, sampling: SamplingConfig, plan: DecodePlan,
     ``relaxspec demo`` draws from; its time counts in ``seconds``). The decode holds ``model``'s
     lock (:func:`relaxspec.caching.decode_lock`): its state is kept with the model, so a second
     thread's decode on it waits."""
-    with decode_lock(model):
-        return _drive(model, cond, sampling, plan, generator, cond_mask, progress, on_step)
-
-
-def _drive(model, cond, sampling, plan: DecodePlan, generator, cond_mask, progress, on_step) -> DecodeResult:
     started = time.perf_counter()
-    layout = plan.schedule.layout(model, plan.source)
+    layout = plan.schedule.layout(model, plan.source)  # the plan checked against the model before anything runs
+    with decode_lock(model):
+        return _drive(model, cond, sampling, plan, layout, generator, cond_mask, progress, on_step, started)
+
+
+def _drive(model, cond, sampling, plan: DecodePlan, layout: Layout, generator, cond_mask, progress, on_step,
+           started: float) -> DecodeResult:
     target = GuidedTarget(model, cond, sampling, cond_mask=cond_mask, scratch=layout.scratch,
                           compile=plan.compile and plan.profile, compile_prefill=plan.compile, timed=plan.profile)
     if plan.rule is not None:
