@@ -288,8 +288,7 @@ class Method:
             return DecodePlan(schedule, label=self.name, **flags)
         if source is None or rule is None:
             self.check_fits(options, context)
-        source = source or self.source(options, context)
-        rule = rule or self.rule(options, context, horizon=source.max_depth)
+        source, rule = self.parts(options, context, source, rule)
         return DecodePlan(schedule, source, rule, record_tv=options.record_tv,
                           label="rows" if options.rows > 1 else self.name, **flags)
 
@@ -299,11 +298,12 @@ class Method:
         self.check_fits(options, context)
         return self.parts(options, context)
 
-    def parts(self, options, context: BuildContext):
+    def parts(self, options, context: BuildContext, source=None, rule=None):
         """:meth:`build` without the check (for sizes checked already,
-        :meth:`relaxspec.pipelines.ImagePipeline.prepare`)."""
-        source = self.source(options, context)
-        return source, self.rule(options, context, horizon=source.max_depth)
+        :meth:`relaxspec.pipelines.ImagePipeline.prepare`): the one place a method's parts are
+        built; a ``source`` or ``rule`` given is kept (the rule's horizon is the source's depth)."""
+        source = source or self.source(options, context)
+        return source, rule or self.rule(options, context, horizon=source.max_depth)
 
     def source(self, options, context: BuildContext):
         """The draft source (:class:`relaxspec.drafting.base.DraftSource`) ``options`` describe."""
