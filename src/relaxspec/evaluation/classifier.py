@@ -29,7 +29,6 @@ the class count and which classes are never mirrored (text, flags, clocks:
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import time
 from dataclasses import dataclass
@@ -38,11 +37,10 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file
 from torch import nn
 from tqdm.auto import tqdm
 
-from relaxspec.models.weights import load_strict, save_model
+from relaxspec.models.weights import load_strict, read_folder, save_model
 from relaxspec.data.emoji import ImageSet, check_image_set, flippable, load_data, load_split
 from relaxspec.data.emoji import augment as data_augment
 from relaxspec.errors import RelaxspecError
@@ -197,27 +195,16 @@ def load_classifier(folder: str | Path, device: str | torch.device = "cpu") -> I
     """Read a classifier folder written by :func:`save_classifier` (``config.json`` +
     ``model.safetensors``, kind "classifier"); returned in eval mode."""
     folder = Path(folder)
-    config_file, weights = folder / "config.json", folder / "model.safetensors"
-    if not config_file.is_file() or not weights.is_file():
-        raise RelaxspecError(f"{folder}: a classifier folder needs config.json and model.safetensors")
+    loaded = read_folder(folder, "a classifier folder")
+    if loaded.kind != KIND or not isinstance(loaded.config, dict):
+        raise RelaxspecError(f"{folder}: not a classifier (this is a {loaded.kind!r} model)")
     try:
-        meta = json.loads(config_file.read_text())
-    except (OSError, json.JSONDecodeError) as err:
-        raise RelaxspecError(f"{config_file}: unreadable config ({err})") from None
-    if not isinstance(meta, dict) or meta.get("kind") != KIND or not isinstance(meta.get("config"), dict):
-        kind = meta.get("kind") if isinstance(meta, dict) else None
-        raise RelaxspecError(f"{folder}: not a classifier" + (f" (this is a {kind!r} model)" if kind else ""))
-    try:
-        config = ClassifierConfig.from_dict(meta["config"])
+        config = ClassifierConfig.from_dict(loaded.config)
     except TypeError as err:
-        raise RelaxspecError(f"{config_file}: bad classifier config ({err})") from None
-    try:
-        state = load_file(str(weights))
-    except Exception as err:  # noqa: BLE001 - any failure means "not a readable file"
-        raise RelaxspecError(f"{weights}: not a readable safetensors file ({err})") from None
+        raise RelaxspecError(f"{folder / 'config.json'}: bad classifier config ({err})") from None
     model = ImageClassifier(config)
-    load_strict(model, state, str(folder))
-    model.metrics = dict(meta.get("metrics") or {})
+    load_strict(model, loaded.state_dict, str(folder))
+    model.metrics = dict(loaded.meta.get("metrics") or {})
     return model.to(device).eval()
 
 

@@ -118,6 +118,22 @@ def _is_state_dict(obj: object) -> bool:
     )
 
 
+def read_folder(path: Path, what: str = "a relaxspec model folder") -> LoadedState:
+    """One of our folders (``config.json`` with its ``kind`` and ``config``, and
+    ``model.safetensors``), each failure one line naming the file; ``what`` the folder is called
+    in them."""
+    config_file, weights = path / "config.json", path / "model.safetensors"
+    if not config_file.is_file() or not weights.is_file():
+        raise RelaxspecError(f"{path}: {what} needs config.json and model.safetensors")
+    try:
+        meta = json.loads(config_file.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise RelaxspecError(f"{config_file}: unreadable config ({err})") from None
+    if not isinstance(meta, dict) or "kind" not in meta or "config" not in meta:
+        raise RelaxspecError(f"{config_file}: not a relaxspec config (needs 'kind' and 'config')")
+    return LoadedState(load_safetensors(weights), "relaxspec", meta["config"], meta["kind"], meta)
+
+
 def read_state(path: str | Path) -> LoadedState:
     """Read weights from a PyTorch file (``.pt``/``.pth``/``.bin``, only ever with
     ``weights_only=True``), a ``.safetensors`` file, or one of our folders, without building a
@@ -127,17 +143,7 @@ def read_state(path: str | Path) -> LoadedState:
     if not path.exists():
         raise RelaxspecError(f"{path}: no such file or folder")
     if path.is_dir():
-        config_file, weights = path / "config.json", path / "model.safetensors"
-        if not config_file.is_file() or not weights.is_file():
-            raise RelaxspecError(f"{path}: a relaxspec model folder needs config.json and model.safetensors")
-        try:
-            meta = json.loads(config_file.read_text())
-        except (OSError, json.JSONDecodeError) as err:
-            raise RelaxspecError(f"{config_file}: unreadable config ({err})") from None
-        if not isinstance(meta, dict) or "kind" not in meta or "config" not in meta:
-            raise RelaxspecError(f"{config_file}: not a relaxspec config (needs 'kind' and 'config')")
-        state = load_safetensors(weights)
-        return LoadedState(state, "relaxspec", meta["config"], meta["kind"], meta)
+        return read_folder(path)
     if not path.is_file():
         raise RelaxspecError(f"{path}: not a regular file")
     try:
