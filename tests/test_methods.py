@@ -149,3 +149,31 @@ def test_no_relaxed_method_commits_a_token_outside_the_users_top_k(name):
     probs = process_logits(logits, sampling)
     committed = probs.gather(2, tokens[..., None])[..., 0]
     assert tokens.numel() == 8 * 64 and int((committed == 0).sum()) == 0
+
+
+def float_settings():
+    """Every float setting of the registry, with a method that reads it."""
+    owners = {}
+    for method in registry.methods().values():
+        for setting in method.settings:
+            if setting.kind is float:
+                owners.setdefault(setting.name, method.name)
+    return sorted(owners.items())
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("field, method", float_settings())
+def test_nan_and_inf_are_refused_for_every_float_setting(field, method, value):
+    """Issue 54: ``--group-p-gap nan`` ran (a bound compares false with nan), ``--lam inf`` was
+    refused only once the rule was built. Every float setting refuses both when it is given."""
+    with pytest.raises(RelaxspecError, match=f"^{field} must be a finite number, got {value}$"):
+        methods.resolve(method, {field: value})
+
+
+def test_a_nan_setting_is_one_line_before_the_settings_line(tmp_path, capsys):
+    from helpers.cli import assert_one_line_error, outcome
+
+    code, out, err = outcome(["generate", "--method", "gsd", "--group-p-gap", "nan", "--classes", "heart",
+                              "--out", tmp_path / "out", "--no-progress"], capsys)
+    assert_one_line_error(code, out, err, "group_p_gap must be a finite number, got nan")
+    assert out == "" and not (tmp_path / "out").exists()

@@ -4,6 +4,7 @@ same way, with the same one-line message, wherever it is given."""
 
 from __future__ import annotations
 
+import math
 import numbers
 import os
 
@@ -18,6 +19,13 @@ MAX_OUTPUT_SIDE = 8192
 
 def _whole(value) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def check_finite(name: str, value) -> None:
+    """A real number a user gave that must be one: ``nan`` and ``inf`` refused in one line (a
+    comparison with nan is false, so a bound alone lets it through)."""
+    if isinstance(value, numbers.Real) and not math.isfinite(value):
+        raise RelaxspecError(f"{name} must be a finite number, got {value}")
 
 
 def check_seed(seed) -> int:

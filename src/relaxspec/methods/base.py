@@ -28,6 +28,7 @@ from relaxspec.drafting.jacobi import JacobiSource
 from relaxspec.drafting.static_tree import StaticTree
 from relaxspec.drafting.trees import TreeSpec, load_tree
 from relaxspec.errors import RelaxspecError
+from relaxspec.inputs import check_finite
 from relaxspec.methods.grid import grid_side, row_plan
 
 #: Draft structures that use the EAGLE drafter, and the drafter-free one.
@@ -71,6 +72,8 @@ class Setting:
         if not isinstance(value, kinds) or (self.kind is not bool and isinstance(value, bool)):
             raise RelaxspecError(f"{self.name} must be {'a' if self.kind is not int else 'an'} {self.kind.__name__}, "
                                  f"got {value!r}")
+        if self.kind is float:
+            check_finite(self.name, value)
         if self.choices is not None and value not in self.choices:
             raise RelaxspecError(f"{self.name} must be one of {', '.join(map(repr, self.choices))}, got {value!r}")
         if self.minimum is not None and value < self.minimum:

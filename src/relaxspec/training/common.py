@@ -36,6 +36,7 @@ from tqdm.auto import tqdm
 
 from relaxspec.models.weights import save_model
 from relaxspec.errors import RelaxspecError
+from relaxspec.inputs import check_finite
 
 METRICS = "metrics.jsonl"
 #: Where a recipe keeps its best-scoring weights (model.safetensors + config.json).
@@ -316,7 +317,8 @@ def need_finite(config) -> None:
     learning rate or epoch count passes ``> 0`` checks and means nothing)."""
     for name in config.__dataclass_fields__:
         value = getattr(config, name)
-        need(not isinstance(value, float) or math.isfinite(value), f"{name} must be a finite number, got {value}")
+        if isinstance(value, float):
+            check_finite(name, value)
 
 
 def need(ok: bool, message: str) -> None:
