@@ -223,6 +223,29 @@ def test_one_named_gpu_for_every_process_is_refused(monkeypatch) -> None:
         join(torch.device("cpu"))
 
 
+
+@pytest.mark.parametrize("name, value, said", [
+    ("MASTER_PORT", "99999", "MASTER_PORT must be a port number in [1, 65535], got '99999'"),
+    ("MASTER_PORT", "http", "MASTER_PORT must be a port number in [1, 65535], got 'http'"),
+    ("RELAXSPEC_RENDEZVOUS_SECONDS", "nan", "RELAXSPEC_RENDEZVOUS_SECONDS must be a number of seconds in (0, 86400], "
+                                            "got 'nan'"),
+    ("RELAXSPEC_RENDEZVOUS_SECONDS", "-5", "RELAXSPEC_RENDEZVOUS_SECONDS must be a number of seconds in (0, 86400], "
+                                           "got '-5'"),
+    ("MASTER_ADDR", "no.such.host.invalid", "MASTER_ADDR 'no.such.host.invalid' is not a host this machine can find"),
+])
+def test_torchruns_environment_is_checked_before_any_socket_opens(monkeypatch, name, value, said) -> None:
+    """Issue 54: these reached c10d's store (a TypeError, or our line after pages of its frames and
+    socket warnings); each is now one line, from the environment alone."""
+    from relaxspec.errors import RelaxspecError
+    from relaxspec.training.distributed import join
+
+    for key, setting in {"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1",
+                         "MASTER_PORT": "29511", name: value}.items():
+        monkeypatch.setenv(key, setting)
+    with pytest.raises(RelaxspecError) as refused:
+        join(torch.device("cpu"))
+    assert str(refused.value).startswith(said) and "\n" not in str(refused.value)
+
 @pytest.mark.slow
 def test_a_family_drafter_trains_on_two_processes_as_on_one(tmp_path) -> None:
     """A transformers family (Emu3: prompts with a mask, the drafter built of the model's own

@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import math
 import os
 import signal
-import sys
-from dataclasses import dataclass
 import socket
+import sys
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -36,6 +37,8 @@ TIMEOUT = datetime.timedelta(minutes=60)
 #: sets it): a process started alone says what it waits for and stops after this, not after
 #: :data:`TIMEOUT`.
 RENDEZVOUS_SECONDS = 300
+#: The longest rendezvous wait ``RELAXSPEC_RENDEZVOUS_SECONDS`` may ask for (a day).
+MAX_RENDEZVOUS_SECONDS = 86400
 
 
 @dataclass(frozen=True)
@@ -127,15 +130,36 @@ def join(device: torch.device) -> tuple[Group, torch.device]:
     return Group(rank, world, local), device
 
 
+def rendezvous_settings() -> tuple[str, int, float]:
+    """torchrun's environment read as one input: ``(MASTER_ADDR, MASTER_PORT,
+    RELAXSPEC_RENDEZVOUS_SECONDS)``, each checked before any socket is opened, one line each (a bad
+    value reached c10d's store before: a TypeError, or pages of its frames and socket warnings)."""
+    port_text = os.environ["MASTER_PORT"]
+    port = int(port_text) if port_text.strip().isdigit() else 0
+    if not 1 <= port <= 65535:
+        raise RelaxspecError(f"MASTER_PORT must be a port number in [1, 65535], got {port_text!r}")
+    text = os.environ.get("RELAXSPEC_RENDEZVOUS_SECONDS", str(RENDEZVOUS_SECONDS))
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = math.nan
+    if not (math.isfinite(seconds) and 0 < seconds <= MAX_RENDEZVOUS_SECONDS):
+        raise RelaxspecError(f"RELAXSPEC_RENDEZVOUS_SECONDS must be a number of seconds in (0, {MAX_RENDEZVOUS_SECONDS}], "
+                             f"got {text!r}")
+    host = os.environ["MASTER_ADDR"].strip()
+    try:
+        socket.getaddrinfo(host, port)
+    except (socket.gaierror, UnicodeError):
+        raise RelaxspecError(f"MASTER_ADDR {host!r} is not a host this machine can find (torchrun sets it from "
+                             "--master-addr; one machine: leave it out)") from None
+    return host, port, seconds
+
+
 def _rendezvous(rank: int, world: int):
     """The run's key-value store, once every process has reached it, within
     :data:`RENDEZVOUS_SECONDS`; rank 0 says what it waits for. Under torchrun its agent holds the
     store; processes started by hand have rank 0 hold it."""
-    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-    try:
-        seconds = float(os.environ.get("RELAXSPEC_RENDEZVOUS_SECONDS", RENDEZVOUS_SECONDS))
-    except ValueError:
-        raise RelaxspecError("RELAXSPEC_RENDEZVOUS_SECONDS must be a number of seconds") from None
+    host, port, seconds = rendezvous_settings()
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     waiting = (f"relaxspec: waiting for the {world} processes of this run (WORLD_SIZE {world}) at {host}:{port}, "
                f"at most {seconds:g} s")
