@@ -11,7 +11,10 @@ import torch
 
 from relaxspec.acceptance import ExactRule
 from relaxspec.acceptance.base import one_hot
-from relaxspec.decoding import DecodePlan, Raster, Rows, decode, register, schedule
+import pickle
+
+from relaxspec.decoding import DecodePlan, Raster, Rows, decode, register, reserve, schedule
+from relaxspec.decoding.plan import unregister
 from relaxspec.decoding.ar import generate_ar
 from relaxspec.drafting.base import DraftTree, NoDrafts
 from relaxspec.drafting.tree_tables import children_table
@@ -23,7 +26,6 @@ from helpers.engine import markov_pair
 GREEDY = SamplingConfig(cfg_scale=2.0, temperature=0.0)
 
 
-@register
 @dataclass(frozen=True)
 class OneAStep(Raster):
     """A schedule that knows its step count ahead: raster order with a source that drafts nothing,
@@ -72,7 +74,15 @@ def model():
     return markov_pair(n_layer=1)[0]
 
 
-def test_a_new_schedule_is_a_class_and_a_registry_entry(model):
+@pytest.fixture
+def one_a_step():
+    """The test's schedule in the registry while the test runs."""
+    register(OneAStep)
+    yield OneAStep
+    unregister(OneAStep.name)
+
+
+def test_a_new_schedule_is_a_class_and_a_registry_entry(model, one_a_step):
     cond = torch.arange(3)
     assert isinstance(schedule("one-a-step"), OneAStep)
     plan = DecodePlan(schedule("one-a-step"), NoDrafts(), ExactRule())
@@ -115,3 +125,17 @@ def test_methods_build_plans_and_refuse_another_methods_setting(model):
     assert type(options.own).__name__ == "CoolSettings" and options.own.nu == 0.5 and options.shared.draft == "static"
     with pytest.raises(AttributeError, match="no setting 'delta' for --method cool"):
         options.delta = 0.3
+
+
+def test_a_plan_is_all_a_decode_and_a_reserve_take(model):
+    source = RepeatSource(2)
+    plan = DecodePlan(Raster(), source, ExactRule())
+    reserve(model, plan)  # the plan's schedule and source
+    with pytest.raises(RelaxspecError, match="a DecodePlan holds its parts; rule given beside it would be ignored"):
+        decode(model, torch.arange(1), GREEDY, plan, rule=ExactRule())
+
+
+def test_method_options_pickle_as_they_are():
+    for options in (MethodOptions("lantern", delta=0.2), MethodOptions("cool", nu=0.5), MethodOptions("ar")):
+        again = pickle.loads(pickle.dumps(options))
+        assert again == options and again.to_dict() == options.to_dict() and type(again.own) is type(options.own)

@@ -279,7 +279,7 @@ def build_greedy_rule(spec, nbrs: torch.Tensor):
 @pytest.mark.parametrize("tree", list(TREES))
 @pytest.mark.parametrize("name", list(GREEDY_SPECS))
 def test_greedy_walk_matches_the_definition(name, tree):
-    """Batched ``verify_fields(greedy=True)`` against the node-by-node definition on 600 random
+    """Batched ``verify_tree(greedy=True)`` against the node-by-node definition on 600 random
     trees with siblings: coarse probabilities (multiples of 1/16, exact in binary: many exact ties
     and zeros), drafts that repeat among siblings, every rule (binary-exact COOL weights). Committed tokens, departures (the TV record) and the
     number of tests must agree row for row."""

@@ -12,6 +12,7 @@ from relaxspec.decoding.raster import Raster
 from relaxspec.decoding.result import DecodeResult, certified_tv
 from relaxspec.decoding.rows import Rows
 from relaxspec.decoding.target import target_slots
+from relaxspec.errors import RelaxspecError
 
 __all__ = ["AR", "DecodePlan", "DecodeResult", "Raster", "Rows", "Schedule", "certified_tv", "decode", "drive",
            "register", "reserve", "schedule"]
@@ -36,6 +37,11 @@ def decode(model, cond, sampling, options=None, *, generator=None, drafter=None,
         if options is None:
             plan = DecodePlan(AR(), label="ar")
         elif isinstance(options, DecodePlan):
+            given = [name for name, part in (("source", source), ("rule", rule), ("drafter", drafter), ("vq", vq))
+                     if part is not None]
+            if given:
+                raise RelaxspecError(f"decode: a DecodePlan holds its parts; {', '.join(given)} given beside it would "
+                                     "be ignored: put them in the plan")
             plan = options
         else:
             plan = options.plan(target=model, tokenizer=vq, drafter=drafter, sampling=sampling, source=source,
@@ -47,12 +53,14 @@ def decode(model, cond, sampling, options=None, *, generator=None, drafter=None,
 def reserve(model, options, source=None) -> None:
     """Size ``model``'s KV cache (and the drafter cache of ``source``, the draft source a decode
     of ``options`` uses; ``None`` for plain AR) for such a decode now, before any decode runs.
-    ``options``: a :class:`Schedule`, or a method's settings (``options.schedule(model)`` gives
-    it). Caches only grow (:func:`relaxspec.caching.grown`), so after reserving every method a run
+    ``options``: a :class:`DecodePlan` (its schedule and source), a :class:`Schedule`, or a
+    method's settings (``options.schedule(model)`` gives it). Caches only grow (:func:`relaxspec.caching.grown`), so after reserving every method a run
     will decode (``relaxspec bench``'s, alternating image by image) each decode finds the caches at
     their final size: every compiled graph is made once, at one shape, and reads the same
     addresses from then on (issue 51)."""
     with decode_lock(model):  # not while another thread decodes on the model
+        if isinstance(options, DecodePlan):
+            options, source = options.schedule, options.source if source is None else source
         layout = (options if isinstance(options, Schedule) else options.schedule(model)).layout(model, source)
         if callable(getattr(layout.source, "reserve", None)):
             layout.source.reserve(model.config.block_size)

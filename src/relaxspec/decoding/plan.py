@@ -126,6 +126,11 @@ def register(schedule: type[Schedule]) -> type[Schedule]:
     return schedule
 
 
+def unregister(name: str) -> None:
+    """Take the schedule ``name`` out of the registry (a test's own schedule, once it is done)."""
+    _SCHEDULES.pop(name, None)
+
+
 def schedule(name: str, **settings) -> Schedule:
     """The registered schedule ``name`` with ``settings``; one line for an unknown name."""
     if name not in _SCHEDULES:
@@ -137,4 +142,4 @@ def schedules() -> tuple[str, ...]:
     return tuple(_SCHEDULES)
 
 
-__all__ = ["DecodePlan", "Layout", "Schedule", "State", "register", "schedule", "schedules"]
+__all__ = ["DecodePlan", "Layout", "Schedule", "State", "register", "schedule", "schedules", "unregister"]

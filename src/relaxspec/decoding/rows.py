@@ -42,7 +42,7 @@ the rows above as zero keys. On row-end targets it is the rules of Lumina-mGPT-Z
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -113,10 +113,8 @@ class RowsState(DraftState):
     row_end_kept: torch.Tensor | None = None
 
     def tensors(self) -> list[torch.Tensor]:
-        tables = self.tables
-        return super().tensors() + [t for t in (tables.raster_of_slot, tables.scratch, tables.offsets, tables.row_ends,
-                                                tables.slot_ids, tables.row_end_raster, tables.lane_eye)
-                                    if t is not None]
+        tables = [getattr(self.tables, f.name) for f in fields(RowTables)]
+        return super().tensors() + [t for t in tables if isinstance(t, torch.Tensor)]
 
 
 @dataclass(eq=False)

@@ -297,7 +297,7 @@ class Method:
 
     def build(self, options, context: BuildContext):
         """``(draft source, acceptance rule)`` for ``options``, from what ``context`` holds, its
-        sizes checked first: what the engine takes."""
+        sizes checked first."""
         self.check_fits(options, context)
         return self.parts(options, context)
 

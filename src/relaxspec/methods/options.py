@@ -124,6 +124,11 @@ class MethodOptions:
         merged = {**asdict(self.shared), **asdict(self.own)}
         return {name: merged[name] for name in registry.settings() if name in merged}
 
+    def __reduce__(self):
+        """Pickled as its method, settings, notes and given fields (the settings dataclasses are
+        made per method at run time, so they are rebuilt rather than pickled by name)."""
+        return _restored, (self.method, self._values, self.notes, self.given)
+
     def __copy__(self) -> "MethodOptions":
         copy = MethodOptions.__new__(MethodOptions)
         object.__setattr__(copy, "shared", replace(self.shared))
@@ -204,6 +209,18 @@ class MethodOptions:
                 word += f" ({tree_shape(str(value))})"
             words.append(word)
         return " ".join(words)
+
+
+def _restored(method: str, values: dict, notes: tuple, given: frozenset) -> MethodOptions:
+    """A :class:`MethodOptions` from what :meth:`MethodOptions.__reduce__` kept (no check: these
+    settings were checked when they were made)."""
+    family = registry.methods()[method]
+    options = MethodOptions.__new__(MethodOptions)
+    object.__setattr__(options, "shared", SharedSettings(**{s.name: values[s.name] for s in SHARED_SETTINGS}))
+    object.__setattr__(options, "own", family.settings_type(**{s.name: values[s.name] for s in family.settings}))
+    for name, value in (("method", method), ("family", family), ("notes", notes), ("given", given)):
+        object.__setattr__(options, name, value)
+    return options
 
 
 def tree_shape(name: str) -> str:
