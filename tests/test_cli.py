@@ -87,10 +87,13 @@ def test_generate_end_to_end(tiny_ckpts, tmp_path, capsys):
     assert totals["target_forward_share"] is None and totals["drafter_forward_share"] is None
 
     profiled = tmp_path / "profiled"
-    code, _, err = run(generate_args(tiny_ckpts["c2i"], profiled, "--classes", "1,2", "--method", "ar", "--profile"),
-                       capsys)
+    code, said, err = run(generate_args(tiny_ckpts["c2i"], profiled, "--classes", "1,2", "--method", "ar", "--profile"),
+                          capsys)
     assert code == 0, err
     stats = json.loads((profiled / "stats.json").read_text())
+    # issue 54: the split was only in stats.json; the run's line says it (a plain run's does not)
+    share = f"{stats['totals']['target_forward_share']:.0%}"
+    assert f"decoding time (--profile): target forwards {share}, drafter forwards 0%" in said.strip().splitlines()[-1]
     assert stats["settings"]["method"]["profile"] is True
     for record in stats["images"]:
         assert 0 < record["target_forward_seconds"] < record["seconds"] and record["drafter_forward_seconds"] == 0
@@ -252,3 +255,4 @@ def test_resume_after_interruption_and_deletion(tiny_ckpts, tmp_path, capsys, mo
     code, stdout, _ = run(generate_args(ckpts, out, "--classes", "1,2", "--cfg-scale", "2", "--overwrite"), capsys)
     assert code == 0 and "2 generated now" in stdout
     assert sorted(p.name for p in out.glob("*.png")) == ["0000.png", "0001.png", "grid.png"]
+

@@ -92,9 +92,15 @@ def test_the_readme_test_checkpoints_block_runs_as_written(tmp_path, monkeypatch
     commands = [line for line in blocks[0].replace("\\\n", " ").splitlines() if line.startswith("relaxspec ")]
     assert len(commands) == 2 and "generate" in commands[1]
     monkeypatch.chdir(tmp_path)
+    said = []
     for command in commands:
         assert main(shlex.split(command)[1:]) == 0, capsys.readouterr().err
-    assert (tmp_path / "demo-out" / "0000.png").is_file() and (tmp_path / "demo-out" / "0001.png").is_file()
+        said.append(capsys.readouterr().out)
+    images = tmp_path / "demo-ckpt-images"
+    assert (images / "0000.png").is_file() and (images / "0001.png").is_file()
+    # issue 54: the "try:" line make-test-checkpoints prints is the README's next command, word for word
+    hint = [line for line in said[0].splitlines() if line.startswith("try: ")]
+    assert hint == [f"try: {' '.join(commands[1].split())}"]
 
 
 def test_the_hint_make_test_checkpoints_prints_runs_as_printed_after_the_readme_s_first_run(tmp_path, monkeypatch,

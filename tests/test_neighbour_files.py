@@ -7,6 +7,8 @@ takes the file itself, checked, and a decode with it is the decode with that ver
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -85,6 +87,11 @@ def test_a_decode_with_the_file_is_the_decode_with_that_table(official_file, tmp
     assert not torch.equal(with_other.result.tokens, computed.result.tokens)
 
 
+def fifo(path) -> str:
+    os.mkfifo(path)
+    return str(path)
+
+
 def bad_file(tmp_path, name, array, **kwargs) -> str:
     path = tmp_path / name
     np.save(path, array, **kwargs)
@@ -115,6 +122,10 @@ def test_bad_neighbour_files_are_one_line(codebook, tmp_path, capsys):
         # a folder that exists was "no such file".
         (text_file(tmp_path / "nb.txt"), "not a .npy file (no NumPy header)"),
         (str(tmp_path), "is a folder, not a file"),
+        # Issue 54: a FIFO, /dev/zero and /dev/null were "no such file".
+        (fifo(tmp_path / "nb.pipe"), "is a named pipe (FIFO), not a file"),
+        ("/dev/zero", "is a device, not a file"),
+        ("/dev/null", "is a device, not a file"),
     ]
     for path, message in cases:
         argv = ["generate", "--classes", "heart", "--method", "lantern", "--neighbours", path, "--out",

@@ -249,6 +249,7 @@ def test_presets_for_another_model_drafter_precision_or_machine_are_refused(llam
             "was tuned with the weights in bfloat16")
     refused([*args, "--preset", str(made / "nope.json")], "no such file")
     refused([*args, "--preset", str(made)], "is a folder, not a file")  # issue 45: it said "no such file"
+    refused([*args, "--preset", "/dev/null"], "is a device, not a file")  # issue 54: it said "no such file"
     (tmp_path / "x.json").write_text(json.dumps({"kind": "something"}))
     refused([*args, "--preset", str(tmp_path / "x.json")], "not a relaxspec preset file")
     refused([*args, "--preset", str(made / "tune.json"), "--method", "ar"], "--preset names the method")

@@ -198,12 +198,18 @@ def file_identity(path: str) -> dict:
 
 
 def missing_file(path: str | os.PathLike) -> str | None:
-    """Why ``path`` is not a file one can read, in a few words (``None`` when it is one): a folder
-    is named a folder, not "no such file"."""
+    """Why ``path`` is not a file one can read, in a few words (``None`` when it is one): what is
+    there is named -- a folder, a named pipe, a device, a socket -- not "no such file" (a FIFO or
+    /dev/zero would block or never end as a file read)."""
     path = Path(path)
     if path.is_file():
         return None
-    return "is a folder, not a file" if path.is_dir() else "no such file"
+    for kind, said in ((Path.is_dir, "a folder"), (Path.is_fifo, "a named pipe (FIFO)"),
+                       (Path.is_char_device, "a device"), (Path.is_block_device, "a device"),
+                       (Path.is_socket, "a socket")):
+        if kind(path):
+            return f"is {said}, not a file"
+    return "no such file"
 
 
 NUMPY_MAGIC = b"\x93NUMPY"

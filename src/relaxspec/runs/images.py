@@ -121,12 +121,19 @@ def _write_image_run(pipeline, condition, prepared, out, settings: dict, *, seed
 
 
 def summary(out, stats: dict) -> str:
-    """The line a finished run prints: where, how many generated now and kept, time and MAL."""
+    """The line a finished run prints: where, how many generated now and kept, time and MAL, and
+    in profile mode where the decoding time went."""
     totals = stats["totals"]
     count, generated = totals["images"], totals["generated_this_run"]
-    return (f"{count} images in {out} ({generated} generated now, {count - generated} kept); "
+    line = (f"{count} images in {out} ({generated} generated now, {count - generated} kept); "
             f"{totals['seconds_per_image']:.2f} s/image, {totals['target_forwards_per_image']:.1f} target forwards/image, "
             f"MAL {totals['mean_accepted_length']:.2f}")
+    target, drafter = totals.get("target_forward_share"), totals.get("drafter_forward_share")
+    if target is None:  # the split is measured in profile mode only
+        return line
+    drafter = drafter or 0.0
+    return (f"{line}; decoding time (--profile): target forwards {target:.0%}, drafter forwards {drafter:.0%}, "
+            f"the rest {max(1.0 - target - drafter, 0.0):.0%}")
 
 
 def run_totals(done: list[dict], num_tokens: int, generated: int) -> dict:
