@@ -7,11 +7,10 @@ from dataclasses import dataclass
 
 import torch
 
-from relaxspec.caching import kept_buffer
 from relaxspec.decoding.driver import drive
 from relaxspec.decoding.plan import DecodePlan, Layout, Schedule, State, register
 from relaxspec.decoding.result import DecodeResult
-from relaxspec.decoding.steps import Loop, WalkSlots
+from relaxspec.decoding.steps import Loop, WalkSlots, kept_state
 from relaxspec.models.base import TargetModel
 from relaxspec.sampling import SamplingConfig, sample_from
 
@@ -54,10 +53,10 @@ class AR(Schedule):
         return WalkSlots(clocks=None if greedy else noise.reserve((batch, vocab)))
 
     def state(self, model, layout: Layout, target, first: torch.Tensor) -> ARState:
-        batch, device = first.shape[0], first.device
-        tokens = kept_buffer(model, "ar.tokens", (batch, target.num_tokens), torch.long, device)
+        kept = kept_state(model, "ar", first.device)
+        tokens = kept("tokens", (first.shape[0], target.num_tokens))
         tokens[:, 0] = first
-        return ARState(tokens, kept_buffer(model, "ar.n", (batch,), torch.long, device).fill_(1))
+        return ARState(tokens, kept("n", (first.shape[0],)).fill_(1))
 
     def fixed_steps(self, num_tokens: int) -> int:
         return num_tokens - 1

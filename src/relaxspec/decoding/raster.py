@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from relaxspec.decoding.plan import Layout, Schedule, register
-from relaxspec.decoding.steps import DraftState, Loop, kept_state, rank_count_shape, reserve_walk
+from relaxspec.decoding.steps import DraftState, Loop, drafted_result, kept_state, reserve_walk
 from relaxspec.drafting.tree_tables import tree_attention_mask
 
 
@@ -107,13 +107,8 @@ class Raster(Schedule):
         source, n_tok = layout.source, target.num_tokens
         batch, device, width = first.shape[0], first.device, source.max_nodes  # most tokens a step commits
         kept = kept_state(model, "raster", device)
-        tokens = kept("tokens", (batch, n_tok + width))
-        tokens[:, 0] = first
-        counts = rank_count_shape(source.level_widths)
         return RasterState(
-            tokens=tokens, step_tv=kept("step_tv", (batch, n_tok + width), torch.float32), steps=kept("steps", (batch,)),
-            done=kept("done", ()).fill_(batch), rank_tests=None if counts is None else kept("rank_tests", counts),
-            rank_accepts=None if counts is None else kept("rank_accepts", counts), n=kept("n", (batch,)).fill_(1),
+            **DraftState.start(kept, first, source, n_tok + width), n=kept("n", (batch,)).fill_(1),
             lengths=kept("lengths", (batch, n_tok + 1)),
             offsets=kept("offsets", (width,)).copy_(torch.arange(width, device=device)),
             spill=kept("spill", (batch, width)).fill_(n_tok + width - 1))  # a scratch column
@@ -122,17 +117,13 @@ class Raster(Schedule):
         return state.tokens[:, :num_tokens], state.n
 
     def read_out(self, loop: Loop):
-        state, n_tok = loop.state, loop.num_tokens
-        return (state.tokens[:, :n_tok], state.steps, state.lengths, state.step_tv[:, :n_tok],
-                *state.rank_tables(loop.parts.source))
+        return (*loop.state.read_out(loop), loop.state.lengths)
 
     def result(self, host, loop: Loop) -> dict:
-        tokens, steps, lengths, step_tv, rank_tests, rank_accepts = host
+        *drafted, lengths = host
+        steps = drafted[1]
         accept_lengths = [[1] + row[1 : count + 1] for row, count in zip(lengths.tolist(), steps.tolist())]
-        return dict(tokens=tokens, target_forwards=steps + 1,
-                    drafter_forwards=steps * loop.parts.source.forwards_per_step, step_tv=step_tv,
-                    accept_lengths=accept_lengths, rank_tests=rank_tests, rank_accepts=rank_accepts,
-                    tv_recorded=loop.parts.tv_recorded)
+        return drafted_result(loop, drafted, accept_lengths)
 
 
 __all__ = ["Raster", "RasterState", "raster_step"]

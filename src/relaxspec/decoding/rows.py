@@ -51,7 +51,7 @@ from relaxspec.decoding.driver import drive
 from relaxspec.decoding.plan import DecodePlan, Layout, Schedule, register
 from relaxspec.decoding.result import DecodeResult
 from relaxspec.decoding.row_ends import row_ends
-from relaxspec.decoding.steps import DraftState, Loop, kept_state, rank_count_shape, reserve_walk
+from relaxspec.decoding.steps import DraftState, Loop, drafted_result, kept_state, reserve_walk
 from relaxspec.drafting.base import DraftTree
 from relaxspec.errors import RelaxspecError
 from relaxspec.sampling import SamplingConfig
@@ -379,13 +379,8 @@ class Rows(Schedule):
         tables = _tables(model, layout, target)
         batch, device, n_tok, cls = first.shape[0], first.device, target.num_tokens, target.cls
         kept = kept_state(model, "rows", device)
-        tokens = kept("tokens", (batch, n_tok + 1))  # column n_tok: a spill
-        tokens[:, 0] = first
-        counts = rank_count_shape(layout.source.level_widths)
         state = RowsState(
-            tokens=tokens, step_tv=kept("step_tv", (batch, n_tok + 1), torch.float32), steps=kept("steps", (batch,)),
-            done=kept("done", ()).fill_(batch), rank_tests=None if counts is None else kept("rank_tests", counts),
-            rank_accepts=None if counts is None else kept("rank_accepts", counts),
+            **DraftState.start(kept, first, layout.source, n_tok + 1),  # column n_tok: a spill
             step_sizes=kept("step_sizes", (batch, n_tok + 1)).fill_(1),
             committed=kept("committed", (batch, n_tok + 1), torch.bool), fill=kept("fill", (batch, tables.grid + 1)),
             cached=kept("cached", (batch, target.max_seq), torch.bool),
@@ -403,17 +398,13 @@ class Rows(Schedule):
         return state.tokens[:, :num_tokens], state.committed[:, :num_tokens]
 
     def read_out(self, loop: Loop):
-        state, n_tok = loop.state, loop.num_tokens
-        return (state.tokens[:, :n_tok], state.steps, state.per_step, state.step_tv[:, :n_tok],
-                *state.rank_tables(loop.parts.source), state.step_sizes[:, :n_tok])
+        state = loop.state
+        return (*state.read_out(loop), state.per_step, state.step_sizes[:, : loop.num_tokens])
 
     def result(self, host, loop: Loop) -> dict:
-        tokens, steps, per_step, step_tv, rank_tests, rank_accepts, sizes = host
+        *drafted, per_step, sizes = host
         accept_lengths = [[1] + [count for count in image if count > 0] for image in per_step.tolist()]
-        return dict(tokens=tokens, target_forwards=steps + 1,
-                    drafter_forwards=steps * loop.parts.source.forwards_per_step, step_tv=step_tv,
-                    accept_lengths=accept_lengths, rank_tests=rank_tests, rank_accepts=rank_accepts,
-                    tv_recorded=loop.parts.tv_recorded, rows=loop.state.tables.lanes, row_lead=self.lead,
+        return dict(drafted_result(loop, drafted, accept_lengths), rows=loop.state.tables.lanes, row_lead=self.lead,
                     token_step_sizes=sizes)
 
 

@@ -155,6 +155,25 @@ class DraftState(State):
             self.rank_tests = add_counts(self.rank_tests, result.rank_tests)
             self.rank_accepts = add_counts(self.rank_accepts, result.rank_accepts)
 
+    @staticmethod
+    def start(kept, first: torch.Tensor, source, columns: int) -> dict:
+        """These fields at a decode's start (``kept``: :func:`kept_state`'s): ``tokens`` and
+        ``step_tv`` ``[B, columns]`` with token 0 committed, no step taken, the sibling counts zero."""
+        batch = first.shape[0]
+        tokens = kept("tokens", (batch, columns))
+        tokens[:, 0] = first
+        counts = rank_count_shape(source.level_widths)
+        return dict(tokens=tokens, step_tv=kept("step_tv", (batch, columns), torch.float32),
+                    steps=kept("steps", (batch,)), done=kept("done", ()).fill_(batch),
+                    rank_tests=None if counts is None else kept("rank_tests", counts),
+                    rank_accepts=None if counts is None else kept("rank_accepts", counts))
+
+    def read_out(self, loop) -> tuple[torch.Tensor, ...]:
+        """``(tokens [B, N], steps, step_tv [B, N], rank_tests, rank_accepts)``: what every drafting
+        schedule's result is made of (:func:`drafted_result`)."""
+        n_tok = loop.num_tokens
+        return (self.tokens[:, :n_tok], self.steps, self.step_tv[:, :n_tok], *self.rank_tables(loop.parts.source))
+
     def rank_tables(self, source) -> tuple[torch.Tensor, torch.Tensor]:
         """The sibling counts, zero tables for a one-token image from a source of no fixed shape
         (no step was taken)."""
@@ -162,6 +181,15 @@ class DraftState(State):
             zeros = torch.zeros(max(source.max_depth, 1), 1, dtype=torch.long, device=self.tokens.device)
             return zeros, zeros
         return self.rank_tests, self.rank_accepts
+
+
+def drafted_result(loop, host: list[torch.Tensor], accept_lengths: list[list[int]]) -> dict:
+    """The :class:`~relaxspec.decoding.result.DecodeResult` fields every drafting schedule reports,
+    from the host copies of :meth:`DraftState.read_out` and the tokens each step committed."""
+    tokens, steps, step_tv, rank_tests, rank_accepts = host
+    return dict(tokens=tokens, target_forwards=steps + 1, drafter_forwards=steps * loop.parts.source.forwards_per_step,
+                step_tv=step_tv, accept_lengths=accept_lengths, rank_tests=rank_tests, rank_accepts=rank_accepts,
+                tv_recorded=loop.parts.tv_recorded)
 
 
 def kept_state(model, prefix: str, device: torch.device):
@@ -173,5 +201,6 @@ def kept_state(model, prefix: str, device: torch.device):
     return kept
 
 
-__all__ = ["DraftState", "Loop", "StepParts", "TimedSource", "WalkSlots", "check_compilable", "kept_state",
+__all__ = ["DraftState", "Loop", "StepParts", "TimedSource", "WalkSlots", "check_compilable", "drafted_result",
+           "kept_state",
            "rank_count_shape", "reserve_walk"]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, replace
+from dataclasses import asdict
 
 from relaxspec.errors import RelaxspecError
 from relaxspec.drafting.trees import load_tree
@@ -68,13 +68,8 @@ class MethodOptions:
                         values[other] = known[other].default
         for field, value in values.items():
             known[field].check(value)
-        object.__setattr__(self, "shared", SharedSettings(**{s.name: values[s.name] for s in SHARED_SETTINGS}))
-        object.__setattr__(self, "own", method.settings_type(**{s.name: values[s.name] for s in method.settings}))
-        object.__setattr__(self, "method", method.name)
-        object.__setattr__(self, "family", method)
-        object.__setattr__(self, "notes", ())
         # the fields of the last layer (what the user gave): a value a run cannot use is noted then
-        object.__setattr__(self, "given", frozenset(layers[-1]) - {"method"} if layers else frozenset())
+        self._hold(method, values, (), frozenset(layers[-1]) - {"method"} if layers else frozenset())
         method.resolve(self)
         if foreign:
             field = sorted(foreign)[0]
@@ -124,20 +119,21 @@ class MethodOptions:
         merged = {**asdict(self.shared), **asdict(self.own)}
         return {name: merged[name] for name in registry.settings() if name in merged}
 
+    def _hold(self, family, values: dict, notes: tuple, given: frozenset) -> None:
+        """Keep ``values`` in the shared settings' record and ``family``'s own (the one place the
+        records are made: construction, copies and unpickling)."""
+        object.__setattr__(self, "shared", SharedSettings(**{s.name: values[s.name] for s in SHARED_SETTINGS}))
+        object.__setattr__(self, "own", family.settings_type(**{s.name: values[s.name] for s in family.settings}))
+        for name, value in (("method", family.name), ("family", family), ("notes", notes), ("given", given)):
+            object.__setattr__(self, name, value)
+
     def __reduce__(self):
         """Pickled as its method, settings, notes and given fields (the settings dataclasses are
         made per method at run time, so they are rebuilt rather than pickled by name)."""
         return _restored, (self.method, self._values, self.notes, self.given)
 
     def __copy__(self) -> "MethodOptions":
-        copy = MethodOptions.__new__(MethodOptions)
-        object.__setattr__(copy, "shared", replace(self.shared))
-        object.__setattr__(copy, "own", replace(self.own))
-        object.__setattr__(copy, "method", self.method)
-        object.__setattr__(copy, "family", self.family)
-        object.__setattr__(copy, "notes", self.notes)
-        object.__setattr__(copy, "given", self.given)
-        return copy
+        return _restored(self.method, self._values, self.notes, self.given)
 
     def use(self, field: str, value, note: str) -> None:
         """Where the user gave ``field`` past what the run can use on its model, set it to what it
@@ -214,12 +210,8 @@ class MethodOptions:
 def _restored(method: str, values: dict, notes: tuple, given: frozenset) -> MethodOptions:
     """A :class:`MethodOptions` from what :meth:`MethodOptions.__reduce__` kept (no check: these
     settings were checked when they were made)."""
-    family = registry.methods()[method]
     options = MethodOptions.__new__(MethodOptions)
-    object.__setattr__(options, "shared", SharedSettings(**{s.name: values[s.name] for s in SHARED_SETTINGS}))
-    object.__setattr__(options, "own", family.settings_type(**{s.name: values[s.name] for s in family.settings}))
-    for name, value in (("method", method), ("family", family), ("notes", notes), ("given", given)):
-        object.__setattr__(options, name, value)
+    options._hold(registry.methods()[method], values, notes, given)
     return options
 
 
