@@ -89,7 +89,8 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     sampling.add_argument("--top-p", type=float, help="in (0, 1] (default 1.0 = off)")
 
     timing = bench.add_argument_group("timing")
-    timing.add_argument("--threads", type=int, default=1, help="torch CPU threads, pinned for the run (default 1)")
+    timing.add_argument("--threads", type=int, default=1, help="torch CPU threads, pinned for the run (default 1: timings on one "
+                        "thread are steady on a busy machine and compare across runs)")
     timing.add_argument("--warmup", type=int, default=1, help="unrecorded decodes per method first (default 1)")
     timing.add_argument("--compile", action="store_true",
                         help="every method but the eager baseline ar compiled (unless a --sweep sets its compile "

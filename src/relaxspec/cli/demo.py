@@ -9,15 +9,14 @@ import os
 import socket
 from pathlib import Path
 
-import torch
 
-from relaxspec.cli.options import add_model_options, model_family, open_from_args
+from relaxspec.cli.options import add_model_options, device_option, model_family, open_from_args
 from relaxspec.errors import RelaxspecError, shown
 from relaxspec.extras import require
-from relaxspec.inputs import check_threads
 from relaxspec.pipelines.folders import DEFAULT_PROMPT_TOKENS
 from relaxspec.demo.race import DemoModel
 from relaxspec.pipelines.presets import read_preset, with_preset
+from relaxspec.threads import DEFAULT_HELP, set_threads
 
 
 def add_demo_parser(subparsers) -> argparse.ArgumentParser:
@@ -29,7 +28,7 @@ def add_demo_parser(subparsers) -> argparse.ArgumentParser:
     models = demo.add_argument_group("models (default: the embedded emoji model, its drafter and presets)")
     add_model_options(models, drafter_help="EAGLE drafter (without one: sjd, scd and gsd only)")
     models.add_argument("--prompt", metavar="TEXT", help="a text-to-image model: the prompt the page starts with")
-    models.add_argument("--threads", type=int, help="CPU threads for torch (default 1 for the embedded model)")
+    models.add_argument("--threads", type=int, help=f"CPU threads for torch ({DEFAULT_HELP})")
     models.add_argument("--preset", metavar="TUNE_JSON", help="a preset file from relaxspec tune for this model on "
                                                              "this kind of machine: the page races its setting")
     page = demo.add_argument_group("page")
@@ -59,10 +58,7 @@ def load_demo_model(args: argparse.Namespace):
         preset = read_preset(args.preset)  # checked before any weights load
         if args.threads is None and preset.get("threads"):
             args.threads = int(preset["threads"])
-    if args.threads is None and embedded:
-        args.threads = 1
-    if args.threads is not None:
-        torch.set_num_threads(check_threads(args.threads))
+    args.threads = set_threads(args.threads, device_option(args.device), small=embedded)
     prompt = None
     if family is not None and family.takes == "prompts":  # a folder family: opened for the page's prompts
         prompt = args.prompt if args.prompt is not None else DEFAULT_PROMPT

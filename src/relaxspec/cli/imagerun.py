@@ -7,16 +7,16 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-import torch
-
 from relaxspec import methods
-from relaxspec.cli.options import add_model_options, family_inputs, model_family, open_from_args, read_prompts
+from relaxspec.cli.options import add_model_options, device_option, family_inputs, model_family, open_from_args, read_prompts
 from relaxspec.conditions import Condition
 from relaxspec.errors import RelaxspecError
 from relaxspec.files import load_caption_features
-from relaxspec.inputs import check_at_least, check_seed, check_threads, check_upscale
+from relaxspec.inputs import check_at_least, check_seed, check_upscale
 from relaxspec.runs.images import image_settings
+from relaxspec.runs.shards import local_processes
 from relaxspec.pipelines.presets import read_preset, with_preset
+from relaxspec.threads import DEFAULT_HELP, set_threads
 from relaxspec.pipelines.families import opening_inputs
 from relaxspec import embedded as shipped
 
@@ -25,14 +25,14 @@ def add_image_run_options(parser: argparse.ArgumentParser) -> None:
     """generate's options (models, conditions, sampling, method, output)."""
     models = parser.add_argument_group("models (default: the embedded emoji model, with its tokenizer and drafter)")
     add_model_options(models, drafter_help=None)
-    models.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's choice; 1 is often "
-                                                    "fastest for small models on a busy machine)")
+    models.add_argument("--threads", type=int, help=f"CPU threads for torch ({DEFAULT_HELP}; a preset's own "
+                                                    "threads when --preset is given)")
 
     cond = parser.add_argument_group("conditions")
     cond.add_argument("--classes", metavar="IDS|NAMES",
-                      help=f"comma-separated class ids for a c2i model, or class names when the model names its "
-                           f"classes (the embedded model: e.g. animal-mammal,food-fruit) (default: the model's demo "
-                           f"classes: upstream LlamaGen's demo list for an ImageNet model, the embedded model's own)")
+                      help="comma-separated class ids for a c2i model, or class names when the model names its "
+                           "classes (the embedded model: e.g. animal-mammal,food-fruit) (default: the model's demo "
+                           "classes: upstream LlamaGen's demo list for an ImageNet model, the embedded model's own)")
     cond.add_argument("--caption-features", metavar="PATH",
                       help="t2i: .npy of caption features [N, tokens, dim] (T5, left-padded), or .npz with "
                            "'features' and optional 'mask'")
@@ -128,12 +128,7 @@ def check_inputs(args: argparse.Namespace) -> tuple[list[str], object]:
     preset = preset_option(args)
     if args.threads is None and preset is not None and preset.get("threads"):
         args.threads = int(preset["threads"])  # the threads it was timed with
-    if args.threads is None and embedded:
-        # A model this small is fastest on one thread, and far slower with two when anything else
-        # runs on the other core (thread hand-offs, not arithmetic, dominate).
-        args.threads = 1
-    if args.threads is not None:
-        torch.set_num_threads(check_threads(args.threads))
+    args.threads = set_threads(args.threads, device_option(args.device), small=embedded, processes=local_processes())
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise RelaxspecError(f"--out {out}: exists and is not a folder")

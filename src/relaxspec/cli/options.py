@@ -15,6 +15,7 @@ from relaxspec.models.weights import PRECISIONS
 from relaxspec.pipelines.families import all_families, opening_inputs, takers_text
 from relaxspec.pipelines.open import choose_family
 from relaxspec.pipelines import open_pipeline
+from relaxspec.threads import DEFAULT_HELP
 
 
 class UsageError(Exception):
@@ -156,7 +157,7 @@ def add_run_options(parser: argparse.ArgumentParser, defaults, *, unit: str, see
     option("--seed", seed_help, type=int)
     option.group.add_argument("--no-bf16", dest="bf16", action="store_false", help="train in fp32 (default: bf16 autocast)")
     option("--device", "cpu, cuda, cuda:1, or auto")
-    option("--threads", "torch CPU threads (1 is steadiest on a busy machine)", type=int)
+    option("--threads", f"torch CPU threads ({DEFAULT_HELP})", type=int)
     option("--eval-interval", "steps between evaluations", type=int)
     if extra is not None:
         extra(option)

@@ -23,6 +23,7 @@ from relaxspec.cli.options import (
 )
 from relaxspec.data.emoji import INSTALL_COMMAND, PACKAGE, VERSION, build_emoji_dataset, load_data
 from relaxspec import extras
+from relaxspec.threads import DEFAULT_HELP
 from relaxspec.errors import RelaxspecError
 from relaxspec.evaluation.classifier import ClassifierTrainConfig, save_classifier, train_classifier
 from relaxspec.training.drafter import DrafterTrainConfig, train_drafter, read_train_state as read_drafter_state
@@ -231,6 +232,8 @@ def add_train_drafter_parser(subparsers) -> argparse.ArgumentParser:
     option("--seed", "seed (data order, noise, init, self-samples)", type=int)
     option("--bf16", "bf16 autocast", action="store_true")
     option("--device", "cpu, cuda, cuda:1, or auto")
+    option("--threads", f"torch CPU threads ({DEFAULT_HELP}; under torchrun the processes on one machine share "
+           "them)", type=int)
     option("--checkpoint-interval", "steps between checkpoints: a Ctrl-C loses at most this many steps, which "
            "--resume redoes (a checkpoint writes the drafter and its optimizer state, cheap next to the steps)",
            type=int)
@@ -326,8 +329,7 @@ def add_train_classifier_parser(subparsers) -> argparse.ArgumentParser:
                              "mirrored half the time)")
     option("--seed", "seed (init, data order, augmentation)", type=int)
     option("--device", "cpu, cuda, cuda:1, or auto")
-    option("--threads", "CPU threads for torch (default: torch's choice; 1 is often much faster on a busy "
-           "machine)", type=int)
+    option("--threads", f"torch CPU threads ({DEFAULT_HELP})", type=int)
     parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     parser.set_defaults(handler=run_train_classifier)
     return parser

@@ -59,7 +59,8 @@ def add_tune_parser(subparsers) -> argparse.ArgumentParser:
     search.add_argument("--no-compile", action="store_true",
                         help="do not try compiled variants of the finalists (each compilation costs seconds to "
                              "minutes once)")
-    search.add_argument("--threads", type=int, default=1, help="torch CPU threads, pinned (default 1)")
+    search.add_argument("--threads", type=int, default=1, help="torch CPU threads, pinned while timing (default 1: timings on one "
+                        "thread are steady on a busy machine and compare across runs; the preset records them)")
     search.add_argument("--batch-size", type=int, default=1, help="images per decode the preset is tuned for "
                                                                  "(default 1: latency)")
     search.add_argument("--seed", type=int, default=0, help="seeds every image of the search (default 0)")

@@ -45,6 +45,7 @@ from relaxspec.data.emoji import ImageSet, check_image_set, flippable, load_data
 from relaxspec.data.emoji import augment as data_augment
 from relaxspec.errors import RelaxspecError
 from relaxspec.inputs import check_threads
+from relaxspec.threads import set_threads
 from relaxspec.devices import resolve_device
 from relaxspec.training import common
 from relaxspec.training.common import RecipeConfig
@@ -305,9 +306,8 @@ def train_classifier(train: ImageSet | tuple, val: ImageSet | tuple, config: Cla
     names = train.class_names or val.class_names
     if names is not None and len(names) < num_classes:
         raise RelaxspecError(f"{len(names)} class names but labels go up to {num_classes - 1}")
-    if config.threads is not None:
-        torch.set_num_threads(config.threads)
     device = resolve_device(config.device)
+    set_threads(config.threads, device, name="threads")
 
     model_config = ClassifierConfig(num_classes=max(num_classes, len(names or ())), image_size=train.images.shape[1],
                                     channels=config.channels, feature_dim=config.feature_dim, dropout=config.dropout,

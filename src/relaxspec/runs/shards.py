@@ -28,6 +28,13 @@ def distributed() -> tuple[int, int, int]:
     return rank, world, local
 
 
+def local_processes() -> int:
+    """The run's processes on this machine (torchrun's ``LOCAL_WORLD_SIZE``; 1 without it): they
+    share its CPU cores."""
+    value = os.environ.get("LOCAL_WORLD_SIZE", "1")
+    return int(value) if value.isdigit() and int(value) >= 1 else 1
+
+
 def shard_range(total: int, rank: int, world: int) -> range:
     return range(total * rank // world, total * (rank + 1) // world)
 

@@ -17,6 +17,7 @@ from relaxspec.pipelines.families import known_inputs, opening_inputs
 from relaxspec.sampling import SamplingConfig
 from relaxspec.training import common
 from relaxspec.errors import RelaxspecError
+from relaxspec.inputs import check_threads
 from relaxspec.pipelines.open import folder_pipeline_class
 
 #: The format of ``train_state.pt`` (checked when it is read back).
@@ -29,7 +30,7 @@ SELF_SAMPLES = "self_samples.npz"
 #: else is the recipe and must stay what it was, or the continuation would not be exact.
 #: A family's opening inputs of the path kind (``inputs``: its weights' files among them) are where
 #: files are: they may change too (see :func:`check_resume`).
-RUN_FIELDS = ("out", "epochs", "steps", "device", "bf16", "progress", "checkpoint_interval",
+RUN_FIELDS = ("out", "epochs", "steps", "device", "threads", "bf16", "progress", "checkpoint_interval",
               "eval_interval", "eval_sequences", "model_path", "prompts_file", "patience", "export", "eval_depths")
 #: Fields added after the first train states were written, and what a state without them did.
 ADDED_FIELDS = {"law_loss": "ce", "distill_weight": 1.0, "train_depths": 1}
@@ -96,6 +97,7 @@ class DrafterTrainConfig(common.RecipeConfig):
     seed: int = 0
     bf16: bool = False  # bf16 autocast (CPU or CUDA)
     device: str = "auto"
+    threads: int | None = None  # torch CPU threads (default: relaxspec.threads.default_threads)
     # A Ctrl-C loses the steps since the last checkpoint (the loop saves nothing on an interrupt: it may
     # land inside an optimizer step). A checkpoint writes only the drafter and its AdamW moments: cheap
     # next to 100 steps, each a forward pass of the whole target.
@@ -130,6 +132,8 @@ class DrafterTrainConfig(common.RecipeConfig):
              f"classes must be a non-empty list of class ids >= 0, got {self.classes}")
         need(0 <= self.val_fraction < 1, f"val_fraction must lie in [0, 1), got {self.val_fraction}")
         need(self.n_layer >= 1, f"n_layer must be >= 1, got {self.n_layer}")
+        if self.threads is not None:
+            check_threads(self.threads, "threads")
         need(self.epochs > 0, f"epochs must be > 0, got {self.epochs}")
         need(self.steps is None or 0 <= self.steps <= common.MAX_STEPS,
              f"steps must lie in [0, {common.MAX_STEPS:,}], got {self.steps}")

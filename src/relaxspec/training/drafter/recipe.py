@@ -36,6 +36,8 @@ from relaxspec.models.base import TargetModel, TeacherForcedTarget
 from relaxspec.models.weights import load_strict
 from relaxspec.training import common, distributed
 from relaxspec.runs.folder import TRAIN_STATE, hold_folder, save_train_state
+from relaxspec.runs.shards import local_processes
+from relaxspec.threads import set_threads
 from relaxspec.training.drafter.checkpoints import (
     ACCEPT_PLOT,
     export_drafter,
@@ -223,6 +225,7 @@ def train_drafter(config: DrafterTrainConfig, *, target: TeacherForcedTarget | N
                                  f"{world} processes of this run (WORLD_SIZE {world})")
         device = target.device if target is not None else resolve_device(config.device)
         group, device = distributed.join(device)
+        set_threads(config.threads, device, processes=local_processes(), name="--threads")
     lost = False
     try:
         with _hold(config.out, group):

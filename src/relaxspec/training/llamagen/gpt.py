@@ -51,6 +51,7 @@ from relaxspec.data.emoji import ImageSet, augment, load_classes
 from relaxspec.devices import resolve_device
 from relaxspec.errors import RelaxspecError
 from relaxspec.inputs import check_threads
+from relaxspec.threads import set_threads
 from relaxspec.models.llamagen.gpt import GPTConfig, Transformer
 from relaxspec.models.llamagen.vq import VQModel
 from relaxspec.runs import folder as run_folder
@@ -328,9 +329,8 @@ def train_gpt(config: GPTTrainConfig, *, vq: VQModel | None = None, train: Image
     saved = run_folder.fresh_or_resume(out, resume, STATE_VERSION, RECIPE)
     if saved is not None:
         common.check_resumable(saved["config"], config.to_dict(), RUN_FIELDS)
-    if config.threads:
-        torch.set_num_threads(config.threads)
     device = resolve_device(config.device)
+    set_threads(config.threads, device, name="threads")
     vq = vq if vq is not None else load_vq(config.vq_ckpt, device="cpu")
     vq.eval().requires_grad_(False)
     train = (train if train is not None else load_images(config.data, "train")).tensors()

@@ -38,6 +38,7 @@ from relaxspec.data.emoji import ImageSet, augment, load_split
 from relaxspec.devices import resolve_device
 from relaxspec.errors import RelaxspecError
 from relaxspec.inputs import check_threads
+from relaxspec.threads import set_threads
 from relaxspec.models.llamagen.vq import VQConfig, VQModel, to_uint8
 from relaxspec.runs import folder as run_folder
 from relaxspec.training import common
@@ -86,7 +87,7 @@ class VQTrainConfig(common.RecipeConfig):
     seed: int = 0
     bf16: bool = True  # bf16 autocast for the convolutions (the quantiser stays fp32)
     device: str = "cpu"
-    threads: int | None = None  # torch CPU threads (default: torch's choice)
+    threads: int | None = None  # torch CPU threads (default: relaxspec.threads.default_threads)
     eval_interval: int = 200
     checkpoint_interval: int = 200
     progress: bool = True
@@ -275,9 +276,8 @@ def train_vq(config: VQTrainConfig, *, train: ImageSet | None = None, val: Image
     saved = run_folder.fresh_or_resume(out, resume, STATE_VERSION, RECIPE)
     if saved is not None:
         common.check_resumable(saved["config"], config.to_dict(), RUN_FIELDS)
-    if config.threads:
-        torch.set_num_threads(config.threads)
     device = resolve_device(config.device)
+    set_threads(config.threads, device, name="threads")
     train = (train if train is not None else load_images(config.data, "train")).tensors()
     val = (val if val is not None else load_images(config.data, "val")).tensors()
     if len(train) == 0:
