@@ -220,7 +220,9 @@ def test_resume_after_interruption_and_deletion(tiny_ckpts, tmp_path, capsys, mo
     monkeypatch.setattr(ImagePipeline, "generate", real_generate)
     assert sorted(p.name for p in out.glob("*.png")) == ["0000.png", "0001.png"]
     partial = json.loads((out / "stats.json").read_text())
-    assert partial["complete"] is False and [r["index"] for r in partial["images"]] == [0, 1]
+    batches = [json.loads(line) for line in (out / "progress.jsonl").read_text().splitlines()]
+    assert partial["complete"] is False and partial["images"] == []  # a batch appends its line, nothing more
+    assert [r["index"] for b in batches for r in b["images"]] == [0, 1]
     assert [p.name for p in out.glob(".*")] == [".lock"]  # no temp files left behind (the lock file stays)
     first_png = (out / "0000.png").stat().st_mtime_ns
 
@@ -236,6 +238,7 @@ def test_resume_after_interruption_and_deletion(tiny_ckpts, tmp_path, capsys, mo
     assert np.array_equal(np.load(out / "tokens.npy"), reference)
     stats = json.loads((out / "stats.json").read_text())
     assert stats["complete"] and stats["totals"]["generated_this_run"] == 1 and len(stats["images"]) == 4
+    assert not (out / "progress.jsonl").exists()  # a finished run's images are all in stats.json
 
     # Issue 45: a PNG cut short (a crash, a full disk) was kept and every resume failed on it with
     # "image file is truncated", naming no file; it is drawn again. A folder where a PNG goes is named.
@@ -256,3 +259,33 @@ def test_resume_after_interruption_and_deletion(tiny_ckpts, tmp_path, capsys, mo
     assert code == 0 and "2 generated now" in stdout
     assert sorted(p.name for p in out.glob("*.png")) == ["0000.png", "0001.png", "grid.png"]
 
+
+
+def test_a_batch_writes_its_own_rows_and_records_not_the_whole_run_again(tiny_ckpts, tmp_path, capsys, monkeypatch):
+    """Every batch used to rewrite the whole tokens.npy and stats.json: quadratic in the run's
+    images (a 50,000-image FID run wrote terabytes). Now stats.json is written at the start and
+    the end, tokens.npy is made once at its final shape, and a batch appends one line."""
+    from relaxspec.runs import images
+
+    written = []
+    for name in ("write_json", "write_atomic"):
+        real = getattr(images, name)
+        monkeypatch.setattr(images, name, lambda path, *a, real=real, **k: (written.append(Path(path).name),
+                                                                              real(path, *a, **k))[1])
+    appended = []
+    real_open = open
+
+    def spying_open(path, mode="r", *args, **kwargs):
+        if "a" in mode:
+            appended.append(Path(path).name)
+        return real_open(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr("builtins.open", spying_open)
+    classes = ",".join(str(c) for c in range(6))
+    code, _, err = run(generate_args(tiny_ckpts["c2i"], str(tmp_path / "out"), "--classes", classes), capsys)
+    assert code == 0, err
+    assert written.count("stats.json") == 2 and written.count("tokens.npy") == 0, written
+    assert [name for name in appended if name != ".lock"] == ["progress.jsonl"] * 6
+    stats = json.loads((tmp_path / "out" / "stats.json").read_text())
+    assert [r["index"] for r in stats["images"]] == list(range(6))
+    assert (np.load(tmp_path / "out" / "tokens.npy") >= 0).all()

@@ -4,10 +4,18 @@ finished image (``relaxspec generate``, and each shard of ``relaxspec eval``).
 
 Batch ``b`` samples with a generator seeded ``batch_seed(seed, b)``, so a resumed run draws what
 an uninterrupted one would.
+
+What a batch writes does not grow with the run: its rows of ``tokens.npy`` (the file made once at
+its final size, its rows written in place) and one line of ``progress.jsonl`` (its images'
+records and acceptance counts), appended after the tokens, so a crash in between only redoes the
+batch. ``stats.json`` says the settings from the start and lists every image at the end, when
+``progress.jsonl`` goes. (Rewriting the whole token array and image list after every batch, as
+before, made a 50,000-image FID run write terabytes.)
 """
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 import time
@@ -23,7 +31,7 @@ from relaxspec.methods.grid import ROWS_SEEN
 from relaxspec.runs.folder import RunKind, hold_folder, open_run, run_meta, settings_hash
 from relaxspec.sampling import batch_seed
 
-STATS_FILE, TOKENS_FILE = "stats.json", "tokens.npy"
+STATS_FILE, TOKENS_FILE, PROGRESS_FILE = "stats.json", "tokens.npy", "progress.jsonl"
 
 
 def image_settings(pipeline, options, sampling, condition, *, seed: int, batch_size: int, precision: str,
@@ -75,7 +83,11 @@ def _write_image_run(pipeline, condition, prepared, out, settings: dict, *, seed
     print(f"relaxspec: {options.describe()}", file=sys.stderr)  # the settings in use, and only those
     for note in options.notes:  # a value given past what this model can use, and what is used
         print(f"relaxspec: note: {note}", file=sys.stderr)
-    stats = run_meta(settings, digest, complete=False, images=[], totals={})
+    # what is kept, said once in stats.json; the batches from here on are lines of progress.jsonl
+    stats = run_meta(settings, digest, complete=False, images=[records[i] for i in sorted(records)], totals={})
+    _with_counts(stats, batch_counts)
+    write_json(out / STATS_FILE, stats)
+    write_atomic(out / PROGRESS_FILE, lambda path: path.write_text(""))
     load_seconds = time.perf_counter() - wall
     bar = tqdm(total=num_images, initial=len(records), unit="image", desc="generate",
                disable=True if not progress else None)
@@ -92,32 +104,42 @@ def _write_image_run(pipeline, condition, prepared, out, settings: dict, *, seed
         with torch.inference_mode():
             pixels = pipeline.pixels(result.tokens)
         vq_seconds = time.perf_counter() - began
+        line = {"batch": batch, "images": []}
         if result.rank_tests is not None:  # per batch, so a resumed run keeps the finished batches' counts
-            batch_counts[str(batch)] = {"tests": result.rank_tests.tolist(), "accepts": result.rank_accepts.tolist()}
-        if batch_counts:
-            stats["acceptance_counts"] = total_rank_counts(batch_counts.values())
-            stats["acceptance_counts_by_batch"] = batch_counts
+            line["counts"] = batch_counts[str(batch)] = {"tests": result.rank_tests.tolist(),
+                                                         "accepts": result.rank_accepts.tolist()}
         for row, i in enumerate(index):
             name = f"{i:04d}.png"
             write_png(out / name, upscale(pixels[row], upscale_by))
             tokens[i] = result.tokens[row].numpy()
             records[i] = {"index": i, "file": name, **condition.records[i], "batch": batch, "batch_seed": batch_seed_b,
                           **result.image_record(row), "vq_seconds": vq_seconds / len(index)}
+            line["images"].append(records[i])
         generated += len(index)
         # Tokens first, then the record of what is finished: a crash in between only redoes a batch.
-        write_atomic(out / TOKENS_FILE, lambda path: np.save(path, tokens))
-        stats["images"] = [records[i] for i in sorted(records)]
-        write_json(out / STATS_FILE, stats)
+        tokens.flush()
+        with open(out / PROGRESS_FILE, "a") as journal:
+            journal.write(json.dumps(line) + "\n")
         bar.update(len(index))
     bar.close()
 
     write_grid(out, [records[i]["file"] for i in range(min(num_images, grid_max))])
     done = [records[i] for i in range(num_images)]
     stats.update(complete=True, images=done, totals=run_totals(done, num_tokens, generated))
+    _with_counts(stats, batch_counts)
     stats["totals"].update(load_seconds=load_seconds, wall_seconds_this_run=time.perf_counter() - wall)
-    write_atomic(out / TOKENS_FILE, lambda path: np.save(path, tokens))
+    tokens.flush()
+    del tokens
     write_json(out / STATS_FILE, stats)
+    (out / PROGRESS_FILE).unlink(missing_ok=True)
     return stats
+
+
+def _with_counts(stats: dict, batch_counts: dict) -> None:
+    """stats.json's acceptance counts: per batch, and summed (none for a method that keeps none)."""
+    if batch_counts:
+        stats["acceptance_counts"] = total_rank_counts(batch_counts.values())
+        stats["acceptance_counts_by_batch"] = batch_counts
 
 
 def summary(out, stats: dict) -> str:
@@ -189,12 +211,12 @@ def _image_records_problem(meta: dict) -> str | None:
 
 
 #: An image run's folder (generate, eval's shards): ``stats.json`` holds its settings and images.
-IMAGE_RUN = RunKind("a run", STATS_FILE, "a run's record", problem=_image_records_problem)
+IMAGE_RUN = RunKind("a run", STATS_FILE, "a run's record", owned=(PROGRESS_FILE,), problem=_image_records_problem)
 
 
 def _remove_pngs(out: Path, old: dict | None) -> None:
-    """A replaced run's PNGs (those its ``stats.json`` lists)."""
-    for record in (old or {}).get("images", []):
+    """A replaced run's PNGs (those its ``stats.json`` and ``progress.jsonl`` list)."""
+    for record in _listed(out, old or {})[0]:
         stale = out / str(record.get("file", ""))
         if stale.parent == out and stale.suffix == ".png" and stale.is_file():
             stale.unlink()
@@ -203,27 +225,65 @@ def _remove_pngs(out: Path, old: dict | None) -> None:
 def previous_run(out: Path, settings: dict, settings_hash: str, num_images: int, num_tokens: int,
                  overwrite: bool) -> tuple[dict[int, dict], np.ndarray, dict]:
     """The images of an earlier run with the same settings that are finished (PNG on disk, tokens
-    saved), the token array to continue (tokens of unfinished images are -1) and that run's
-    per-batch acceptance counts (:func:`relaxspec.runs.folder.open_run`: another run's folder is
-    refused, or replaced with ``overwrite``)."""
-    tokens = np.full((num_images, num_tokens), -1, dtype=np.int64)
+    saved; listed in its ``stats.json`` or its ``progress.jsonl``), ``tokens.npy`` opened to
+    continue (a memory map of the run's final shape; rows of unfinished images -1 in a new file)
+    and that run's per-batch acceptance counts (:func:`relaxspec.runs.folder.open_run`: another
+    run's folder is refused, or replaced with ``overwrite``)."""
+    shape = (num_images, num_tokens)
     old = open_run(out, IMAGE_RUN, settings, overwrite=overwrite, digest=settings_hash, clear=_remove_pngs)
-    if old is None:
-        return {}, tokens, {}
-    try:
-        saved = np.load(out / TOKENS_FILE, allow_pickle=False)
-    except (OSError, ValueError, EOFError):
-        return {}, tokens, {}
-    if saved.shape != tokens.shape:
-        return {}, tokens, {}
+    saved = _open_tokens(out / TOKENS_FILE, shape) if old is not None else None
+    if saved is None:
+        return {}, _new_tokens(out / TOKENS_FILE, shape), {}
+    listed, counts = _listed(out, old)
     records = {}
-    for record in old["images"]:
+    for record in listed:
         i = record.get("index")
         if (isinstance(i, int) and 0 <= i < num_images and (out / str(record.get("file"))).is_file()
                 and (saved[i] >= 0).all() and png_is_whole(out / str(record.get("file")))):
             records[i] = record
-            tokens[i] = saved[i]
-    return records, tokens, old.get("acceptance_counts_by_batch") or {}
+    return records, saved, counts
+
+
+def _listed(out: Path, meta: dict) -> tuple[list[dict], dict]:
+    """The image records and per-batch counts of a run: its ``stats.json``'s, then the batches its
+    ``progress.jsonl`` adds (a last line cut short by a crash is not a batch)."""
+    images = list(meta.get("images") or [])
+    counts = dict(meta.get("acceptance_counts_by_batch") or {})
+    try:
+        lines = (out / PROGRESS_FILE).read_text().splitlines()
+    except (OSError, UnicodeDecodeError):
+        lines = []
+    for text in lines:
+        try:
+            line = json.loads(text)
+        except json.JSONDecodeError:
+            continue
+        if not (isinstance(line, dict) and isinstance(line.get("images"), list)):
+            continue
+        images.extend(record for record in line["images"] if isinstance(record, dict))
+        if isinstance(line.get("counts"), dict) and isinstance(line.get("batch"), int):
+            counts[str(line["batch"])] = line["counts"]
+    return images, counts
+
+
+def _open_tokens(path: Path, shape: tuple[int, int]) -> np.ndarray | None:
+    """``tokens.npy`` of an earlier run, mapped for writing, if it is a whole int64 array of ``shape``."""
+    try:
+        tokens = np.lib.format.open_memmap(path, mode="r+")
+    except (OSError, ValueError, EOFError):
+        return None
+    if tokens.shape != shape or tokens.dtype != np.int64:
+        del tokens
+        return None
+    return tokens
+
+
+def _new_tokens(path: Path, shape: tuple[int, int]) -> np.ndarray:
+    """A new ``tokens.npy`` of the run's final ``shape``, every row -1 (no image yet), mapped for writing."""
+    path.unlink(missing_ok=True)  # never written through: another file may share its inode
+    tokens = np.lib.format.open_memmap(path, mode="w+", dtype=np.int64, shape=shape)
+    tokens[:] = -1
+    return tokens
 
 
 def upscale(pixels: np.ndarray, factor: int) -> np.ndarray:
@@ -231,5 +291,5 @@ def upscale(pixels: np.ndarray, factor: int) -> np.ndarray:
     return pixels if factor == 1 else pixels.repeat(factor, axis=0).repeat(factor, axis=1)
 
 
-__all__ = ["STATS_FILE", "TOKENS_FILE", "image_settings", "kept_batch_counts", "previous_run", "run_totals", "summary", "upscale",
+__all__ = ["PROGRESS_FILE", "STATS_FILE", "TOKENS_FILE", "image_settings", "kept_batch_counts", "previous_run", "run_totals", "summary", "upscale",
            "write_image_run"]
