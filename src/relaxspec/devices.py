@@ -25,6 +25,39 @@ def resolve_device(name: str, what: str = "device") -> torch.device:
     return device
 
 
+def free_memory(device: torch.device | str = "cpu") -> int | None:
+    """Bytes ``device`` can still give: CUDA's free memory, or the memory the kernel says is
+    available (``MemAvailable`` of ``/proc/meminfo``); ``None`` where it cannot be read."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as handle:
+            for line in handle:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def check_fits(what: str, needed: float, device: torch.device | str = "cpu") -> None:
+    """Refuse, in one line naming ``what`` and both sizes, work that needs more than ``device``
+    has free (``needed`` bytes; nothing is refused where free memory cannot be read)."""
+    free = free_memory(device)
+    if free is not None and needed > free:
+        where = "this machine" if torch.device(device).type == "cpu" else str(device)
+        raise RelaxspecError(f"{what} needs about {_size(needed)} and {where} has {_size(free)} free")
+
+
+def _size(count: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB", "PB"):
+        if count < 1000 or unit == "PB":
+            return f"{count:,.0f} {unit}" if unit == "B" else f"{count:,.1f} {unit}"
+        count /= 1000
+    return f"{count:,.1f} PB"
+
+
 def machine_identity(device: torch.device | str = "cpu") -> dict:
     """What kind of machine ``device`` is, for a timing result that only holds there (a tuned
     preset): the device type and its name (the CPU model from ``/proc/cpuinfo``, or CUDA's

@@ -15,6 +15,11 @@ from relaxspec.errors import RelaxspecError
 SEED_LIMIT = 2 ** 40
 #: The largest side of an output image in pixels (upscale included): 8192 x 8192 RGB is 192 MiB.
 MAX_OUTPUT_SIDE = 8192
+#: The most images one run of generate, eval or bench makes. A run lists every image in one record
+#: (stats.json, a bench's settings.json) read and written whole at its start and end, and a bench
+#: keeps every decode's record for its report; a million is twenty 50,000-image FID runs. More
+#: is several runs (or shards: torchrun).
+MAX_IMAGES = 1_000_000
 
 
 def _whole(value) -> bool:
@@ -51,6 +56,15 @@ def check_upscale(upscale, side: int | None = None) -> int:
                              f"{MAX_OUTPUT_SIDE} px (upscale {max(1, MAX_OUTPUT_SIDE // side)} at most for these "
                              f"{side}-px images)")
     return upscale
+
+
+def check_image_count(count: int, how: str) -> int:
+    """An image count a user's options multiply to (``how`` says how, e.g. ``--images-per-class
+    1000 x 20 classes``), refused past :data:`MAX_IMAGES` before any list of them is made."""
+    if count > MAX_IMAGES:
+        raise RelaxspecError(f"{how} is {count:,} images: one run makes at most {MAX_IMAGES:,} (its record lists every "
+                             "image; a 50,000-image FID run is 5% of it); split the work into runs")
+    return count
 
 
 def usable_cpus() -> int:

@@ -19,7 +19,7 @@ from relaxspec.runs.shards import distributed, shard_dir, shard_folders, shard_r
 from relaxspec.conditions import class_ids
 from relaxspec.errors import RelaxspecError, shown
 from relaxspec import extras, embedded, methods
-from relaxspec.inputs import check_at_least, check_seed, check_threads
+from relaxspec.inputs import check_at_least, check_image_count, check_seed, check_threads
 from relaxspec.bench.report import load_real_images, write_report, SUMMARY_MD, markdown_table
 from relaxspec.files import file_identity
 from relaxspec.devices import machine_identity, machine_kind
@@ -186,6 +186,8 @@ def run_bench_cli(args: argparse.Namespace) -> int:
     if args.num_images is None and args.images_per_class is None and args.classes is None:
         args.num_images = bench_defaults.get("num_images")
     _positive(args, "images_per_class", "num_images", "batch_size", "image_size", "n_boot")
+    if args.num_images is not None:
+        check_image_count(args.num_images, f"--num-images {args.num_images}")
     check_threads(args.threads)
     check_at_least("warm-up", args.warmup, 0)
     check_seed(args.seed)
@@ -300,7 +302,10 @@ def bench_images(args: argparse.Namespace, pipeline, prompts: list[str], classif
     num_classes = pipeline.target.config.num_classes
     classes = class_ids(args.classes, num_classes, pipeline.class_names) if args.classes is not None \
         else list(range(num_classes))
-    total = args.num_images if args.num_images is not None else (args.images_per_class or 1) * len(classes)
+    total = args.num_images
+    if total is None:
+        total = check_image_count((args.images_per_class or 1) * len(classes),
+                                  f"--images-per-class {args.images_per_class or 1} x {len(classes)} classes")
     classes = [classes[i % len(classes)] for i in range(total)]
     if classifier is not None:  # every quality input checked now, not after an hour of decoding
         check_quality_inputs(classifier, args.real_data, classes, num_classes)

@@ -57,6 +57,7 @@ from PIL import Image
 import torch
 
 from relaxspec.errors import RelaxspecError
+from relaxspec.inputs import check_image_count
 from relaxspec.runs.shards import SHARD, distributed, shard_dir, shard_folders, shard_range
 from relaxspec.cli.options import require_extras, Parser, read_prompts
 from relaxspec.extras import require
@@ -141,12 +142,15 @@ def generate_shard(args: argparse.Namespace, gen: argparse.Namespace, rank: int,
         gen.device = f"cuda:{local}"
     pipeline, started = None, None
     if gen.prompt or gen.prompts_file:
-        prompts = [p for p in read_prompts(gen) for _ in range(repeat)]
+        given = read_prompts(gen)
+        check_image_count(repeat * len(given), f"--images-per-class {repeat} x {len(given)} prompts")
+        prompts = [p for p in given for _ in range(repeat)]
         mine = [prompts[i] for i in shard_range(len(prompts), rank, world)]
         gen.prompt, gen.prompts_file = mine, None  # the shard's prompts, in order (stats.json records them)
         count = len(mine)
     elif gen.caption_features:
         features, mask = load_caption_features(gen.caption_features, gen.caption_mask)
+        check_image_count(repeat * features.shape[0], f"--images-per-class {repeat} x {features.shape[0]} captions")
         items = np.repeat(np.arange(features.shape[0]), repeat)
         mine = items[list(shard_range(len(items), rank, world))]
         captions = folder / "captions.npz"
@@ -164,8 +168,10 @@ def generate_shard(args: argparse.Namespace, gen: argparse.Namespace, rank: int,
             given = pipeline.default_classes
             if given is None:
                 raise RelaxspecError("give --classes (this model has no demo classes)")
-        given = given.split(",") if isinstance(given, str) else [str(c) for c in given]
-        classes = [c.strip() for c in given if c.strip() for _ in range(repeat)]
+        given = [c.strip() for c in (given.split(",") if isinstance(given, str) else [str(c) for c in given])]
+        given = [c for c in given if c]
+        check_image_count(repeat * len(given), f"--images-per-class {repeat} x {len(given)} classes")
+        classes = [c for c in given for _ in range(repeat)]
         if not classes:
             raise RelaxspecError("no classes given")
         mine = [classes[i] for i in shard_range(len(classes), rank, world)]

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from relaxspec.devices import resolve_device
+from relaxspec.devices import check_fits, resolve_device
 from relaxspec.drafting.eagle import LLAMAGEN, DrafterConfig, EagleDrafter, drafter_config, load_drafter
 from relaxspec.errors import RelaxspecError, SaidByRankZero
 from relaxspec.models.base import TargetModel, TeacherForcedTarget
@@ -277,6 +277,22 @@ def _hold(out: str | Path, group: distributed.Group):
         yield
 
 
+def check_run_size(config: DrafterTrainConfig, target, device: torch.device, sampling: bool) -> None:
+    """Refuse, before any sample is drawn or weight allocated, a run whose self-samples (their
+    tokens, held twice: the cache and the training set; ``sampling``: this run draws them) or
+    whose drafter (fp32 weights, gradients and AdamW's two moments, four copies) do not fit in
+    the memory free now; one line each, with both sizes."""
+    if sampling and config.self_samples:
+        count, length = config.self_samples, target.config.block_size
+        check_fits(f"--self-samples {count:,} ({length} tokens each, held twice)", 2 * 8 * count * length, "cpu")
+    with torch.device("meta"):  # the drafter's shape without its memory: one block and two
+        one, two = (sum(p.numel() for p in EagleDrafter(drafter_config(target, n), target).parameters())
+                    for n in (1, 2))
+    parameters = one + (config.n_layer - 1) * (two - one)
+    check_fits(f"--n-layer {config.n_layer:,} (a drafter of {parameters:,} parameters; its weights, gradients and "
+               "AdamW's two moments in fp32)", 16 * parameters, device)
+
+
 #: Written by rank 0 of a multi-process run for every rank to read back (:func:`_hold`).
 WORLD_MARK = ".world"
 
@@ -297,6 +313,8 @@ def _train(config: DrafterTrainConfig, *, target, dataset, resume: bool, group: 
     target, prompts, vq = _open(config, target, dataset, device)
     device = target.device
     target.eval().requires_grad_(False)
+    with distributed.alike(group.rank):
+        check_run_size(config, target, device, dataset is None)
     out.mkdir(parents=True, exist_ok=True)
     if dataset is None and config.self_samples and saved is None and main:
         # Drawing the self-samples is slow and cached batch by batch: name the recipe now, so that
