@@ -169,3 +169,14 @@ def test_growing_a_trained_target_preserves_its_function_then_trains_on(tmp_path
         gpt_recipe.grow(gpt_recipe.Transformer(wider), source)
     with pytest.raises(RelaxspecError, match="more than"):
         gpt_recipe.grow(source, model)
+
+
+def test_a_target_past_the_free_memory_is_refused_before_its_tokens_are_made(tmp_path, data, vq, monkeypatch) -> None:
+    """--n-layer 1000000 allocated for minutes before failing; now one line with both sizes."""
+    from relaxspec import devices
+
+    monkeypatch.setattr(devices, "free_memory", lambda device="cpu": 10 ** 9)
+    with pytest.raises(RelaxspecError, match=r"--dim 32 x --n-layer 1,000,000 \(a target of .* parameters; .*\) needs "
+                                             r"about 459\.8 GB and this machine has 1\.0 GB free"):
+        train_gpt(quick(tmp_path / "big", data, vq, n_layer=1_000_000))
+    assert not (tmp_path / "big").exists()
