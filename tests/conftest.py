@@ -87,6 +87,20 @@ def one_thread():
     torch.set_num_threads(1)
 
 @pytest.fixture
+def fixed_forward_costs(monkeypatch):
+    """``relaxspec tune``'s timed forwards replaced by fixed ones (a tenth of a millisecond each),
+    so that whether a short --minutes can pay for the least search does not depend on how busy the
+    machine is (issue 54: on a busy one, a test's three-second budget was "too short to measure
+    anything"). The search's own clock stays real: the tests assert nothing that it decides."""
+    from relaxspec.bench.cost import ForwardCosts
+    from relaxspec.tuning import search
+
+    fixed = ForwardCosts(target={1: 1e-4, 64: 1e-4}, drafter={1: 1e-4, 16: 1e-4})
+    monkeypatch.setattr(search, "measure_forward_costs", lambda *args, **kwargs: fixed)
+    return fixed
+
+
+@pytest.fixture
 def make_gpt():
     """Factory: ``make_gpt(**overrides)`` -> an eval-mode tiny GPT with scrambled weights."""
 

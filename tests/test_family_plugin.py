@@ -128,7 +128,7 @@ def test_the_python_api_takes_the_input_as_a_keyword(files):
 
 
 @pytest.mark.slow
-def test_bench_eval_tune_train_drafter_and_demo_run_it(files, tmp_path, capsys):
+def test_bench_eval_tune_train_drafter_and_demo_run_it(files, tmp_path, capsys, fixed_forward_costs):
     from relaxspec.cli.demo import load_demo_model
     from relaxspec.demo.app import race_handler
 

@@ -28,7 +28,7 @@ from relaxspec.cli import main
 from relaxspec.errors import RelaxspecError
 from relaxspec.tuning.budget import Budget, choose, pareto, survivors, within
 
-from helpers.tuning import cost_model, llamagen, neighbour_cache, tune  # noqa: F401 - fixtures
+from helpers.tuning import cost_model, llamagen, neighbour_cache, steady_costs, tune  # noqa: F401 - fixtures
 
 
 # ---------------------------------------------------------------------------- the budget logic
@@ -314,15 +314,10 @@ def test_an_interrupted_tune_resumes_without_redoing_decodes(llamagen, cost_mode
     assert cost_model["decodes"] == before and recorded > 0
 
 
-def test_another_budget_in_the_same_folder_is_refused(llamagen, cost_model, tmp_path, capsys, refused, monkeypatch):
-    """The subject is the folder's refusal, not the timing: the forwards' costs are fixed (a tenth of
-    a millisecond each), so a 3-second budget is never "too short to measure anything", however
+def test_another_budget_in_the_same_folder_is_refused(llamagen, cost_model, tmp_path, capsys, refused):
+    """The subject is the folder's refusal, not the timing: the forwards' costs are fixed
+    (``steady_costs``), so a 3-second budget is never "too short to measure anything", however
     busy the machine (issue 54: it was, on a busy one)."""
-    from relaxspec.bench.cost import ForwardCosts
-    from relaxspec.tuning import search
-
-    fixed = ForwardCosts(target={1: 1e-4, 64: 1e-4}, drafter={1: 1e-4, 16: 1e-4})
-    monkeypatch.setattr(search, "measure_forward_costs", lambda *args, **kwargs: fixed)
     out = tmp_path / "tune"
     args = [*llamagen["args"], "--minutes", "0.05", "--no-compile", "--classes", "0,2", "--heldout-classes", "1"]
     main(["tune", *args, "--lossless", "--out", str(out), "--no-progress"])

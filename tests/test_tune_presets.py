@@ -22,7 +22,7 @@ import relaxspec.compiling
 from relaxspec.cli import main
 from relaxspec.errors import RelaxspecError
 
-from helpers.tuning import cost_model, llamagen, neighbour_cache  # noqa: F401 - fixtures
+from helpers.tuning import cost_model, llamagen, neighbour_cache, steady_costs  # noqa: F401 - fixtures
 
 
 # ---------------------------------------------------------------------------- state.json, checked

@@ -15,6 +15,12 @@ def neighbour_cache(monkeypatch, tmp_path_factory):
     monkeypatch.setenv("RELAXSPEC_CACHE", str(tmp_path_factory.getbasetemp() / "neighbour-cache"))
 
 
+@pytest.fixture(autouse=True)
+def steady_costs(fixed_forward_costs):
+    """Every tune test runs on fixed forward costs (``fixed_forward_costs`` in conftest.py)."""
+    return fixed_forward_costs
+
+
 @pytest.fixture
 def cost_model(monkeypatch):
     """Replace every benchmarked decode's seconds by ``1 ms x target forwards + drafter_ms x
