@@ -304,3 +304,38 @@ def test_a_process_started_alone_says_what_it_waits_for_and_stops(tmp_path, targ
         else:
             assert len(lines) == 1
         assert not (tmp_path / "run").exists()
+
+
+def test_a_store_address_that_answers_as_something_else_is_one_line(tmp_path, target_path) -> None:
+    """Issue 54: a MASTER_ADDR:MASTER_PORT that takes connections but is not the run's store (here
+    a server that answers in HTTP, as a proxy did) printed 20-49 lines of c10d's C++ frames and
+    socket warnings before our line. They go to a log file now, which the line names."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(8)
+    server.settimeout(30)
+
+    def answer():
+        try:
+            while True:
+                connection, _ = server.accept()
+                with connection:
+                    connection.sendall(b"HTTP/1.1 400 Bad Request\r\n\r\n")
+        except OSError:
+            return
+
+    threading.Thread(target=answer, daemon=True).start()
+    args = [sys.executable, "-m", "relaxspec", "train-drafter", "--gpt-ckpt", target_path, *RECIPE, "--steps", "2",
+            "--out", str(tmp_path / "run")]
+    try:
+        run = subprocess.run(args, env=env(RANK=1, LOCAL_RANK=1, WORLD_SIZE=2, MASTER_ADDR="127.0.0.1",
+                                           MASTER_PORT=server.getsockname()[1], RELAXSPEC_RENDEZVOUS_SECONDS=3),
+                             capture_output=True, text=True, timeout=120)
+    finally:
+        server.close()
+    lines = [line for line in run.stderr.splitlines() if line.strip()]
+    assert run.returncode == 2 and len(lines) == 1, run.stderr
+    assert lines[0].startswith("relaxspec: error: the 2 processes of this run did not all start within 3 s")
+    log = lines[0].split("(c10d's own messages: ")[1].rstrip(")")
+    assert "c10d" in open(log).read()
+    os.unlink(log)

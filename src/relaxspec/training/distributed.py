@@ -22,8 +22,10 @@ import os
 import signal
 import socket
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -163,24 +165,51 @@ def _rendezvous(rank: int, world: int):
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     waiting = (f"relaxspec: waiting for the {world} processes of this run (WORLD_SIZE {world}) at {host}:{port}, "
                f"at most {seconds:g} s")
+    log = Path(tempfile.gettempdir()) / f"relaxspec-rendezvous-{os.getpid()}.log"
     try:
-        if rank != 0 or agent:  # the store's own client logs every failed try at length: probe quietly first
-            _wait_for_port(host, port, seconds)
-        store = torch.distributed.TCPStore(host, port, world_size=world, is_master=rank == 0 and not agent,
-                                           timeout=datetime.timedelta(seconds=seconds), wait_for_workers=False)
-        # every process checks in, then waits for all (keys of this start: torchrun may restart)
-        start = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        store.add(f"relaxspec/joined/{start}", 1)
-        if rank == 0:
-            _wait_for_count(store, f"relaxspec/joined/{start}", world, seconds, waiting)
-            store.set(f"relaxspec/all/{start}", "1")
-        else:
-            store.wait([f"relaxspec/all/{start}"], datetime.timedelta(seconds=seconds))
+        with native_messages_to(log) as say:  # c10d's frames and socket warnings: the log's, not the terminal's
+            if rank != 0 or agent:  # the store's own client logs every failed try at length: probe quietly first
+                _wait_for_port(host, port, seconds)
+            store = torch.distributed.TCPStore(host, port, world_size=world, is_master=rank == 0 and not agent,
+                                               timeout=datetime.timedelta(seconds=seconds), wait_for_workers=False)
+            # every process checks in, then waits for all (keys of this start: torchrun may restart)
+            start = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+            store.add(f"relaxspec/joined/{start}", 1)
+            if rank == 0:
+                _wait_for_count(store, f"relaxspec/joined/{start}", world, seconds, lambda: say(waiting))
+                store.set(f"relaxspec/all/{start}", "1")
+            else:
+                store.wait([f"relaxspec/all/{start}"], datetime.timedelta(seconds=seconds))
     except (RuntimeError, TimeoutError, ConnectionError):
+        kept = log.is_file() and log.stat().st_size > 0
+        if not kept:
+            log.unlink(missing_ok=True)
         raise NotJoined(f"the {world} processes of this run did not all start within {seconds:g} s "
-                             f"(WORLD_SIZE {world}, {host}:{port}): start them together, e.g. with torchrun "
-                             "--nproc_per_node") from None
+                        f"(WORLD_SIZE {world}, {host}:{port}): start them together, e.g. with torchrun "
+                        "--nproc_per_node" + (f" (c10d's own messages: {log})" if kept else "")) from None
+    log.unlink(missing_ok=True)
     return store
+
+
+@contextlib.contextmanager
+def native_messages_to(log: Path):
+    """Send what native code writes to stderr (c10d's stack frames and socket warnings, which
+    bypass Python) to the file ``log`` for the block; yields ``say(line)``, which still reaches the
+    terminal. The terminal's stderr is back when the block ends, however it ends."""
+    sys.stderr.flush()
+    terminal = os.dup(2)
+    try:
+        with open(log, "ab") as handle:
+            os.dup2(handle.fileno(), 2)
+
+        def say(line: str) -> None:
+            os.write(terminal, (line + "\n").encode())
+
+        yield say
+    finally:
+        sys.stderr.flush()
+        os.dup2(terminal, 2)
+        os.close(terminal)
 
 
 def _wait_for_port(host: str, port: int, seconds: float) -> None:
@@ -196,8 +225,8 @@ def _wait_for_port(host: str, port: int, seconds: float) -> None:
             time.sleep(0.1)
 
 
-def _wait_for_count(store, key: str, count: int, seconds: float, waiting: str) -> None:
-    """Until ``key`` counts ``count``; ``waiting`` is said once the wait passes a few seconds."""
+def _wait_for_count(store, key: str, count: int, seconds: float, waiting) -> None:
+    """Until ``key`` counts ``count``; ``waiting()`` says so once the wait passes a few seconds."""
     started = time.monotonic()
     said = False
     while store.add(key, 0) < count:
@@ -205,7 +234,7 @@ def _wait_for_count(store, key: str, count: int, seconds: float, waiting: str) -
         if waited > seconds:
             raise TimeoutError(key)
         if waited > min(5.0, seconds / 2) and not said:
-            print(waiting, file=sys.stderr, flush=True)
+            waiting()
             said = True
         time.sleep(0.05)
 
