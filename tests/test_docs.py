@@ -263,3 +263,95 @@ def test_the_readme_torchrun_commands_parse():
             full += 1
     assert full >= 1
     assert (ROOT / "src" / "relaxspec" / "__main__.py").is_file()
+
+
+#: README commands a fresh clone cannot run, each with the reason (the tests fail when the README
+#: gains a command that is neither run nor here, or loses one that is).
+NOT_RUN_HERE = {
+    "relaxspec demo": "serves a page until stopped (tests/test_demo.py runs it in a browser)",
+    "c2i_B_256.pt": "upstream's GPT-B checkpoint, a file the user brings",
+    "--gpt-ckpt PATH": "a placeholder for the user's checkpoint",
+    "generate ...": "an elided command (the tree recipe's options)",
+    "data/emoji/val.npz": "the validation images, built with npm (the embedded model card)",
+    "LlamaGen-T2I": "upstream's t2i checkpoint and MS-COCO, files the user brings",
+}
+#: Commands the ordered run leaves to the order check alone: minutes each, on purpose.
+CHECKED_NOT_RUN = {
+    "relaxspec tune": "its least search takes minutes whatever the budget (tests/test_tune*.py run it on tiny models)",
+    "--preset tune-relaxed/tune.json": "reads what the tune before it writes",
+    "--compile": "a compile of the embedded model's graphs, half a minute to a minute each on 2 cores "
+                 "(tests/test_fast_engine.py and test_compiling.py compile them)",
+    "build-tree": "reads the elided probe run's record",
+}
+
+
+def readme_commands() -> list[str]:
+    """Every ``relaxspec ...`` command of the README's bash blocks, in order (those after ``&&``
+    included), continuations joined and comments cut."""
+    commands = []
+    for block in SHELL.findall((ROOT / "README.md").read_text()):
+        for line in block.replace("\\\n", " ").splitlines():
+            for part in line.split("#")[0].split("&&"):
+                if part.strip().startswith("relaxspec "):
+                    commands.append(" ".join(part.split()))
+    return commands
+
+
+def test_the_readme_commands_fit_together_in_order():
+    """Issue 54: followed literally, the README's --compile example was refused: it wrote to the
+    folder its first command had filled. In the README's order, every command parses; none writes
+    a folder an earlier command wrote (but a --report-only of it); and every file it reads is in the
+    clone, under a folder an earlier command writes, or a file the user brings (NOT_RUN_HERE)."""
+    import shlex
+
+    from relaxspec.cli import build_parser
+
+    parser, written, brought = build_parser(), {}, set()
+    for command in readme_commands():
+        words = shlex.split(command.replace("$(seq -s, 1 4 97)", "1,5,9"))[1:]
+        if "..." in words:  # an elided command: what it writes still counts
+            words = [word for word in words if word != "..."]
+        args = parser.parse_args(words)
+        out = getattr(args, "out", None)
+        user_files = next((key for key in NOT_RUN_HERE if key in command), None)
+        if user_files is not None:
+            brought.add(user_files)
+        if out is not None and out in written and not getattr(args, "report_only", False):
+            raise AssertionError(f"README: {command!r} writes --out {out}, which {written[out]!r} wrote before")
+        for word in words:
+            if word == out or word.startswith("-") or not ("/" in word or word.endswith((".pt", ".json", ".npz"))):
+                continue
+            earlier = any(word == folder or word.startswith(folder.rstrip("/") + "/") for folder in written)
+            assert earlier or (ROOT / word).exists() or user_files is not None, \
+                f"README: {command!r} reads {word}, which no earlier command writes and a clone does not hold"
+        if out is not None:
+            written.setdefault(out, command)
+    assert brought == set(NOT_RUN_HERE), set(NOT_RUN_HERE) - brought  # a reason no command needs any more
+
+
+@pytest.mark.slow  # the README's quick commands one after another: about half a minute
+def test_the_readme_commands_run_in_order_in_a_fresh_folder(tmp_path, monkeypatch, capsys):
+    """The README's commands that run in seconds on a fresh clone run as printed, in the README's
+    order, in one empty folder (the package's own files found as in a clone): generate,
+    make-test-checkpoints and the generate it suggests, bench (of one image instead of its
+    default). The others are NOT_RUN_HERE or CHECKED_NOT_RUN, by reason, and the order test above
+    checks them."""
+    import shlex
+
+    from relaxspec.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "src").symlink_to(ROOT / "src")
+    ran, skipped = [], set()
+    for command in readme_commands():
+        reason = next((key for key in {**NOT_RUN_HERE, **CHECKED_NOT_RUN} if key in command), None)
+        if reason is not None:
+            skipped.add(reason)
+            continue
+        argv = shlex.split(command)[1:] + (["--num-images", "1"] if command.startswith("relaxspec bench") else [])
+        assert main(argv) == 0, (command, capsys.readouterr().err)
+        ran.append(argv[0])
+    assert skipped == set(NOT_RUN_HERE) | set(CHECKED_NOT_RUN), (set(NOT_RUN_HERE) | set(CHECKED_NOT_RUN)) - skipped
+    assert ran == ["generate", "make-test-checkpoints", "generate", "bench"], ran
+    assert (tmp_path / "out" / "grid.png").is_file() and (tmp_path / "demo-ckpt-images" / "0001.png").is_file()
+    assert (tmp_path / "bench-embedded" / "summary.md").is_file()  # bench's folder for the embedded model
