@@ -9,7 +9,6 @@ import os
 import socket
 from pathlib import Path
 
-
 from relaxspec.cli.options import add_model_options, device_option, model_family, open_from_args
 from relaxspec.errors import RelaxspecError, shown
 from relaxspec.extras import require

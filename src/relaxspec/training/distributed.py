@@ -166,6 +166,7 @@ def _rendezvous(rank: int, world: int):
     waiting = (f"relaxspec: waiting for the {world} processes of this run (WORLD_SIZE {world}) at {host}:{port}, "
                f"at most {seconds:g} s")
     log = Path(tempfile.gettempdir()) / f"relaxspec-rendezvous-{os.getpid()}.log"
+    kept = False  # the log, kept only for a rendezvous that failed and left messages in it
     try:
         with native_messages_to(log) as say:  # c10d's frames and socket warnings: the log's, not the terminal's
             if rank != 0 or agent:  # the store's own client logs every failed try at length: probe quietly first
@@ -182,12 +183,12 @@ def _rendezvous(rank: int, world: int):
                 store.wait([f"relaxspec/all/{start}"], datetime.timedelta(seconds=seconds))
     except (RuntimeError, TimeoutError, ConnectionError):
         kept = log.is_file() and log.stat().st_size > 0
-        if not kept:
-            log.unlink(missing_ok=True)
         raise NotJoined(f"the {world} processes of this run did not all start within {seconds:g} s "
                         f"(WORLD_SIZE {world}, {host}:{port}): start them together, e.g. with torchrun "
                         "--nproc_per_node" + (f" (c10d's own messages: {log})" if kept else "")) from None
-    log.unlink(missing_ok=True)
+    finally:
+        if not kept:
+            log.unlink(missing_ok=True)
     return store
 
 
