@@ -65,3 +65,22 @@ def test_check_fits_says_both_sizes_and_lets_what_fits_pass(monkeypatch):
     devices.check_fits("x", 10 ** 9, "cpu")
     with pytest.raises(devices.RelaxspecError, match=r"^x needs about 2\.0 TB and this machine has 1\.0 GB free$"):
         devices.check_fits("x", 2 * 10 ** 12, "cpu")
+
+
+def test_an_image_run_past_its_disk_is_one_line_before_any_image(tmp_path, capsys, monkeypatch):
+    """The PNGs an image run will write (half their raw pixels each, and a kilobyte) are checked
+    against the free space of --out's disk before the first decode; what an earlier run of the
+    same command finished is not counted again."""
+    import collections
+
+    from relaxspec.runs import images
+
+    usage = collections.namedtuple("usage", "total used free")
+    free = {"bytes": 1000}
+    monkeypatch.setattr(images.shutil, "disk_usage", lambda path: usage(10 ** 12, 0, free["bytes"]))
+    argv = ["generate", "--classes", "heart,1,2", "--out", str(tmp_path / "out"), "--no-progress"]
+    refused(argv, f"--out {tmp_path / 'out'}: 3 more images of 32 px need about 7.7 KB and its disk has 1.0 KB free",
+            capsys)
+    assert not list((tmp_path / "out").glob("*.png"))
+    free["bytes"] = 3 * (32 * 32 * 3 // 2 + 1024)  # exactly what three need
+    assert main(argv) == 0, capsys.readouterr().err

@@ -47,10 +47,11 @@ def check_fits(what: str, needed: float, device: torch.device | str = "cpu") -> 
     free = free_memory(device)
     if free is not None and needed > free:
         where = "this machine" if torch.device(device).type == "cpu" else str(device)
-        raise RelaxspecError(f"{what} needs about {_size(needed)} and {where} has {_size(free)} free")
+        raise RelaxspecError(f"{what} needs about {size_text(needed)} and {where} has {size_text(free)} free")
 
 
-def _size(count: float) -> str:
+def size_text(count: float) -> str:
+    """A byte count as people read it: ``4.1 PB``, ``24.6 GB``, ``512 B`` (powers of 1000)."""
     for unit in ("B", "KB", "MB", "GB", "TB", "PB"):
         if count < 1000 or unit == "PB":
             return f"{count:,.0f} {unit}" if unit == "B" else f"{count:,.1f} {unit}"

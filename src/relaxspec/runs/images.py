@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -25,6 +26,8 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from relaxspec.devices import size_text
+from relaxspec.errors import RelaxspecError
 from relaxspec.decoding.result import certified_tv, record_tv_sum, total_rank_counts
 from relaxspec.files import file_identity, png_is_whole, write_atomic, write_grid, write_json, write_png
 from relaxspec.methods.grid import ROWS_SEEN
@@ -77,6 +80,7 @@ def _write_image_run(pipeline, condition, prepared, out, settings: dict, *, seed
     num_images, num_tokens = len(condition), pipeline.image_tokens
     out.mkdir(parents=True, exist_ok=True)
     records, tokens, old_counts = previous_run(out, settings, digest, num_images, num_tokens, overwrite)
+    check_disk(out, num_images - len(records), pipeline.image_size)  # tokens.npy is whole already
     batch_counts = kept_batch_counts(old_counts, records, batch_size, num_images)
 
     options = prepared.options
@@ -133,6 +137,18 @@ def _write_image_run(pipeline, condition, prepared, out, settings: dict, *, seed
     write_json(out / STATS_FILE, stats)
     (out / PROGRESS_FILE).unlink(missing_ok=True)
     return stats
+
+
+def check_disk(out: Path, images: int, side: int) -> None:
+    """Refuse, in one line with both sizes, a run whose ``images`` PNGs (``side`` pixels square)
+    will not fit on ``out``'s disk. A PNG is taken as half its raw pixels, about what generated
+    images compress to (an upscaled one, whose blocks compress away, about the same), and the
+    records' kilobyte."""
+    needed = images * (side * side * 3 // 2 + 1024)
+    free = shutil.disk_usage(out).free
+    if needed > free:
+        raise RelaxspecError(f"--out {out}: {images:,} more images of {side} px need about {size_text(needed)} and "
+                             f"its disk has {size_text(free)} free")
 
 
 def _with_counts(stats: dict, batch_counts: dict) -> None:
@@ -279,11 +295,20 @@ def _open_tokens(path: Path, shape: tuple[int, int]) -> np.ndarray | None:
 
 
 def _new_tokens(path: Path, shape: tuple[int, int]) -> np.ndarray:
-    """A new ``tokens.npy`` of the run's final ``shape``, every row -1 (no image yet), mapped for writing."""
+    """A new ``tokens.npy`` of the run's final ``shape``, every row -1 (no image yet), mapped for
+    writing. The rows are written through the file first, so a full disk is an error here, not a
+    SIGBUS from a page of the map that has no block behind it."""
     path.unlink(missing_ok=True)  # never written through: another file may share its inode
-    tokens = np.lib.format.open_memmap(path, mode="w+", dtype=np.int64, shape=shape)
-    tokens[:] = -1
-    return tokens
+    rows = np.full((min(shape[0], 4096), shape[1]), -1, dtype=np.int64)
+    try:
+        with open(path, "wb") as handle:
+            np.lib.format.write_array_header_1_0(handle, {"descr": "<i8", "fortran_order": False, "shape": shape})
+            for start in range(0, shape[0], len(rows)):
+                handle.write(rows[: min(len(rows), shape[0] - start)].tobytes())
+    except OSError as err:
+        path.unlink(missing_ok=True)
+        raise RelaxspecError(f"{path}: cannot be written ({err.strerror or err})") from None
+    return np.lib.format.open_memmap(path, mode="r+")
 
 
 def upscale(pixels: np.ndarray, factor: int) -> np.ndarray:
