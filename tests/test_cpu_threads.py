@@ -39,7 +39,7 @@ def machine(monkeypatch):
     def make(cpus: int, busy: int) -> FakeLoad:
         load = FakeLoad(cpus, busy)
         monkeypatch.setattr(threads, "cpu_times", load)
-        monkeypatch.setattr(threads, "_mine", lambda seen: set(seen))
+        monkeypatch.setattr(threads, "usable_cpu_ids", lambda: set(range(cpus)))
         monkeypatch.setattr(threads, "usable_cpus", lambda: cpus)
         monkeypatch.setattr(threads, "TORCH_DEFAULT", cpus)
         monkeypatch.setattr(threads, "WINDOW_SECONDS", 0.0)

@@ -67,12 +67,17 @@ def check_image_count(count: int, how: str) -> int:
     return count
 
 
-def usable_cpus() -> int:
-    """The CPUs this process may run on (its affinity mask where the platform has one)."""
+def usable_cpu_ids() -> set[int]:
+    """The CPUs this process may run on (its affinity mask where the platform has one, else all)."""
     try:
-        return len(os.sched_getaffinity(0))
+        return set(os.sched_getaffinity(0))
     except (AttributeError, OSError):
-        return os.cpu_count() or 1
+        return set(range(os.cpu_count() or 1))
+
+
+def usable_cpus() -> int:
+    """How many CPUs this process may run on."""
+    return len(usable_cpu_ids())
 
 
 def check_threads(threads, name: str = "--threads") -> int:

@@ -13,13 +13,12 @@ the CPU threads are torch's choice: the work is on the GPU.
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 
 import torch
 
-from relaxspec.inputs import check_threads, usable_cpus
+from relaxspec.inputs import check_threads, usable_cpu_ids, usable_cpus
 
 #: torch's own thread count (one per physical core), read before any command sets it.
 TORCH_DEFAULT = torch.get_num_threads()
@@ -65,20 +64,12 @@ def taken_cpus(window: float = WINDOW_SECONDS) -> int:
     time.sleep(window)
     after = cpu_times()
     taken = 0
-    for cpu in _mine(after) & set(before):
+    for cpu in usable_cpu_ids() & set(before) & set(after):
         busy = after[cpu][0] - before[cpu][0]
         total = after[cpu][1] - before[cpu][1]
         if total > 0 and busy / total >= TAKEN:
             taken += 1
     return taken
-
-
-def _mine(cpus) -> set[int]:
-    """The CPUs of ``cpus`` this process may run on (its affinity mask where the platform has one)."""
-    try:
-        return set(cpus) & set(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return set(cpus)
 
 
 def default_threads(device: torch.device | str = "cpu", *, small: bool = False, processes: int = 1) -> int | None:

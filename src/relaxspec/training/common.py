@@ -35,6 +35,7 @@ import torch
 from tqdm.auto import tqdm
 
 from relaxspec.models.weights import save_model
+from relaxspec.devices import check_fits
 from relaxspec.errors import RelaxspecError
 from relaxspec.inputs import check_finite
 
@@ -310,6 +311,22 @@ class RecipeConfig:
         if unknown:
             raise RelaxspecError(f"unknown {cls.what} fields: {', '.join(unknown)}")
         return cls(**data)
+
+
+#: Bytes a trained parameter holds under AdamW in fp32: the weight, its gradient and the two moments.
+TRAINED_PARAMETER_BYTES = 16
+
+
+def check_trainable(what: str, kind: str, build: Callable[[int], torch.nn.Module], layers: int, device) -> None:
+    """Refuse, before any weight is allocated, a ``kind`` of model of ``layers`` layers
+    (``build(n)``: one of ``n`` layers) whose training state does not fit in ``device``'s free
+    memory, in one line naming ``what``. The size comes from one layer and two on the meta device: building a million
+    layers took minutes even there."""
+    with torch.device("meta"):
+        one, two = (sum(p.numel() for p in build(n).parameters()) for n in (1, 2))
+    parameters = one + (layers - 1) * (two - one)
+    check_fits(f"{what} (a {kind} of {parameters:,} parameters; its weights, gradients and AdamW's two moments in "
+               "fp32)", TRAINED_PARAMETER_BYTES * parameters, device)
 
 
 def need_finite(config) -> None:

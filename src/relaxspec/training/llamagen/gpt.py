@@ -49,7 +49,7 @@ from tqdm.auto import tqdm
 from relaxspec.models.llamagen.checkpoints import load_gpt, load_vq
 from relaxspec.models.weights import load_strict, read_state, save_model
 from relaxspec.data.emoji import ImageSet, augment, load_classes
-from relaxspec.devices import check_fits, resolve_device
+from relaxspec.devices import resolve_device
 from relaxspec.errors import RelaxspecError
 from relaxspec.inputs import check_threads
 from relaxspec.threads import set_threads
@@ -339,12 +339,9 @@ def train_gpt(config: GPTTrainConfig, *, vq: VQModel | None = None, train: Image
     num_classes = num_classes if num_classes is not None else len(load_classes(config.data))
     if len(train) == 0:
         raise RelaxspecError("no training images")
-    with torch.device("meta"):  # the model's size without its memory (one block and two), checked before any work
-        one, two = (sum(p.numel() for p in Transformer(dataclasses.replace(
-            config.model_config(vq.config.codebook_size, num_classes, 16), n_layer=n)).parameters()) for n in (1, 2))
-    size = one + (config.n_layer - 1) * (two - one)
-    check_fits(f"--dim {config.dim:,} x --n-layer {config.n_layer:,} (a target of {size:,} parameters; its weights, "
-               "gradients and AdamW's two moments in fp32)", 16 * size, device)
+    common.check_trainable(f"--dim {config.dim:,} x --n-layer {config.n_layer:,}", "target", lambda n: Transformer(
+        dataclasses.replace(config.model_config(vq.config.codebook_size, num_classes, 16), n_layer=n)),
+        config.n_layer, device)
     out.mkdir(parents=True, exist_ok=True)
     data = load_or_make_tokens(out, vq, config, train, val, resume)
     grid = data.train.tokens.shape[1]
