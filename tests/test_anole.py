@@ -144,6 +144,7 @@ def test_every_method(opened, tmp_path, monkeypatch):
     drafter = EagleDrafter.for_target(target)
     assert drafter.config.family == "chameleon"
     lossless = [("sjd", {"window": 4}), ("scd", {"window": 3}), ("gsd", {"window": 6, "group_p_gap": 0.0}),
+                ("sjd-pac", {"window": 16}),
                 ("sd", {"draft": "chain", "depth": 3}), ("sd-static", {"tree": "eagle25"}), ("eagle2", {}),
                 ("lantern", {"draft": "chain", "delta": 0.0, "k": 8})]
     for name, given in lossless:

@@ -278,7 +278,10 @@ def test_values_past_what_the_model_uses_are_recorded_as_used_and_said(tmp_path,
     for args, field, used, said in (
             (["--method", "lantern", "--k", "5000"], "k", 1023, "--k 5,000: the codebook has 1,024 codes"),
             (["--method", "zipar", "--rows", "100000"], "rows", 4, "--rows 100,000: at a lead of 3 this model's "
-                                                                    "8-row grid keeps at most 4 rows open")):
+                                                                    "8-row grid keeps at most 4 rows open"),
+            # the tree's 12 drafts, then a chain of 64 (it reaches the image's last token)
+            (["--method", "sjd-pac", "--window", "500"], "window", 74, "--window 500: this model's images have 64 "
+                                                                       "tokens, so the chain past the tree is cut")):
         out = tmp_path / field
         assert main(["generate", "--classes", "heart", "--no-progress", "--out", str(out), *args]) == 0
         err = capsys.readouterr().err

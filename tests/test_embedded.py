@@ -76,8 +76,8 @@ def target_class(name: str) -> int:
     return embedded.load(with_drafter=False)[0].class_names.index(name)
 
 
-@pytest.mark.slow  # the counter sees every torch call: 40 s for the nine
-@pytest.mark.parametrize("name", ["sd", "eagle2", "lantern", "lantern++", "cool", "sjd", "scd", "gsd", "ar"])
+@pytest.mark.slow  # the counter sees every torch call: 45 s for the ten
+@pytest.mark.parametrize("name", ["sd", "eagle2", "lantern", "lantern++", "cool", "sjd", "scd", "sjd-pac", "gsd", "ar"])
 def test_a_decode_reads_the_device_about_once_per_step_set_up_included(name):
     """Issue 22: per-decode set-up (tree tables, neighbour tables and their checks, weight
     schedules) is kept per (model, shape, device) across decodes and the results are read in one

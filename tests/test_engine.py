@@ -150,6 +150,8 @@ EXACT_CASES = {
     # SCD's coupled redraw must reuse the old draft of the *same* image position (an untested
     # one); coupling with the rejected draft one position earlier gave p = 4e-62 here.
     "scd-cfg2": (dict(method="scd", window=3), 2.0, 0, None),
+    # SJD-PAC's siblings at both positions a 4-token image tests (width 2, depth 3: 2 + 4 drafts)
+    "sjd-pac-cfg2-topk3": (dict(method="sjd-pac", window=6, tree_width=2, tree_depth=3), 2.0, 3, None),
     # COOL-SD with every weight <= 1 and the optimal residual G* is lossless (the w < 1 branch).
     "cool-w-at-most-1-chain3-cfg1-topk3": (dict(method="sd", draft="chain", depth=3), 1.0, 3, CoolRule(weights=(1.0, 0.6, 0.3))),
 }
@@ -290,16 +292,28 @@ def test_relaxed_first_token_law_matches_one_step_law(tiny, name, monkeypatch, t
 
 
 # --------------------------------------------------------------------------- 4b. Jacobi window laws
-def jacobi_decode_law(model: Transformer, cls: int, sampling: SamplingConfig, window: int, coupled: bool) -> dict:
-    """Exact law ``{(image, tokens committed per step): probability}`` of SJD (``coupled=False``)
-    or SCD on the tiny model, enumerated from the procedure's definition (REFERENCE §1.5), not
-    from the engine: the first window is drawn uniformly; a chain walk accepts draft ``x`` of law
-    ``q`` with ``min(1, p(x)/q(x))`` against the teacher-forced target of the accepted prefix and on
-    rejection draws ``norm(max(p - q, 0))``; after committing ``a + 1`` tokens, window position
-    ``j`` is drawn from the target's output at old chain node ``a + 1 + j`` (conditioned on the old
-    drafts, accepted or not; uniform past the old window) and, for SCD, maximally coupled with the
-    old draft of the same image position. Drafts at positions that can never be tested (the last
-    token is always a bonus) are not enumerated."""
+def jacobi_decode_law(model: Transformer, cls: int, sampling: SamplingConfig, window: int, coupled: bool,
+                      width: int = 1, branched: int = 0) -> dict:
+    """Exact law ``{(image, tokens committed per step): probability}`` of SJD (``coupled=False``),
+    SCD, or SJD-PAC (``width`` siblings at the first ``branched`` positions: the proactive tree) on
+    the tiny model, enumerated from the procedure's definition (REFERENCE §1.5), not from the
+    engine.
+
+    The first window is drawn uniformly. The walk tests a position's siblings in order, each
+    against the current residual of the teacher-forced target of the accepted prefix: sibling
+    ``k`` of law ``q`` with siblings ``0..k-1`` removed and renormalised (``q_k``) is accepted with
+    ``min(1, t(x)/q_k(x))``, and on rejection ``t`` becomes ``norm(max(t - q_k, 0))``; when every
+    sibling fails the step ends with a draw from ``t``. Every node of the first ``branched - 1``
+    positions is the parent of the next position's siblings (one set a position); past the tree
+    only the first siblings' path goes on (the chain of ``window`` positions). After committing
+    ``a + 1`` tokens, window position ``j`` is drawn from the target's output at old chain node
+    ``a + 1 + j`` (conditioned on the old chain drafts, accepted or not; uniform past the old
+    window; in a tree, see below) and, for SCD and SJD-PAC, maximally coupled with the old chain draft of the same image
+    position; a tree position's other siblings are the next draws from its law without
+    replacement. In a tree the law of position ``j`` is the output of the node at depth ``a + 1 + j``
+    below the last accepted node along first siblings, where the tree has one (the chain's node at
+    that depth otherwise). Drafts at positions that can never be tested (the last token is always a bonus)
+    are not enumerated."""
     vocab, n_tok = model.config.vocab_size, model.config.block_size
     images = torch.cartesian_prod(*[torch.arange(vocab)] * n_tok)
     probs = guided_probs(model, cls, images, sampling).numpy()
@@ -311,31 +325,53 @@ def jacobi_decode_law(model: Transformer, cls: int, sampling: SamplingConfig, wi
         mass = np.maximum(p - q, 0.0)
         return mass / mass.sum() if mass.sum() > 0 else p
 
+    def removed(q, tokens):  # q with ``tokens`` removed, renormalised
+        rest = q.copy()
+        rest[list(tokens)] = 0.0
+        return rest / rest.sum()
+
+    def siblings(first_chance, q, count):
+        """Ordered ``count``-tuples (first, then draws from ``q`` without the earlier ones), with
+        their probabilities: ``[(tokens, probability)]``."""
+        out = [((y,), first_chance[y]) for y in range(vocab) if first_chance[y] > 0]
+        for _ in range(count - 1):
+            out = [(toks + (y,), pr * removed(q, toks)[y]) for toks, pr in out for y in range(vocab)
+                   if removed(q, toks)[y] > 0]
+        return out
+
     def walk(committed, drafts, laws):
         usable = min(window, n_tok - len(committed) - 1)
         outcomes = []
 
-        def step(i, prob, accepted):
+        def step(i, prob, accepted, on_chain):
             target = target_of[tuple(committed + accepted)]
-            if i == usable:
-                outcomes.extend((prob * target[b], accepted, b) for b in range(vocab) if target[b] > 0)
+            if i == usable or (i >= branched and not on_chain):  # a leaf: the bonus
+                outcomes.extend((prob * target[b], accepted, b, on_chain) for b in range(vocab) if target[b] > 0)
                 return
-            x, q = drafts[i], laws[i]
-            alpha = min(1.0, target[x] / q[x])
-            if alpha > 0:
-                step(i + 1, prob * alpha, accepted + [x])
-            if alpha < 1:
-                rest = residual(target, q)
-                outcomes.extend((prob * (1 - alpha) * rest[b], accepted, b) for b in range(vocab) if rest[b] > 0)
+            t, toks = target, drafts[i] if i < branched else drafts[i][:1]
+            for k, x in enumerate(toks):
+                q = removed(laws[i], toks[:k])
+                alpha = min(1.0, t[x] / q[x])
+                if alpha > 0:
+                    step(i + 1, prob * alpha, accepted + [x], on_chain and k == 0)
+                if alpha == 1:
+                    return
+                prob *= 1 - alpha
+                t = residual(t, q)
+            outcomes.extend((prob * t[b], accepted, b, on_chain) for b in range(vocab) if t[b] > 0)
 
-        step(0, 1.0, [])
+        step(0, 1.0, [], True)
         return outcomes
+
+    def count_of(j):
+        return width if j < branched else 1
 
     def decode_from(prob, committed, options, lengths):
         for combo in itertools.product(*options):
             drafts, laws = [c[0] for c in combo], [c[1] for c in combo]
             weight = prob * float(np.prod([c[2] for c in combo]))
-            for p_walk, accepted, bonus in walk(committed, drafts, laws):
+            chain = [d[0] for d in drafts]
+            for p_walk, accepted, bonus, on_chain in walk(committed, drafts, laws):
                 now = committed + accepted + [bonus]
                 steps = lengths + (len(accepted) + 1,)
                 if len(now) == n_tok:
@@ -345,49 +381,62 @@ def jacobi_decode_law(model: Transformer, cls: int, sampling: SamplingConfig, wi
                 a, following = len(accepted), []
                 for j in range(window):
                     if len(now) + j > n_tok - 2:  # never tested
-                        following.append([(0, uniform, 1.0)])
+                        following.append([((0,) * count_of(j), uniform, 1.0)])
                         continue
                     src, old = a + 1 + j, a + 2 + j
-                    new_law = target_of[tuple(committed + drafts[:src])] if src <= window else uniform
+                    # below the accepted path along first siblings where the tree has that node
+                    below = src <= branched or on_chain
+                    seen = accepted + chain[a:src] if below else chain[:src]
+                    new_law = target_of[tuple(committed + seen)] if src <= window else uniform
                     if coupled and old <= window:
-                        x_old, q_old = drafts[old - 1], laws[old - 1]
+                        x_old, q_old = chain[old - 1], laws[old - 1]
                         keep = min(1.0, new_law[x_old] / max(q_old[x_old], 1e-30))
                         rest = residual(new_law, q_old)
                         chance = [keep * (y == x_old) + (1 - keep) * rest[y] for y in range(vocab)]
                     else:
                         chance = list(new_law)
-                    following.append([(y, new_law, chance[y]) for y in range(vocab) if chance[y] > 0])
+                    following.append([(toks, new_law, pr) for toks, pr in siblings(chance, new_law, count_of(j))])
                 decode_from(weight * p_walk, now, following, steps)
 
     first = target_of[()]
     for t0 in range(vocab):
         if first[t0] > 0:
-            fresh = [[(y, uniform, 1.0 / vocab) for y in range(vocab)] if 1 + j <= n_tok - 2 else [(0, uniform, 1.0)]
-                     for j in range(window)]
+            fresh = [[(toks, uniform, pr) for toks, pr in siblings(uniform, uniform, count_of(j))]
+                     if 1 + j <= n_tok - 2 else [((0,) * count_of(j), uniform, 1.0)] for j in range(window)]
             decode_from(float(first[t0]), [t0], fresh, ())
     return law
 
 
-JACOBI_LAW_CASES = {"sjd-cfg1-topk3": (False, 1.0, 3), "scd-cfg2": (True, 2.0, 0)}
+# name: (coupled, cfg, top-k, options); SJD-PAC's window counts its tree's drafts (2 + 4 with width 2
+# and depth 3: a chain of 2, both positions branched; 3 + 1 with width 3 and depth 2).
+JACOBI_LAW_CASES = {"sjd-cfg1-topk3": (False, 1.0, 3, dict(method="sjd", window=2)),
+                    "scd-cfg2": (True, 2.0, 0, dict(method="scd", window=2)),
+                    "sjd-pac-width2-depth3-cfg1": (True, 1.0, 0, dict(method="sjd-pac", window=6, tree_width=2,
+                                                                      tree_depth=3)),
+                    "sjd-pac-width3-depth2-cfg2-topk3": (True, 2.0, 3, dict(method="sjd-pac", window=4, tree_width=3,
+                                                                            tree_depth=2))}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(JACOBI_LAW_CASES))
 def test_jacobi_window_law_by_enumeration(tiny, name):
-    """SJD / SCD's law of (image, accept length of every step): the enumeration's image marginal is
-    the model's law to float32 precision (the procedure is lossless), and 100000 engine decodes
-    follow the whole joint law (chi-square, power > 0.9 at TV 0.02), accept lengths included,
-    which the image-law test of EXACT_CASES does not see.
+    """SJD / SCD / SJD-PAC's law of (image, accept length of every step): the enumeration's image
+    marginal is the model's law to float32 precision (the procedure is lossless), and 100000
+    engine decodes follow the whole joint law (chi-square, power > 0.9 at TV 0.02), accept lengths
+    included, which the image-law test of EXACT_CASES does not see.
 
     On a 4-token image the coupling cannot change this law: a kept old draft only helps when the
     next new position is tested in the same step (its law was conditioned on that old draft),
     which needs two testable window positions after a step, i.e. at least 5 tokens. So SJD and
-    SCD share one law here (checked); what the SCD case checks is that coupled redraws keep it."""
+    SCD share one law here (checked); what the SCD case checks is that coupled redraws keep it.
+    SJD-PAC's siblings do change it: their accept lengths are longer than SJD's (checked)."""
     model, _ = tiny
-    coupled, cfg, top_k = JACOBI_LAW_CASES[name]
+    coupled, cfg, top_k, given = JACOBI_LAW_CASES[name]
+    options = MethodOptions(**given)
     sampling = SamplingConfig(cfg_scale=cfg, top_k=top_k)
-    window = 2
-    law = jacobi_decode_law(model, CLASS, sampling, window, coupled)
+    source = options.plan(target=model).source
+    window, width, branched = source.chain, source.width, source.branched
+    law = jacobi_decode_law(model, CLASS, sampling, window, coupled, width, branched)
     assert sum(law.values()) == pytest.approx(1.0, abs=1e-6)  # rows are float32 softmaxes
     image_law = exact_image_law(model, CLASS, sampling).numpy()
     marginal = np.zeros_like(image_law)
@@ -396,9 +445,13 @@ def test_jacobi_window_law_by_enumeration(tiny, name):
     np.testing.assert_allclose(marginal, image_law, atol=1e-7, rtol=0)
     other = jacobi_decode_law(model, CLASS, sampling, window, not coupled)
     keys = sorted(set(law) | set(other))
-    assert 0.5 * sum(abs(law.get(k, 0.0) - other.get(k, 0.0)) for k in keys) < 1e-6
+    distance = 0.5 * sum(abs(law.get(k, 0.0) - other.get(k, 0.0)) for k in keys)
+    if width == 1:
+        assert distance < 1e-6
+    else:
+        steps = lambda joint: sum(prob * len(lengths) for (_, lengths), prob in joint.items())  # noqa: E731
+        assert distance > 0.02 and steps(law) < steps(other) - 0.05, (distance, steps(law), steps(other))
 
-    options = MethodOptions(method="scd" if coupled else "sjd", window=window)
     tokens, results = sample_images(
         lambda batch, gen: decode(model, torch.full((batch,), CLASS), sampling, options, generator=gen))
     lengths = [tuple(a[1:]) for r in results for a in r.accept_lengths]
@@ -437,6 +490,8 @@ GREEDY_CASES = {
     "eagle2-deep-small-budget": dict(method="eagle2", dynamic_top_k=10, total_tokens=10, depth=6),
     "sjd": dict(method="sjd", window=6),
     "scd": dict(method="scd", window=6),
+    "sjd-pac": dict(method="sjd-pac"),  # the paper's: 63 drafts, width 3, depth 3, cut to the 16 tokens
+    "sjd-pac-width2": dict(method="sjd-pac", window=8, tree_width=2, tree_depth=3),
     # A zero budget is the exact rule: greedy LANTERN must then be greedy AR too.
     "lantern-delta0-chain4": dict(method="lantern", draft="chain", depth=4, k=8, delta=0.0),
 }
@@ -464,8 +519,8 @@ def test_greedy_matches_ar(markov, greedy_ar, name, cfg, monkeypatch, tmp_path):
     assert 0 <= result.drafter_forward_seconds <= result.drafter_seconds
     assert result.overhead_seconds == pytest.approx(
         result.seconds - result.target_forward_seconds - result.drafter_forward_seconds)
-    assert (result.drafter_forward_seconds > 0) == (options.method not in ("sjd", "scd"))
-    if options.method != "sjd" and options.method != "scd":
+    assert (result.drafter_forward_seconds > 0) == options.needs_drafter
+    if options.needs_drafter:
         # The steps really speculate, and rows of the batch accept different lengths.
         assert max(max(a) for a in lengths) >= 3
         assert len({tuple(a) for a in lengths}) > 1
@@ -489,6 +544,7 @@ DRAFT_STRUCTURES = {
     "dynamic": lambda drafter, sampling: EagleSource(drafter, DynamicTree(top_k=6, depth=4, total_tokens=24), sampling),
     "jacobi": lambda drafter, sampling: JacobiSource(6),
     "jacobi-coupled": lambda drafter, sampling: JacobiSource(6, coupled=True),
+    "jacobi-proactive-tree": lambda drafter, sampling: JacobiSource(12, coupled=True, width=3, depth=3),
 }
 
 
@@ -520,6 +576,7 @@ SAMPLING_CASES = {
     "cool-delta2-eagle25": dict(method="cool", draft="static", tree="eagle25", cool_delta=2.0),
     "sjd": dict(method="sjd", window=6),
     "scd": dict(method="scd", window=6),
+    "sjd-pac": dict(method="sjd-pac", window=12),
 }
 
 

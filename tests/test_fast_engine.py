@@ -42,6 +42,7 @@ METHODS = {
     "eagle2": dict(method="eagle2", dynamic_top_k=3, total_tokens=8, depth=3),
     "sjd": dict(method="sjd", window=4),
     "scd": dict(method="scd", window=4),
+    "sjd-pac": dict(method="sjd-pac", window=7, tree_width=2, tree_depth=3),
     "gsd": dict(method="gsd", window=4),
     "zipar": dict(method="zipar", row_lead=2),
     "pjd": dict(method="pjd", window=3, row_lead=2),

@@ -69,6 +69,7 @@ def test_every_method_on_every_family(families, family, tmp_path, monkeypatch):
     torch.manual_seed(1)
     drafter = EagleDrafter.for_target(target)
     lossless = [("sjd", {"window": 4}), ("scd", {"window": 3}), ("gsd", {"window": 6, "group_p_gap": 0.0}),
+                ("sjd-pac", {"window": 16}),
                 ("sd", {"draft": "chain", "depth": 3}), ("sd-static", {"tree": "eagle25"}), ("eagle2", {}),
                 ("lantern", {"draft": "chain", "delta": 0.0, "k": 8})]
     for name, given in lossless:

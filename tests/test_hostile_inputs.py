@@ -31,6 +31,12 @@ def refused(argv, message, capsys) -> str:
     (["--method", "sd", "--draft", "chain", "--depth", "100000"], "--depth 100,000 is deeper than this model's images "
                                                                   "(64 tokens)"),  # was ~20 GB
     (["--method", "sjd", "--window", "1000000"], "--window 1,000,000 is wider than this model's images"),
+    # sjd-pac cuts a window past the image to it, but not one past what a step verifies (was ~40 GB of paths)
+    (["--method", "sjd-pac", "--window", "1000000000"], "a Jacobi window of 1,000,000,000 drafts"),
+    (["--method", "sjd-pac", "--tree-depth", "1000000000"], "depth 1,000,000,000 drafts more than 1024 tokens"),
+    (["--method", "sjd-pac", "--tree-width", "1000000000"], "width 1,000,000,000 and depth 3 drafts more than 1024"),
+    (["--method", "sjd-pac", "--window", "5"], "--window 5 holds fewer drafts than the proactive tree of width 3 and "
+                                               "depth 3: at least 12"),
     (["--method", "eagle2", "--dynamic-top-k", "100000"], "--dynamic-top-k 100,000 is more children per beam"),
     (["--method", "eagle2", "--total-tokens", "100000"], "a step verifies at most 1024"),
     (["--method", "eagle2", "--depth", "30", "--dynamic-top-k", "59"], "EAGLE-2's expansion (--depth 30 x "

@@ -164,7 +164,8 @@ def test_the_first_step_law_equals_the_official_processors(files, opened, temper
 
 
 @pytest.mark.parametrize("name, given", [("sjd", {"window": 4}), ("scd", {"window": 3}),
-                                         ("gsd", {"window": 4, "group_ranks": 0})], ids=["sjd", "scd", "gsd"])
+                                         ("gsd", {"window": 4, "group_ranks": 0}), ("sjd-pac", {})],
+                         ids=["sjd", "scd", "gsd", "sjd-pac"])
 def test_lossless_methods_equal_greedy_ar(opened, name, given):
     """Drafter-free lossless methods at temperature 0 commit AR's tokens: the forced new-line
     companions hold inside multi-token steps and through KV compaction. (The drafter methods:

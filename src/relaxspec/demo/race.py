@@ -138,7 +138,7 @@ def resolve_request(model: DemoModel, request: RaceRequest,
     options = methods.resolve(name, given, model.presets)
     if options.needs_drafter and model.drafter is None:
         raise RelaxspecError(f"--method {name} drafts with an EAGLE drafter and this model has none: "
-                             "choose sjd, scd or gsd")
+                             "choose sjd, scd, sjd-pac or gsd")
     seed = request.seed
     if isinstance(seed, float) and seed.is_integer():  # the page's number box sends floats
         seed = int(seed)

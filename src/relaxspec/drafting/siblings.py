@@ -48,13 +48,42 @@ def sample_siblings(
         tokens = torch.cat([tokens, tokens.new_zeros(batch, n - top)], dim=1)
         valid = torch.cat([valid, valid.new_zeros(batch, n - top)], dim=1)
     tokens = torch.where(valid, tokens, torch.zeros_like(tokens))
+    return tokens, without_replacement_laws(q, tokens, valid), valid
+
+
+def without_replacement_laws(q: Tensor, tokens: Tensor, valid: Tensor) -> Tensor:
+    """The law each of ``n`` siblings drawn from ``q [B, V]`` without replacement was drawn from:
+    ``[B, n, V]``, row ``j`` = ``q`` with siblings ``0..j-1`` (``tokens [B, n]``) removed and
+    renormalised; an invalid sibling's (``valid [B, n]`` False: its token 0) the one-hot row of
+    token 0, a placeholder that keeps every row a distribution."""
+    batch, vocab = q.shape
+    n = tokens.shape[1]
     drawn = one_hot(tokens.reshape(-1), vocab, q.dtype).view(batch, n, vocab) * valid[:, :, None].to(q.dtype)
     removed = drawn.cumsum(dim=1) - drawn  # siblings before j
     remaining = q[:, None, :] * (1 - removed)
     mass = remaining.sum(dim=2, keepdim=True)
     placeholder = one_hot(torch.zeros(batch * n, dtype=torch.long, device=q.device), vocab, q.dtype).view(batch, n, vocab)
-    proposals = torch.where(valid[:, :, None], remaining / mass.clamp(min=torch.finfo(q.dtype).tiny), placeholder)
-    return tokens, proposals, valid
+    return torch.where(valid[:, :, None], remaining / mass.clamp(min=torch.finfo(q.dtype).tiny), placeholder)
+
+
+def siblings_after(q: Tensor, first: Tensor, n: int, clocks: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """``n`` more siblings of a draft ``first [B]`` drawn from ``q [B, V]``: the next ``n`` draws
+    from ``q`` without replacement (``first`` removed), by the exponential race with ``clocks
+    [B, V]``; without clocks, the ``n`` likeliest tokens other than ``first`` (deterministic
+    siblings). Where ``first`` is itself a draw from ``q``, the ``n + 1`` tokens are ``n + 1``
+    draws without replacement (the Plackett-Luce law of the rest given the first is the same
+    law on what remains), so :func:`without_replacement_laws` gives each its proposal.
+
+    Returns ``tokens [B, n]`` and ``valid [B, n]`` (False where ``q`` has no mass left: token 0)."""
+    rest = q.scatter(1, first[:, None], 0.0)
+    keys = rest if clocks is None else race_keys(rest, clocks=clocks)
+    top, tokens = keys.topk(min(n, q.shape[1] - 1), dim=1)
+    valid = top > 0
+    if tokens.shape[1] < n:  # more siblings asked for than the vocabulary has: invalid ones
+        pad = n - tokens.shape[1]
+        tokens = torch.cat([tokens, tokens.new_zeros(q.shape[0], pad)], dim=1)
+        valid = torch.cat([valid, valid.new_zeros(q.shape[0], pad)], dim=1)
+    return torch.where(valid, tokens, torch.zeros_like(tokens)), valid
 
 
 def topk_siblings(q: Tensor, n: int) -> tuple[Tensor, Tensor, Tensor]:

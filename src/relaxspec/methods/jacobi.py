@@ -1,9 +1,18 @@
-"""The drafter-free Jacobi baselines: speculative Jacobi decoding (SJD, arXiv 2410.01699) and
-its maximally coupled variant (SCD-style, arXiv 2510.24211). Both are exact."""
+"""The drafter-free Jacobi baselines: speculative Jacobi decoding (SJD, arXiv 2410.01699), its
+maximally coupled variant (SCD-style, arXiv 2510.24211) and SJD-PAC (arXiv 2603.18599: SCD's
+coupling with a proactive tree of siblings at the first positions). All are exact."""
 
 from __future__ import annotations
 
-from relaxspec.methods.base import JACOBI, Method, Preset, draft_source
+from relaxspec.drafting.jacobi import JacobiSource, least_window, window_layout
+from relaxspec.errors import RelaxspecError
+from relaxspec.methods.base import JACOBI, Method, Preset, Setting, draft_source
+
+TREE_WIDTH = Setting("tree_width", int, 3, "sjd-pac: siblings drafted at each of the proactive tree's positions (the "
+                                           "official code's tree_width, default 3; 1: no tree, SCD)", minimum=1)
+TREE_DEPTH = Setting("tree_depth", int, 3, "sjd-pac: levels of the proactive tree counting its root (the official "
+                                           "code's tree_depth, default 3: siblings at the first two positions)",
+                     minimum=1)
 
 
 class SJD(Method):
@@ -23,4 +32,58 @@ class SCD(Method):
         return draft_source(self, options, context.drafter, context.sampling, coupled=True)
 
 
-METHODS = (SJD(), SCD())
+class SJDPAC(Method):
+    """SJD-PAC (arXiv 2603.18599, code github.com/KangJialiang/SJD-PAC): a Jacobi window whose first
+    ``tree_depth - 1`` positions hold ``tree_width`` siblings each (proactive drafting) and whose
+    redraws keep a draft where it passes against its new law (adaptive continuation: SCD's
+    maximal coupling). The window counts the tree's drafts: the official 64 nodes a forward are
+    63 drafts and the root, a chain of 53 past the root with width 3 and depth 3; a chain longer
+    than the model's images is shortened to them (its window, less). The siblings after the first
+    are the next draws from the position's law without replacement (the official code draws them
+    from the residual, which is not the law it verifies them against: docs/METHODS.md)."""
+
+    name = "sjd-pac"
+    summary = "SJD-PAC: a Jacobi window with a proactive tree of siblings and coupled redraws, exact, no drafter"
+    drafts = (JACOBI,)
+    settings = (TREE_WIDTH, TREE_DEPTH)
+    presets = {"sjd-pac": Preset({"window": 63}, "SJD-PAC, exact: 63 drafts a forward (64 nodes with the root), a "
+                                                 "proactive tree of width 3 and depth 3, coupled redraws, no drafter",
+                                 spellings=("sjdpac", "pac"))}
+
+    def resolve(self, options) -> None:
+        super().resolve(options)
+        window_layout(options.window, options.tree_width, options.tree_depth)  # the tree fits in the window
+
+    def check_fits(self, options, context) -> None:
+        config = getattr(context.target, "config", None)
+        tokens = getattr(config, "block_size", None)
+        if tokens is not None and options.tree_depth - 1 > tokens:
+            raise RelaxspecError(f"--tree-depth {options.tree_depth:,} puts siblings at {options.tree_depth - 1:,} "
+                                 f"positions; this model's images have {tokens}: at most {tokens + 1}")
+        if options.rows > 1:  # (a window past the image is cut to it, not refused: the base's check is not made)
+            self._check_rows(options, context)
+
+    def use_effective(self, options, context) -> None:
+        super().use_effective(options, context)
+        window = self.window_on(options, context.target)
+        if window < options.window:
+            options.use("window", window, f"--window {options.window:,}: this model's images have "
+                                          f"{context.target.config.block_size} tokens, so the chain past the tree is "
+                                          f"cut to them; a window of {window:,} is used")
+
+    @staticmethod
+    def window_on(options, target) -> int:
+        """``options.window`` with its chain cut to ``target``'s image tokens (every draft past
+        them is never tested)."""
+        tokens = getattr(getattr(target, "config", None), "block_size", None)
+        _, chain = window_layout(options.window, options.tree_width, options.tree_depth)
+        if tokens is None or chain <= tokens:
+            return options.window
+        return max(options.window - (chain - tokens), least_window(options.tree_width, options.tree_depth))
+
+    def source(self, options, context):
+        return JacobiSource(self.window_on(options, context.target), coupled=True, width=options.tree_width,
+                            depth=options.tree_depth)
+
+
+METHODS = (SJD(), SCD(), SJDPAC())

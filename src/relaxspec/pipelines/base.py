@@ -276,7 +276,8 @@ class ImagePipeline(ABC):
     def _check_drafter(self, options: MethodOptions) -> None:
         if options.needs_drafter and self.drafter is None:
             raise RelaxspecError(f"method {options.method!r} drafts with an EAGLE drafter and this model has none: "
-                                 "give a drafter (relaxspec train-drafter trains one), or choose sjd, scd or gsd")
+                                 "give a drafter (relaxspec train-drafter trains one), or choose sjd, scd, sjd-pac "
+                                 "or gsd")
 
     # ---------------------------------------------------------------- decoding and pixels
     def generate(self, condition: Condition, options: MethodOptions | PreparedDecode | None = None,

@@ -139,6 +139,8 @@ def build_candidates(budget, trees: dict[str, list[dict]], has_drafter: bool) ->
     for window in (8, 16):
         add("sjd", {"window": window})
     add("scd", {"window": 16})
+    add("sjd-pac", {})  # the paper's: 63 drafts a forward, cut to the image
+    add("sjd-pac", {"window": 31})
     if not budget.relaxed_allowed:
         return found
     relaxed = trees.get("relaxed", [])
