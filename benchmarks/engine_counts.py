@@ -35,6 +35,7 @@ METHODS = {
     "eagle2": dict(method="eagle2"),
     "sjd": dict(method="sjd"),
     "scd": dict(method="scd"),
+    "sjd-pac": dict(method="sjd-pac"),
 }
 
 

@@ -401,7 +401,7 @@ def _built(make, device: torch.device, dtype: torch.dtype):
 
 
 FAMILY_METHODS = {"ar": dict(method="ar"), "sjd": dict(method="sjd"), "scd": dict(method="scd"),
-                  "gsd": dict(method="gsd")}
+                  "sjd-pac": dict(method="sjd-pac"), "gsd": dict(method="gsd")}
 
 
 def family_costs(name: str, device: torch.device, quick: bool) -> dict:
@@ -517,7 +517,7 @@ def main() -> None:
                                                                reps=5 if args.quick else 21).target.items()}, need=30)
     if "embedded" in parts:
         count = 4 if args.quick else 12
-        methods = "ar,sd,eagle2,lantern,lantern++,cool,sjd,gsd,zipar"
+        methods = "ar,sd,eagle2,lantern,lantern++,cool,sjd,sjd-pac,gsd,zipar"
         report.item(("embedded", "eager"), lambda: embedded_bench(
             device, out / "bench-embedded", count, methods, False, max(report.left(), 1)), need=60)
         report.item(("embedded", "compiled"), lambda: embedded_bench(

@@ -51,6 +51,7 @@ METHODS = {
     "eagle2": dict(method="eagle2"),
     "sjd": dict(method="sjd"),
     "scd": dict(method="scd"),
+    "sjd-pac": dict(method="sjd-pac"),
     "gsd": dict(method="gsd"),
     "zipar lead 2": dict(method="zipar", row_lead=2),
     "pjd": dict(method="pjd"),

@@ -309,6 +309,7 @@ def test_generate_paints_rows_and_says_its_law_is_not_the_model_s(tmp_path, caps
         return main(["generate", "--classes", "1,2", "--no-progress", "--out", str(tmp_path / "run"), *args])
 
     for method, extra in (("zipar", ["--row-lead", "2"]), ("pjd", []), ("sjd", ["--rows", "3", "--window", "2"]),
+                          ("sjd-pac", ["--rows", "3", "--window", "12"]),
                           ("lantern", ["--rows", "4", "--draft", "chain", "--depth", "3"])):
         assert run("--method", method, *extra, "--out", str(tmp_path / method)) == 0, capsys.readouterr().err
         stats = json.loads((tmp_path / method / "stats.json").read_text())
@@ -418,6 +419,24 @@ def test_every_row_drafts_with_the_eagle_drafter_and_exact_greedy_stays_the_rows
         assert torch.equal(drafted.tokens, generate_ar(target, cond, GREEDY).tokens)
     assert drafted.tokens.shape == (2, 25) and all(sum(lengths) == 25 for lengths in drafted.accept_lengths)
     assert drafted.drafter_forwards.min() > 0
+
+
+@pytest.mark.parametrize("lanes, lead", [(1, 1), (2, 5), (3, 2)])
+def test_every_row_drafts_sjd_pac_s_proactive_tree(target, lanes, lead) -> None:
+    """SJD-PAC's window (three siblings at each of its first two positions, then a chain) for every
+    open row: rows that never overlap are greedy AR token for token; sampled, every token once."""
+    cond = torch.tensor([1, 4])
+
+    def source():
+        return JacobiSource(12, coupled=True, width=3, depth=3)
+
+    drafted = generate_rows(target, cond, GREEDY, source=source(), rule=ExactRule(), plan=Rows(lanes, lead))
+    if lanes == 1 or lead == 5:
+        assert torch.equal(drafted.tokens, generate_ar(target, cond, GREEDY).tokens)
+    assert all(sum(lengths) == 25 for lengths in drafted.accept_lengths)
+    sampled = generate_rows(target, cond, SamplingConfig(cfg_scale=2.0), source=source(), rule=ExactRule(),
+                            plan=Rows(lanes, lead), generator=torch.Generator().manual_seed(0))
+    assert all(sum(lengths) == 25 for lengths in sampled.accept_lengths) and (sampled.target_forwards < 25).all()
 
 
 @pytest.mark.parametrize("grown", [4, 3], ids=["whole tree", "a growing tree"])
