@@ -84,7 +84,7 @@ class JacobiSource:
     The window (``drafts [B, L]`` and the laws they were drawn from ``laws [B, L, V]``) is kept in
     tensors updated in place; a step's redraws read numbers reserved on the step's
     :class:`~relaxspec.sampling.StepNoise` (the fresh draws' clocks, then, coupled, the keep
-    uniforms and the residual draws' clocks).
+    uniforms and the residual draws' clocks, then, with a tree, its other siblings' clocks).
     """
 
     watch = None
