@@ -191,7 +191,7 @@ def test_pjd_s_acceptance_commits_a_lower_row_s_prefix_and_keeps_likelier_drafts
 
     def redraw(third_law):
         source = JacobiSource(3, keep_likelier=True)
-        source.greedy, source.vocab, source._offsets = False, 4, torch.arange(3)
+        source.greedy, source.vocab, source._offsets, source._chain_at = False, 4, torch.arange(3), torch.arange(4)
         source._noise, source._slots = SimpleNamespace(read=lambda slot: None), [None]
         source.drafts = torch.tensor([[0, 1, 2]])
         source.laws = torch.tensor([[[0.7, 0.1, 0.1, 0.1], [0.1, 0.6, 0.2, 0.1], [0.1, 0.1, 0.4, 0.4]]])

@@ -304,10 +304,10 @@ def test_tune_a_janus_folder_on_prompts(cost_model, tmp_path, capsys):
     assert code in (0, 1), capsys.readouterr().err
     state = json.loads((out / "state.json").read_text())
     assert state["settings"]["tune"] == texts[0::2] and state["settings"]["heldout"] == texts[1::2]
-    assert {c["method"] for c in state["candidates"]} == {"sjd", "scd"}
+    assert {c["method"] for c in state["candidates"]} == {"sjd", "scd", "sjd-pac"}
     assert not (out / "probe.json").exists()  # no drafter: nothing to probe
     if code == 0:  # the preset holds for other prompts: the folder's target is the same model
-        assert json.loads((out / "tune.json").read_text())["method"]["method"] in ("sjd", "scd")
+        assert json.loads((out / "tune.json").read_text())["method"]["method"] in ("sjd", "scd", "sjd-pac")
         assert main(["generate", "--model-path", str(folder), "--prompt", "a red dog", "--preset", str(out / "tune.json"),
                      "--out", str(tmp_path / "g"), "--no-progress"]) == 0, capsys.readouterr().err
 
@@ -363,7 +363,7 @@ def test_quality_budget_with_a_classifier(llamagen, cost_model, tmp_path, capsys
     independent AR sample; a relaxed setting is chosen only if its quality test passed. The exact
     methods are made 20x slower, so relaxed finalists reach the test."""
     pytest.importorskip("scipy")
-    cost_model["slower"] = {"sd": 20.0, "sjd": 20.0, "scd": 20.0}
+    cost_model["slower"] = {"sd": 20.0, "sjd": 20.0, "scd": 20.0, "sjd-pac": 20.0}
     from relaxspec.evaluation.classifier import ClassifierConfig, ImageClassifier, save_classifier
 
     torch.manual_seed(0)
