@@ -308,12 +308,12 @@ def jacobi_decode_law(model: Transformer, cls: int, sampling: SamplingConfig, wi
     only the first siblings' path goes on (the chain of ``window`` positions). After committing
     ``a + 1`` tokens, window position ``j`` is drawn from the target's output at old chain node
     ``a + 1 + j`` (conditioned on the old chain drafts, accepted or not; uniform past the old
-    window; in a tree, see below) and, for SCD and SJD-PAC, maximally coupled with the old chain draft of the same image
-    position; a tree position's other siblings are the next draws from its law without
-    replacement. In a tree the law of position ``j`` is the output of the node at depth ``a + 1 + j``
-    below the last accepted node along first siblings, where the tree has one (the chain's node at
-    that depth otherwise). Drafts at positions that can never be tested (the last token is always a bonus)
-    are not enumerated."""
+    window; in a tree, see below) and, for SCD and SJD-PAC, maximally coupled with the old chain
+    draft of the same image position; a tree position's other siblings are the next draws from its
+    law without replacement. In a tree the law of position ``j`` is the output of the node at depth
+    ``a + 1 + j`` below the last accepted node along first siblings, where the tree has one (the
+    chain's node at that depth otherwise). Drafts at positions that can never be tested (the last
+    token is always a bonus) are not enumerated."""
     vocab, n_tok = model.config.vocab_size, model.config.block_size
     images = torch.cartesian_prod(*[torch.arange(vocab)] * n_tok)
     probs = guided_probs(model, cls, images, sampling).numpy()

@@ -59,8 +59,8 @@ def window_layout(window: int, width: int = 1, depth: int = 1) -> tuple[TreeSpec
     branched = depth - 1 if width > 1 else 0
     chain = window - tree_drafts(width, depth) + branched
     if chain < max(branched, 1):
-        raise RelaxspecError(f"--window {window:,} holds fewer drafts than the proactive tree of width {width} and depth "
-                             f"{depth}: at least {least_window(width, depth):,}")
+        raise RelaxspecError(f"--window {window:,} holds fewer drafts than the proactive tree of width {width} and "
+                             f"depth {depth}: at least {least_window(width, depth):,}")
     paths = [(0,) * d for d in range(1, chain + 1)]
     paths += [ranks for d in range(1, branched + 1) for ranks in product(range(width), repeat=d)]
     return TreeSpec.from_paths(paths), chain
