@@ -264,3 +264,13 @@ def lumina_folders(root: Path) -> dict:
     return {"model_path": write_model_folder(root / "Lumina-mGPT-tiny", model),
             "tokenizer_path": write_tokenizer_folder(root / "chameleon-tokenizer", vocab, merges),
             "model": model, "vocab": vocab, "merges": merges, "id_to_code": id_to_code}
+
+
+def replica_in(workdir, prefix: str) -> tuple[Path, dict]:
+    """The work folder of a golden script's first stage (``workdir``, or a new temporary one named
+    ``prefix...``) and the replica built in its ``replica`` folder (:func:`lumina_folders`)."""
+    import tempfile
+
+    work = Path(workdir or tempfile.mkdtemp(prefix=prefix))
+    work.mkdir(parents=True, exist_ok=True)
+    return work, lumina_folders(work / "replica")

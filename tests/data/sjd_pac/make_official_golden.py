@@ -52,7 +52,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 COMMIT = "4fbc099f7f765b6b363a767da317c0fb8ad4a980"
@@ -66,9 +65,7 @@ def stage1(args) -> None:
     import test_lumina
     from helpers import lumina as lf
 
-    work = Path(args.workdir or tempfile.mkdtemp(prefix="sjd_pac_golden_"))
-    work.mkdir(parents=True, exist_ok=True)
-    files = lf.lumina_folders(work / "replica")
+    work, files = lf.replica_in(args.workdir, "sjd_pac_golden_")
     prompts = [test_lumina.official_prompt(files, text, lf.IMAGE_SIZE)[0] for text in lf.PROMPTS]
     (work / "stage1.json").write_text(json.dumps({"model_path": str(files["model_path"]), "prompts": prompts,
                                                   "seeds": args.seeds}))

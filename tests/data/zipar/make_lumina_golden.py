@@ -91,7 +91,6 @@ import json
 import math
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 ZIPAR_COMMIT = "2a5695ca2525872ac6ee38c9d62be38f0c9e985b"
@@ -109,9 +108,7 @@ def stage1(args) -> None:
     import test_lumina  # official_prompt, official_greedy
     from helpers import lumina as lf
 
-    work = Path(args.workdir or tempfile.mkdtemp(prefix="lumina_golden_"))
-    work.mkdir(parents=True, exist_ok=True)
-    files = lf.lumina_folders(work / "replica")
+    work, files = lf.replica_in(args.workdir, "lumina_golden_")
     grid = lf.IMAGE_SIZE // 16
     prompts = []
     for text in lf.PROMPTS:
