@@ -5,7 +5,8 @@ busy one: an OpenMP team waits at every op's barrier for its slowest thread, and
 shares its core with another busy process is the slowest by a scheduler's time slice. On the
 2-core machine this project is built on, with another torch process busy on each core, a
 4.8M-parameter LlamaGen took twice as long an image on two threads as on one, and a drafter
-training's start five times as long (a user's report, with more processes busy: 17x). So the default is the cores nobody else is using now (measured from ``/proc/stat`` over a
+training's start five times as long (a user's report, with more processes busy: 17x). So the
+default is the cores nobody else is using now (measured from ``/proc/stat`` over a
 fraction of a second), at most torch's own count, at least one; a model as small as the embedded
 one always runs on one thread (thread hand-offs, not arithmetic, are its cost). On a CUDA device
 the CPU threads are torch's choice: the work is on the GPU.

@@ -44,20 +44,27 @@ def least_window(width: int, depth: int) -> int:
     return max(tree_drafts(width, depth), 1)
 
 
+def chain_length(window: int, width: int = 1, depth: int = 1) -> int:
+    """The deepest draft of a window of ``window`` drafts with a proactive tree of ``width`` and
+    ``depth`` (:func:`window_layout`): ``window - tree_drafts + depth - 1`` (the window itself
+    without a tree)."""
+    return window - tree_drafts(width, depth) + (depth - 1 if width > 1 else 0)
+
+
 def window_layout(window: int, width: int = 1, depth: int = 1) -> tuple[TreeSpec, int]:
     """The shape of a Jacobi window of ``window`` drafts (nodes past the root, what one forward
     verifies) with a proactive tree (SJD-PAC's layout, ``generate_tree_mask_and_retrieve`` of its
     code): at each of the first ``depth - 1`` positions ``width`` siblings, every node there the
     parent of the next position's ``width`` (one set of tokens a position, shared by every parent);
     the first siblings' path then goes on as one chain to the window's end. Returns the
-    :class:`TreeSpec` and the chain's length (the deepest draft): ``window - tree_drafts + depth - 1``
-    (official 64 nodes with the root, width 3, depth 3: 53)."""
+    :class:`TreeSpec` and the chain's length (:func:`chain_length`; official 64 nodes with the root,
+    width 3, depth 3: 53)."""
     check_tree_size(window, f"a Jacobi window of {window:,}")
     if tree_drafts(width, depth) > MAX_TREE_NODES:
         raise RelaxspecError(f"a proactive tree of width {width:,} and depth {depth:,} drafts more than "
                              f"{MAX_TREE_NODES} tokens per step; a step verifies at most {MAX_TREE_NODES}")
     branched = depth - 1 if width > 1 else 0
-    chain = window - tree_drafts(width, depth) + branched
+    chain = chain_length(window, width, depth)
     if chain < max(branched, 1):
         raise RelaxspecError(f"--window {window:,} holds fewer drafts than the proactive tree of width {width} and "
                              f"depth {depth}: at least {least_window(width, depth):,}")
@@ -190,11 +197,13 @@ class JacobiSource:
             slot_tokens = torch.cat([tree_tokens.flatten(1), self.drafts[:, branched:]], dim=1)
             slot_laws = torch.cat([tree_laws, self.laws[:, branched:]], dim=1)
             slot_valid = torch.cat([tree_valid.flatten(1), self._ones[:, : self.chain - branched]], dim=1)
-        tokens = torch.cat([roots[:, None], slot_tokens.index_select(1, self._slot_at)], dim=1)
+            # the tree's nodes share their position's tokens (one set a position): node order from slot order
+            slot_tokens, slot_laws, slot_valid = (x.index_select(1, self._slot_at)
+                                                  for x in (slot_tokens, slot_laws, slot_valid))
+        tokens = torch.cat([roots[:, None], slot_tokens], dim=1)
         # The root is never tested; a one-hot row keeps it a distribution.
-        proposals = torch.cat([one_hot(roots, vocab, self.laws.dtype)[:, None],
-                               slot_laws.index_select(1, self._slot_at)], dim=1)
-        valid = torch.cat([self._ones[:, :1], slot_valid.index_select(1, self._slot_at)], dim=1)
+        proposals = torch.cat([one_hot(roots, vocab, self.laws.dtype)[:, None], slot_laws], dim=1)
+        valid = torch.cat([self._ones[:, :1], slot_valid], dim=1)
         parents, depths, ancestors, children, widths = self._tree
         return DraftTree(tokens, parents, depths, proposals, valid, ancestors, children=children, level_widths=widths,
                          point_mass=self.greedy)

@@ -4,7 +4,7 @@ coupling with a proactive tree of siblings at the first positions). All are exac
 
 from __future__ import annotations
 
-from relaxspec.drafting.jacobi import JacobiSource, least_window, window_layout
+from relaxspec.drafting.jacobi import JacobiSource, chain_length, least_window, window_layout
 from relaxspec.errors import RelaxspecError
 from relaxspec.methods.base import JACOBI, Method, Preset, Setting, draft_source
 
@@ -76,7 +76,7 @@ class SJDPAC(Method):
         """``options.window`` with its chain cut to ``target``'s image tokens (every draft past
         them is never tested)."""
         tokens = getattr(getattr(target, "config", None), "block_size", None)
-        _, chain = window_layout(options.window, options.tree_width, options.tree_depth)
+        chain = chain_length(options.window, options.tree_width, options.tree_depth)
         if tokens is None or chain <= tokens:
             return options.window
         return max(options.window - (chain - tokens), least_window(options.tree_width, options.tree_depth))

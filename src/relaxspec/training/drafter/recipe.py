@@ -285,8 +285,8 @@ def check_run_size(config: DrafterTrainConfig, target, device: torch.device, sam
     if sampling and config.self_samples:
         count, length = config.self_samples, target.config.block_size
         check_fits(f"--self-samples {count:,} ({length} tokens each, held twice)", 2 * 8 * count * length, "cpu")
-    common.check_trainable(f"--n-layer {config.n_layer:,}", "drafter", lambda n: EagleDrafter(drafter_config(target, n), target),
-                           config.n_layer, device)
+    common.check_trainable(f"--n-layer {config.n_layer:,}", "drafter",
+                           lambda n: EagleDrafter(drafter_config(target, n), target), config.n_layer, device)
 
 
 #: Written by rank 0 of a multi-process run for every rank to read back (:func:`_hold`).
