@@ -337,3 +337,28 @@ def test_train_drafter_continues_from_the_anole_folder(golden, files, opened, tm
                  "--out", str(out), "--no-progress"]) == 0, capsys.readouterr().err
     saved = json.loads((out / "config.json").read_text())["config"]
     assert (saved["family"], saved["own_embedding"], saved["condition_pairs"]) == ("chameleon", True, 191)
+
+
+def test_a_fused_drafter_reads_anole_s_layers(golden, files):
+    """Anole's target (one query a token, no row ends) hands over the streams entering its
+    decoder layers too (helpers.fused), left-padded prompts included, and a fused (EAGLE-3)
+    drafter of its layers decodes greedy exact SD to greedy AR's tokens. (Official LANTERN's
+    layout, which reads the prompt, is not a fused one: refused together.)"""
+    from helpers.engine import scaled_
+    from helpers.fused import check_capture
+    from relaxspec.drafting.eagle import DrafterConfig
+
+    opened = anole.open_folder(files["model_path"], af.PROMPTS)
+    target = opened.target
+    cond = rows_of(target, opened.cond)
+    tokens = torch.stack([image_tokens(golden, i) for i in range(3)]).repeat(2, 1)
+    check_capture(target, target.text_model.layers, target.text_model.norm, cond, tokens)
+    torch.manual_seed(3)
+    drafter = EagleDrafter.for_target(target, fused_layers=True).eval()
+    scaled_(drafter, 4.0)
+    sampling = SamplingConfig(cfg_scale=3.0, temperature=0.0, top_k=0)
+    ar = decode(target, opened.cond, sampling).tokens
+    assert torch.equal(decode(target, opened.cond, sampling, methods.resolve("sd", {}), drafter=drafter).tokens, ar)
+    lantern = load_drafter(files["drafter"], target).config
+    with pytest.raises(RelaxspecError, match="official LANTERN"):
+        DrafterConfig(**{**lantern.to_dict(), "fused_layers": [0, 1]})

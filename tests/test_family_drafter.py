@@ -77,7 +77,7 @@ def test_the_drafter_is_built_of_the_targets_own_layers(pipelines, family):
     causal = torch.ones(5, 5, dtype=torch.bool).tril()[None].expand(2, -1, -1)
     with torch.no_grad():
         theirs = hf.run_decoder_layers(text_model.layers[:1], h, positions, text_model.rotary_emb(h, positions),
-                                       hf.additive_mask(causal, h.dtype))
+                                       hf.additive_mask(causal, h.dtype))[0]
         ours = one.layers.run(h, one.rope[positions], positions, None, None, None)
     torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=1e-6)
 
@@ -363,3 +363,62 @@ def test_compiled_decoding_commits_the_eager_tokens(pipelines, monkeypatch):
     compiled = decode(pipeline.target, condition.cond, greedy("emu3"),
                       methods.resolve("sd", {"draft": "chain", "depth": 3, "compile": True}), drafter=drafter)
     assert torch.equal(compiled.tokens, ar)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_fused_drafter_reads_the_streams_entering_the_family_s_layers(pipelines, family):
+    """The family's target hands over the streams entering its decoder layers (helpers.fused:
+    what hooks on the layers saw, and the last one's output is the final state before the norm,
+    row ends included), and a fused (EAGLE-3) drafter of the family's layers, reading them,
+    decodes greedy exact SD and EAGLE-2 to greedy AR's tokens."""
+    from helpers.engine import scaled_
+    from helpers.fused import check_capture
+    from relaxspec.drafting.eagle import EagleDrafter
+    from relaxspec.models import hf
+
+    pipeline = pipelines[family]
+    target = pipeline.target
+    text_model = hf.text_model_of(target)
+    condition = pipeline.conditions(prompts=PROMPTS)
+    rows = torch.cat([condition.cond, target.null_condition(condition.cond)])
+    mask = None if condition.mask is None else condition.mask.repeat(2, 1)
+    tokens = torch.randint(target.config.vocab_size, (rows.shape[0], target.config.block_size),
+                           generator=torch.Generator().manual_seed(0))
+    check_capture(target, text_model.layers, text_model.norm, rows, tokens, mask)
+
+    torch.manual_seed(3)
+    drafter = EagleDrafter.for_target(target, fused_layers=True).eval()
+    scaled_(drafter, 4.0)
+    assert drafter.config.fused_layers == [min(2, len(text_model.layers)), len(text_model.layers) // 2, 0]
+    ar = decode(target, condition.cond, greedy(family), cond_mask=condition.mask).tokens
+    for name in ("sd", "eagle2"):
+        result = decode(target, condition.cond, greedy(family), methods.resolve(name, {}), drafter=drafter,
+                        cond_mask=condition.mask)
+        assert torch.equal(result.tokens, ar), name
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_train_drafter_fused_on_a_folder_then_decode(folders, pipelines, family, tmp_path, capsys):
+    """``train-drafter --model-path --fused`` trains a fused (EAGLE-3) drafter of the family's
+    layers on its own samples (teacher-forced through the decoding interface, which hands over
+    the layers' streams), saves it with its layers, and it decodes greedy exact SD to AR's tokens."""
+    from relaxspec.cli import main
+    from relaxspec.pipelines import open_pipeline
+
+    folder = folders[family]
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(PROMPTS) + "\n")
+    out = tmp_path / "drafter"
+    extra = [arg for key in ("tokenizer_path", "image_size") if key in folder
+             for arg in (f"--{key.replace('_', '-')}", str(folder[key]))]
+    args = ["train-drafter", "--model-path", folder["model_path"], "--prompts-file", str(prompts), *extra,
+            "--self-samples", "2", "--steps", "2", "--batch-size", "2", "--out", str(out), "--no-progress",
+            "--fused", "--law-loss", "kl", "--train-depths", "2", "--through-depths", "--depth-decay", "0.8"]
+    assert main(args) == 0, capsys.readouterr().err
+    saved = json.loads((out / "config.json").read_text())["config"]
+    assert saved["family"] == MODEL_TYPES[family] and saved["fused_layers"] == [2, 1, 0]
+    pipeline = open_pipeline(prompts=PROMPTS, drafter_ckpt=str(out), **folder)
+    assert pipeline.drafter.config.fused
+    condition = pipeline.conditions(prompts=PROMPTS)
+    ar = pipeline.generate(condition, methods.resolve("ar"), greedy(family)).tokens
+    assert torch.equal(pipeline.generate(condition, methods.resolve("sd", {}), greedy(family)).tokens, ar)

@@ -28,7 +28,8 @@ from relaxspec.methods import MethodOptions
 from relaxspec.errors import RelaxspecError
 from relaxspec.sampling import SamplingConfig
 from helpers.compiled import generated_code, largest_allocation
-from helpers.engine import SMALL_TREE, fake_vq, markov_pair
+from helpers.engine import SMALL_TREE, fake_vq, markov_pair, scaled_
+from relaxspec.drafting.eagle import EagleDrafter
 
 #: Every method and draft structure (rows in parallel too), small enough to compile in seconds.
 METHODS = {
@@ -326,3 +327,18 @@ def test_one_token_image_takes_no_step(tmp_path):
                     drafter=drafter, generator=torch.Generator().manual_seed(0))
     assert result.tokens.shape == (2, 1) and result.target_forwards.tolist() == [1, 1]
     assert result.accept_lengths == [[1], [1]] and int(result.rank_tests.sum()) == 0
+
+
+def test_a_fused_drafter_s_step_is_one_graph_with_eager_tokens(pair, tmp_path, monkeypatch):
+    """Issue 41's promises (above) hold with a fused-feature (EAGLE-3) drafter, which reads the
+    target's streams entering its layers at the committed pairs and its own outputs at the nodes:
+    a chain sampled and EAGLE-2's dynamic tree greedy."""
+    monkeypatch.setenv("RELAXSPEC_CACHE", str(tmp_path))
+    monkeypatch.setattr(relaxspec.compiling, "BACKEND", "aot_eager")
+    model = pair[0]
+    torch.manual_seed(3)
+    drafter = EagleDrafter.for_target(model, fused_layers=True).eval()
+    scaled_(drafter, 4.0)
+    failures = [line for name, temperature in (("sd-chain", 1.0), ("eagle2", 0.0))
+                for line in compiled_case((model, drafter), tmp_path, name, temperature)]
+    assert not failures, "\n".join(failures)

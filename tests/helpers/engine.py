@@ -106,7 +106,8 @@ def explicit_chain(drafter: EagleDrafter, features: torch.Tensor, tokens: torch.
         next_pair = count  # the pair the guess feeds: (guessed feature, the path's token there)
         if next_pair >= tokens.shape[1]:
             break
-        in_features = torch.cat([in_features, guess[:, -1:]], dim=1)
+        # a fused-feature drafter's committed pairs are the target's fused streams: at its width first
+        in_features = torch.cat([drafter.lift(in_features), guess[:, -1:]], dim=1)
         in_tokens = torch.cat([in_tokens, tokens[:, next_pair : next_pair + 1]], dim=1)
     return logits[:, -1]
 

@@ -112,8 +112,9 @@ def measure_forward_costs(target_model, drafter=None, *, sampling: SamplingConfi
         cond = torch.zeros(1, dtype=torch.long, device=device)
     context = config.block_size // 2  # a KV cache half full: the average step of an image
     largest = max(target_sizes)
+    fused = None if drafter is None else drafter.config.fused_layers  # the target's forward as a fused drafter's
     target = GuidedTarget(target_model, cond, sampling, scratch=largest, cond_mask=cond_mask, compile=compile,
-                          grow=False)
+                          grow=False, capture=fused)
     def target_call(size: int):
         first = target.cls + context
         slots = torch.arange(first, first + size, device=device)[None]

@@ -209,6 +209,11 @@ def add_train_drafter_parser(subparsers) -> argparse.ArgumentParser:
            "a shallower version of the target, or official LANTERN's released drafter folder, whose layout is "
            "kept); a drafter with fewer blocks grows: its blocks carry over and the new ones start as the identity",
            metavar="DIR")
+    option("--fused", "an EAGLE-3 drafter: it reads the target's low, middle and high layers' streams fused "
+           "(--fused-layers) instead of its final state; no feature loss and no feature noise unless given "
+           "(--feature-weight 0 --noise 0)", action="store_true")
+    option("--fused-layers", "with --fused: the target layers whose entering streams it reads (default EAGLE-3's "
+           "2, L/2, L-3 of L layers)", type=int, nargs="+", metavar="LAYER")
     option("--epochs", "passes over the data", type=float)
     option("--steps", "optimizer steps (overrides --epochs)", type=int)
     option("--batch-size", "sequences per step", type=int)
@@ -225,6 +230,10 @@ def add_train_drafter_parser(subparsers) -> argparse.ArgumentParser:
     option("--distill-weight", "weight of the distillation term (--law-loss kl, tv, kl+tv)", type=float)
     option("--train-depths", "draft depths trained: depth d from the drafter's own d-1 guesses, as decoding drafts",
            type=int)
+    option("--depth-decay", "depth d weighs DECAY^(d-1) in the loss, normalised (EAGLE-3: 0.8; 1 = equal)",
+           type=float)
+    option("--through-depths", "the gradient also flows through the guesses each depth reads (EAGLE-3's "
+           "training-time test)", action="store_true")
     option("--eval-depths", "draft depths whose 1 - TV(p, q) each evaluation measures", type=int)
     option("--patience", "evaluations without a better chain MAL before stopping (0 = never stop early)", type=int)
     option("--export", "also write the best weights here in fp16 (model.safetensors + config.json)", metavar="DIR")
@@ -281,6 +290,10 @@ def _drafter_config(args: argparse.Namespace) -> tuple[DrafterTrainConfig, bool]
         for key, value in defaults.items():  # self-samples drawn as generate draws them
             if getattr(args, key, None) is None:
                 setattr(args, key, value)
+    if getattr(args, "fused", False) and not getattr(args, "resume", False):  # EAGLE-3: no feature loss, no noise
+        for key in ("feature_weight", "noise"):
+            if key not in args:
+                setattr(args, key, 0.0)
     given = family_inputs(args)
     if given:  # the config's one field of family inputs (over a resumed run's saved ones)
         args.inputs = given

@@ -25,6 +25,7 @@ from relaxspec.decoding.result import DecodeResult, read_once, watched_seconds
 from relaxspec.decoding.steps import Loop, StepParts, TimedSource, check_compilable
 from relaxspec.decoding.target import GuidedTarget
 from relaxspec.decoding.verify import walk_tree
+from relaxspec.drafting.base import target_layers
 from relaxspec.noise import StepNoise
 from relaxspec.sampling import SamplingConfig
 from relaxspec.timing import Profiling
@@ -55,7 +56,8 @@ def drive(model, cond: torch.Tensor, sampling: SamplingConfig, plan: DecodePlan,
 def _drive(model, cond, sampling, plan: DecodePlan, layout: Layout, generator, cond_mask, progress, on_step,
            started: float) -> DecodeResult:
     target = GuidedTarget(model, cond, sampling, cond_mask=cond_mask, scratch=layout.scratch,
-                          compile=plan.compile and plan.profile, compile_prefill=plan.compile, timed=plan.profile)
+                          compile=plan.compile and plan.profile, compile_prefill=plan.compile, timed=plan.profile,
+                          capture=target_layers(layout.source))
     if plan.rule is not None:
         plan.rule.prepare(target.device, owner=model)  # its numbers kept with the model: one address across decodes
     bar = tqdm(total=target.batch * target.num_tokens, desc=plan.label, disable=not progress, leave=False)

@@ -41,27 +41,37 @@ def attention_mask(slots: torch.Tensor, mask: torch.Tensor | None, key_valid: to
 
 def guided_step(model: TargetModel, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                 mask: torch.Tensor | None, key_valid: torch.Tensor | None, sampling: DeviceSampling,
-                companion_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                companion_mask: torch.Tensor | None = None,
+                capture: tuple[int, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One target forward for ``B`` images over ``tokens [B, T]`` (repeated for each CFG
     stream) at RoPE ``positions``, written to cache ``slots`` and attending by ``mask [B, T,
     cache]`` (default causal by slot): processed probabilities ``[B, T, V]`` and hidden states
     ``[S*B, T, dim]``. ``companion_mask [B, T, cache]``: which slots' row-end companions each
     query sees, for a target with row-end companions (:class:`relaxspec.models.hf.RowEndTarget`);
-    ``None``: as the main keys are seen. This is what ``--compile`` compiles."""
+    ``None``: as the main keys are seen. ``capture``: the target layers whose streams the hidden
+    states are instead (:func:`target_outputs`). This is what ``--compile`` compiles."""
     streams = sampling.streams
     slots = stream_rows(slots, streams)
     attn_mask = attention_mask(slots, stream_rows(mask, streams), key_valid, model.max_seq)
     inputs = (stream_rows(tokens, streams), stream_rows(positions, streams), slots, attn_mask)
-    if companion_mask is None:
-        logits, hidden = model.step(*inputs)
-    else:
-        logits, hidden = model.step(*inputs, companion_mask=stream_rows(companion_mask, streams))
+    options = target_outputs(capture)
+    if companion_mask is not None:
+        options["companion_mask"] = stream_rows(companion_mask, streams)
+    logits, hidden = model.step(*inputs, **options)
     return process_logits(logits, sampling), hidden
 
 
+def target_outputs(capture: tuple[int, ...] | None) -> dict:
+    """The keywords that make a target's ``prefill`` / ``step`` return the streams entering
+    layers ``capture`` as its hidden states (a fused-feature drafter's input,
+    :func:`relaxspec.models.base.run_capturing`); none for the final states, so a target that
+    cannot capture is called as ever."""
+    return {} if capture is None else {"capture": tuple(capture)}
+
+
 def guided_prefill(model: TargetModel, cond: torch.Tensor, slots: torch.Tensor, key_valid: torch.Tensor | None,
-                   sampling: DeviceSampling, caption_rows: str,
-                   clocks: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   sampling: DeviceSampling, caption_rows: str, clocks: torch.Tensor | None,
+                   capture: tuple[int, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The condition's forward over ``slots`` = positions ``[R, C]`` (``0 .. C-1`` in every row;
     an input, not made in the graph: inductor's index analysis failed on a family's positions
     derived from an ``arange``) for every row of ``cond`` (``[cond; uncond]``), the law of image
@@ -72,7 +82,8 @@ def guided_prefill(model: TargetModel, cond: torch.Tensor, slots: torch.Tensor, 
     What ``--compile`` compiles as an image's first graph (one per condition shape), after the
     target's eager :func:`~relaxspec.models.base.prepare_condition`."""
     cls = model.config.condition_length
-    logits, hidden = model.prefill(cond, slots, slots, attention_mask(slots, None, key_valid, model.max_seq))
+    logits, hidden = model.prefill(cond, slots, slots, attention_mask(slots, None, key_valid, model.max_seq),
+                                   **target_outputs(capture))
     valid = None if key_valid is None else key_valid[:, :cls]
     hidden = condition_states(model, cond, valid, hidden, caption_rows)
     probs = process_logits(logits[:, -1], sampling)
@@ -108,12 +119,18 @@ class GuidedTarget:
     a decode of the model has needed (:func:`relaxspec.caching.grown`;
     :func:`relaxspec.decoding.reserve` sizes it ahead for a set of methods) and kept between
     decodes, and every forward attends over the whole cache through a mask built from slots.
+
+    ``capture``: the target layers whose streams every forward returns as its hidden states
+    instead of the final ones (what a fused-feature drafter reads: the draft source's
+    ``target_layers``, :func:`relaxspec.drafting.base.target_layers`).
     """
 
     def __init__(self, model: TargetModel, cond: torch.Tensor, sampling: SamplingConfig, *,
                  cond_mask: torch.Tensor | None = None, scratch: int = 0, compile: bool = False,
-                 compile_prefill: bool = False, timed: bool = False, grow: bool = True):
+                 compile_prefill: bool = False, timed: bool = False, grow: bool = True,
+                 capture: tuple[int, ...] | None = None):
         self.model, self.sampling = model, sampling
+        self.capture = None if capture is None else tuple(capture)
         config = model.config
         self.batch = cond.shape[0]
         self.streams = 2 if sampling.use_cfg else 1
@@ -166,7 +183,7 @@ class GuidedTarget:
             exponential_clocks(clocks.shape, generator, out=clocks)
         with self.watch or contextlib.nullcontext():
             out = self._prefill(self.model, self.cond, self._slots, self.key_valid, self.device_sampling, caption_rows,
-                                clocks)
+                                clocks, self.capture)
         # kept at one address: what the draft source's first (compiled) forward reads
         return tuple(kept_copy(self.model, f"start.{name}", value) for name, value in zip(("first", "probs", "hidden"), out))
 
@@ -176,7 +193,7 @@ class GuidedTarget:
         prepare_condition(self.model, self.cond, attention_mask(self._slots, None, self.key_valid, self.max_seq))
         with self.watch or contextlib.nullcontext():
             _, probs, hidden = self._prefill(self.model, self.cond, self._slots, self.key_valid, self.device_sampling,
-                                             caption_rows, None)
+                                             caption_rows, None, self.capture)
         return probs, hidden
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
@@ -189,10 +206,10 @@ class GuidedTarget:
         ``[S*B, T, dim]``."""
         if self.watch is None:
             return self._step(self.model, tokens, positions, slots, mask, self.key_valid, self.device_sampling,
-                              companion_mask)
+                              companion_mask, self.capture)
         with self.watch:
             return self._step(self.model, tokens, positions, slots, mask, self.key_valid, self.device_sampling,
-                              companion_mask)
+                              companion_mask, self.capture)
 
     def move_cache(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Compact accepted tree nodes: copy slots ``src [B, n]`` onto ``dst [B, n]``."""

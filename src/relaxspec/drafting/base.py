@@ -70,7 +70,10 @@ class DraftSource(Protocol):
     times its model calls in a :class:`relaxspec.timing.Stopwatch` kept as ``watch`` (``None``
     otherwise). ``caption_rows``: how the hidden states at padded caption positions it reads as
     ``condition_hidden`` are computed (:data:`relaxspec.models.base.CAPTION_ROWS`; ``"upstream"``
-    for a source that reads none).
+    for a source that reads none). ``target_layers`` (optional; ``None`` when absent): the target
+    layers whose streams it reads as hidden states instead of the final ones (a fused-feature
+    drafter's, :func:`relaxspec.models.base.run_capturing`), what the engine asks every target
+    forward for (:func:`target_layers`).
 
     The decoding loop runs :meth:`propose` and :meth:`update` inside one step that it may compile
     as one graph (issue 41), so they must make the same ops on the same shapes every step, keep
@@ -165,6 +168,13 @@ class DraftStructure(Protocol):
     def draft(self, source: FeatureDrafter, roots: torch.Tensor, root_index: torch.Tensor, greedy: bool,
               clocks: list[torch.Tensor]) -> DraftTree:
         """One tree per row; ``clocks``: this step's numbers of the slots :meth:`reserve` gave."""
+
+
+def target_layers(source) -> tuple[int, ...] | None:
+    """The target layers whose streams ``source`` reads as hidden states (its ``target_layers``),
+    ``None`` (the final states) for a source that says none, or none at all."""
+    layers = getattr(source, "target_layers", None) if source is not None else None
+    return None if layers is None else tuple(int(index) for index in layers)
 
 
 class NoDrafts:

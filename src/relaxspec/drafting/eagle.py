@@ -19,6 +19,18 @@ The layers are of the target's family (``DrafterConfig.family``):
   embedding over the 1D image-token index ``j`` (:mod:`relaxspec.drafting.family`). This is
   what :meth:`EagleDrafter.for_target` and ``relaxspec train-drafter`` build for such targets.
 
+**Fused features** (EAGLE-3, arXiv 2503.01840; ``DrafterConfig.fused_layers``): instead of the
+target's final state the drafter reads the residual streams *entering* a few target layers side by
+side (EAGLE-3's low, middle and high: layers ``2, L // 2, L - 3`` of ``L``,
+:func:`relaxspec.models.base.fused_layers`), ``k * d`` wide, which the engine asks every target
+forward for (:func:`relaxspec.models.base.run_capturing`). ``fuse`` (``k d -> d``, no bias) brings
+them to the drafter's width; a depth past the first reads the drafter's own output (``d`` wide,
+EAGLE-3's: the width says which), and both pass ``feature_norm`` before ``fc``. The drafter's
+output goes through its own ``out_norm`` before the target's frozen head. It departs from EAGLE-3
+in keeping ``fc(cat[embedding, feature])`` and the family's own layers (EAGLE-3 widens its one
+layer's attention input instead) and the target's head and codebook (EAGLE-3 trains a head over
+a cut vocabulary).
+
 Pair ``j`` sits in cache slot ``j``: the drafter sees no condition positions, only what the
 target's features carry about the condition. With CFG the drafter runs on both streams (features
 from each stream), exactly like the target.
@@ -68,9 +80,9 @@ from relaxspec.drafting.family import FamilyLayers, layer_spec, rope_table
 from relaxspec.models.weights import read_state, load_strict
 from relaxspec.errors import RelaxspecError
 from relaxspec.models import hf
-from relaxspec.models.base import CAPTION_ROWS, TargetModel
-from relaxspec.models.llamagen.gpt import (GPTConfig, TransformerBlock, block_shape, allocate_kv_store, release_kv_store,
-                                  rope_table_2d, run_blocks)
+from relaxspec.models.base import CAPTION_ROWS, TargetModel, fused_layers, layer_count
+from relaxspec.models.llamagen.gpt import (GPTConfig, RMSNorm, TransformerBlock, block_shape, allocate_kv_store,
+                                           release_kv_store, rope_table_2d, run_blocks)
 from relaxspec.drafting.lantern_drafter import is_eagle_folder, read_lantern_drafter
 
 
@@ -97,7 +109,11 @@ class DrafterConfig:
     its own token table); ``caption_rows`` (LlamaGen blocks reading a caption) says how the rows at
     padded caption positions it reads were computed when it was trained, and so how decoding
     computes them for it: ``"upstream"`` (upstream LlamaGen's, relaxspec's own) or ``"lantern"``
-    (official LANTERN's converted target's: its released drafters)."""
+    (official LANTERN's converted target's: its released drafters).
+
+    ``fused_layers`` (EAGLE-3; module docstring): the target layers whose entering streams the
+    drafter reads, in that order (at least two, each in ``0 .. L`` of an ``L``-layer target);
+    ``None``: the target's final state (EAGLE-1/2's, every drafter written before fused ones)."""
 
     target: dict
     n_layer: int = 1
@@ -107,6 +123,7 @@ class DrafterConfig:
     own_embedding: bool = False
     condition_pairs: int = 0
     caption_rows: str = "upstream"
+    fused_layers: list[int] | None = None
 
     def __post_init__(self) -> None:
         if self.n_layer < 1:
@@ -131,6 +148,17 @@ class DrafterConfig:
         if self.family != LLAMAGEN and self.condition_pairs and not self.own_embedding:
             raise RelaxspecError(f"a drafter of the {self.family} family reads the prompt's tokens with its own "
                                  "token table: condition_pairs needs own_embedding")
+        if self.fused_layers is not None:
+            layers = self.fused_layers
+            if not (isinstance(layers, (list, tuple)) and len(layers) >= 2
+                    and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in layers)):
+                raise RelaxspecError(f"drafter fused_layers must list at least two target layers (indices >= 0), "
+                                     f"got {layers!r}")
+            self.fused_layers = [int(i) for i in layers]
+            if self.lantern_layout:
+                raise RelaxspecError("a fused-feature drafter has relaxspec's own layout: fused_layers does not go "
+                                     "with official LANTERN's fields (first_attention_norm, own_embedding, "
+                                     "condition_pairs)")
         if self.family != LLAMAGEN:
             layer = self.layer
             if not (isinstance(layer, dict) and isinstance(layer.get("class"), str)
@@ -164,13 +192,18 @@ class DrafterConfig:
         """Whether any of official LANTERN's departures from relaxspec's own drafter is set."""
         return not self.first_attention_norm or self.own_embedding or self.condition_pairs > 0
 
+    @property
+    def fused(self) -> bool:
+        """Whether it reads fused target features (EAGLE-3)."""
+        return self.fused_layers is not None
+
     def to_dict(self) -> dict:
         """As ``config.json`` records it; a llamagen drafter's as it always was (no family), and
-        LANTERN's fields only when set."""
-        lantern = {name: getattr(self, name) for name in LANTERN_FIELDS if getattr(self, name) != DEFAULTS[name]}
+        LANTERN's fields and ``fused_layers`` only when set."""
+        optional = {name: getattr(self, name) for name in OPTIONAL_FIELDS if getattr(self, name) != DEFAULTS[name]}
         if self.family == LLAMAGEN:
-            return {"target": self.target, "n_layer": self.n_layer, **lantern}
-        return {**{key: value for key, value in asdict(self).items() if key not in LANTERN_FIELDS}, **lantern}
+            return {"target": self.target, "n_layer": self.n_layer, **optional}
+        return {**{key: value for key, value in asdict(self).items() if key not in OPTIONAL_FIELDS}, **optional}
 
     def with_layers(self, n_layer: int) -> "DrafterConfig":
         """The same drafter with ``n_layer`` layers (a warm start that grows it)."""
@@ -182,6 +215,8 @@ class DrafterConfig:
 
 #: Official LANTERN's layout of LlamaGen blocks (:class:`DrafterConfig`) and their defaults.
 LANTERN_FIELDS = ("first_attention_norm", "own_embedding", "condition_pairs", "caption_rows")
+#: Fields a config.json has only when they are not at their defaults (so older files stay as written).
+OPTIONAL_FIELDS = (*LANTERN_FIELDS, "fused_layers")
 DEFAULTS = {f.name: f.default for f in dataclasses.fields(DrafterConfig)}
 
 
@@ -216,19 +251,37 @@ def engine_shape(target: TargetModel) -> dict:
     return {"dim": int(config.dim), "vocab_size": int(config.vocab_size), "block_size": int(config.block_size)}
 
 
-def drafter_config(target: TargetModel, n_layer: int = 1, family: str | None = None) -> DrafterConfig:
+def drafter_config(target: TargetModel, n_layer: int = 1, family: str | None = None,
+                   fused_layers: list[int] | bool | None = None) -> DrafterConfig:
     """A new drafter's config for ``target``: of the target's own family (default; LlamaGen blocks
     for a LlamaGen target or one known only by the protocol), or ``family="llamagen"`` for
-    LlamaGen blocks sized from any target."""
+    LlamaGen blocks sized from any target. ``fused_layers``: a fused-feature (EAGLE-3) drafter
+    reading those target layers, or ``True`` for EAGLE-3's (:func:`default_fused_layers`)."""
     own = hf.family_of(target)
     family = family or own or LLAMAGEN
+    if fused_layers is True:
+        fused_layers = default_fused_layers(target)
+    fused = None if fused_layers in (None, False) else [int(i) for i in fused_layers]
     if family == LLAMAGEN:
-        return DrafterConfig(target=drafter_target_config(target), n_layer=n_layer)
-    if family != own:
+        config = DrafterConfig(target=drafter_target_config(target), n_layer=n_layer, fused_layers=fused)
+    elif family != own:
         raise RelaxspecError(f"a drafter of the {family} family is built of its target's layers; this target is "
                              f"{own or 'not a transformers model'}")
-    return DrafterConfig(target=engine_shape(target), n_layer=n_layer, family=family,
-                         layer=layer_spec(hf.text_model_of(target), n_layer))
+    else:
+        config = DrafterConfig(target=engine_shape(target), n_layer=n_layer, family=family,
+                               layer=layer_spec(hf.text_model_of(target), n_layer), fused_layers=fused)
+    check_target(config, target)
+    return config
+
+
+def default_fused_layers(target: TargetModel) -> list[int]:
+    """EAGLE-3's low, middle and high layers of ``target`` (:func:`relaxspec.models.base.fused_layers`);
+    refused (one line) for a target that cannot hand its layers' streams over."""
+    count = layer_count(target)
+    if count is None:
+        raise RelaxspecError(f"a fused-feature drafter reads the target's layers; this target "
+                             f"({type(target).__name__}) has no num_layers / capture= to hand them over")
+    return list(fused_layers(count))
 
 
 def check_target(config: DrafterConfig, target: TargetModel) -> None:
@@ -256,6 +309,13 @@ def check_target(config: DrafterConfig, target: TargetModel) -> None:
         if getattr(target, "code_ids", None) is None or vocabulary != config.layer["config"]["vocab_size"]:
             raise RelaxspecError(f"the drafter's token table covers {config.layer['config']['vocab_size']} tokens; "
                                  f"this target's vocabulary is {vocabulary}")
+    if config.fused:
+        count = layer_count(target)
+        if count is None:
+            raise RelaxspecError(f"the drafter reads fused target features; this target ({type(target).__name__}) "
+                                 "has no num_layers / capture= to hand its layers' streams over")
+        if max(config.fused_layers) > count:
+            raise RelaxspecError(f"the drafter reads target layers {config.fused_layers}; this target has {count}")
     if config.condition_pairs:
         cls = int(target.config.condition_length)
         if config.family == LLAMAGEN and cls != config.condition_pairs + 1:
@@ -305,6 +365,11 @@ class EagleDrafter(nn.Module):
             # or with a prompt read first, its positions then the image's)
             count = config.target["block_size"] + (pairs + 1 if pairs else 0)
             self.register_buffer("rope", rope_table(text_model, self.layers.text_config, count), persistent=False)
+        if config.fused:  # EAGLE-3: the target's fused streams brought to width d; norms before fc and the head
+            dim, eps = config.dim, config.target.get("norm_eps", 1e-5)
+            self.fuse = nn.Linear(len(config.fused_layers) * dim, dim, bias=False)
+            self.feature_norm = RMSNorm(dim, eps)
+            self.out_norm = RMSNorm(dim, eps)
         self._target: tuple[TargetModel] | None = None  # a tuple so the target is not a submodule
         self._kv_store: torch.Tensor | None = None
         self._kv_index: tuple[torch.Tensor, ...] | None = None
@@ -322,9 +387,11 @@ class EagleDrafter(nn.Module):
         return self.config.family
 
     @classmethod
-    def for_target(cls, target: TargetModel, n_layer: int = 1, family: str | None = None) -> "EagleDrafter":
-        """A new (untrained) drafter of ``target``'s family (:func:`drafter_config`), in its dtype."""
-        drafter = cls(drafter_config(target, n_layer, family), target)
+    def for_target(cls, target: TargetModel, n_layer: int = 1, family: str | None = None,
+                   fused_layers: list[int] | bool | None = None) -> "EagleDrafter":
+        """A new (untrained) drafter of ``target``'s family (:func:`drafter_config`; ``fused_layers``:
+        a fused-feature one), in its dtype."""
+        drafter = cls(drafter_config(target, n_layer, family, fused_layers), target)
         return drafter.to(target.dtype).attach(target)
 
     def attach(self, target: TargetModel) -> "EagleDrafter":
@@ -398,7 +465,9 @@ class EagleDrafter(nn.Module):
                 condition_tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``features [R, T, dim]`` (target hidden states that predicted ``tokens``), ``tokens
         [R, T]``, ``positions [R, T]`` image-token indices. Returns the predicted next features
-        ``[R, T, dim]`` and their draft logits ``[R, T, vocab]`` (fp32, unprocessed).
+        ``[R, T, dim]`` and their draft logits ``[R, T, vocab]`` (fp32, unprocessed). A fused-feature
+        drafter takes the target's fused streams ``[R, T, k * dim]`` or its own outputs ``[R, T,
+        dim]`` (:meth:`lift`).
 
         A drafter with ``condition_pairs`` also attends to the condition's pairs: with caches,
         those :meth:`setup_caches` wrote; without, those of ``condition [R, C, dim]`` (the
@@ -406,19 +475,30 @@ class EagleDrafter(nn.Module):
         drafter, ``condition_tokens [R, C]`` (the condition's tokens, -1 where padded), run
         before the ``T`` pairs."""
         target = self.target
-        h = self.fc(torch.cat([self._embed(tokens), features.to(self.fc.weight.dtype)], dim=-1))
+        features = self.lift(features.to(self.fc.weight.dtype))
+        if self.config.fused:
+            features = self.feature_norm(features)
+        h = self.fc(torch.cat([self._embed(tokens), features], dim=-1))
         if self.config.condition_pairs:
             h = self._run_after_condition(h, positions, cache_slots, attn_mask, kv_len, condition, condition_tokens)
         else:
             h = self._layers(h, positions, cache_slots, attn_mask, kv_len)
-        return h, target.head(h)
+        return h, target.head(self.out_norm(h) if self.config.fused else h)
+
+    def lift(self, features: torch.Tensor) -> torch.Tensor:
+        """A fused-feature drafter's input at its width: the target's fused streams ``[.., k * dim]``
+        through ``fuse``; its own outputs ``[.., dim]`` as they are (EAGLE-3's test, by width:
+        static under compile). Any other drafter's features as they are."""
+        if self.config.fused and features.shape[-1] == self.fuse.in_features:
+            return self.fuse(features)
+        return features
 
     def _layers(self, h: torch.Tensor, positions: torch.Tensor, cache_slots: torch.Tensor | None,
                 attn_mask: torch.Tensor | None, kv_len: int | None) -> torch.Tensor:
         """The layers over ``h [R, T, dim]`` at ``positions [R, T]`` (rows of the RoPE table)."""
         positions = positions.clamp(max=self.rope.shape[0] - 1)  # past the image: outputs never used
         if self.family == LLAMAGEN:
-            return run_blocks(self.layers, h, self.rope[positions], cache_slots, attn_mask, kv_len)
+            return run_blocks(self.layers, h, self.rope[positions], cache_slots, attn_mask, kv_len)[0]
         return self.layers.run(h, self.rope[positions], positions, cache_slots, attn_mask, kv_len)
 
     def _embed(self, tokens: torch.Tensor, vocabulary: bool = False) -> torch.Tensor:

@@ -32,6 +32,7 @@ from relaxspec.compiling import compiled, fixed_addresses, tensors_of
 from relaxspec.drafting.base import DraftStructure, DraftTree
 from relaxspec.drafting.eagle import EagleDrafter
 from relaxspec.drafting.tree_tables import tree_attention_mask
+from relaxspec.errors import RelaxspecError
 from relaxspec.noise import StepNoise
 from relaxspec.sampling import DeviceSampling, SamplingConfig, process_logits, stream_rows
 from relaxspec.timing import Profiling, Stopwatch
@@ -83,6 +84,9 @@ class EagleSource:
         self.drafter, self.structure, self.sampling = drafter, structure, sampling
         self.models = (drafter,)
         self.caption_rows = drafter.config.caption_rows
+        # a fused-feature drafter reads these target layers' streams: what the engine asks every target forward for
+        layers = drafter.config.fused_layers
+        self.target_layers = None if layers is None else tuple(layers)
         self.max_nodes = structure.max_nodes
         self.max_depth = structure.depth
 
@@ -98,6 +102,11 @@ class EagleSource:
         law (with ``compile``, the drafter's forwards here run compiled, each shape one graph);
         reserves the structure's random numbers on ``noise``."""
         device = first_tokens.device
+        width = self.drafter.config.dim * (1 if self.target_layers is None else len(self.target_layers))
+        if first_hidden.shape[-1] != width:
+            raise RelaxspecError(f"the drafter reads target features {width} wide (target layers "
+                                 f"{self.target_layers or 'final'}); the target handed over {first_hidden.shape[-1]}: "
+                                 "drive the target with the source's target_layers (GuidedTarget(capture=...))")
         self.batch, self.streams, self.num_tokens = first_tokens.shape[0], streams, num_tokens
         vocab = first_probs.shape[-1]
         # the sampling's numbers as device tensors kept with the drafter: a new cfg scale or

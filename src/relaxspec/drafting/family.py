@@ -110,8 +110,8 @@ class FamilyLayers(nn.ModuleList):
                 attn_mask = keys[None, None, :] <= cache_slots[:, :, None]
             if attn_mask.shape[-1] < length:  # slots past kv_len are never attended
                 attn_mask = nn.functional.pad(attn_mask, (0, length - attn_mask.shape[-1]), value=False)
-            return self._kv.run_layers(self, h, positions, (cos, sin), cache_slots, attn_mask)
+            return self._kv.run_layers(self, h, positions, (cos, sin), cache_slots, attn_mask)[0]
         if attn_mask is None:
             count = h.shape[1]
             attn_mask = torch.ones(count, count, dtype=torch.bool, device=h.device).tril()[None]
-        return hf.run_decoder_layers(self, h, positions, (cos, sin), hf.additive_mask(attn_mask, h.dtype))
+        return hf.run_decoder_layers(self, h, positions, (cos, sin), hf.additive_mask(attn_mask, h.dtype))[0]

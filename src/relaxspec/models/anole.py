@@ -153,18 +153,12 @@ class AnoleTarget(hf.RowEndTarget):
     def move_cache(self, src: Tensor, dst: Tensor) -> None:
         self._kv.move(src, dst)
 
-    def prefill(self, cond: Tensor, positions: Tensor, cache_slots: Tensor, attn_mask: Tensor):
-        ids = cond[:, 0]
-        own = self._keys[None, None, :] == cache_slots[:, :, None]
-        mask = (attn_mask & self._key_valid[:, None, :]) | own  # a padded position still sees itself
-        hidden = self._kv.run(self.text_model, self.hf.get_input_embeddings()(ids.clamp(min=0)),
-                              self._real_positions(positions), cache_slots, mask)
-        return self.head(hidden), hidden
-
-    def step(self, tokens: Tensor, positions: Tensor, cache_slots: Tensor, attn_mask: Tensor):
-        hidden = self._kv.run(self.text_model, self.embed_tokens(tokens).to(self.dtype),
-                              self._real_positions(positions), cache_slots, attn_mask & self._key_valid[:, None, :])
-        return self.head(hidden), hidden
+    def step(self, tokens: Tensor, positions: Tensor, cache_slots: Tensor, attn_mask: Tensor,
+             capture: tuple[int, ...] | None = None):
+        normed, hidden = self._kv.run(self.text_model, self.embed_tokens(tokens).to(self.dtype),
+                                      self._real_positions(positions), cache_slots,
+                                      attn_mask & self._key_valid[:, None, :], capture)
+        return self.head(normed), hidden
 
     def _real_positions(self, positions: Tensor) -> Tensor:
         """Engine positions -> the model's: left padding removed, so the prompt starts at 0 and

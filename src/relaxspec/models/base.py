@@ -84,13 +84,48 @@ class TargetModel(Protocol):
         [R, T]``, writing ``cache_slots [R, T]`` and attending by the tree mask ``attn_mask [R, T,
         max_seq]``. Returns fp32 logits ``[R, T, V]`` (what each input predicts next) and the final
         hidden states ``[R, T, D]`` (what the output head sees; EAGLE drafts from them). No host
-        syncs: this is what ``--compile`` compiles."""
+        syncs: this is what ``--compile`` compiles.
+
+        A target with ``num_layers`` (:func:`layer_count`) also takes ``capture=(i, ..)`` in
+        ``prefill`` and ``step``: the hidden states returned are then the residual streams entering
+        those layers side by side ``[R, T, k * D]`` (:func:`run_capturing`), what a fused-feature
+        (EAGLE-3) drafter reads; the logits are unchanged."""
 
     def embed_tokens(self, tokens: Tensor) -> Tensor:
         """``tokens [..]`` -> input embeddings ``[.., D]`` (the drafter's token input)."""
 
     def head(self, hidden: Tensor) -> Tensor:
         """Final hidden states ``[.., D]`` -> fp32 logits ``[.., V]`` (the drafter's output head)."""
+
+
+def run_capturing(layers, hidden: Tensor, run, capture: tuple[int, ...] | None) -> tuple[Tensor, Tensor | None]:
+    """``hidden = run(layer, hidden)`` for each of ``layers`` in turn: the last output and, with
+    ``capture``, the residual streams *entering* layers ``capture`` (``i == len(layers)``: the last
+    layer's output, before any final norm) side by side, ``[.., len(capture) * D]`` (EAGLE-3's fused
+    low, middle and high features: :func:`fused_layers`); ``None`` without."""
+    kept = {}
+    for index, layer in enumerate(layers):
+        if capture is not None and index in capture:
+            kept[index] = hidden
+        hidden = run(layer, hidden)
+    if capture is None:
+        return hidden, None
+    kept[len(layers)] = hidden
+    return hidden, torch.cat([kept[index] for index in capture], dim=-1)
+
+
+def fused_layers(count: int) -> tuple[int, int, int]:
+    """EAGLE-3's low, middle and high features of a ``count``-layer target as the streams entering
+    layers ``2``, ``count // 2`` and ``count - 3`` (the official code's test, also vLLM's), kept
+    in ``0 .. count`` for the shallow targets of tests."""
+    return min(2, count), count // 2, max(count - 3, 0)
+
+
+def layer_count(model: TargetModel) -> int | None:
+    """How many decoder layers ``model`` has where it can hand their streams to a drafter
+    (``model.num_layers``; its ``prefill`` and ``step`` then take ``capture=``), else ``None``."""
+    count = getattr(model, "num_layers", None)
+    return int(count) if isinstance(count, int) and not isinstance(count, bool) else None
 
 
 def prepare_condition(model: TargetModel, cond: Tensor, attn_mask: Tensor) -> None:

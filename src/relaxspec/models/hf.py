@@ -27,6 +27,7 @@ from torch import Tensor
 
 from relaxspec.caching import kept_copy
 from relaxspec.errors import RelaxspecError
+from relaxspec.models.base import run_capturing
 
 #: The oldest transformers whose decoder layers take the cache the way the adapters pass it.
 MIN_TRANSFORMERS = (4, 56)
@@ -250,15 +251,22 @@ class KVStore:
             for tensor in (keys, values):
                 tensor.index_put_(at_dst, tensor[at_src])
 
-    def run(self, text_model, hidden: Tensor, position_ids: Tensor, slots: Tensor, attn_mask: Tensor) -> Tensor:
+    def run(self, text_model, hidden: Tensor, position_ids: Tensor, slots: Tensor, attn_mask: Tensor,
+            capture: tuple[int, ...] | None = None) -> tuple[Tensor, Tensor]:
         """The decoder layers and final norm of ``text_model`` over ``hidden [R, T, D]`` at
-        ``position_ids``, writing ``slots [R, T]`` and attending by ``attn_mask [R, T, slots]``."""
+        ``position_ids``, writing ``slots [R, T]`` and attending by ``attn_mask [R, T, slots]``:
+        the normed final states (what the head reads) and the hidden states a drafter reads, the
+        same or, with ``capture``, the streams entering those layers ``[R, T, k * D]``
+        (:func:`relaxspec.models.base.run_capturing`)."""
         position_embeddings = text_model.rotary_emb(hidden, position_ids)
-        hidden = self.run_layers(text_model.layers, hidden, position_ids, position_embeddings, slots, attn_mask)
-        return text_model.norm(hidden)
+        hidden, captured = self.run_layers(text_model.layers, hidden, position_ids, position_embeddings, slots,
+                                           attn_mask, capture)
+        hidden = text_model.norm(hidden)
+        return hidden, hidden if captured is None else captured
 
     def run_layers(self, layers, hidden: Tensor, position_ids: Tensor, position_embeddings: tuple[Tensor, Tensor],
-                   slots: Tensor, attn_mask: Tensor) -> Tensor:
+                   slots: Tensor, attn_mask: Tensor,
+                   capture: tuple[int, ...] | None = None) -> tuple[Tensor, Tensor | None]:
         """Decoder ``layers`` (no final norm) over ``hidden [R, T, D]`` with the rotary
         ``position_embeddings`` (cos, sin) of ``position_ids``, writing ``slots [R, T]`` and attending
         by ``attn_mask [R, T, slots]``: what :meth:`run` does between the rotary embedding and the
@@ -268,7 +276,8 @@ class KVStore:
         if self._cache_arg is None:
             self._cache_arg = cache_argument(layers[0])
         mask = additive_mask(attn_mask, hidden.dtype)
-        return run_decoder_layers(layers, hidden, position_ids, position_embeddings, mask, **{self._cache_arg: cache})
+        return run_decoder_layers(layers, hidden, position_ids, position_embeddings, mask, capture=capture,
+                                  **{self._cache_arg: cache})
 
     @property
     def slots(self) -> int:
@@ -289,14 +298,16 @@ def additive_mask(attn_mask: Tensor, dtype: torch.dtype) -> Tensor:
 
 
 def run_decoder_layers(layers, hidden: Tensor, position_ids: Tensor, position_embeddings: tuple[Tensor, Tensor],
-                       mask: Tensor, **cache) -> Tensor:
+                       mask: Tensor, capture: tuple[int, ...] | None = None, **cache) -> tuple[Tensor, Tensor | None]:
     """transformers decoder ``layers`` in turn over ``hidden [R, T, D]`` with the additive ``mask``
-    ``[R, 1, T, S]`` and, where given, the cache keyword (:func:`cache_argument`)."""
-    for layer in layers:
+    ``[R, 1, T, S]`` and, where given, the cache keyword (:func:`cache_argument`): the last output
+    and, with ``capture``, the streams entering those layers
+    (:func:`relaxspec.models.base.run_capturing`)."""
+    def run(layer, hidden):
         out = layer(hidden, attention_mask=mask, position_ids=position_ids, use_cache=bool(cache), cache_position=None,
                     position_embeddings=position_embeddings, **cache)
-        hidden = out[0] if isinstance(out, tuple) else out
-    return hidden
+        return out[0] if isinstance(out, tuple) else out
+    return run_capturing(layers, hidden, run, capture)
 
 
 def text_model_of(target):
@@ -445,20 +456,28 @@ class RowEndTarget(torch.nn.Module):
             self._slot_pos.fill_(-1)
             self._slot_pos[:, : ids.shape[1]] = torch.arange(ids.shape[1], device=self.device)
 
-    def prefill(self, cond: Tensor, positions: Tensor, cache_slots: Tensor, attn_mask: Tensor):
+    @property
+    def num_layers(self) -> int:
+        """Its decoder layers: ``prefill`` and ``step`` take ``capture=``
+        (:func:`relaxspec.models.base.layer_count`)."""
+        return len(self.text_model.layers)
+
+    def prefill(self, cond: Tensor, positions: Tensor, cache_slots: Tensor, attn_mask: Tensor,
+                capture: tuple[int, ...] | None = None):
         ids = cond[:, 0]
         own = self._keys[None, None, :] == cache_slots[:, :, None]
         mask = (attn_mask & self._key_valid[:, None, :]) | own  # a padded position still sees itself
-        mask = torch.cat([mask, torch.zeros_like(mask)], -1)  # no companions in the prompt
-        hidden = self._kv.run(self.text_model, self.hf.get_input_embeddings()(ids.clamp(min=0)),
-                              self._real_positions(positions), cache_slots, mask)
-        return self.head(hidden), hidden
+        if self.row_end_companions:
+            mask = torch.cat([mask, torch.zeros_like(mask)], -1)  # no companions in the prompt
+        normed, hidden = self._kv.run(self.text_model, self.hf.get_input_embeddings()(ids.clamp(min=0)),
+                                      self._real_positions(positions), cache_slots, mask, capture)
+        return self.head(normed), hidden
 
     #: Rows in parallel may say which companions a query sees (``step``'s ``companion_mask``).
     row_end_companions = True
 
     def step(self, tokens: Tensor, positions: Tensor, cache_slots: Tensor, attn_mask: Tensor,
-             companion_mask: Tensor | None = None):
+             companion_mask: Tensor | None = None, capture: tuple[int, ...] | None = None):
         """``companion_mask [R, T, max_seq]``: the slots whose row-end companion each query sees
         (rows in parallel keep a row end's companion apart from its token); ``None``: a slot's
         companion is seen with its token where that token ends a row."""
@@ -479,10 +498,10 @@ class RowEndTarget(torch.nn.Module):
         real = self._real_positions(positions)
         embeds = torch.cat([self.embed_tokens(tokens),
                             self.hf.get_input_embeddings().weight[self.row_end].expand(rows, count, -1)], 1)
-        hidden = self._kv.run(self.text_model, embeds.to(self.dtype), torch.cat([real, real + 1], 1),
-                              torch.cat([cache_slots, cache_slots + self.max_seq], 1), mask)
-        hidden = torch.where(ends_row[..., None], hidden[:, count:], hidden[:, :count])
-        return self.head(hidden), hidden
+        normed, hidden = self._kv.run(self.text_model, embeds.to(self.dtype), torch.cat([real, real + 1], 1),
+                                      torch.cat([cache_slots, cache_slots + self.max_seq], 1), mask, capture)
+        normed, hidden = (torch.where(ends_row[..., None], x[:, count:], x[:, :count]) for x in (normed, hidden))
+        return self.head(normed), hidden
 
     def _real_positions(self, positions: Tensor) -> Tensor:
         """Engine positions -> transformers' position ids: left padding removed, and image token

@@ -109,18 +109,28 @@ class JanusTarget(nn.Module):
                                  "format them with relaxspec.models.janus.format_prompts")
         self._pad = kept_copy(self, "pad", (~attn_mask[:, -1, : cond.shape[1]]).sum(-1))
 
-    def prefill(self, cond: Tensor, positions: Tensor, cache_slots: Tensor, attn_mask: Tensor):
-        embeds = self.hf.get_input_embeddings()(cond)
-        return self._run(embeds, positions, cache_slots, attn_mask)
+    @property
+    def num_layers(self) -> int:
+        """Its language model's decoder layers: ``prefill`` and ``step`` take ``capture=``
+        (:func:`relaxspec.models.base.layer_count`)."""
+        return len(self.hf.model.language_model.layers)
 
-    def step(self, tokens: Tensor, positions: Tensor, cache_slots: Tensor, attn_mask: Tensor):
-        return self._run(self.embed_tokens(tokens), positions, cache_slots, attn_mask)
+    def prefill(self, cond: Tensor, positions: Tensor, cache_slots: Tensor, attn_mask: Tensor,
+                capture: tuple[int, ...] | None = None):
+        embeds = self.hf.get_input_embeddings()(cond)
+        return self._run(embeds, positions, cache_slots, attn_mask, capture)
+
+    def step(self, tokens: Tensor, positions: Tensor, cache_slots: Tensor, attn_mask: Tensor,
+             capture: tuple[int, ...] | None = None):
+        return self._run(self.embed_tokens(tokens), positions, cache_slots, attn_mask, capture)
 
     # ---------------------------------------------------------------- the language model
-    def _run(self, embeds: Tensor, positions: Tensor, slots: Tensor, attn_mask: Tensor):
+    def _run(self, embeds: Tensor, positions: Tensor, slots: Tensor, attn_mask: Tensor,
+             capture: tuple[int, ...] | None):
         position_ids = (positions - self._pad[:, None]).clamp(min=0)  # transformers' left-padding positions
-        hidden = self._kv.run(self.hf.model.language_model, embeds.to(self.dtype), position_ids, slots, attn_mask)
-        return self.head(hidden), hidden
+        normed, hidden = self._kv.run(self.hf.model.language_model, embeds.to(self.dtype), position_ids, slots,
+                                      attn_mask, capture)
+        return self.head(normed), hidden
 
 
 def load_janus(path, prompt_length: int, *, device="cpu", dtype=torch.float32) -> tuple[JanusTarget, JanusImageTokenizer]:

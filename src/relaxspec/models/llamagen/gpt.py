@@ -23,6 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from relaxspec.errors import RelaxspecError
+from relaxspec.models.base import run_capturing
 from relaxspec.models.llamagen.lantern_rows import lantern_caption_bias
 
 MODEL_TYPES = ("c2i", "t2i")
@@ -326,11 +327,13 @@ class TransformerBlock(nn.Module):
 
 
 def run_blocks(layers: nn.ModuleList, h: torch.Tensor, rope: torch.Tensor, cache_slots: torch.Tensor | None,
-               attn_mask: torch.Tensor | None, kv_len: int | None) -> torch.Tensor:
+               attn_mask: torch.Tensor | None, kv_len: int | None,
+               capture: tuple[int, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run transformer blocks over ``h [B, T, dim]``. With caches and ``cache_slots [B, T]`` the
     inputs are written to those slots and attend to the first ``kv_len`` slots (default: the
     whole cache, so shapes never depend on the data), by default causally by slot; without,
-    attention is plain causal over the ``T`` inputs."""
+    attention is plain causal over the ``T`` inputs. Returns the last block's output and, with
+    ``capture``, the streams entering those blocks (:func:`relaxspec.models.base.run_capturing`)."""
     cache = layers[0].attention.kv_cache
     if cache_slots is not None and cache is not None:
         if attn_mask is None:
@@ -338,9 +341,7 @@ def run_blocks(layers: nn.ModuleList, h: torch.Tensor, rope: torch.Tensor, cache
             attn_mask = keys[None, None, :] <= cache_slots[:, :, None]
     else:
         cache_slots = None
-    for layer in layers:
-        h = layer(h, rope, cache_slots, attn_mask, kv_len)
-    return h
+    return run_capturing(layers, h, lambda layer, x: layer(x, rope, cache_slots, attn_mask, kv_len), capture)
 
 
 class LabelEmbedder(nn.Module):
@@ -450,14 +451,21 @@ class Transformer(nn.Module):
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.output(hidden.to(self.output.weight.dtype)).float()
 
+    @property
+    def num_layers(self) -> int:
+        """Its blocks: ``prefill``, ``step`` and ``forward_train`` take ``capture=``
+        (:func:`relaxspec.models.base.layer_count`)."""
+        return self.config.n_layer
+
     def prefill(self, cond: torch.Tensor, positions: torch.Tensor, cache_slots: torch.Tensor,
-                attn_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                attn_mask: torch.Tensor, capture: tuple[int, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         return self(cond=cond, positions=positions, cache_slots=cache_slots, attn_mask=attn_mask, return_hidden=True,
-                    check=False)
+                    check=False, capture=capture)
 
     def step(self, tokens: torch.Tensor, positions: torch.Tensor, cache_slots: torch.Tensor,
-             attn_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self(tokens, positions, cache_slots=cache_slots, attn_mask=attn_mask, return_hidden=True, check=False)
+             attn_mask: torch.Tensor, capture: tuple[int, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        return self(tokens, positions, cache_slots=cache_slots, attn_mask=attn_mask, return_hidden=True, check=False,
+                    capture=capture)
 
     def lantern_condition_states(self, cond: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         """The final hidden states ``[R, C, dim]`` at every caption position of ``cond`` (real
@@ -467,7 +475,7 @@ class Transformer(nn.Module):
         h = self.embed_condition(cond)
         positions = torch.arange(h.shape[1], device=h.device).expand(h.shape[0], -1)
         bias = lantern_caption_bias(valid.to(h.device), h.dtype)
-        return self.norm(run_blocks(self.layers, h, self.rope[positions], None, bias, None))
+        return self.norm(run_blocks(self.layers, h, self.rope[positions], None, bias, None)[0])
 
     # ---------------------------------------------------------------- embeddings
     def null_condition(self, cond: torch.Tensor) -> torch.Tensor:
@@ -496,6 +504,7 @@ class Transformer(nn.Module):
         kv_len: int | None = None,
         return_hidden: bool = False,
         check: bool = True,
+        capture: tuple[int, ...] | None = None,
     ):
         """Run the transformer on one of ``tokens [B, T]``, ``cond`` (prefill) or ``embeddings``.
 
@@ -506,7 +515,9 @@ class Transformer(nn.Module):
         uses); ``attn_mask [B, T, kv_len]`` (True = may attend) overrides the default
         causal-by-slot mask.
         Returns fp32 logits ``[B, T, vocab]`` and, with ``return_hidden``, the normed final
-        hidden states ``[B, T, dim]`` (what the output head sees). ``check=False`` skips the
+        hidden states ``[B, T, dim]`` (what the output head sees), or with ``capture`` the streams
+        entering those blocks side by side ``[B, T, k * dim]`` (a fused-feature drafter's input,
+        :func:`relaxspec.models.base.run_capturing`). ``check=False`` skips the
         range check of ``positions`` (a host sync): the decoding loop builds them in range.
         """
         if embeddings is not None:
@@ -526,16 +537,18 @@ class Transformer(nn.Module):
             raise ValueError(f"positions must lie in [0, {self.rope.shape[0]}) for this model's token grid")
         if cache_slots is not None and cache_slots.dim() == 1:
             cache_slots = cache_slots.expand(b, -1)
-        h = run_blocks(self.layers, h, self.rope[positions], cache_slots, attn_mask, kv_len)
+        h, captured = run_blocks(self.layers, h, self.rope[positions], cache_slots, attn_mask, kv_len, capture)
         h = self.norm(h)
         logits = self.output(h).float()
-        return (logits, h) if return_hidden else logits
+        return (logits, h if captured is None else captured) if return_hidden else logits
 
-    def forward_train(self, cond: torch.Tensor, tokens: torch.Tensor, return_hidden: bool = False):
+    def forward_train(self, cond: torch.Tensor, tokens: torch.Tensor, return_hidden: bool = False,
+                      capture: tuple[int, ...] | None = None):
         """Teacher-forced pass over a whole image: ``tokens [B, N]`` -> logits ``[B, N, vocab]``
-        where row ``k`` predicts image token ``k`` (and hidden states ``[B, N, dim]``)."""
+        where row ``k`` predicts image token ``k`` (and hidden states ``[B, N, dim]``, or with
+        ``capture`` the blocks' streams, as :meth:`forward`)."""
         h = torch.cat([self.embed_condition(cond), self.tok_embeddings(tokens[:, :-1])], dim=1)
-        out = self.forward(embeddings=h, return_hidden=return_hidden)
+        out = self.forward(embeddings=h, return_hidden=return_hidden, capture=capture)
         cut = self.config.cls_token_num - 1
         if return_hidden:
             return out[0][:, cut:], out[1][:, cut:]

@@ -33,7 +33,8 @@ SELF_SAMPLES = "self_samples.npz"
 RUN_FIELDS = ("out", "epochs", "steps", "device", "threads", "bf16", "progress", "checkpoint_interval",
               "eval_interval", "eval_sequences", "model_path", "prompts_file", "patience", "export", "eval_depths")
 #: Fields added after the first train states were written, and what a state without them did.
-ADDED_FIELDS = {"law_loss": "ce", "distill_weight": 1.0, "train_depths": 1}
+ADDED_FIELDS = {"law_loss": "ce", "distill_weight": 1.0, "train_depths": 1, "fused": False, "fused_layers": None,
+                "depth_decay": 1.0, "through_depths": False}
 #: The most draft depths one training step unrolls (``train_depths``, ``eval_depths``): each keeps a
 #: batch of features for the backward pass, so memory grows with it; draft chains a step verifies
 #: are rarely deeper than ten, and ``--train-depths 100000`` only ran out of memory.
@@ -75,6 +76,10 @@ class DrafterTrainConfig(common.RecipeConfig):
     # drafter
     n_layer: int = 1
     init_from: str | None = None  # start from this drafter's weights (or grow one with fewer blocks: grow_drafter)
+    # EAGLE-3's fused features (relaxspec.drafting.eagle): the drafter reads the streams entering these target
+    # layers (fused_layers; default EAGLE-3's 2, L // 2, L - 3) instead of the final state; no feature loss
+    fused: bool = False
+    fused_layers: list[int] | None = None
     # optimisation
     epochs: float = 20.0
     steps: int | None = None  # overrides epochs
@@ -90,6 +95,8 @@ class DrafterTrainConfig(common.RecipeConfig):
     law_loss: str = "ce"  # "ce" (EAGLE's), or distil the decoding law: "kl", "tv", "kl+tv"
     distill_weight: float = 1.0  # weight of the distillation term (law_loss "kl" / "tv" / "kl+tv")
     train_depths: int = 1  # draft depths trained (unrolled on the drafter's own features)
+    depth_decay: float = 1.0  # depth d weighs depth_decay ** (d - 1) in the loss (normalised; EAGLE-3: 0.8)
+    through_depths: bool = False  # the gradient also flows through the guesses a depth reads (EAGLE-3's)
     eval_depths: int = 4  # draft depths measured (1 - TV per depth)
     patience: int = 0  # evaluations without a better chain_mal before stopping; 0 = never stop early
     export: str | None = None  # also write the best weights here in fp16 (the shipped format)
@@ -119,6 +126,8 @@ class DrafterTrainConfig(common.RecipeConfig):
         self.betas = tuple(float(b) for b in self.betas)
         if self.classes is not None:
             self.classes = [int(c) for c in self.classes]
+        if self.fused_layers is not None:
+            self.fused_layers = [int(i) for i in self.fused_layers]
         self.validate()
 
     def validate(self) -> None:
@@ -149,6 +158,13 @@ class DrafterTrainConfig(common.RecipeConfig):
              f"loss weights must be >= 0 and not both 0, got feature {self.feature_weight} and "
              f"{'ce' if self.law_loss == 'ce' else 'distill'} {law_weight}")
         need(0 <= self.null_fraction <= 1, f"null_fraction must lie in [0, 1], got {self.null_fraction}")
+        need(0 < self.depth_decay <= 1, f"depth_decay must lie in (0, 1], got {self.depth_decay}")
+        need(self.fused or self.fused_layers is None, "fused_layers are a fused drafter's: give fused too (--fused)")
+        need(self.fused_layers is None or (len(self.fused_layers) >= 2 and min(self.fused_layers) >= 0),
+             f"fused_layers must name at least two target layers (indices >= 0), got {self.fused_layers}")
+        need(not self.fused or self.feature_weight == 0,
+             "a fused-feature drafter's outputs are not the target's features: it has no feature loss "
+             "(feature_weight 0; --fused sets it)")
         need(self.law_loss in LAW_LOSSES, f"law_loss must be one of {', '.join(LAW_LOSSES)}, got {self.law_loss!r}")
         need(self.distill_weight >= 0, f"distill_weight must be >= 0, got {self.distill_weight}")
         need(1 <= self.train_depths <= MAX_UNROLLED_DEPTHS,

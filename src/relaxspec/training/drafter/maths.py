@@ -87,19 +87,29 @@ def chain_mal(accept: torch.Tensor) -> torch.Tensor:
     return 1 + accept.cumprod(dim=0).sum()
 
 
-def drafter_loss(pred_features: torch.Tensor, pred_logits: torch.Tensor, next_features: torch.Tensor,
+def depth_weights(depths: int, decay: float = 1.0, device=None) -> torch.Tensor:
+    """How the loss weighs draft depths ``1 .. depths``: ``decay ** (d - 1)``, normalised to sum to
+    1 (``decay`` 1: the plain mean; EAGLE-3's 0.8 over 7 depths, which the official code sums
+    unnormalised, differs from it by a constant factor, the learning rate's business)."""
+    weights = decay ** torch.arange(depths, dtype=torch.float32, device=device)
+    return weights / weights.sum()
+
+
+def drafter_loss(pred_features: torch.Tensor, pred_logits: torch.Tensor, next_features: torch.Tensor | None,
                  next_logits: torch.Tensor, *, feature_weight: float = 1.0, ce_weight: float = 0.1,
                  law_loss: str = "ce", distill_weight: float = 1.0, sampling: SamplingConfig | None = None,
                  train_depths: int | None = None, law_rows: torch.Tensor | None = None,
-                 counts: tuple[int, int] | None = None) -> dict[str, torch.Tensor]:
+                 counts: tuple[int, int] | None = None, depth_decay: float = 1.0) -> dict[str, torch.Tensor]:
     """The loss over draft depths, and what it measures per depth.
 
     ``pred_features [R, D, T, dim]`` / ``pred_logits [R, D, T, vocab]``
     (:func:`~relaxspec.training.drafter.passes.unrolled`), ``next_features [R, T, dim]`` /
     ``next_logits [R, T, vocab]`` (:func:`drafter_targets`). At depth ``d`` pairs ``i >= d - 1``
-    count. Over the first ``train_depths`` depths (default all), equally weighted:
+    count. Over the first ``train_depths`` depths (default all), weighted by
+    :func:`depth_weights` (``depth_decay`` 1: equally):
 
-    - ``feature_loss``: SmoothL1 to the target's next feature (EAGLE);
+    - ``feature_loss``: SmoothL1 to the target's next feature (EAGLE; ``next_features`` ``None``:
+      none, a fused-feature drafter's outputs are not the target's features);
     - ``ce`` (``law_loss="ce"``, EAGLE's): cross-entropy of each row's raw law under the drafter's
       (its floor is the target's entropy, not 0);
     - ``kl`` / ``tv`` (distillation): forward KL from the decoding law ``p`` (guided, tempered,
@@ -132,14 +142,22 @@ def drafter_loss(pred_features: torch.Tensor, pred_logits: torch.Tensor, next_fe
 
     all_rows, all_law_rows = counts or (None, None)
 
-    trained = slice(0, train_depths)
-    feature = F.smooth_l1_loss(pred_features.float(), next_features[:, None].float().expand_as(pred_features),
-                               reduction="none").mean(dim=-1)
-    result = {"feature_loss": mean_per_depth(feature, all_rows)[trained].mean()}
+    weights = depth_weights(train_depths, depth_decay, device)
+
+    def over_depths(values: torch.Tensor) -> torch.Tensor:  # [D] -> the trained depths' weighted mean
+        return (values[:train_depths] * weights).sum()
+
+    result = {}
+    if next_features is not None:
+        feature = F.smooth_l1_loss(pred_features.float(), next_features[:, None].float().expand_as(pred_features),
+                                   reduction="none").mean(dim=-1)
+        result["feature_loss"] = over_depths(mean_per_depth(feature, all_rows))
+    elif feature_weight:
+        raise ValueError("a feature loss needs the target's next features")
     if law_loss == "ce":
         probs = next_logits.float().softmax(dim=-1)[:, None]
         ce = -(probs * pred_logits.float().log_softmax(dim=-1)).sum(dim=-1)
-        result["ce"] = mean_per_depth(ce, all_rows)[trained].mean()
+        result["ce"] = over_depths(mean_per_depth(ce, all_rows))
         law = ce_weight * result["ce"]
     if law_rows is not None:  # the rows decoding compares: paired [cond; null] under CFG, else cond
         pred_logits, next_logits = pred_logits[law_rows], next_logits[law_rows]
@@ -154,13 +172,13 @@ def drafter_loss(pred_features: torch.Tensor, pred_logits: torch.Tensor, next_fe
             if sampling.top_k > 0 or sampling.top_p < 1.0:  # q renormalised on p's support: finite, 0 at q = p
                 log_q = log_q - torch.logsumexp(log_q.masked_fill(p == 0, float("-inf")), dim=-1, keepdim=True)
             kl = (torch.xlogy(p, p) - p * log_q).sum(dim=-1)
-            result["kl"] = mean_per_depth(kl, all_law_rows)[trained].mean()
+            result["kl"] = over_depths(mean_per_depth(kl, all_law_rows))
             law = law + result["kl"]
         if "tv" in law_loss:
-            result["tv"] = mean_per_depth(tv, all_law_rows)[trained].mean()
+            result["tv"] = over_depths(mean_per_depth(tv, all_law_rows))
             law = law + result["tv"]
         law = distill_weight * law
-    result["loss"] = feature_weight * result["feature_loss"] + law
+    result["loss"] = law if next_features is None else feature_weight * result["feature_loss"] + law
     with torch.no_grad():
         accept = mean_per_depth(1 - tv, all_law_rows)
         top1 = mean_per_depth((q.argmax(dim=-1) == p.argmax(dim=-1)).float(), all_law_rows)

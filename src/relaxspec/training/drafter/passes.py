@@ -9,25 +9,27 @@ from relaxspec.drafting.eagle import EagleDrafter
 from relaxspec.models.base import TargetModel, TeacherForcedTarget, condition_states, condition_tokens, prepare_condition
 from relaxspec.training.drafter.config import DrafterTrainConfig
 from relaxspec.training.drafter.maths import drafter_inputs, drafter_loss, drafter_targets, unrolled_mask
-from relaxspec.decoding.target import attention_mask
+from relaxspec.decoding.target import attention_mask, target_outputs
 
 
 @torch.no_grad()
 def target_features(target: TargetModel, tokens: torch.Tensor, labels: torch.Tensor,
-                    null_rows: int, cond_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                    null_rows: int, cond_mask: torch.Tensor | None = None,
+                    capture: tuple[int, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The frozen target's teacher-forced pass over ``tokens [B, N]``, under each sequence's
     condition and, for the first ``null_rows`` sequences, also under the null condition.
 
     Returns hidden states ``[R, N, dim]`` and logits ``[R, N, vocab]`` (``R = B + null_rows``; row
     ``k`` predicts token ``k``): condition rows first, then null rows. A target without
     ``forward_train``, or conditions with a mask, run through its decoding interface
-    (:func:`teacher_forced`).
+    (:func:`teacher_forced`). ``capture``: the hidden states are the streams entering those target
+    layers (a fused-feature drafter's, :func:`relaxspec.models.base.run_capturing`).
     """
     cond, tokens, mask = _with_null_rows(target, tokens, labels, null_rows, cond_mask)
     if isinstance(target, TeacherForcedTarget) and mask is None:  # forward_train reads no mask
-        logits, hidden = target.forward_train(cond, tokens, return_hidden=True)
+        logits, hidden = target.forward_train(cond, tokens, return_hidden=True, **target_outputs(capture))
         return hidden, logits
-    logits, hidden = teacher_forced(target, cond, tokens, mask)
+    logits, hidden = teacher_forced(target, cond, tokens, mask, capture=capture)
     return hidden, logits
 
 
@@ -55,13 +57,15 @@ def _with_null_rows(target: TargetModel, tokens: torch.Tensor, labels: torch.Ten
 
 @torch.no_grad()
 def teacher_forced(target: TargetModel, cond: torch.Tensor, tokens: torch.Tensor,
-                   cond_mask: torch.Tensor | None = None, with_condition: bool = False, caption_rows: str = "upstream"):
+                   cond_mask: torch.Tensor | None = None, with_condition: bool = False, caption_rows: str = "upstream",
+                   capture: tuple[int, ...] | None = None):
     """Logits ``[R, N, V]`` and hidden states ``[R, N, D]`` of whole images ``tokens [R, N]``
     through the decoding interface: a prefill, then one causal step over tokens ``0 .. N-2``; row
     ``k`` predicts token ``k``. These are the features decoding shows the drafter, exactly.
     ``with_condition``: also the prefill's hidden states at every condition position ``[R, C, D]``
     (what decoding hands a drafter that reads the condition; padded caption positions as
-    ``caption_rows`` says, :func:`relaxspec.models.base.condition_states`)."""
+    ``caption_rows`` says, :func:`relaxspec.models.base.condition_states`). ``capture``: as
+    :func:`target_features`."""
     rows, count = tokens.shape
     cls = target.config.condition_length
     length = cls + count
@@ -73,10 +77,10 @@ def teacher_forced(target: TargetModel, cond: torch.Tensor, tokens: torch.Tensor
     slots = torch.arange(cls, device=target.device).expand(rows, cls)
     mask = attention_mask(slots, None, key_valid, length)
     prepare_condition(target, cond.to(target.device), mask)
-    first_logits, first_hidden = target.prefill(cond.to(target.device), slots, slots, mask)
+    first_logits, first_hidden = target.prefill(cond.to(target.device), slots, slots, mask, **target_outputs(capture))
     positions = torch.arange(cls, length - 1, device=target.device).expand(rows, count - 1)
     logits, hidden = target.step(tokens[:, :-1].to(target.device), positions, positions,
-                                 attention_mask(positions, None, key_valid, length))
+                                 attention_mask(positions, None, key_valid, length), **target_outputs(capture))
     logits, hidden = torch.cat([first_logits[:, -1:], logits], 1), torch.cat([first_hidden[:, -1:], hidden], 1)
     if not with_condition:
         return logits, hidden
@@ -86,7 +90,8 @@ def teacher_forced(target: TargetModel, cond: torch.Tensor, tokens: torch.Tensor
 
 def unrolled(drafter: EagleDrafter, features: torch.Tensor, tokens: torch.Tensor, depths: int, *,
              noise: torch.Tensor | None = None, condition: torch.Tensor | None = None,
-             condition_tokens: torch.Tensor | None = None, forward=None) -> tuple[torch.Tensor, torch.Tensor]:
+             condition_tokens: torch.Tensor | None = None, forward=None,
+             through_depths: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The drafter's guesses at draft depths ``1 .. depths`` for every pair, as decoding makes
     them: depth 1 from the target's features (``features [R, N, dim]`` of ``tokens [R, N]``,
     plus ``noise`` on them when given), depth ``d`` at pair ``i`` from its own depth-``d - 1``
@@ -95,7 +100,10 @@ def unrolled(drafter: EagleDrafter, features: torch.Tensor, tokens: torch.Tensor
     Returns ``features [R, depths, N-1, dim]`` and logits ``[R, depths, N-1, vocab]``; at depth
     ``d`` pairs ``i < d - 1`` have no chain (their values are meaningless). Levels below the last
     are computed without gradients (each pass recomputes the levels before it); the last pass,
-    which produces every output, carries them. One depth is the plain causal pass. ``condition
+    which produces every output, carries them. ``through_depths`` (EAGLE-3's): every pass carries
+    them, so a depth's loss also reaches the guesses of the depths before it that it read. A
+    fused-feature drafter's level 1 (the target's fused streams) is brought to its width first
+    (:meth:`~relaxspec.drafting.eagle.EagleDrafter.lift`). One depth is the plain causal pass. ``condition
     [R, C, dim]``: the target's hidden states at the condition positions, and ``condition_tokens
     [R, C]`` the condition's tokens, for a drafter that reads them (official LANTERN's).
     ``forward``: what runs the drafter (default the drafter; in a multi-process run its
@@ -105,14 +113,16 @@ def unrolled(drafter: EagleDrafter, features: torch.Tensor, tokens: torch.Tensor
     reads = {name: value for name, value in (("condition", condition), ("condition_tokens", condition_tokens))
              if value is not None}
     rows, count = in_tokens.shape
-    levels = [in_features.float() if noise is None else in_features.float() + noise]
+    levels = [drafter.lift(in_features.float() if noise is None else in_features.float() + noise)]
+    grad = torch.is_grad_enabled()
     out_features = out_logits = None
     for depth in range(1, depths + 1):
         if depth > 1:  # level d, pair i reads level d-1's guess at pair i-1 (pair 0 has no chain)
-            previous = out_features[:, (depth - 2) * count : (depth - 1) * count].detach().float()
+            previous = out_features[:, (depth - 2) * count : (depth - 1) * count].float()
+            previous = previous if through_depths else previous.detach()
             levels.append(torch.cat([torch.zeros_like(previous[:, :1]), previous[:, :-1]], dim=1))
         mask = None if depth == 1 else unrolled_mask(count, depth, tokens.device).expand(rows, -1, -1)
-        with torch.set_grad_enabled(torch.is_grad_enabled() and depth == depths):
+        with torch.set_grad_enabled(grad and (through_depths or depth == depths)):
             out_features, out_logits = forward(torch.cat(levels, dim=1), in_tokens.repeat(1, depth),
                                                positions.repeat(1, depth), attn_mask=mask, **reads)
     return (out_features.reshape(rows, depths, count, -1), out_logits.reshape(rows, depths, count, -1))
@@ -145,8 +155,8 @@ def batch_loss(drafter: EagleDrafter, tokens: torch.Tensor, labels: torch.Tensor
             features, logits, condition, condition_tokens = target_features_with_condition(
                 target, tokens, labels, null_rows, mask, drafter.config.caption_rows)
         else:
-            (features, logits), condition, condition_tokens = target_features(target, tokens, labels, null_rows,
-                                                                              mask), None, None
+            (features, logits), condition, condition_tokens = target_features(
+                target, tokens, labels, null_rows, mask, drafter.config.fused_layers), None, None
         noise = None
         if noise_generator is not None and config.noise > 0:
             shape = (whole + null_all, *features.shape[1:-1], features.shape[-1])
@@ -157,13 +167,17 @@ def batch_loss(drafter: EagleDrafter, tokens: torch.Tensor, labels: torch.Tensor
             noise = (2 * uniform - 1) * config.noise
         pred_features, pred_logits = unrolled(drafter, features, torch.cat([tokens, tokens[:null_rows]]), depths,
                                               noise=noise, condition=condition,
-                                              condition_tokens=condition_tokens, forward=forward)
+                                              condition_tokens=condition_tokens, forward=forward,
+                                              through_depths=config.through_depths)
         next_features, next_logits = drafter_targets(features, logits)
+        if drafter.config.fused:  # its outputs are not the target's (fused) features: no feature loss
+            next_features = None
     law_rows, _ = _law_rows(rows, null_rows, config.sampling.use_cfg, device)
     counts = None if share is None else (whole + null_all, _law_rows(whole, null_all, config.sampling.use_cfg)[1])
     return drafter_loss(pred_features, pred_logits, next_features, next_logits, feature_weight=config.feature_weight,
                         ce_weight=config.ce_weight, law_loss=config.law_loss, distill_weight=config.distill_weight,
-                        sampling=config.sampling, train_depths=config.train_depths, law_rows=law_rows, counts=counts)
+                        sampling=config.sampling, train_depths=config.train_depths, law_rows=law_rows, counts=counts,
+                        depth_decay=config.depth_decay)
 
 
 def _law_rows(batch: int, null_rows: int, use_cfg: bool, device=None) -> tuple[torch.Tensor | None, int]:

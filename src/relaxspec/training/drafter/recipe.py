@@ -182,14 +182,21 @@ def grow_drafter(drafter: EagleDrafter, start: EagleDrafter, name: str = "init_f
     """Warm-start ``drafter`` from the trained ``start`` of the same family and target: ``fc`` and
     ``start``'s layers carry over, and any further layers start as the identity
     (:func:`relaxspec.training.common.start_as_identity`), so a deeper drafter begins as exactly
-    the function ``start`` computes."""
+    the function ``start`` computes. A fused-feature drafter also keeps a fused ``start``'s
+    ``fuse`` and norms (of the same target layers), or starts them fresh from an EAGLE-1/2 one."""
     if start.config.family != drafter.config.family:
         raise RelaxspecError(f"--init-from {name}: that drafter is of the {start.config.family} "
                              f"family, this run trains one of the {drafter.config.family} family")
     if start.config.n_layer > drafter.config.n_layer:
         raise RelaxspecError(f"--init-from {name}: that drafter has {start.config.n_layer} blocks, this run trains "
                              f"{drafter.config.n_layer} (a warm start keeps or adds blocks)")
+    if start.config.fused and start.config.fused_layers != drafter.config.fused_layers:
+        raise RelaxspecError(f"--init-from {name}: that drafter reads target layers {start.config.fused_layers}, "
+                             f"this run trains one that reads {drafter.config.fused_layers or 'the final state'}")
     drafter.fc.load_state_dict(start.fc.state_dict())
+    if start.config.fused:  # a fused one's own parts; from an EAGLE-1/2 drafter they start fresh
+        for part in ("fuse", "feature_norm", "out_norm"):
+            getattr(drafter, part).load_state_dict(getattr(start, part).state_dict())
     if start.config.own_embedding and drafter.config.own_embedding:  # LANTERN's own (frozen) token table
         drafter.embed_tokens.load_state_dict(start.embed_tokens.state_dict())
     for index, layer in enumerate(drafter.layers):
@@ -329,7 +336,7 @@ def _train(config: DrafterTrainConfig, *, target, dataset, resume: bool, group: 
     # trained LlamaGen blocks).
     start = load_drafter(config.init_from, target, dtype=torch.float32) if config.init_from and saved is None else None
     if saved is None:
-        shape = drafter_config(target, config.n_layer)
+        shape = drafter_config(target, config.n_layer, fused_layers=config.fused_layers or config.fused)
         if start is not None and start.config.lantern_layout:  # official LANTERN's drafter keeps its layout
             shape = start.config.with_layers(config.n_layer)
     elif "drafter" in saved:
@@ -394,8 +401,9 @@ def _train(config: DrafterTrainConfig, *, target, dataset, resume: bool, group: 
             checkpoint(at)  # the saved state always names what out/best holds (and holds the baseline)
         law = " ".join(f"{name} {metrics[name]:.4f}" for name in ("ce", "kl", "tv") if name in metrics)
         accept = " ".join(f"{a:.3f}" for a in metrics["accept"])
-        common.log_metrics(out, record, f"step {at}: {eval_name} loss {metrics['loss']:.4f} feature "
-                                        f"{metrics['feature_loss']:.4f} {law} | 1-TV by depth {accept} | chain MAL "
+        feature = f" feature {metrics['feature_loss']:.4f}" if "feature_loss" in metrics else ""
+        common.log_metrics(out, record, f"step {at}: {eval_name} loss {metrics['loss']:.4f}{feature} "
+                                        f"{law} | 1-TV by depth {accept} | chain MAL "
                                         f"{metrics['chain_mal']:.3f} | top-1 {metrics['accuracy']:.3f}"
                                         + (" (best)" if improved else " (baseline)" if at == 0
                                            else f" (best: step {best.get('step')})"))
