@@ -7,7 +7,8 @@ in this order (each item is skipped, and says so, once the ``--budget`` would no
 
 1. **Checks on the device** (the embedded model, greedy, eight images): eager tokens of ``ar``,
    ``sd-chain``, ``lantern`` (the model's preset), ``zipar`` and ``gsd`` (lossless ones == greedy
-   AR), then compiled == eager for ``ar`` and ``sd-chain``.
+   AR), then compiled == eager for ``ar`` and ``sd-chain``, and a fused-feature (EAGLE-3) drafter's
+   ``sd-chain``: eager == greedy AR, compiled == eager, nothing compiled by a second call.
 2. **LlamaGen GPT-XL** (random weights, the official shape: 36 layers, 1280 wide, 16x16 tokens) in
    bf16 at batch 1 with CFG, every step compiled with CUDA graphs, the caches sized for all five
    methods first: ``ar``, ``sd-chain`` (a chain of four), ``zipar`` (rows, lead 2), ``gsd`` and
@@ -205,6 +206,25 @@ def compiled_check(device: torch.device, images: int, options: dict, eager, coun
     before = counts.read()
     again = run()
     return {"compiled_equals_eager": bool(torch.equal(eager, fast)) and bool(torch.equal(eager, again)),
+            "first_call_seconds": seconds, "second_call": GraphCounts.since(before, counts.read())}
+
+
+def fused_check(device: torch.device, images: int, ar, counts: GraphCounts) -> dict:
+    """A fused-feature (EAGLE-3) drafter (untrained, on the embedded target): greedy ``sd-chain``
+    eager == greedy AR, compiled == eager, and what a second compiled call compiles (nothing)."""
+    target, vq, _ = embedded_parts(device)
+    torch.manual_seed(0)
+    drafter = EagleDrafter.for_target(target, fused_layers=True).to(device).eval()
+    sampling = SamplingConfig(cfg_scale=4.0, temperature=0.0)
+    cond = torch.arange(images, device=device)
+    run = lambda compile: decode(target, cond, sampling, MethodOptions(**METHODS["sd-chain"], compile=compile),  # noqa: E731
+                                 drafter=drafter, vq=vq).tokens
+    eager = run(False)
+    fast, seconds = timed(lambda: run(True), device)
+    before = counts.read()
+    again = run(True)
+    return {"fused_layers": drafter.config.fused_layers, "eager_equals_greedy_ar": bool(torch.equal(eager, ar)),
+            "compiled_equals_eager": bool(torch.equal(eager, fast)) and bool(torch.equal(eager, again)),
             "first_call_seconds": seconds, "second_call": GraphCounts.since(before, counts.read())}
 
 
@@ -481,6 +501,8 @@ def main() -> None:
     if "checks" in parts:
         report.item(("checks", "eager"), eager, need=20)
         checks(CHECKED_FIRST, 60)
+        if "ar" in tokens:
+            report.item(("checks", "fused"), lambda: fused_check(device, images, tokens["ar"], counts), need=60)
     made: dict = {}
 
     def make_xl():  # built inside an item: running out of memory there is recorded, and the run goes on
