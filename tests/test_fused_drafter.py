@@ -262,3 +262,19 @@ def test_train_drafter_fused_trains_resumes_and_decodes(pair, tmp_path):
                       target=model, dataset=dataset)
     features, _ = target_features(model, dataset.tokens[:2], dataset.labels[:2], null_rows=0, capture=(2, 1, 0))
     assert features.shape[-1] == 96
+
+
+@pytest.mark.parametrize("extra, expected", [
+    (["--fused", "--fused-layers", "0", "99"], "this target has 3"),
+    (["--fused", "--fused-layers", "2"], "at least two target layers"),
+    (["--fused-layers", "0", "1"], "give fused too"),
+    (["--fused", "--feature-weight", "1"], "no feature loss"),
+    (["--depth-decay", "1.5"], "depth_decay must lie in (0, 1]"),
+])
+def test_train_drafter_refuses_a_fused_run_that_cannot_work_in_one_line(pair, tmp_path, capsys, extra, expected):
+    from helpers.cli import assert_one_line_error, outcome
+
+    save_model(pair, tmp_path / "target")
+    argv = ["train-drafter", "--gpt-ckpt", tmp_path / "target", "--self-samples", "4", "--steps", "1",
+            "--out", tmp_path / "run", "--no-progress", *extra]
+    assert_one_line_error(*outcome(argv, capsys), expected)
