@@ -133,15 +133,17 @@ def test_through_depths_is_the_gradient_of_the_chain_decoding_drafts(pair):
 
 @pytest.mark.parametrize("cfg", [1.0, 4.0])
 def test_a_fused_drafter_is_lossless(pair, cfg):
-    """Greedy exact SD on a chain, a static tree and EAGLE-2's dynamic tree with a fused drafter
-    commits greedy AR's tokens, eager and compiled in one graph a step."""
+    """Greedy exact SD on a chain and EAGLE-2's dynamic tree with a fused drafter commits greedy
+    AR's tokens, eager, compiled, and with rows in parallel where they never overlap (a row opens
+    once the row above is whole: raster order)."""
     model = pair
     drafter = fused_drafter(model)
     sampling = SamplingConfig(cfg_scale=cfg, temperature=0.0, top_k=0)
     cond = torch.arange(3)
     ar = decode(model, cond, sampling).tokens
     for options in (MethodOptions(method="sd", draft="chain", depth=3), MethodOptions(method="eagle2"),
-                    MethodOptions(method="sd", draft="chain", depth=3, compile=True)):
+                    MethodOptions(method="sd", draft="chain", depth=3, compile=True),
+                    MethodOptions(method="sd", draft="chain", depth=2, rows=2, row_lead=4)):
         result = decode(model, cond, sampling, options, drafter=drafter)
         assert torch.equal(result.tokens, ar), options
     assert result.accept_lengths and max(max(a) for a in result.accept_lengths) > 1  # it does accept drafts

@@ -122,9 +122,13 @@ def unrolled(drafter: EagleDrafter, features: torch.Tensor, tokens: torch.Tensor
             previous = previous if through_depths else previous.detach()
             levels.append(torch.cat([torch.zeros_like(previous[:, :1]), previous[:, :-1]], dim=1))
         mask = None if depth == 1 else unrolled_mask(count, depth, tokens.device).expand(rows, -1, -1)
+        # One call of `forward` a step (DistributedDataParallel's, which reduces the gradients, takes
+        # one a backward pass); the passes before the last run the drafter itself, their gradients
+        # joining the last's in the same backward pass.
+        run = forward if depth == depths else drafter
         with torch.set_grad_enabled(grad and (through_depths or depth == depths)):
-            out_features, out_logits = forward(torch.cat(levels, dim=1), in_tokens.repeat(1, depth),
-                                               positions.repeat(1, depth), attn_mask=mask, **reads)
+            out_features, out_logits = run(torch.cat(levels, dim=1), in_tokens.repeat(1, depth),
+                                           positions.repeat(1, depth), attn_mask=mask, **reads)
     return (out_features.reshape(rows, depths, count, -1), out_logits.reshape(rows, depths, count, -1))
 
 
