@@ -47,6 +47,20 @@ def pipelines(folders):
     return {name: open_pipeline(prompts=PROMPTS, **folder) for name, folder in folders.items()}
 
 
+def folder_options(folder: dict) -> list[str]:
+    """What the commands take besides ``--model-path`` to open the tiny family folder."""
+    return [arg for key in ("tokenizer_path", "image_size") if key in folder
+            for arg in (f"--{key.replace('_', '-')}", str(folder[key]))]
+
+
+def train_args(folder: dict, tmp_path, out, *options: str) -> list[str]:
+    """``train-drafter`` on the folder's own samples of PROMPTS (two a step) into ``out``."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(PROMPTS) + "\n")
+    return ["train-drafter", "--model-path", folder["model_path"], "--prompts-file", str(prompts),
+            *folder_options(folder), "--batch-size", "2", "--out", str(out), "--no-progress", *options]
+
+
 def greedy(family: str) -> SamplingConfig:
     return SamplingConfig(cfg_scale=SCALES[family], temperature=0.0, top_k=0)
 
@@ -169,14 +183,9 @@ def test_train_drafter_on_a_folder_then_decode(folders, pipelines, family, tmp_p
 
     monkeypatch.setenv("RELAXSPEC_CACHE", str(tmp_path / "cache"))  # LANTERN's neighbour table
     folder = folders[family]
-    prompts = tmp_path / "prompts.txt"
-    prompts.write_text("\n".join(PROMPTS) + "\n")
-    out = tmp_path / "drafter"
-    extra = [arg for key in ("tokenizer_path", "image_size") if key in folder
-             for arg in (f"--{key.replace('_', '-')}", str(folder[key]))]
-    args = ["train-drafter", "--model-path", folder["model_path"], "--prompts-file", str(prompts), *extra,
-            "--self-samples", "4", "--steps", "3", "--batch-size", "2", "--out", str(out), "--no-progress",
-            "--law-loss", "kl+tv", "--train-depths", "2", "--eval-depths", "3"]  # distilled, on its guided laws
+    out, extra = tmp_path / "drafter", folder_options(folder)
+    args = train_args(folder, tmp_path, out, "--self-samples", "4", "--steps", "3", "--law-loss", "kl+tv",
+                      "--train-depths", "2", "--eval-depths", "3")  # distilled, on its guided laws
     assert main(args) == 0, capsys.readouterr().err
     evaluations = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [len(e["accept"]) for e in evaluations] == [3, 3] and all(0 <= a <= 1 for a in evaluations[-1]["accept"])
@@ -405,15 +414,9 @@ def test_train_drafter_fused_on_a_folder_then_decode(folders, pipelines, family,
     from relaxspec.cli import main
     from relaxspec.pipelines import open_pipeline
 
-    folder = folders[family]
-    prompts = tmp_path / "prompts.txt"
-    prompts.write_text("\n".join(PROMPTS) + "\n")
-    out = tmp_path / "drafter"
-    extra = [arg for key in ("tokenizer_path", "image_size") if key in folder
-             for arg in (f"--{key.replace('_', '-')}", str(folder[key]))]
-    args = ["train-drafter", "--model-path", folder["model_path"], "--prompts-file", str(prompts), *extra,
-            "--self-samples", "2", "--steps", "2", "--batch-size", "2", "--out", str(out), "--no-progress",
-            "--fused", "--law-loss", "kl", "--train-depths", "2", "--through-depths", "--depth-decay", "0.8"]
+    folder, out = folders[family], tmp_path / "drafter"
+    args = train_args(folder, tmp_path, out, "--self-samples", "2", "--steps", "2", "--fused", "--law-loss", "kl",
+                      "--train-depths", "2", "--through-depths", "--depth-decay", "0.8")
     assert main(args) == 0, capsys.readouterr().err
     saved = json.loads((out / "config.json").read_text())["config"]
     assert saved["family"] == MODEL_TYPES[family] and saved["fused_layers"] == [2, 1, 0]
