@@ -1,5 +1,5 @@
 """Step compression of the drafter-free Jacobi methods (issue 53): image tokens committed per target
-forward (the prefill included), for ``sjd``, ``scd`` and ``sjd-pac`` with their registry settings,
+forward (the prefill included), for ``sjd``, ``scd``, ``sjd-pac`` and ``sjd-pac-official`` with their registry settings,
 on the embedded model (its 8 x 8 grid, the model's own sampling) and on the tiny Lumina-mGPT replica
 of ``tests/helpers/lumina.py`` (random weights, a 4 x 4 grid, CFG 3, temperature 1, image top-k
 2000: SJD-PAC's settings). Counts, not times: the machine's speed does not enter.
@@ -27,7 +27,7 @@ from relaxspec.decoding import decode  # noqa: E402
 from relaxspec.evaluation.metrics import bootstrap_ci  # noqa: E402
 from relaxspec.sampling import SamplingConfig  # noqa: E402
 
-METHODS = ("sjd", "scd", "sjd-pac")
+METHODS = ("sjd", "scd", "sjd-pac", "sjd-pac-official")
 
 
 def interval(values: np.ndarray) -> tuple[float, float]:

@@ -293,7 +293,7 @@ def test_relaxed_first_token_law_matches_one_step_law(tiny, name, monkeypatch, t
 
 # --------------------------------------------------------------------------- 4b. Jacobi window laws
 def jacobi_decode_law(model: Transformer, cls: int, sampling: SamplingConfig, window: int, coupled: bool,
-                      width: int = 1, branched: int = 0) -> dict:
+                      width: int = 1, branched: int = 0, official: bool = False) -> dict:
     """Exact law ``{(image, tokens committed per step): probability}`` of SJD (``coupled=False``),
     SCD, or SJD-PAC (``width`` siblings at the first ``branched`` positions: the proactive tree) on
     the tiny model, enumerated from the procedure's definition (REFERENCE §1.5), not from the
@@ -313,13 +313,21 @@ def jacobi_decode_law(model: Transformer, cls: int, sampling: SamplingConfig, wi
     law without replacement. In a tree the law of position ``j`` is the output of the node at depth
     ``a + 1 + j`` below the last accepted node along first siblings, where the tree has one (the
     chain's node at that depth otherwise). Drafts at positions that can never be tested (the last
-    token is always a bonus) are not enumerated."""
+    token is always a bonus) are not enumerated.
+
+    ``official``: SJD-PAC's code's procedure instead (docs/METHODS.md): a tree position's siblings
+    are its residual's draws without replacement (its ``torch.multinomial(res_p, K)``: the first
+    of them replaced by the old draft where that is kept), still verified as draws from the new law
+    without replacement; every node is tested on its own against its parent's target less the
+    siblings before it, and the longest accepted path is committed (the first in rank order of
+    equal ones), the bonus drawn from its end's target less all its children."""
     vocab, n_tok = model.config.vocab_size, model.config.block_size
     images = torch.cartesian_prod(*[torch.arange(vocab)] * n_tok)
     probs = guided_probs(model, cls, images, sampling).numpy()
     target_of = {tuple(image[:k]): rows[k] for image, rows in zip(images.tolist(), probs) for k in range(n_tok)}
     uniform = np.full(vocab, 1.0 / vocab)
     law: dict = {}
+    last_tested = n_tok - 1 if official else n_tok - 2  # the last image token's draft: only the official walk
 
     def residual(p, q):
         mass = np.maximum(p - q, 0.0)
@@ -339,7 +347,65 @@ def jacobi_decode_law(model: Transformer, cls: int, sampling: SamplingConfig, wi
                    if removed(q, toks)[y] > 0]
         return out
 
+    def draws_from(q, count):
+        """``count`` draws from ``q`` without replacement, fewer where ``q`` runs out (as the
+        engine's invalid siblings): ``[(tokens, probability)]``."""
+        out = [((), 1.0)]
+        for _ in range(count):
+            grown = []
+            for toks, pr in out:
+                left = q.copy()
+                left[list(toks)] = 0.0
+                if left.sum() == 0:
+                    grown.append((toks, pr))
+                    continue
+                grown += [(toks + (y,), pr * left[y] / left.sum()) for y in range(vocab) if left[y] > 0]
+            out = grown
+        return out
+
+    def passes(t, q, x):
+        return (min(1.0, t[x] / q[x]) if q[x] > 0 else float(t[x] > 0))
+
+    def longest_walk(committed, drafts, laws):
+        """The official choice: every node's pass chance, each pattern of passes, its longest path
+        (a draft of the image's last token is tested too, its bonus dropped: the engine tests no
+        node past the image in a longest-row walk, so which path wins is the image's alone)."""
+        usable = min(window, n_tok - len(committed))
+        nodes = []  # (ranks, token, pass chance); and each node's target less all its children
+
+        def grow(i, ranks, accepted):
+            target = target_of.get(tuple(committed + accepted), uniform)  # (a whole image: no bonus)
+            if i == usable or (i >= branched and any(ranks)):
+                return target
+            t, toks = target, drafts[i] if i < branched else drafts[i][:1]
+            for k, x in enumerate(toks):
+                q = removed(laws[i], toks[:k]) if k else laws[i]
+                nodes.append((ranks + (k,), x, passes(t, q, x)))
+                exhausted[ranks + (k,)] = grow(i + 1, ranks + (k,), accepted + [x])
+                t = residual(t, q)
+            return t
+
+        exhausted: dict = {}
+        exhausted[()] = grow(0, (), [])
+        outcomes = []
+        for flags in itertools.product((False, True), repeat=len(nodes)):
+            chance = float(np.prod([c if f else 1 - c for (_, _, c), f in zip(nodes, flags)]))
+            if chance == 0:
+                continue
+            passed = {ranks for (ranks, _, _), f in zip(nodes, flags) if f}
+            paths = [r for r in passed if all(r[:d] in passed for d in range(1, len(r)))]
+            best = min(paths, key=lambda r: (-len(r), r), default=())
+            accepted = [x for ranks, x, _ in nodes if ranks == best[:len(ranks)] and ranks]
+            end = exhausted[best]
+            if len(committed) + len(accepted) == n_tok:  # the image's last token accepted: no bonus
+                outcomes.append((chance, accepted, None, not any(best)))
+                continue
+            outcomes.extend((chance * end[b], accepted, b, not any(best)) for b in range(vocab) if end[b] > 0)
+        return outcomes
+
     def walk(committed, drafts, laws):
+        if official:
+            return longest_walk(committed, drafts, laws)
         usable = min(window, n_tok - len(committed) - 1)
         outcomes = []
 
@@ -372,15 +438,15 @@ def jacobi_decode_law(model: Transformer, cls: int, sampling: SamplingConfig, wi
             weight = prob * float(np.prod([c[2] for c in combo]))
             chain = [d[0] for d in drafts]
             for p_walk, accepted, bonus, on_chain in walk(committed, drafts, laws):
-                now = committed + accepted + [bonus]
-                steps = lengths + (len(accepted) + 1,)
+                now = committed + accepted + ([] if bonus is None else [bonus])
+                steps = lengths + (len(now) - len(committed),)
                 if len(now) == n_tok:
                     key = (tuple(now), steps)
                     law[key] = law.get(key, 0.0) + weight * p_walk
                     continue
                 a, following = len(accepted), []
                 for j in range(window):
-                    if len(now) + j > n_tok - 2:  # never tested
+                    if len(now) + j > last_tested:  # never tested
                         following.append([((0,) * count_of(j), uniform, 1.0)])
                         continue
                     src, old = a + 1 + j, a + 2 + j
@@ -393,6 +459,15 @@ def jacobi_decode_law(model: Transformer, cls: int, sampling: SamplingConfig, wi
                         keep = min(1.0, new_law[x_old] / max(q_old[x_old], 1e-30))
                         rest = residual(new_law, q_old)
                         chance = [keep * (y == x_old) + (1 - keep) * rest[y] for y in range(vocab)]
+                        if official and count_of(j) > 1:  # the residual's draws, the first kept or not
+                            drawn = draws_from(rest, count_of(j))
+                            tuples: dict = {}
+                            for toks, pr in drawn:
+                                for first, share in ((x_old, keep), (toks[0], 1 - keep)):
+                                    key = (first,) + toks[1:]
+                                    tuples[key] = tuples.get(key, 0.0) + pr * share
+                            following.append([(toks, new_law, pr) for toks, pr in tuples.items() if pr > 0])
+                            continue
                     else:
                         chance = list(new_law)
                     following.append([(toks, new_law, pr) for toks, pr in siblings(chance, new_law, count_of(j))])
@@ -402,7 +477,7 @@ def jacobi_decode_law(model: Transformer, cls: int, sampling: SamplingConfig, wi
     for t0 in range(vocab):
         if first[t0] > 0:
             fresh = [[(toks, uniform, pr) for toks, pr in siblings(uniform, uniform, count_of(j))]
-                     if 1 + j <= n_tok - 2 else [((0,) * count_of(j), uniform, 1.0)] for j in range(window)]
+                     if 1 + j <= last_tested else [((0,) * count_of(j), uniform, 1.0)] for j in range(window)]
             decode_from(float(first[t0]), [t0], fresh, ())
     return law
 
@@ -414,7 +489,11 @@ JACOBI_LAW_CASES = {"sjd-cfg1-topk3": (False, 1.0, 3, dict(method="sjd", window=
                     "sjd-pac-width2-depth3-cfg1": (True, 1.0, 0, dict(method="sjd-pac", window=6, tree_width=2,
                                                                       tree_depth=3)),
                     "sjd-pac-width3-depth2-cfg2-topk3": (True, 2.0, 3, dict(method="sjd-pac", window=4, tree_width=3,
-                                                                            tree_depth=2))}
+                                                                            tree_depth=2)),
+                    "sjd-pac-official-width2-depth3-cfg1": (True, 1.0, 0, dict(method="sjd-pac", window=6, tree_width=2,
+                                                                               tree_depth=3, sjd_pac_rules="official")),
+                    "sjd-pac-official-width3-depth2-cfg2": (True, 2.0, 0, dict(method="sjd-pac", window=4, tree_width=3,
+                                                                               tree_depth=2, sjd_pac_rules="official"))}
 
 
 @pytest.mark.slow
@@ -429,20 +508,28 @@ def test_jacobi_window_law_by_enumeration(tiny, name):
     next new position is tested in the same step (its law was conditioned on that old draft),
     which needs two testable window positions after a step, i.e. at least 5 tokens. So SJD and
     SCD share one law here (checked); what the SCD case checks is that coupled redraws keep it.
-    SJD-PAC's siblings do change it: their accept lengths are longer than SJD's (checked)."""
+    SJD-PAC's siblings do change it: their accept lengths are longer than SJD's (checked). The
+    official SJD-PAC procedure (``--sjd-pac-rules official``) is enumerated as its code runs it
+    and is not the model's law (checked: its image law's TV from the model's)."""
     model, _ = tiny
     coupled, cfg, top_k, given = JACOBI_LAW_CASES[name]
     options = MethodOptions(**given)
     sampling = SamplingConfig(cfg_scale=cfg, top_k=top_k)
     source = options.plan(target=model).source
     window, width, branched = source.chain, source.width, source.branched
-    law = jacobi_decode_law(model, CLASS, sampling, window, coupled, width, branched)
+    official = not source.lossless
+    law = jacobi_decode_law(model, CLASS, sampling, window, coupled, width, branched, official)
     assert sum(law.values()) == pytest.approx(1.0, abs=1e-6)  # rows are float32 softmaxes
     image_law = exact_image_law(model, CLASS, sampling).numpy()
     marginal = np.zeros_like(image_law)
     for (image, _), prob in law.items():
         marginal[int(image_index(torch.tensor([image]), 4))] += prob
-    np.testing.assert_allclose(marginal, image_law, atol=1e-7, rtol=0)
+    if official:  # the official code's procedure is not the model's law (the image TVs: 0.0152 and 0.0012)
+        assert 0.5 * np.abs(marginal - image_law).sum() > 1e-3
+        exact = jacobi_decode_law(model, CLASS, sampling, window, coupled, width, branched)
+        assert 0.5 * sum(abs(law.get(k, 0.0) - exact.get(k, 0.0)) for k in set(law) | set(exact)) > 0.015
+    else:
+        np.testing.assert_allclose(marginal, image_law, atol=1e-7, rtol=0)
     other = jacobi_decode_law(model, CLASS, sampling, window, not coupled)
     keys = sorted(set(law) | set(other))
     distance = 0.5 * sum(abs(law.get(k, 0.0) - other.get(k, 0.0)) for k in keys)
@@ -454,6 +541,7 @@ def test_jacobi_window_law_by_enumeration(tiny, name):
 
     tokens, results = sample_images(
         lambda batch, gen: decode(model, torch.full((batch,), CLASS), sampling, options, generator=gen))
+    assert all(r.tv_recorded is not official for r in results)  # no record claims a law it does not have
     lengths = [tuple(a[1:]) for r in results for a in r.accept_lengths]
     cell = {key: i for i, key in enumerate(keys)}
     counts = np.zeros(len(keys) + 1)  # the last cell: outcomes the enumeration calls impossible
@@ -492,6 +580,7 @@ GREEDY_CASES = {
     "scd": dict(method="scd", window=6),
     "sjd-pac": dict(method="sjd-pac"),  # the paper's: 63 drafts, width 3, depth 3, cut to the 16 tokens
     "sjd-pac-width2": dict(method="sjd-pac", window=8, tree_width=2, tree_depth=3),
+    "sjd-pac-official": dict(method="sjd-pac", sjd_pac_rules="official"),  # greedy: the exact rules' walk
     # A zero budget is the exact rule: greedy LANTERN must then be greedy AR too.
     "lantern-delta0-chain4": dict(method="lantern", draft="chain", depth=4, k=8, delta=0.0),
 }

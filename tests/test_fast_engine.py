@@ -44,6 +44,7 @@ METHODS = {
     "sjd": dict(method="sjd", window=4),
     "scd": dict(method="scd", window=4),
     "sjd-pac": dict(method="sjd-pac", window=7, tree_width=2, tree_depth=3),
+    "sjd-pac-official": dict(method="sjd-pac", window=7, tree_width=2, tree_depth=3, sjd_pac_rules="official"),
     "gsd": dict(method="gsd", window=4),
     "zipar": dict(method="zipar", row_lead=2),
     "pjd": dict(method="pjd", window=3, row_lead=2),

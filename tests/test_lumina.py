@@ -400,26 +400,43 @@ def test_a_vqgan_ckpt_that_is_not_plain_weights_is_refused(files, tmp_path, caps
 
 
 # ---------------------------------------------------------------- SJD-PAC against its official code
-@pytest.mark.slow
-def test_sjd_pac_takes_about_the_official_code_s_forwards_per_image(opened):
-    """Forwards per image of ``sjd-pac`` (the paper's settings) on the tiny replica against the
-    official SJD-PAC code's on the same files (tests/data/sjd_pac/make_official_golden.py: 30 seeds
-    x 3 prompts, temperature 1, image top-k 2000, CFG 1.0001, at which the two guidances agree),
-    the same prompts and seed indices: the means within 10 % of the official's, and nearer to it
-    than plain SJD's (a window of 16), which a Mann-Whitney test at alpha 0.01 tells apart from
-    the official's.
+def forwards_to_the_last_code(image: dict) -> int:
+    """The official code's forwards until the one that commits the image's last code: a forward
+    after it commits only the end-of-line and end-of-image tokens (on 67 of the 89 images: unless
+    one forward accepts the drafts of both, its bonus takes one and the other needs another
+    forward), which relaxspec's Lumina-mGPT forces beside the codes without a forward."""
+    codes, at = [], 0
+    for count in image["committed"]:
+        codes.append(sum(token not in (lf.NEW_LINE_ID, 8196) for token in image["ids"][at:at + count]))
+        at += count
+    while codes and codes[-1] == 0:
+        codes.pop()
+    return len(codes)
 
-    Not the same distribution (docs/BENCHMARKS.md: ours took 9.63 forwards an image, the official
-    10.48, Mann-Whitney p 0.001 on these images) nor token for token: the official code is not exact
-    (docs/METHODS.md), draws its numbers in another order and runs its window through the
-    end-of-line and end-of-image tokens, ours being forced beside the codes; greedy cannot be
-    compared (it divides by zero at temperature 0)."""
+
+@pytest.mark.slow
+def test_sjd_pac_takes_the_official_code_s_forwards_per_image(opened):
+    """Forwards per image of ``sjd-pac-official`` (the official procedure) and ``sjd-pac`` (the
+    exact one) at the paper's settings on the tiny replica against the official SJD-PAC code's on
+    the same files (tests/data/sjd_pac/make_official_golden.py: 30 seeds x 3 prompts, temperature 1,
+    image top-k 2000, CFG 1.0001, at which the two guidances agree), the same prompts and seed
+    indices, its forwards counted to the last code (:func:`forwards_to_the_last_code`): each mean
+    within the two intervals' reach (|difference| < 1.96 standard errors of it) and a Mann-Whitney
+    test that does not tell them apart (p > 0.05), while it tells plain SJD's (a window of 16) apart
+    (p < 0.01). On these images: official 9.73 +- 0.16, ``sjd-pac-official`` 9.82 +- 0.16 (p 0.60),
+    ``sjd-pac`` 9.63 +- 0.17 (p 0.68), SJD 12.46 (docs/BENCHMARKS.md).
+
+    Not token for token: the official code draws its numbers in another order, runs its window
+    through the row ends, and starts from the prompt with 63 random drafts (ours from a prefill);
+    greedy cannot be compared (it divides by zero at temperature 0, fails on 4 of 6 images at 0.02,
+    and at 0.1 samples: plain AR there differs from greedy AR in up to 14 of 16 codes)."""
     from scipy.stats import mannwhitneyu
 
     golden = json.loads((Path(__file__).parent / "data" / "sjd_pac" / "official_golden.json").read_text())
     sampling = SamplingConfig(cfg_scale=golden["cfg_scale"], temperature=1.0, top_k=golden["image_top_k"])
     images = [image for image in golden["images"] if "forwards" in image]  # (the official code crashed on one)
-    official = np.array([image["forwards"] for image in images])
+    official = np.array([forwards_to_the_last_code(image) for image in images])
+    assert len(official) >= 85 and (official <= np.array([image["forwards"] for image in images])).all()
 
     def forwards(name, given):
         return np.array([int(decode(opened.target, opened.cond[image["prompt"]:image["prompt"] + 1], sampling,
@@ -427,8 +444,11 @@ def test_sjd_pac_takes_about_the_official_code_s_forwards_per_image(opened):
                                     generator=torch.Generator().manual_seed(image["seed"])).target_forwards[0])
                          for image in images])
 
-    ours, sjd = forwards("sjd-pac", {}), forwards("sjd", {"window": 16})
-    assert len(official) >= 85
-    gap, sjd_gap = abs(ours.mean() - official.mean()), abs(sjd.mean() - official.mean())
-    assert gap < 0.1 * official.mean() and gap < sjd_gap, (ours.mean(), sjd.mean(), official.mean())
-    assert mannwhitneyu(sjd, official).pvalue < 0.01
+    def standard_error(values):
+        return values.std(ddof=1) / np.sqrt(len(values))
+
+    for name in ("sjd-pac-official", "sjd-pac"):
+        ours = forwards(name, {})
+        gap, reach = abs(ours.mean() - official.mean()), 1.96 * np.hypot(standard_error(ours), standard_error(official))
+        assert gap < reach and mannwhitneyu(ours, official).pvalue > 0.05, (name, ours.mean(), official.mean())
+    assert mannwhitneyu(forwards("sjd", {"window": 16}), official).pvalue < 0.01

@@ -73,6 +73,8 @@ def test_the_embedded_model_tunes_its_method_names():
     ("sd", {"depth": True}, "depth must be an int, got True"),
     ("ar-compiled", {"compile": False}, "--method ar-compiled means compile=True; use --method ar"),
     ("lantern++", {"draft": "chain"}, "for another value use --method lantern --draft chain --lam 5.0"),
+    ("sjd-pac-official", {"rows": 2}, "--sjd-pac-rules official paints in raster order"),
+    ("sjd-pac", {"sjd_pac_rules": "paper"}, "sjd_pac_rules must be one of 'exact', 'official', got 'paper'"),
 ])
 def test_settings_are_typed_and_names_explain_themselves(name, given, message):
     with pytest.raises(RelaxspecError) as err:

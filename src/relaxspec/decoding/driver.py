@@ -91,10 +91,14 @@ def _start(model, target: GuidedTarget, plan: DecodePlan, layout: Layout, genera
         check_compilable(source, plan.compile)
     slots = schedule.reserve(noise, layout, target.batch, probs.shape[-1], target.greedy)
     noise.allocate()
-    lossless = plan.rule is None or plan.rule.lossless
+    exact_rule = plan.rule is None or plan.rule.lossless
+    # A source whose drafts are not the laws it declares (SJD-PAC's official siblings) leaves no
+    # record a rule could make: its run's TV is not recorded, even under an exact rule.
+    exact_drafts = getattr(source, "lossless", True)
     parts = StepParts(target, noise, TimedSource(source, seconds) if plan.profile and source is not None else source,
                       plan.rule, slots, compiled(walk_tree, target.device) if plan.compile and plan.profile else walk_tree,
-                      target.greedy, plan.record_tv and not lossless, generator, tv_recorded=plan.record_tv or lossless)
+                      target.greedy, plan.record_tv and not exact_rule, generator,
+                      tv_recorded=exact_drafts and (plan.record_tv or exact_rule))
     return Loop(parts, schedule, schedule.state(model, layout, target, first), target.num_tokens)
 
 

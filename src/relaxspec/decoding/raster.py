@@ -17,7 +17,7 @@ move, the source's catch-up and the counters -- is :func:`raster_step`, one func
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -60,6 +60,8 @@ def raster_step(loop: Loop) -> None:
     positions = (base[:, None] + tree.depth).clamp(max=target.cls + n_tok - 1)
     probs, hidden = target.forward(tree.tokens, positions, slots, tree_attention_mask(base, tree.ancestors,
                                                                                       target.max_seq))
+    if tree.longest_row:  # a walk that takes the longest accepted path tests no node past the image
+        tree = replace(tree, valid=tree.valid & (tree.depth <= (n_tok - n)[:, None]))
     result = parts.verify(tree, probs)
     count = torch.where(active, torch.minimum(result.num_accepted + 1, n_tok - n), torch.zeros_like(n))
     state.add_rank_counts(result)

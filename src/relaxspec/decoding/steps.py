@@ -113,7 +113,8 @@ def reserve_walk(noise: StepNoise, source, rows: int, vocab: int, greedy: bool) 
     source of no fixed shape."""
     if greedy or source.level_widths is None:
         return WalkSlots()
-    return WalkSlots(noise.reserve((walk_tests(source.level_widths), rows), UNIFORMS, VERIFY),
+    tests = walk_tests(source.level_widths, source.max_nodes if getattr(source, "longest_row", False) else None)
+    return WalkSlots(noise.reserve((tests, rows), UNIFORMS, VERIFY),
                      noise.reserve((rows, vocab), phase=VERIFY))
 
 

@@ -13,6 +13,12 @@ At temperature 0 there is no residual (REFERENCE §4): every sibling is tested a
 parent's own target with ``rule.greedy_accept`` and the correction is that target's argmax, so a
 lossless rule commits exactly the greedy AR tokens.
 
+A tree marked ``longest_row`` (SJD-PAC's official code, ``relaxspec.methods.jacobi``) is walked
+as that code walks it: every node is tested, with its own uniform, against its parent's target
+less the siblings before it (whether those passed or not), and the longest accepted path is
+committed, the first of equal ones; the bonus is drawn from its end's target less all its
+children. Not the model's law with more than one sibling at a node (docs/METHODS.md).
+
 The walk is vectorised over the batch: it loops over tree levels and sibling ranks, with a mask
 per batch element, so its cost is ``O(depth * max_children)`` batched rule calls. Given the
 tree's static structure (children table, per-level widths, whether drafts are point masses) it
@@ -139,19 +145,24 @@ def verify_tree(rule: AcceptanceRule, tree: DraftTree, target_probs: Tensor, *, 
     if level_widths is None:
         level_widths = (children.shape[2],) * _tree_levels(tree.parents, valid)
     walked = DraftTree(tree.tokens, tree.parents, tree.depth, tree.proposals, valid, tree.ancestors,
-                       children=children, level_widths=level_widths, point_mass=tree.point_mass)
+                       children=children, level_widths=level_widths, point_mass=tree.point_mass,
+                       longest_row=tree.longest_row)
     if greedy:
         noise = None
     elif noise is None:  # all of the step's randomness in two draws, ahead of the walk
-        noise = WalkNoise(torch.rand(walk_tests(level_widths), batch, generator=generator, device=target_probs.device,
+        tests = walk_tests(level_widths, nodes if tree.longest_row else None)
+        noise = WalkNoise(torch.rand(tests, batch, generator=generator, device=target_probs.device,
                                      dtype=torch.float64),
                           exponential_clocks((batch, vocab), generator, target_probs.device))
     return VerifyResult(*(walk or walk_tree)(rule, walked, target_probs, noise, greedy=greedy, record_tv=record_tv))
 
 
-def walk_tests(level_widths: tuple[int, ...]) -> int:
+def walk_tests(level_widths: tuple[int, ...], longest_row_nodes: int | None = None) -> int:
     """The uniforms one walk of a tree with ``level_widths`` reads per row: one per sibling test
-    (at least one, so the buffer is never empty)."""
+    (at least one, so the buffer is never empty); for a ``longest_row`` tree of
+    ``longest_row_nodes`` nodes, one per node but the root (every node is tested)."""
+    if longest_row_nodes is not None:
+        return max(longest_row_nodes - 1, 1)
     return max(sum(level_widths), 1)
 
 
@@ -174,8 +185,25 @@ def _greedy_reach(rule: AcceptanceRule, target_probs: Tensor, tokens: Tensor, de
     node_target = target_probs.gather(1, parent.unsqueeze(2).expand(-1, -1, vocab))
     accepted = rule.greedy_accept(node_target.reshape(batch * nodes, vocab), tokens.reshape(-1),
                                   depth.reshape(-1)).view(batch, nodes) & valid
-    # The first leaf at or below each node (a node with no valid child is a leaf).
+    return accepted, _path_rank(accepted, depth, valid, children, levels)
+
+
+def _path_rank(accepted: Tensor, depth: Tensor, valid: Tensor, children: Tensor, levels: int,
+               by_leaf: bool = True) -> Tensor:
+    """``rank [B, T]``: how good the best path of ``accepted`` nodes through each node is (``-1``
+    where the node itself is not accepted): deepest first, then (``by_leaf``) the first by leaf in
+    node order; without, the depth alone (a walk then takes the first sibling of equal rank: the
+    first path in sibling-rank order, SJD-PAC's rows). Static shapes, no host read."""
+    batch, nodes, width = accepted.shape[0], accepted.shape[1], children.shape[2]
+    device = accepted.device
     safe = children.clamp(min=0).reshape(batch, -1)
+    if not by_leaf:
+        rank = torch.where(accepted, depth, torch.full_like(depth, -1))
+        for _ in range(levels):  # one level of the tree per pass, from the leaves up
+            below = rank.gather(1, safe).view(batch, nodes, width).masked_fill(children < 0, -1).amax(2)
+            rank = torch.where(accepted, torch.maximum(rank, below), torch.full_like(depth, -1))
+        return rank
+    # The first leaf at or below each node (a node with no valid child is a leaf).
     has_kid = ((children >= 0) & valid.gather(1, safe).view(batch, nodes, width)).any(2)
     index = torch.arange(nodes, device=device).expand(batch, -1)
     first_leaf = torch.where(has_kid, torch.full_like(index, nodes), index)
@@ -188,7 +216,7 @@ def _greedy_reach(rule: AcceptanceRule, target_probs: Tensor, tokens: Tensor, de
     for _ in range(levels):  # one level of the tree per pass, from the leaves up
         below = rank.gather(1, safe).view(batch, nodes, width).masked_fill(children < 0, -1).amax(2)
         rank = torch.where(accepted, torch.maximum(rank, below), torch.full_like(depth, -1))
-    return accepted, rank
+    return rank
 
 
 def walk_tree(rule: AcceptanceRule, tree: DraftTree, target_probs: Tensor, noise: WalkNoise | None, *,
@@ -201,6 +229,9 @@ def walk_tree(rule: AcceptanceRule, tree: DraftTree, target_probs: Tensor, noise
     if greedy:
         _greedy_levels(rule, tree, target_probs, walk, record_tv)
         next_token = rule.greedy_correction(walk.final_target)
+    elif tree.longest_row:
+        _longest_row_levels(rule, tree, target_probs, walk, noise.uniforms)
+        next_token = sample_from(walk.final_target, clocks=noise.clocks)
     else:
         _sampled_levels(rule, tree, walk, noise.uniforms, record_tv)
         next_token = sample_from(walk.final_target, clocks=noise.clocks)
@@ -307,6 +338,41 @@ def _sampled_levels(rule: AcceptanceRule, tree: DraftTree, walk: _Walk, uniforms
     walk.final_target = torch.where(walk.walking.unsqueeze(1), walk.target, walk.final_target)  # a deepest node
 
 
+def _longest_row_levels(rule: AcceptanceRule, tree: DraftTree, target_probs: Tensor, walk: _Walk,
+                        uniforms: Tensor) -> None:
+    """SJD-PAC's official choice (``SJDPACSpeculativeSampler`` L152-197 of its code): every node is
+    tested, node ``n`` with ``uniforms[n - 1]`` (one a node, shared by every root-to-leaf row
+    through it), against its parent's target less each earlier sibling (the rule's residual after
+    it, whether it passed or not); the longest path of passing nodes is committed, the first of
+    equal ones in sibling-rank order (its ``argmax`` over rows, numbered by their ranks); its end's
+    target less all its children is
+    what the bonus is drawn from. Its TV is not recorded (not a one-step rule's: the step's law
+    depends on every node's test)."""
+    batch, nodes, vocab = target_probs.shape
+    tokens, depth, valid = tree.tokens, tree.depth, tree.valid
+    children = walk.children
+    safe = children.clamp(min=0)
+    kid_ok = (children >= 0) & valid.gather(1, safe.reshape(batch, -1)).view_as(children)
+    spare = torch.full_like(safe[:, :, 0], nodes)  # a column that takes the tests of missing children
+    passed = torch.zeros(batch, nodes + 1, dtype=torch.bool, device=target_probs.device)
+    node_uniforms = uniforms.transpose(0, 1)  # [B, tests]: node n's is column n - 1
+    target = target_probs  # each node's target for its next child, less the children before it
+    for rank in range(children.shape[2]):
+        kid, ok = safe[:, :, rank], kid_ok[:, :, rank]
+        token, kid_depth = tokens.gather(1, kid).reshape(-1), depth.gather(1, kid).reshape(-1)
+        proposal = tree.proposals.gather(1, kid.unsqueeze(2).expand(-1, -1, vocab)).reshape(-1, vocab)
+        flat = target.reshape(-1, vocab)
+        alpha = rule.accept_prob(flat, proposal, token, kid_depth).view(batch, nodes)
+        draw = node_uniforms.gather(1, (kid - 1).clamp(min=0))
+        passed = passed.scatter(1, torch.where(ok, kid, spare), ok & (draw < alpha.double()))
+        residual = rule.residual(flat, proposal, token, kid_depth).view(batch, nodes, vocab)
+        target = torch.where(ok.unsqueeze(2), residual.to(target.dtype), target)
+    accepted = passed[:, :nodes] & valid
+    _follow_reach(tree, walk, accepted, _path_rank(accepted, depth, valid, children, len(tree.level_widths),
+                                                   by_leaf=False))
+    walk.final_target = target[walk.rows, walk.current]
+
+
 def _greedy_levels(rule: AcceptanceRule, tree: DraftTree, target_probs: Tensor, walk: _Walk, record_tv: bool) -> None:
     """Temperature 0 (REFERENCE §4): every sibling is tested against its parent's own target with
     ``rule.greedy_accept`` and there is no residual; LANTERN's greedy rule then commits the
@@ -314,11 +380,27 @@ def _greedy_levels(rule: AcceptanceRule, tree: DraftTree, target_probs: Tensor, 
     knowing how deep each child's accepted subtree reaches."""
     node_ok, reach = _greedy_reach(rule, target_probs, tree.tokens, tree.depth, tree.valid, walk.children,
                                    len(tree.level_widths))
+
+    def departures(moved: Tensor, moved_token: Tensor) -> Tensor:
+        # At temperature 0 the model's token is the node target's argmax: a committed draft that is
+        # not departs from greedy AR (TV 1 between the two point masses); the correction never does.
+        # So an image's sum counts its departures (docs/METHODS.md).
+        return (moved & (moved_token != rule.greedy_correction(walk.target))).to(walk.zero_tv.dtype)
+
+    _follow_reach(tree, walk, node_ok, reach, departures if record_tv else None)
+    walk.final_target = torch.where(walk.walking.unsqueeze(1), walk.target, walk.final_target)
+
+
+def _follow_reach(tree: DraftTree, walk: _Walk, accepted: Tensor, reach: Tensor, level_tv=None) -> None:
+    """Walk down the tree through ``accepted`` nodes, at each level to the child whose accepted
+    path reaches deepest (``reach``, :func:`_path_rank`; ties: the first in sibling rank order),
+    counting every valid child as tested; ``level_tv(moved, moved_token)`` is each level's record
+    (zeros without it)."""
     for level_width in tree.level_widths:
         moved, next_node = walk.no, walk.current
         kids, kid_ok, _, _ = walk.kids()
         safe = kids.clamp(min=0)
-        kid_pass, kid_reach = node_ok.gather(1, safe), reach.gather(1, safe)
+        kid_pass, kid_reach = accepted.gather(1, safe), reach.gather(1, safe)
         best = torch.full_like(walk.current, -1)
         for rank in range(level_width):
             testing = walk.walking & kid_ok[:, rank]
@@ -330,10 +412,4 @@ def _greedy_levels(rule: AcceptanceRule, tree: DraftTree, target_probs: Tensor, 
             moved = moved | accept
         walk.pad(level_width)
         moved_token = walk.moved_token(next_node)
-        # At temperature 0 the model's token is the node target's argmax: a committed draft that is
-        # not departs from greedy AR (TV 1 between the two point masses); the correction never does.
-        # So an image's sum counts its departures (docs/METHODS.md).
-        level_tv = (moved & (moved_token != rule.greedy_correction(walk.target))).to(walk.zero_tv.dtype) \
-            if record_tv else walk.zero_tv
-        walk.advance(moved, next_node, moved_token, level_tv)
-    walk.final_target = torch.where(walk.walking.unsqueeze(1), walk.target, walk.final_target)
+        walk.advance(moved, next_node, moved_token, walk.zero_tv if level_tv is None else level_tv(moved, moved_token))

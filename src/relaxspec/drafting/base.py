@@ -45,6 +45,9 @@ class DraftTree:
     children: torch.Tensor | None = None
     level_widths: tuple[int, ...] | None = None
     point_mass: bool | None = None
+    #: Walk it as SJD-PAC's official code does (every node tested, the longest accepted path
+    #: committed: :func:`relaxspec.decoding.verify.walk_tree`); not exact with siblings.
+    longest_row: bool = False
 
     @property
     def num_nodes(self) -> int:
@@ -73,7 +76,11 @@ class DraftSource(Protocol):
     for a source that reads none). ``target_layers`` (optional; ``None`` when absent): the target
     layers whose streams it reads as hidden states instead of the final ones (a fused-feature
     drafter's, :func:`relaxspec.models.base.run_capturing`), what the engine asks every target
-    forward for (:func:`target_layers`).
+    forward for (:func:`target_layers`). ``lossless`` (optional; ``True`` when absent): ``False``
+    for a source whose drafts are not drawn from the laws its trees declare, so that even an exact
+    rule does not commit the model's law (the run's TV is then not recorded, as for a relaxed rule
+    with its record off); ``longest_row`` (optional) for one whose trees are walked that way
+    (:attr:`DraftTree.longest_row`; what the walk's random numbers are sized by).
 
     The decoding loop runs :meth:`propose` and :meth:`update` inside one step that it may compile
     as one graph (issue 41), so they must make the same ops on the same shapes every step, keep

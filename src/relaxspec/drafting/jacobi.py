@@ -88,6 +88,13 @@ class JacobiSource:
     and otherwise draws from ``p_new`` (a deterministic rule: the kept draft's law is no longer
     its proposal, so verification against it is not exact; rows in parallel only, never lossless).
 
+    ``official=True`` (SJD-PAC's code, github.com/KangJialiang/SJD-PAC, coupled, with a tree): the
+    tree's other siblings are drawn as that code draws them, from the residual
+    ``norm(max(p_new - p_old, 0))`` without replacement after the position's residual draw (its
+    ``torch.multinomial(res_p, K)``), while their declared laws stay ``p_new`` without the siblings
+    before them; its trees are walked as its code walks them (:attr:`DraftTree.longest_row`). Not
+    the model's law (:attr:`lossless` is False; docs/METHODS.md).
+
     The window (``drafts [B, L]`` and the laws they were drawn from ``laws [B, L, V]``) is kept in
     tensors updated in place; a step's redraws read numbers reserved on the step's
     :class:`~relaxspec.sampling.StepNoise` (the fresh draws' clocks, then, coupled, the keep
@@ -100,12 +107,16 @@ class JacobiSource:
     caption_rows = "upstream"  # reads no condition
 
     def __init__(self, window: int = 16, coupled: bool = False, keep_likelier: bool = False, width: int = 1,
-                 depth: int = 1):
+                 depth: int = 1, official: bool = False):
         if coupled and keep_likelier:
             raise ValueError("a Jacobi window keeps old drafts by one rule: coupled or keep_likelier")
         if keep_likelier and width > 1:
             raise ValueError("PJD's kept drafts have no law to draw siblings from: width 1 with keep_likelier")
+        if official and not coupled:
+            raise ValueError("SJD-PAC's official siblings are drawn from the coupled redraw's residual: coupled=True")
         self.window, self.coupled, self.keep_likelier = window, coupled, keep_likelier
+        self.longest_row = official
+        self.lossless = not official
         spec, chain = window_layout(window, width, depth)
         self.width, self.branched, self.chain = width, (depth - 1 if width > 1 else 0), chain
         self.max_nodes, self.max_depth = window + 1, chain
@@ -206,7 +217,7 @@ class JacobiSource:
         valid = torch.cat([self._ones[:, :1], slot_valid], dim=1)
         parents, depths, ancestors, children, widths = self._tree
         return DraftTree(tokens, parents, depths, proposals, valid, ancestors, children=children, level_widths=widths,
-                         point_mass=self.greedy)
+                         point_mass=self.greedy, longest_row=self.longest_row)
 
     def update(self, committed, path, count, root_index, target_probs, target_hidden) -> None:
         """New window after committing ``count = a + 1`` tokens: position ``j`` of the new window
@@ -258,12 +269,21 @@ class JacobiSource:
             residual = torch.where(mass > 0, residual / mass.clamp(min=1e-30), new_laws)
             redraw = sample_from(residual, clocks=self._noise.read(self._slots[2]))
             coupled = torch.where(keep, old_tok, redraw)
-            fresh = torch.where(old_have & have, coupled, fresh)
+            old_position = old_have & have
+            sibling_law, sibling_after = new_laws, torch.where(old_position, coupled, fresh)
+            if self.longest_row:  # the official code's: the residual's next draws after its first
+                tree = slice(0, self.branched)
+                sibling_law = torch.where(old_position[:, tree, None], residual[:, tree], new_laws[:, tree])
+                sibling_after = torch.where(old_position, redraw, fresh)
+            fresh = torch.where(old_position, coupled, fresh)
+        else:
+            sibling_law, sibling_after = new_laws, fresh
         self.drafts.copy_(fresh)
         self.laws.copy_(self._as_proposal(new_laws, fresh))
         if self.branched:  # the tree's other siblings: the next draws from each position's law
-            first = new_laws[:, : self.branched].reshape(-1, self.vocab)
+            first = sibling_law[:, : self.branched].reshape(-1, self.vocab)
             clocks = None if self.greedy else self._noise.read(self._slots[-1])
-            siblings, valid = siblings_after(first, fresh[:, : self.branched].reshape(-1), self.width - 1, clocks)
+            siblings, valid = siblings_after(first, sibling_after[:, : self.branched].reshape(-1), self.width - 1,
+                                             clocks)
             self.siblings.copy_(siblings.view_as(self.siblings))
             self.sibling_valid.copy_(valid.view_as(self.sibling_valid))

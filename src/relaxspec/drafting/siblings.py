@@ -59,7 +59,7 @@ def without_replacement_laws(q: Tensor, tokens: Tensor, valid: Tensor) -> Tensor
     batch, vocab = q.shape
     n = tokens.shape[1]
     drawn = one_hot(tokens.reshape(-1), vocab, q.dtype).view(batch, n, vocab) * valid[:, :, None].to(q.dtype)
-    removed = drawn.cumsum(dim=1) - drawn  # siblings before j
+    removed = (drawn.cumsum(dim=1) - drawn).clamp(max=1)  # siblings before j (a token repeated once only)
     remaining = q[:, None, :] * (1 - removed)
     mass = remaining.sum(dim=2, keepdim=True)
     placeholder = one_hot(torch.zeros(batch * n, dtype=torch.long, device=q.device), vocab, q.dtype).view(batch, n, vocab)

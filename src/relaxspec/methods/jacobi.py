@@ -14,6 +14,12 @@ TREE_DEPTH = Setting("tree_depth", int, 3, "sjd-pac: levels of the proactive tre
                                            "code's tree_depth, default 3: siblings at the first two positions)",
                      minimum=1)
 
+SJD_PAC_RULES = Setting("sjd_pac_rules", str, "exact",
+                        "sjd-pac: 'exact' (the model's law: siblings drawn from the position's law, the first accepted "
+                        "one taken) or 'official' as its code (siblings drawn from the residual, every node tested, "
+                        "the longest accepted path taken: not the model's law, docs/METHODS.md)",
+                        choices=("exact", "official"))
+
 
 class SJD(Method):
     name = "sjd"
@@ -40,19 +46,27 @@ class SJDPAC(Method):
     63 drafts and the root, a chain of 53 past the root with width 3 and depth 3; a chain longer
     than the model's images is shortened to them (its window, less). The siblings after the first
     are the next draws from the position's law without replacement (the official code draws them
-    from the residual, which is not the law it verifies them against: docs/METHODS.md)."""
+    from the residual, which is not the law it verifies them against, and commits the longest
+    accepted path: ``--sjd-pac-rules official``, preset ``sjd-pac-official``, docs/METHODS.md)."""
 
     name = "sjd-pac"
     summary = "SJD-PAC: a Jacobi window with a proactive tree of siblings and coupled redraws, exact, no drafter"
     drafts = (JACOBI,)
-    settings = (TREE_WIDTH, TREE_DEPTH)
+    settings = (TREE_WIDTH, TREE_DEPTH, SJD_PAC_RULES)
     presets = {"sjd-pac": Preset({"window": 63}, "SJD-PAC, exact: 63 drafts a forward (64 nodes with the root), a "
                                                  "proactive tree of width 3 and depth 3, coupled redraws, no drafter",
-                                 spellings=("sjdpac", "pac"))}
+                                 spellings=("sjdpac", "pac")),
+               "sjd-pac-official": Preset({"window": 63, "sjd_pac_rules": "official"},
+                                          "SJD-PAC as its code samples (siblings from the residual, the longest "
+                                          "accepted path): not the model's law, its TV not recorded; for comparison "
+                                          "with the paper", bench=False)}
 
     def resolve(self, options) -> None:
         super().resolve(options)
         window_layout(options.window, options.tree_width, options.tree_depth)  # the tree fits in the window
+        if options.sjd_pac_rules == "official" and options.rows > 1:
+            raise RelaxspecError("--sjd-pac-rules official paints in raster order (its code's walk); rows in "
+                                 "parallel take the exact rules")
 
     def check_fits(self, options, context) -> None:
         config = getattr(context.target, "config", None)
@@ -83,7 +97,7 @@ class SJDPAC(Method):
 
     def source(self, options, context):
         return JacobiSource(self.window_on(options, context.target), coupled=True, width=options.tree_width,
-                            depth=options.tree_depth)
+                            depth=options.tree_depth, official=options.sjd_pac_rules == "official")
 
 
 METHODS = (SJD(), SCD(), SJDPAC())

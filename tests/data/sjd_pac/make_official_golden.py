@@ -19,6 +19,9 @@ newer one), so the script has two stages:
     python tests/data/sjd_pac/make_official_golden.py --python VENV/bin/python \\
         --repo /work/.mirror/KangJialiang+SJD-PAC/repo --seeds 30
 
+``--temperature 0.02 --seeds 2 --out OTHER.json`` runs it near greedy (it divides by zero at 0): it
+failed on 4 of the 6 images there (NaN in its multinomial); at 0.1 it samples (docs/METHODS.md).
+
 What was done to run the official code, none of which changes what it computes: ``torch.cuda.Event``
 and ``torch.cuda.synchronize`` (its loop's own timer, S:812-817 and S:960-965) are stubbed on this
 CPU-only torch; the model is loaded with its code's ``ChameleonForConditionalGeneration.
@@ -68,7 +71,7 @@ def stage1(args) -> None:
     work, files = lf.replica_in(args.workdir, "sjd_pac_golden_")
     prompts = [test_lumina.official_prompt(files, text, lf.IMAGE_SIZE)[0] for text in lf.PROMPTS]
     (work / "stage1.json").write_text(json.dumps({"model_path": str(files["model_path"]), "prompts": prompts,
-                                                  "seeds": args.seeds}))
+                                                  "seeds": args.seeds, "temperature": args.temperature}))
     (work / "src").mkdir(exist_ok=True)
     git = ["git", f"--git-dir={args.repo}"] if (Path(args.repo) / "HEAD").exists() else ["git", "-C", args.repo]
     archive = subprocess.run(git + ["archive", COMMIT], check=True, capture_output=True).stdout
@@ -83,7 +86,7 @@ def stage1(args) -> None:
     if done.returncode:
         sys.exit(f"stage 2 failed, see {log}:\n" + log.read_text()[-4000:])
     images = json.loads((work / "official.json").read_text())
-    result = {"commit": COMMIT, "cfg_scale": SCALE, "temperature": 1.0, "image_top_k": 2000, "nodes": 64,
+    result = {"commit": COMMIT, "cfg_scale": SCALE, "temperature": args.temperature, "image_top_k": 2000, "nodes": 64,
               "tree_width": 3, "tree_depth": 3, "prompts": lf.PROMPTS, "seeds": args.seeds, "images": images,
               "notes": "official SJD-PAC (4fbc099) on tests/helpers/lumina.py's replica, CPU float32, transformers "
                        "4.47.1; see make_official_golden.py"}
@@ -144,7 +147,8 @@ def stage2(work: Path) -> None:
                 MultiTokensInterleavedTopKLogitsWarper(image_top_k=2000, text_top_k=10, image_start_token_id=8197,
                                                        image_end_token_id=IMAGE_END)])
             config = GenerationConfig(max_new_tokens=64, max_length=model.config.max_position_embeddings,
-                                      temperature=1.0, top_k=None, do_sample=True, eos_token_id=[8710])
+                                      temperature=setup.get("temperature", 1.0), top_k=None, do_sample=True,
+                                      eos_token_id=[8710])
             try:
                 with torch.no_grad():
                     ids = model.generate(torch.tensor([prompt]), config, logits_processor=processors)[0][len(prompt):]
@@ -172,6 +176,9 @@ if __name__ == "__main__":
     parser.add_argument("--python", default=sys.executable)
     parser.add_argument("--repo", default="/work/.mirror/KangJialiang+SJD-PAC/repo")
     parser.add_argument("--seeds", type=int, default=30)
+    parser.add_argument("--temperature", type=float, default=1.0,
+                        help="1 for the golden distribution; near 0 (0.02: official_near_greedy.json) for its tokens, "
+                             "as it divides by zero at 0")
     parser.add_argument("--workdir", default=None)
     parser.add_argument("--out", default=str(Path(__file__).with_name("official_golden.json")))
     args = parser.parse_args()
