@@ -39,6 +39,7 @@ from relaxspec.acceptance import CoolRule, ExactRule, LanternRule, neighbour_tab
 from relaxspec.decoding import DecodeResult, decode
 from relaxspec.methods import MethodOptions
 from relaxspec.decoding.ar import generate_ar
+from helpers.draws import plackett_luce
 from helpers.engine import SMALL_TREE, fake_vq, markov_pair, tiny_drafter, tiny_target
 from relaxspec.drafting.eagle import EagleDrafter
 from relaxspec.drafting.dynamic_tree import DynamicTree
@@ -347,22 +348,6 @@ def jacobi_decode_law(model: Transformer, cls: int, sampling: SamplingConfig, wi
                    if removed(q, toks)[y] > 0]
         return out
 
-    def draws_from(q, count):
-        """``count`` draws from ``q`` without replacement, fewer where ``q`` runs out (as the
-        engine's invalid siblings): ``[(tokens, probability)]``."""
-        out = [((), 1.0)]
-        for _ in range(count):
-            grown = []
-            for toks, pr in out:
-                left = q.copy()
-                left[list(toks)] = 0.0
-                if left.sum() == 0:
-                    grown.append((toks, pr))
-                    continue
-                grown += [(toks + (y,), pr * left[y] / left.sum()) for y in range(vocab) if left[y] > 0]
-            out = grown
-        return out
-
     def passes(t, q, x):
         return (min(1.0, t[x] / q[x]) if q[x] > 0 else float(t[x] > 0))
 
@@ -460,7 +445,7 @@ def jacobi_decode_law(model: Transformer, cls: int, sampling: SamplingConfig, wi
                         rest = residual(new_law, q_old)
                         chance = [keep * (y == x_old) + (1 - keep) * rest[y] for y in range(vocab)]
                         if official and count_of(j) > 1:  # the residual's draws, the first kept or not
-                            drawn = draws_from(rest, count_of(j))
+                            drawn = plackett_luce(rest, rest, count_of(j))
                             tuples: dict = {}
                             for toks, pr in drawn:
                                 for first, share in ((x_old, keep), (toks[0], 1 - keep)):

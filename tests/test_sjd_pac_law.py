@@ -22,6 +22,8 @@ import itertools
 import numpy as np
 import pytest
 
+from helpers.draws import plackett_luce
+
 
 def normalised(mass):
     return mass / mass.sum()
@@ -36,26 +38,6 @@ def removed(q, tokens):
     rest = q.copy()
     rest[list(tokens)] = 0.0
     return normalised(rest)
-
-
-def plackett_luce(first_chance, q, count):
-    """Ordered tuples: the first token from ``first_chance``, the rest from ``q`` without the earlier
-    ones -> ``[(tokens, probability)]``; a tuple ends early where ``q`` has nothing left (as the
-    engine's invalid siblings)."""
-    if count == 0:
-        return [((), 1.0)]
-    out = [((y,), first_chance[y]) for y in range(len(q)) if first_chance[y] > 0]
-    for _ in range(count - 1):
-        grown = []
-        for toks, pr in out:
-            left = q.copy()
-            left[list(toks)] = 0.0
-            if left.sum() == 0:
-                grown.append((toks, pr))
-                continue
-            grown += [(toks + (y,), pr * left[y] / left.sum()) for y in range(len(q)) if left[y] > 0]
-        out = grown
-    return out
 
 
 def passes(t, q, x) -> float:
