@@ -345,9 +345,8 @@ def _longest_row_levels(rule: AcceptanceRule, tree: DraftTree, target_probs: Ten
     through it), against its parent's target less each earlier sibling (the rule's residual after
     it, whether it passed or not); the longest path of passing nodes is committed, the first of
     equal ones in sibling-rank order (its ``argmax`` over rows, numbered by their ranks); its end's
-    target less all its children is
-    what the bonus is drawn from. Its TV is not recorded (not a one-step rule's: the step's law
-    depends on every node's test)."""
+    target less all its children is what the bonus is drawn from. Its TV is not recorded (not a
+    one-step rule's: the step's law depends on every node's test)."""
     batch, nodes, vocab = target_probs.shape
     tokens, depth, valid = tree.tokens, tree.depth, tree.valid
     children = walk.children
