@@ -23,6 +23,7 @@ from relaxspec.cli import main
 from relaxspec.errors import RelaxspecError
 
 from helpers.tuning import cost_model, llamagen, neighbour_cache, steady_costs  # noqa: F401 - fixtures
+from helpers.tuning import model_clock
 
 
 # ---------------------------------------------------------------------------- state.json, checked
@@ -339,6 +340,10 @@ def test_compiled_finalists_and_compiled_ar_join_the_last_rounds(llamagen, cost_
     monkeypatch.setattr(search, "COMPILE_GUESS_S", {"cpu": 1.0})  # a tiny model compiles in seconds
     # (and with aot_eager in a few: which compiler compiles is not what the rounds are about)
     monkeypatch.setattr(relaxspec.compiling, "BACKEND", "aot_eager")
+    # The search's clock is the cost model's plus 30 ms a decode: its rounds ([(9, 8), (5, 32), (6, 32)]:
+    # settings x images) are decided by counts, not by how busy the machine is (on the wall's clock
+    # a loaded machine left no time for the third round, where the compiled finalists join)
+    model_clock(monkeypatch, cost_model, per_decode=0.03)
     out = tmp_path / "tune"
     code = main(["tune", *llamagen["args"], "--lossless", "--minutes", "0.3", "--classes", "0,2",
                  "--heldout-classes", "1", "--out", str(out), "--no-progress"])

@@ -25,11 +25,12 @@ def steady_costs(fixed_forward_costs):
 def cost_model(monkeypatch):
     """Replace every benchmarked decode's seconds by ``1 ms x target forwards + drafter_ms x
     drafter forwards``; returns a dict whose ``drafter_ms``, ``ar_factor`` (AR's
-    seconds are multiplied by it) and ``slower`` (method name -> factor) a test may change, and which counts the decodes recorded."""
+    seconds are multiplied by it) and ``slower`` (method name -> factor) a test may change, and which counts the
+    decodes recorded and sums their seconds (``seconds``: a clock a test may give the search, :func:`model_clock`)."""
     from relaxspec.bench import run
 
     real = run.result_records
-    model = {"drafter_ms": 0.1, "ar_factor": 1.0, "slower": {}, "decodes": 0}
+    model = {"drafter_ms": 0.1, "ar_factor": 1.0, "slower": {}, "decodes": 0, "seconds": 0.0}
 
     def fake(result, wall, method, *args, **kwargs):
         records = real(result, wall, method, *args, **kwargs)
@@ -39,10 +40,23 @@ def cost_model(monkeypatch):
             if method.label == "ar":
                 r["seconds"] *= model["ar_factor"]
             r["seconds"] *= model["slower"].get(method.label.split("[")[0], 1.0)
+            model["seconds"] += r["seconds"]
         return records
 
     monkeypatch.setattr(run, "result_records", fake)
     return model
+
+
+def model_clock(monkeypatch, cost_model: dict, per_decode: float = 0.0) -> None:
+    """The search's clock reads the cost model's seconds (plus ``per_decode`` for every decode
+    recorded) instead of the wall's: what it has spent, and so how many rounds of how many images
+    it plans, no longer depends on how busy the machine is."""
+    from types import SimpleNamespace
+
+    from relaxspec.tuning import search
+
+    clock = SimpleNamespace(perf_counter=lambda: cost_model["seconds"] + per_decode * cost_model["decodes"])
+    monkeypatch.setattr(search, "time", clock)
 
 
 @pytest.fixture(scope="module")
