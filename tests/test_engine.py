@@ -39,7 +39,7 @@ from relaxspec.acceptance import CoolRule, ExactRule, LanternRule, neighbour_tab
 from relaxspec.decoding import DecodeResult, decode
 from relaxspec.methods import MethodOptions
 from relaxspec.decoding.ar import generate_ar
-from helpers.draws import plackett_luce
+from helpers.draws import passes, plackett_luce
 from helpers.engine import SMALL_TREE, fake_vq, markov_pair, tiny_drafter, tiny_target
 from relaxspec.drafting.eagle import EagleDrafter
 from relaxspec.drafting.dynamic_tree import DynamicTree
@@ -347,9 +347,6 @@ def jacobi_decode_law(model: Transformer, cls: int, sampling: SamplingConfig, wi
             out = [(toks + (y,), pr * removed(q, toks)[y]) for toks, pr in out for y in range(vocab)
                    if removed(q, toks)[y] > 0]
         return out
-
-    def passes(t, q, x):
-        return (min(1.0, t[x] / q[x]) if q[x] > 0 else float(t[x] > 0))
 
     def longest_walk(committed, drafts, laws):
         """The official choice: every node's pass chance, each pattern of passes, its longest path

@@ -22,7 +22,7 @@ import itertools
 import numpy as np
 import pytest
 
-from helpers.draws import plackett_luce
+from helpers.draws import passes, plackett_luce
 
 
 def normalised(mass):
@@ -38,12 +38,6 @@ def removed(q, tokens):
     rest = q.copy()
     rest[list(tokens)] = 0.0
     return normalised(rest)
-
-
-def passes(t, q, x) -> float:
-    """The chance ``p(x) > q(x) * u`` (u uniform) holds: ``min(1, p/q)``; where ``q(x)`` is 0 (a
-    sibling equal to an earlier one), whether ``p(x) > 0``."""
-    return min(1.0, t[x] / q[x]) if q[x] > 0 else float(t[x] > 0)
 
 
 def verified(target, siblings, declared):

@@ -1,4 +1,5 @@
-"""Exact laws of draws without replacement, for the tests that enumerate a procedure's law."""
+"""Exact laws of draws without replacement and of one test, for the tests that enumerate a
+procedure's law."""
 
 from __future__ import annotations
 
@@ -21,3 +22,9 @@ def plackett_luce(first_chance, q, count):
             grown += [(toks + (y,), pr * left[y] / left.sum()) for y in range(len(q)) if left[y] > 0]
         out = grown
     return out
+
+
+def passes(t, q, x) -> float:
+    """The chance ``t(x) > q(x) * u`` (u uniform) holds: ``min(1, t/q)``; where ``q(x)`` is 0 (a
+    sibling equal to an earlier one), whether ``t(x) > 0``."""
+    return min(1.0, t[x] / q[x]) if q[x] > 0 else float(t[x] > 0)

@@ -197,22 +197,17 @@ def _path_rank(accepted: Tensor, depth: Tensor, valid: Tensor, children: Tensor,
     batch, nodes, width = accepted.shape[0], accepted.shape[1], children.shape[2]
     device = accepted.device
     safe = children.clamp(min=0).reshape(batch, -1)
-    if not by_leaf:
-        rank = torch.where(accepted, depth, torch.full_like(depth, -1))
-        for _ in range(levels):  # one level of the tree per pass, from the leaves up
-            below = rank.gather(1, safe).view(batch, nodes, width).masked_fill(children < 0, -1).amax(2)
-            rank = torch.where(accepted, torch.maximum(rank, below), torch.full_like(depth, -1))
-        return rank
-    # The first leaf at or below each node (a node with no valid child is a leaf).
-    has_kid = ((children >= 0) & valid.gather(1, safe).view(batch, nodes, width)).any(2)
-    index = torch.arange(nodes, device=device).expand(batch, -1)
-    first_leaf = torch.where(has_kid, torch.full_like(index, nodes), index)
-    for _ in range(levels):
-        below = first_leaf.gather(1, safe).view(batch, nodes, width)
-        below = below.masked_fill((children < 0) | ~valid.gather(1, safe).view(batch, nodes, width), nodes).amin(2)
-        first_leaf = torch.where(has_kid, below, index)
-    # Rank = depth reached, then the earlier leaf: depth * (T + 1) + (T - leaf), largest best.
-    rank = torch.where(accepted, depth * (nodes + 1) + (nodes - first_leaf), torch.full_like(depth, -1))
+    own = depth  # by depth alone; by leaf too: depth * (T + 1) + (T - first leaf at or below), largest best
+    if by_leaf:  # the first leaf at or below each node (a node with no valid child is a leaf)
+        has_kid = ((children >= 0) & valid.gather(1, safe).view(batch, nodes, width)).any(2)
+        index = torch.arange(nodes, device=device).expand(batch, -1)
+        first_leaf = torch.where(has_kid, torch.full_like(index, nodes), index)
+        for _ in range(levels):
+            below = first_leaf.gather(1, safe).view(batch, nodes, width)
+            below = below.masked_fill((children < 0) | ~valid.gather(1, safe).view(batch, nodes, width), nodes).amin(2)
+            first_leaf = torch.where(has_kid, below, index)
+        own = depth * (nodes + 1) + (nodes - first_leaf)
+    rank = torch.where(accepted, own, torch.full_like(depth, -1))
     for _ in range(levels):  # one level of the tree per pass, from the leaves up
         below = rank.gather(1, safe).view(batch, nodes, width).masked_fill(children < 0, -1).amax(2)
         rank = torch.where(accepted, torch.maximum(rank, below), torch.full_like(depth, -1))

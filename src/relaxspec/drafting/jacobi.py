@@ -241,6 +241,7 @@ class JacobiSource:
         new_laws = target_probs.gather(1, node[:, :, None].expand(-1, -1, target_probs.shape[-1]))
         uniform = torch.full_like(new_laws, 1.0 / self.vocab)
         new_laws = torch.where(have[:, :, None], new_laws, uniform)
+        sibling_law = sibling_after = None  # what the tree's other siblings are drawn from, and after
         if self.greedy:
             fresh = new_laws.argmax(dim=-1)
         else:
@@ -270,13 +271,12 @@ class JacobiSource:
             redraw = sample_from(residual, clocks=self._noise.read(self._slots[2]))
             coupled = torch.where(keep, old_tok, redraw)
             old_position = old_have & have
-            sibling_law, sibling_after = new_laws, torch.where(old_position, coupled, fresh)
-            if self.longest_row:  # the official code's: the residual's next draws after its first
+            if self.longest_row:  # the official code's siblings: the residual's next draws after its first
                 tree = slice(0, self.branched)
                 sibling_law = torch.where(old_position[:, tree, None], residual[:, tree], new_laws[:, tree])
                 sibling_after = torch.where(old_position, redraw, fresh)
             fresh = torch.where(old_position, coupled, fresh)
-        else:
+        if sibling_after is None:  # the next draws from the position's law, after its draft
             sibling_law, sibling_after = new_laws, fresh
         self.drafts.copy_(fresh)
         self.laws.copy_(self._as_proposal(new_laws, fresh))
