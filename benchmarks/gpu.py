@@ -20,7 +20,10 @@ in this order (each item is skipped, and says so, once the ``--budget`` would no
 3. The remaining compiled checks (``lantern``, ``zipar``, ``gsd`` compiled == eager), then GPT-XL
    eager AR and the target forward's cost over 1..64 tokens.
 
-Other parts, each its own call: ``embedded`` (``relaxspec bench`` of the embedded model on the
+Other parts, each its own call: ``heldout`` (first in its call, e.g. ``--parts
+heldout,checks``: the README's held-out command on the device, compiled, against compiled AR --
+issue 53's exact methods at 2x compiled AR -- with the quality columns where ``data/emoji`` is
+there), ``embedded`` (``relaxspec bench`` of the embedded model on the
 device, eager and compiled), ``janus``, ``emu3``, ``lumina`` (the transformers families at their
 real shapes, random weights: greedy SJD == AR, AR eager and compiled, forward costs, the
 drafter-free methods' steps).
@@ -503,8 +506,8 @@ def main() -> None:
     parser.add_argument("--out", default="gpu-results")
     parser.add_argument("--quick", action="store_true", help="small sizes: a smoke test of this script")
     parser.add_argument("--parts", default="checks,xl",
-                        help="comma-separated subset of heldout, checks, xl, embedded, janus, emu3, lumina (default: checks,xl, "
-                             "what fits one 600-second call; run the others as their own calls)")
+                        help="comma-separated subset of heldout, checks, xl, embedded, janus, emu3, lumina "
+                             "(default: checks,xl, what fits one 600-second call; run the others as their own calls)")
     parser.add_argument("--budget", type=float, default=540.0,
                         help="seconds for the whole run: items that would start past it are recorded as skipped")
     parser.add_argument("--heldout-images", type=int, default=100, help="images of the heldout part (default 100)")
