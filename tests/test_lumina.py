@@ -429,7 +429,8 @@ def test_sjd_pac_takes_the_official_code_s_forwards_per_image(opened):
     Not token for token: the official code draws its numbers in another order, runs its window
     through the row ends, and starts from the prompt with 63 random drafts (ours from a prefill);
     greedy cannot be compared (it divides by zero at temperature 0, fails on 4 of 6 images at 0.02,
-    and at 0.1 samples: plain AR there differs from greedy AR in up to 14 of 16 codes)."""
+    at 0.1 samples: plain AR there differs from greedy AR in up to 14 of 16 codes; with its image
+    top-k at 1, greedy at any temperature, it fails on every image in its residual race, S:208)."""
     from scipy.stats import mannwhitneyu
 
     golden = json.loads((Path(__file__).parent / "data" / "sjd_pac" / "official_golden.json").read_text())

@@ -21,6 +21,10 @@ newer one), so the script has two stages:
 
 ``--temperature 0.02 --seeds 2 --out OTHER.json`` runs it near greedy (it divides by zero at 0): it
 failed on 4 of the 6 images there (NaN in its multinomial); at 0.1 it samples (docs/METHODS.md).
+``--image-top-k 1 --seeds 1 --out OTHER.json`` makes its law the argmax's point mass (greedy at any
+temperature): it fails on every image after its first forward, in the residual race's
+``torch.multinomial`` (S:208: "probability tensor contains either inf, nan or element < 0"). A crashed image's record names the
+official lines it failed in (``where``).
 
 What was done to run the official code, none of which changes what it computes: ``torch.cuda.Event``
 and ``torch.cuda.synchronize`` (its loop's own timer, S:812-817 and S:960-965) are stubbed on this
@@ -55,6 +59,7 @@ import json
 import os
 import subprocess
 import sys
+import traceback
 from pathlib import Path
 
 COMMIT = "4fbc099f7f765b6b363a767da317c0fb8ad4a980"
@@ -71,7 +76,8 @@ def stage1(args) -> None:
     work, files = lf.replica_in(args.workdir, "sjd_pac_golden_")
     prompts = [test_lumina.official_prompt(files, text, lf.IMAGE_SIZE)[0] for text in lf.PROMPTS]
     (work / "stage1.json").write_text(json.dumps({"model_path": str(files["model_path"]), "prompts": prompts,
-                                                  "seeds": args.seeds, "temperature": args.temperature}))
+                                                  "seeds": args.seeds, "temperature": args.temperature,
+                                                  "image_top_k": args.image_top_k}))
     (work / "src").mkdir(exist_ok=True)
     git = ["git", f"--git-dir={args.repo}"] if (Path(args.repo) / "HEAD").exists() else ["git", "-C", args.repo]
     archive = subprocess.run(git + ["archive", COMMIT], check=True, capture_output=True).stdout
@@ -86,14 +92,15 @@ def stage1(args) -> None:
     if done.returncode:
         sys.exit(f"stage 2 failed, see {log}:\n" + log.read_text()[-4000:])
     images = json.loads((work / "official.json").read_text())
-    result = {"commit": COMMIT, "cfg_scale": SCALE, "temperature": args.temperature, "image_top_k": 2000, "nodes": 64,
+    result = {"commit": COMMIT, "cfg_scale": SCALE, "temperature": args.temperature, "image_top_k": args.image_top_k,
+              "nodes": 64,
               "tree_width": 3, "tree_depth": 3, "prompts": lf.PROMPTS, "seeds": args.seeds, "images": images,
               "notes": "official SJD-PAC (4fbc099) on tests/helpers/lumina.py's replica, CPU float32, transformers "
                        "4.47.1; see make_official_golden.py"}
     Path(args.out).write_text(json.dumps(result) + "\n")
     forwards = [image["forwards"] for image in images if "forwards" in image]
     print(f"{len(images)} images ({len(images) - len(forwards)} crashed), forwards per image mean "
-          f"{sum(forwards) / len(forwards):.3f}")
+          f"{sum(forwards) / len(forwards):.3f}" if forwards else f"{len(images)} images, every one crashed")
 
 
 def stage2(work: Path) -> None:
@@ -144,8 +151,8 @@ def stage2(work: Path) -> None:
                 MultiTokensVLLogitsProcessor(image_start_token_id=8197, image_end_token_id=IMAGE_END,
                                              image_next_line_token_id=8803, patch_size=32,
                                              voc_size=model.config.vocab_size, device="cpu"),
-                MultiTokensInterleavedTopKLogitsWarper(image_top_k=2000, text_top_k=10, image_start_token_id=8197,
-                                                       image_end_token_id=IMAGE_END)])
+                MultiTokensInterleavedTopKLogitsWarper(image_top_k=setup.get("image_top_k", 2000), text_top_k=10,
+                                                       image_start_token_id=8197, image_end_token_id=IMAGE_END)])
             config = GenerationConfig(max_new_tokens=64, max_length=model.config.max_position_embeddings,
                                       temperature=setup.get("temperature", 1.0), top_k=None, do_sample=True,
                                       eos_token_id=[8710])
@@ -153,8 +160,10 @@ def stage2(work: Path) -> None:
                 with torch.no_grad():
                     ids = model.generate(torch.tensor([prompt]), config, logits_processor=processors)[0][len(prompt):]
             except RuntimeError as error:  # its KV copy when the first forward accepts a later tree row (S:268-276)
+                where = [f"{Path(frame.filename).name}:{frame.lineno}"  # the official lines it failed in
+                         for frame in traceback.extract_tb(error.__traceback__) if "scheduler" in frame.filename]
                 images.append({"seed": seed, "prompt": index, "crashed": str(error).splitlines()[0],
-                               "committed": list(committed)})
+                               "where": where, "committed": list(committed)})
                 print(seed, index, "crashed:", error, flush=True)
                 continue
             ids = ids.tolist()
@@ -179,6 +188,9 @@ if __name__ == "__main__":
     parser.add_argument("--temperature", type=float, default=1.0,
                         help="1 for the golden distribution; near 0 (0.02: official_near_greedy.json) for its tokens, "
                              "as it divides by zero at 0")
+    parser.add_argument("--image-top-k", type=int, default=2000,
+                        help="the official warper's image top-k (2000 for the golden distribution; 1, the argmax's "
+                             "point mass, would give its greedy tokens, but it fails on every image there)")
     parser.add_argument("--workdir", default=None)
     parser.add_argument("--out", default=str(Path(__file__).with_name("official_golden.json")))
     args = parser.parse_args()
