@@ -8,9 +8,12 @@ as ``--init-from`` starts them), train draft depth 1 on the guided law's KL (the
 and are scored on the same 180 held-out samples every ``--eval-every`` steps: mean ``1 - TV``
 of the guided laws at depth 1, exact SD's acceptance there.
 
-    python docs/bench/fused-drafter/converged.py cache --samples /work/exp/samples/self_samples.npz --out CACHE
-    python docs/bench/fused-drafter/converged.py train --cache CACHE --kind plain --steps 4000 > plain.jsonl &
-    python docs/bench/fused-drafter/converged.py train --cache CACHE --kind fused --steps 4000 > fused.jsonl
+    python docs/bench/fused-drafter/converged.py cache --samples SELF_SAMPLES.npz --out CACHE
+    python docs/bench/fused-drafter/converged.py train --cache CACHE --kind plain > converged-plain.jsonl &
+    python docs/bench/fused-drafter/converged.py train --cache CACHE --kind fused > converged-fused.jsonl
+
+(``SELF_SAMPLES.npz``: ``self_samples.npz`` of a ``train.sh`` run's output folder, the recipe's
+6,000 self-samples.)
 
 (``--kind`` ``plain``: the final state, EAGLE-1/2's; ``fused``: the streams entering target layers
 2, 6 and 9, EAGLE-3's.) One thread a process; the two trainings run side by side, one a core.
@@ -55,7 +58,8 @@ def cache(args) -> None:
     out.mkdir(parents=True, exist_ok=True)
     count, length = data.tokens.shape
     width = target.config.dim
-    streams = np.lib.format.open_memmap(out / "streams.npy", "w+", np.float16, (count, 2, length, len(CAPTURE) * width))
+    streams = np.lib.format.open_memmap(out / "streams.npy", "w+", np.float16,
+                                        (count, 2, length, len(CAPTURE) * width))
     logits = np.lib.format.open_memmap(out / "logits.npy", "w+", np.float16,
                                        (count, 2, length, target.config.vocab_size))
     np.save(out / "tokens.npy", data.tokens.numpy())
@@ -155,7 +159,7 @@ def main() -> None:
     t = sub.add_parser("train")
     t.add_argument("--cache", required=True)
     t.add_argument("--kind", choices=("plain", "fused"), required=True)
-    t.add_argument("--steps", type=int, default=4000)
+    t.add_argument("--steps", type=int, default=3000)
     t.add_argument("--batch-size", type=int, default=32)
     t.add_argument("--lr", type=float, default=3e-4)
     t.add_argument("--eval-every", type=int, default=250)

@@ -23,8 +23,8 @@ newer one), so the script has two stages:
 failed on 4 of the 6 images there (NaN in its multinomial); at 0.1 it samples (docs/METHODS.md).
 ``--image-top-k 1 --seeds 1 --out OTHER.json`` makes its law the argmax's point mass (greedy at any
 temperature): it fails on every image after its first forward, in the residual race's
-``torch.multinomial`` (S:208: "probability tensor contains either inf, nan or element < 0"). A crashed image's record names the
-official lines it failed in (``where``).
+``torch.multinomial`` (S:208: "probability tensor contains either inf, nan or element < 0"). A
+crashed image's record names the official lines it failed in (``where``).
 
 What was done to run the official code, none of which changes what it computes: ``torch.cuda.Event``
 and ``torch.cuda.synchronize`` (its loop's own timer, S:812-817 and S:960-965) are stubbed on this
@@ -93,8 +93,8 @@ def stage1(args) -> None:
         sys.exit(f"stage 2 failed, see {log}:\n" + log.read_text()[-4000:])
     images = json.loads((work / "official.json").read_text())
     result = {"commit": COMMIT, "cfg_scale": SCALE, "temperature": args.temperature, "image_top_k": args.image_top_k,
-              "nodes": 64,
-              "tree_width": 3, "tree_depth": 3, "prompts": lf.PROMPTS, "seeds": args.seeds, "images": images,
+              "nodes": 64, "tree_width": 3, "tree_depth": 3, "prompts": lf.PROMPTS, "seeds": args.seeds,
+              "images": images,
               "notes": "official SJD-PAC (4fbc099) on tests/helpers/lumina.py's replica, CPU float32, transformers "
                        "4.47.1; see make_official_golden.py"}
     Path(args.out).write_text(json.dumps(result) + "\n")
