@@ -8,8 +8,8 @@
 # graphs compiled), written to OUT/gpu.json and OUT/gpu.md after every item, so a cut run still
 # reports. GPU_BUDGET=SECONDS (default 540) bounds it: items past it are recorded as skipped.
 # PARTS "heldout" (first, e.g. "heldout,checks") runs the README's held-out command on the device
-# (compiled, 100 images of the 25 held-out classes, against compiled AR; carry data/emoji for its
-# quality columns) and packs its folder into OUT/bench-heldout.tgz.
+# (compiled, 100 images of the 25 held-out classes, against compiled AR; data/emoji, built or
+# copied there, gives its quality columns) and packs its folder into OUT/bench-heldout.tgz.
 # PARTS "embedded", "janus", "emu3" or "lumina" run those parts of gpu.py (each its own call: the
 # transformers families at their real shapes take most of ten minutes each); PARTS "tune" runs
 # relaxspec tune --lossless on GPT-XL-shaped official-layout files (random weights, an untrained
