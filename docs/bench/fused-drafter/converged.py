@@ -6,7 +6,8 @@ training classes, seed 1) are computed once and cached, so the drafter alone tra
 to stop improving. Both start from the shipped drafter (the fused one's ``fuse`` and norms fresh,
 as ``--init-from`` starts them), train draft depth 1 on the guided law's KL (the recipe's loss),
 and are scored on the same 180 held-out samples every ``--eval-every`` steps: mean ``1 - TV``
-of the guided laws at depth 1, exact SD's acceptance there.
+of the guided laws at depth 1, exact SD's acceptance there. At the end each is scored at depths
+1-4 too (:func:`deeper`; the last line of its output) and, with ``--save DIR``, saved there.
 
     python docs/bench/fused-drafter/converged.py cache --samples SELF_SAMPLES.npz --out CACHE
     python docs/bench/fused-drafter/converged.py train --cache CACHE --kind plain > converged-plain.jsonl &
@@ -32,7 +33,8 @@ import torch
 from relaxspec import embedded
 from relaxspec.drafting.eagle import EagleDrafter
 from relaxspec.sampling import SamplingConfig
-from relaxspec.training.drafter.maths import drafter_loss, drafter_targets
+from relaxspec.models.weights import save_model
+from relaxspec.training.drafter.maths import chain_mal, drafter_loss, drafter_targets
 from relaxspec.training.drafter.passes import target_features, unrolled
 from relaxspec.training.drafter.recipe import grow_drafter
 
@@ -146,6 +148,28 @@ def train(args) -> None:
         schedule.step()
         if step % args.eval_every == 0 or step == args.steps:
             evaluate(step)
+    if args.save:
+        save_model(drafter.eval(), args.save, kind="drafter")
+    deeper(drafter, cache_dir, held, args.kind, target)
+
+
+@torch.no_grad()
+def deeper(drafter: EagleDrafter, cache_dir: Path, held: np.ndarray, kind: str, target, depths: int = 4) -> None:
+    """The trained drafter's acceptance at draft depths 1 .. ``depths`` on the held-out samples
+    (each depth from its own guesses before it, as decoding drafts a chain), and the tokens a step
+    of a chain of ``depths`` drafts commits at those rates."""
+    drafter.eval()
+    total = torch.zeros(depths)
+    for first in range(0, VALIDATION, 30):
+        idx = held[first:first + 30]
+        features, tokens, logits = batch(cache_dir, idx, kind, target)
+        pred_features, pred_logits = unrolled(drafter, features, tokens, depths)
+        _, next_logits = drafter_targets(features, logits)
+        total += drafter_loss(pred_features, pred_logits, None, next_logits, feature_weight=0.0, law_loss="kl",
+                              sampling=SAMPLING)["accept"] * len(idx)
+    accept = total / VALIDATION
+    print(json.dumps({"kind": kind, "accept_by_depth": [round(float(a), 4) for a in accept],
+                      "chain_mal": round(float(chain_mal(accept)), 4)}), flush=True)
 
 
 def main() -> None:
@@ -165,6 +189,7 @@ def main() -> None:
     t.add_argument("--eval-every", type=int, default=250)
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--threads", type=int, default=1)
+    t.add_argument("--save", help="a folder for the trained drafter (relaxspec's drafter format)")
     args = parser.parse_args()
     (cache if args.command == "cache" else train)(args)
 
