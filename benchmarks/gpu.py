@@ -456,14 +456,24 @@ def family_costs(name: str, device: torch.device, quick: bool) -> dict:
     return out
 
 
+def run_bench(device: torch.device, folder: Path, images: int, methods: str, seconds: float, *more: str) -> dict:
+    """``relaxspec bench`` of the embedded model on the device (the method names mean its tuned
+    presets, defaults.json, as in a plain ``relaxspec bench``), ``more`` its further arguments; its
+    summary. Stopped after ``seconds``, it is reported from the images it finished (``relaxspec
+    bench`` keeps every image's record as it goes: ``--report-only`` rebuilds the summary)."""
+    command = [sys.executable, "-m", "relaxspec.cli", "bench", "--device", str(device), "--num-images", str(images),
+               "--methods", methods, "--no-plots", "--no-progress", "--warmup", "1", "--out", str(folder), *more]
+    try:
+        subprocess.run(command, check=True, timeout=max(seconds, 1))
+    except subprocess.TimeoutExpired:
+        subprocess.run([*command, "--report-only"], check=True, timeout=120)
+    return json.loads((folder / "summary.json").read_text())
+
+
 def embedded_bench(device: torch.device, folder: Path, images: int, methods: str, compile: bool,
                    seconds: float) -> dict:
-    """``relaxspec bench`` of the embedded model on the device (its summary), within ``seconds``."""
-    # The names mean the embedded model's tuned presets (defaults.json), as in a plain relaxspec bench.
-    command = [sys.executable, "-m", "relaxspec.cli", "bench", "--device", str(device), "--num-images", str(images),
-               "--methods", methods, "--no-plots", "--warmup", "1", "--out", str(folder), "--overwrite"]
-    subprocess.run(command + (["--compile"] if compile else []), check=True, timeout=seconds)
-    return json.loads((folder / "summary.json").read_text())
+    """The embedded model's speed-ups on the device, eager or compiled, against eager AR."""
+    return run_bench(device, folder, images, methods, seconds, "--overwrite", *(["--compile"] if compile else []))
 
 
 #: The README's held-out command's classes: 25 the tuning never saw.
@@ -475,8 +485,8 @@ HELDOUT_METHODS = "ar-compiled,sd,sjd,scd,sjd-pac,lantern"
 def heldout_bench(device: torch.device, folder: Path, images: int, seconds: float) -> dict:
     """The README's held-out command on the device: compiled, batch 1, the 25 held-out classes,
     quality against the real validation emoji (``data/emoji``, when present) with the embedded
-    classifier, speed-ups against compiled AR; its summary (``relaxspec bench`` resumes, so a run
-    cut at ``seconds`` keeps its finished images: the report is then rebuilt from them)."""
+    classifier, speed-ups against compiled AR; its summary, within ``seconds``. A run that fails
+    is run again without sjd-pac, so one method failing on the device loses not the others'."""
     root = Path(__file__).resolve().parents[1]
     real = root / "data" / "emoji" / "val.npz"
     quality = (["--classifier", str(root / "src" / "relaxspec" / "embedded" / "classifier"), "--real-data", str(real)]
@@ -484,18 +494,13 @@ def heldout_bench(device: torch.device, folder: Path, images: int, seconds: floa
     deadline = time.perf_counter() + seconds
 
     def bench(methods: str, where: Path) -> dict:
-        command = [sys.executable, "-m", "relaxspec.cli", "bench", "--device", str(device), "--methods", methods,
-                   "--compile", "--classes", HELDOUT_CLASSES, "--num-images", str(images), "--baseline", "ar-compiled",
-                   "--no-plots", "--no-progress", "--warmup", "1", "--out", str(where), *quality]
-        try:
-            subprocess.run(command, check=True, timeout=max(deadline - time.perf_counter(), 1))
-        except subprocess.TimeoutExpired:  # the finished images are on disk: their report
-            subprocess.run([*command, "--report-only"], check=True, timeout=120)
-        return {**json.loads((where / "summary.json").read_text()), "real_data": real.exists()}
+        summary = run_bench(device, where, images, methods, deadline - time.perf_counter(), "--compile", "--classes",
+                            HELDOUT_CLASSES, "--baseline", "ar-compiled", *quality)
+        return {**summary, "real_data": real.exists()}
 
     try:
         return bench(HELDOUT_METHODS, folder)
-    except subprocess.CalledProcessError as error:  # one method failing on the device loses not the others'
+    except subprocess.CalledProcessError as error:
         rest = ",".join(m for m in HELDOUT_METHODS.split(",") if m != "sjd-pac")
         return {"error": f"{error}", "without_sjd_pac": bench(rest, folder.with_name(folder.name + "-without-sjd-pac"))}
 
